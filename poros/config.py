@@ -1,0 +1,104 @@
+"""Typed, validated training configuration shared by every method, the gate and the suites."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+
+
+class Method(str, enum.Enum):
+    """How the base weights are held while training."""
+
+    POROS = "poros"  # NF4 store in host memory, K layers streamed onto the device at a time
+    RESIDENT = "resident"  # ordinary QLoRA: the whole NF4 model on the device
+    UNSLOTH = "unsloth"  # Unsloth's FastLanguageModel, as users run it (GPU only)
+
+
+class Attention(str, enum.Enum):
+    """SDPA backend applied to every method alike (`default` lets torch choose)."""
+
+    DEFAULT = "default"
+    MATH = "math"
+    CUDNN = "cudnn"
+    EFFICIENT = "efficient"
+    FLASH = "flash"
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _coerce_enum(obj, name: str, enum_cls: type[enum.Enum], problems: list[str]) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, enum_cls):
+        return
+    try:
+        object.__setattr__(obj, name, enum_cls(value))
+    except ValueError:
+        allowed = ", ".join(m.value for m in enum_cls)
+        problems.append(f"{name}: expected one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: model, data shape, LoRA and residency settings.
+
+    Raises:
+        ConfigError: listing every invalid field at once.
+    """
+
+    model: str
+    seq_len: int = 512
+    batch_size: int = 1
+    grad_accum: int = 1
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lr: float = 1e-4
+    block_size: int = 4
+    attention: Attention = Attention.DEFAULT
+    device: Device = Device.CPU
+    seed: int = 0
+    data_seed: int = 1234
+    pin_memory: bool = True
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from poros.errors import ConfigError
+
+        problems: list[str] = []
+        if not isinstance(self.model, str) or not self.model:
+            problems.append(f"model: expected a registered name or checkpoint path, got {self.model!r}")
+        for name in ("seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name}: expected an integer > 0, got {value!r}")
+        if not isinstance(self.lr, (int, float)) or self.lr <= 0:
+            problems.append(f"lr: expected a number > 0, got {self.lr!r}")
+        targets = tuple(self.lora_targets) if isinstance(self.lora_targets, (list, tuple)) else None
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            problems.append(f"lora_targets: expected a non-empty list of module names, got {self.lora_targets!r}")
+        else:
+            object.__setattr__(self, "lora_targets", targets)
+        _coerce_enum(self, "attention", Attention, problems)
+        _coerce_enum(self, "device", Device, problems)
+        if problems:
+            raise ConfigError(problems, source="TrainConfig")
+
+    def replace(self, **changes) -> "TrainConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return TrainConfig(**values)
+
+    def as_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, enum.Enum) else (list(v) if isinstance(v, tuple) else v)
+        return out

@@ -1,0 +1,35 @@
+"""User-facing errors: each is one line that names the bad value and what to do."""
+
+from __future__ import annotations
+
+
+class PorosError(Exception):
+    """Base class; the CLI prints these as one line instead of a traceback."""
+
+
+class ConfigError(PorosError, ValueError):
+    """A configuration (CLI flags, TrainConfig or matrix file) is invalid.
+
+    Collects every problem so the user can fix them all at once.
+    """
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(self.problems))
+
+
+class UnknownModelError(PorosError, ValueError):
+    """A model name is neither registered nor a checkpoint folder."""
+
+
+class CheckpointError(PorosError):
+    """A local checkpoint folder is incomplete or not a supported decoder-only model."""
+
+
+class PinningError(PorosError):
+    """Host memory for the NF4 store could not be page-locked."""
+
+
+class CapabilityError(PorosError):
+    """The requested method or backend cannot run in this environment."""

@@ -1,0 +1,158 @@
+"""The bitwise parity gate: resident and poros from one initial state, compared with torch.equal."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from poros.build import build_store
+from poros.config import TrainConfig
+from poros.residency import PorosTrainer
+from poros.store import absmax_view, weight_view
+from poros.train import ResidentTrainer, Trainer
+
+
+@dataclass
+class ParityResult:
+    parity: str  # "PASS" or "FAIL"
+    steps: int
+    tensors_compared: int
+    first_mismatch: str | None
+    max_abs_diff: float
+    device: str
+    attention: str
+    model: str = ""
+    block_size: int = 0
+    seq_len: int = 0
+    grad_accum: int = 1
+    losses: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.parity == "PASS"
+
+    def json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class Comparator:
+    """Counts compared tensors; remembers the first that differs and the largest difference."""
+
+    def __init__(self):
+        self.count = 0
+        self.first: str | None = None
+        self.first_detail = ""
+        self.max_abs = 0.0
+
+    def equal(self, name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        self.count += 1
+        if a is None or b is None:
+            same = a is None and b is None
+            diff = 0.0 if same else float("inf")
+        else:
+            a, b = a.detach(), b.detach().to(a.device)
+            same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            if same:
+                diff = 0.0
+            elif a.shape != b.shape:
+                diff = float("inf")
+            else:
+                diff = float((a.double() - b.double()).abs().max()) if a.is_floating_point() else float(
+                    (a.int() - b.int()).abs().max()
+                )
+                diff = diff if diff == diff else float("inf")  # NaN counts as a mismatch of unknown size
+                diff = diff if diff > 0 else float("inf")  # e.g. -0.0 vs 0.0 or differing NaN payloads
+        if not same:
+            self.max_abs = max(self.max_abs, diff)
+            if self.first is None:
+                self.first, self.first_detail = name, f"max |diff| {diff:.3e}"
+        return same
+
+    def all_equal(self, prefix: str, a: dict, b: dict) -> bool:
+        ok = True
+        for name in list(a) + [n for n in b if n not in a]:
+            ok &= self.equal(f"{prefix}{name}", a.get(name), b.get(name))
+        return ok
+
+
+def compare_base_weights(cmp: Comparator, resident: Trainer, poros: PorosTrainer) -> bool:
+    """The resident device copies of every NF4 matrix against the bytes poros streams from."""
+    ok = True
+    arena = poros.store.arena
+    for slot in poros.store.slots():
+        w = resident.qlora.linear4bit[slot.name].weight
+        ok &= cmp.equal(f"{slot.name}.weight", w.data, weight_view(arena, slot))
+        ok &= cmp.equal(f"{slot.name}.weight.absmax", w.quant_state.absmax, absmax_view(arena, slot))
+    return ok
+
+
+def run_gate(
+    resident: Trainer,
+    poros: PorosTrainer,
+    steps: int,
+    *,
+    verify_initial: bool = True,
+    on_step: Callable[[int, ParityResult], None] | None = None,
+) -> ParityResult:
+    """Train both for `steps` optimizer steps on the same data, comparing after every step.
+
+    Compared: the initial NF4 weights and LoRA weights; then per step the loss of every
+    micro-batch, every LoRA gradient before the optimizer step, every LoRA weight and AdamW
+    state tensor after it. Stops after the first step with a mismatch.
+    """
+    cfg = poros.cfg
+    cmp = Comparator()
+    result = ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
+                          block_size=cfg.block_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum)
+    ok = True
+    if verify_initial:
+        ok &= compare_base_weights(cmp, resident, poros)
+        ok &= cmp.all_equal("init:", resident.lora_state(), poros.lora_state())
+    step = 0
+    while ok and step < steps:
+        batches = resident.batches(step)
+        for m, b in enumerate(batches):
+            lr = resident.forward_backward(b)
+            lp = poros.forward_backward(b)
+            ok &= cmp.equal(f"step{step}.micro{m}.loss", lr, lp)
+            result.losses.append(float(lr))
+        ok &= cmp.all_equal(f"step{step}.grad:", resident.lora_grads(), poros.lora_grads())
+        resident.optimizer_step()
+        poros.optimizer_step()
+        ok &= cmp.all_equal(f"step{step}.weight:", resident.lora_state(), poros.lora_state())
+        ok &= cmp.all_equal(f"step{step}.adamw:", resident.optimizer_state(), poros.optimizer_state())
+        step += 1
+        result.steps = step
+        if on_step:
+            on_step(step, result)
+    result.tensors_compared = cmp.count
+    result.first_mismatch = cmp.first
+    result.max_abs_diff = cmp.max_abs
+    result.parity = "PASS" if ok and cmp.first is None else "FAIL"
+    return result
+
+
+def parity(
+    cfg: TrainConfig,
+    steps: int = 3,
+    *,
+    store=None,
+    mutate: Callable[[Trainer, PorosTrainer], None] | None = None,
+    verify_initial: bool = True,
+    progress: bool | None = None,
+) -> ParityResult:
+    """Build the model once, set up resident and poros from it, and run the gate.
+
+    `mutate(resident, poros)` runs after setup (negative controls use it to corrupt one side).
+    """
+    if store is None:
+        store, _ = build_store(cfg.model, seed=cfg.seed, device=cfg.device.value, progress=progress)
+    resident = ResidentTrainer(store, cfg)
+    poros = PorosTrainer(store, cfg)
+    if mutate is not None:
+        mutate(resident, poros)
+    return run_gate(resident, poros, steps, verify_initial=verify_initial)
+

@@ -1,0 +1,118 @@
+"""Where and with what a result was produced: recorded automatically with every result."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as md
+import platform
+import socket
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "unsloth", "poros")
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_info() -> dict:
+    commit = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if dirty is None else bool(dirty)}
+
+
+def gpu_info() -> list[dict]:
+    """Name, UUID, driver and memory of every GPU, via NVML when it is present."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out.append(
+                {
+                    "index": i,
+                    "name": _s(pynvml.nvmlDeviceGetName(h)),
+                    "uuid": _s(pynvml.nvmlDeviceGetUUID(h)),
+                    "driver": _s(driver),
+                    "memory_gb": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 1e9, 1),
+                }
+            )
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@lru_cache(maxsize=1)
+def _static() -> dict:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {p: _version(p) for p in PACKAGES},
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "git": git_info(),
+        "gpus": gpu_info(),
+        "host": socket.gethostname(),
+    }
+
+
+def provenance() -> dict:
+    """Versions, git commit and dirty flag, GPUs (name/UUID/driver), host and a timestamp."""
+    info = dict(_static())
+    info["time"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    info["argv"] = sys.argv
+    return info
+
+
+def stack_label() -> str:
+    """The running stack as the seed names it, e.g. 'torch 2.11.0+cu130 / transformers 5.17.0'."""
+    return f"torch {torch.__version__} / transformers {_version('transformers')}"
+
+
+def env_block() -> str:
+    """A copy-and-paste environment block for bug reports (`poros env`)."""
+    p = _static()
+    git = p["git"]
+    lines = [
+        "- poros: " + f"{p['versions']['poros']} (commit {git['commit'] or 'unknown'}{', dirty' if git['dirty'] else ''})",
+        f"- Python: {p['python']} ({p['platform']})",
+        f"- torch: {p['torch']} (CUDA {p['cuda'] or 'none'}, cuDNN {p['cudnn'] or 'none'}, "
+        f"CUDA available: {torch.cuda.is_available()})",
+    ]
+    for pkg in ("transformers", "peft", "bitsandbytes", "accelerate", "unsloth"):
+        lines.append(f"- {pkg}: {p['versions'][pkg] or 'not installed'}")
+    if p["gpus"]:
+        for g in p["gpus"]:
+            lines.append(f"- GPU {g['index']}: {g['name']} ({g['memory_gb']} GB, UUID {g['uuid']}, driver {g['driver']})")
+    else:
+        lines.append("- GPU: none visible to NVML")
+    lines.append(f"- host: {p['host']}")
+    return "\n".join(lines)

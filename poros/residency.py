@@ -1,0 +1,258 @@
+"""Blockwise residency: train with only a block of K decoder layers on the device at a time.
+
+Schedule of one micro-batch (the same modules and kernels as resident QLoRA, so the result is
+bitwise identical):
+  forward   blocks 0..B-1 without autograd, keeping each block's input hidden state;
+  head      final norm, lm_head and loss with autograd, from a leaf on the last hidden state;
+  backward  blocks B-1..0: recompute the block's forward from its saved input with autograd and
+            backpropagate the incoming gradient; LoRA grads accumulate as in resident training.
+Block b always lives in device buffer b % 2, so every Linear4bit is bound once to a fixed view.
+A buffer is refilled only after the compute stream has passed the event recorded when the last
+block using it finished its backward: bitsandbytes' MatMul4Bit keeps the packed weight on its
+autograd context (outside save_for_backward), so refilling earlier corrupts gradients silently.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from poros.modeling import QLoRAModel, bind_nf4
+from poros.store import NF4Store, absmax_view, weight_view
+from poros.train import Trainer, sdpa_context
+
+N_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class Block:
+    index: int
+    first: int  # first layer index
+    stop: int  # one past the last layer index
+    start: int  # byte range in the arena
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def plan_blocks(store: NF4Store, block_size: int) -> list[Block]:
+    n = len(store.layers)
+    out = []
+    for b, first in enumerate(range(0, n, block_size)):
+        stop = min(first + block_size, n)
+        out.append(Block(b, first, stop, store.layers[first].start, store.layers[stop - 1].end))
+    return out
+
+
+class BlockStreamer:
+    """Device block buffers filled from the host arena on a dedicated copy stream."""
+
+    def __init__(self, store: NF4Store, blocks: list[Block], device: torch.device):
+        self.store, self.blocks, self.device = store, blocks, device
+        self.cuda = device.type == "cuda"
+        size = max(b.nbytes for b in blocks)
+        nbuf = min(N_BUFFERS, len(blocks))
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+        self.holds: list[int | None] = [None] * nbuf  # block index each buffer holds (or is filling)
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.ready = [torch.cuda.Event() for _ in range(nbuf)]
+            self.free = [torch.cuda.Event() for _ in range(nbuf)]
+            self.free_recorded = [False] * nbuf
+        self.reset_counters()
+
+    def slot(self, b: int) -> int:
+        return b % len(self.buffers)
+
+    def reset_counters(self) -> None:
+        self.bytes_h2d = 0
+        self.copies = 0
+        self.peak_resident = 0
+        self.copy_wait_s = 0.0
+        self._wait_events: list[tuple] = []
+
+    def prefetch(self, b: int) -> None:
+        """Start copying block b into its buffer unless it is already there."""
+        if b < 0 or b >= len(self.blocks):
+            return
+        s = self.slot(b)
+        if self.holds[s] == b:
+            return
+        blk = self.blocks[b]
+        src = self.store.arena[blk.start : blk.end]
+        dst = self.buffers[s][: blk.nbytes]
+        self.holds[s] = b
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                if self.free_recorded[s]:
+                    self.copy_stream.wait_event(self.free[s])
+                dst.copy_(src, non_blocking=True)
+                self.ready[s].record(self.copy_stream)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            self.copy_wait_s += time.perf_counter() - t0
+        self.bytes_h2d += blk.nbytes
+        self.copies += 1
+        self.peak_resident = max(self.peak_resident, sum(h is not None for h in self.holds))
+
+    def acquire(self, b: int) -> None:
+        """Make the compute stream wait until block b is in its buffer."""
+        self.prefetch(b)
+        if self.cuda:
+            s = self.slot(b)
+            stream = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(self.ready[s])
+            after.record(stream)
+            self._wait_events.append((before, after))
+
+    def release(self, b: int) -> None:
+        """Mark the end of work that reads block b's buffer (its refill waits for this)."""
+        if self.cuda:
+            s = self.slot(b)
+            self.free[s].record(torch.cuda.current_stream(self.device))
+            self.free_recorded[s] = True
+
+    def invalidate(self) -> None:
+        self.holds = [None] * len(self.buffers)
+
+    def counters(self) -> dict:
+        if self.cuda and self._wait_events:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.copy_wait_s = sum(a.elapsed_time(b) for a, b in self._wait_events) / 1e3
+            self._wait_events = []
+        return {
+            "bytes_h2d": self.bytes_h2d,
+            "block_copies": self.copies,
+            "peak_blocks_resident": self.peak_resident,
+            "copy_wait_s": self.copy_wait_s,
+        }
+
+
+class PorosTrainer(Trainer):
+    """QLoRA with blockwise residency; arithmetic identical to `ResidentTrainer`."""
+
+    method = "poros"
+
+    def _make_model(self) -> QLoRAModel:
+        store, cfg = self.store, self.cfg
+        if self.device.type == "cuda" and cfg.pin_memory:
+            store.pin()
+        model = QLoRAModel(store, cfg, self.device)
+        self.blocks = plan_blocks(store, cfg.block_size)
+        self.streamer = BlockStreamer(store, self.blocks, self.device)
+        self.block_of = {}
+        for blk in self.blocks:
+            buf = self.streamer.buffers[self.streamer.slot(blk.index)]
+            for i in range(blk.first, blk.stop):
+                self.block_of[i] = blk
+                for slot in store.layers[i].slots:
+                    packed = weight_view(buf, slot, base=blk.start)
+                    absmax = absmax_view(buf, slot, base=blk.start)
+                    bind_nf4(model.linear4bit[slot.name], packed, absmax, model.code, slot.shape)
+        self._patch_layers(model)
+        self.fault_refill_before_backward = False  # negative control for the gate's tests
+        return model
+
+    # --- layer interception ---------------------------------------------------------------
+    def _patch_layers(self, model: QLoRAModel) -> None:
+        self._mode = "resident"
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._calls: dict[int, tuple] = {}
+        for i, layer in enumerate(model.layers):
+            layer.forward = self._make_forward(i, type(layer).forward.__get__(layer))
+
+    def _make_forward(self, i: int, original):
+        def forward(*args, **kwargs):
+            if self._mode != "stream":
+                return original(*args, **kwargs)
+            return self._stream_layer(i, original, args, kwargs)
+
+        return forward
+
+    def _stream_layer(self, i: int, original, args, kwargs):
+        blk = self.block_of[i]
+        if "hidden_states" in kwargs:
+            hidden, rest, kw_hidden = kwargs["hidden_states"], args, True
+        else:
+            hidden, rest, kw_hidden = args[0], args[1:], False
+        for t in list(rest) + list(kwargs.values()):
+            if torch.is_tensor(t) and t.requires_grad and t is not hidden:
+                raise NotImplementedError("poros: a layer argument other than the hidden state requires grad")
+        if i == blk.first:
+            self.streamer.acquire(blk.index)
+            self.streamer.prefetch(blk.index + 1)
+            self._inputs[blk.index] = hidden
+        self._calls[i] = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
+        with torch.no_grad():
+            out = original(*args, **kwargs)
+        if i == blk.stop - 1:
+            self.streamer.release(blk.index)
+        if i == len(self.block_of) - 1:
+            hs = out[0] if isinstance(out, tuple) else out
+            self._leaf = hs.detach().requires_grad_(True)
+            out = (self._leaf, *out[1:]) if isinstance(out, tuple) else self._leaf
+        return out
+
+    def _recompute(self, blk) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self._inputs.pop(blk.index).detach().requires_grad_(True)
+        h = x
+        for i in range(blk.first, blk.stop):
+            rest, kwargs, kw_hidden = self._calls.pop(i)
+            layer = self.qlora.layers[i]
+            out = layer(*rest, hidden_states=h, **kwargs) if kw_hidden else layer(h, *rest, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+        return x, h
+
+    # --- the step -------------------------------------------------------------------------
+    def forward_backward(self, batch):
+        with sdpa_context(self.cfg.attention):
+            self._mode = "stream"
+            try:
+                out = self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            finally:
+                self._mode = "resident"
+            loss = out.loss / self.cfg.grad_accum
+            loss.backward()
+            grad = self._leaf.grad
+            self._leaf = None
+            for blk in reversed(self.blocks):
+                self.streamer.acquire(blk.index)
+                self.streamer.prefetch(blk.index - 1)
+                x, h = self._recompute(blk)
+                if self.fault_refill_before_backward:
+                    self._refill_wrong(blk)
+                torch.autograd.backward(h, grad)
+                grad = x.grad
+                self.streamer.release(blk.index)
+        return loss.detach()
+
+    def _refill_wrong(self, blk) -> None:
+        """Negative control: refill the block's buffer between its forward and backward.
+
+        Mimics the real trap: the buffer then holds another block's (valid) NF4 bytes.
+        """
+        buf = self.streamer.buffers[self.streamer.slot(blk.index)]
+        for j in (blk.index - 2, blk.index + 2, blk.index - 1, blk.index + 1):
+            if 0 <= j < len(self.blocks) and self.blocks[j].nbytes >= blk.nbytes:
+                src = self.blocks[j].start
+                buf[: blk.nbytes].copy_(self.store.arena[src : src + blk.nbytes])
+                break
+        else:  # a single block: corrupt the packed weights only, keeping absmax finite
+            first = self.store.layers[blk.first].slots[0]
+            view = weight_view(buf, first, base=blk.start)
+            view.copy_(view ^ 0x11)
+        self.streamer.invalidate()
+
+    def step(self, batches=None):
+        self.streamer.reset_counters()
+        return super().step(batches)
+
+    def counters(self) -> dict:
+        return self.streamer.counters()

@@ -1,0 +1,118 @@
+"""The training-step API every method implements; resident QLoRA is the reference method."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from poros.build import check_seq_len
+from poros.config import Attention, TrainConfig
+from poros.data import Batch, synthetic_step
+from poros.modeling import QLoRAModel
+from poros.store import NF4Store
+
+
+def sdpa_context(attention: Attention):
+    """Pin the SDPA backend for both methods alike (`default`: torch's own choice)."""
+    if attention is Attention.DEFAULT:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        Attention.MATH: SDPBackend.MATH,
+        Attention.CUDNN: SDPBackend.CUDNN_ATTENTION,
+        Attention.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
+        Attention.FLASH: SDPBackend.FLASH_ATTENTION,
+    }[attention]
+    return sdpa_kernel([backend])
+
+
+@dataclass
+class StepResult:
+    loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step
+    seconds: float
+    counters: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """A QLoRA training loop: `forward_backward` per micro-batch, then `optimizer_step`.
+
+    Subclasses change how the base weights reach the device, never the arithmetic.
+    """
+
+    method = "resident"
+
+    def __init__(self, store: NF4Store, cfg: TrainConfig):
+        check_seq_len(store.config, cfg.seq_len)
+        self.store, self.cfg = store, cfg
+        self.device = torch.device(cfg.device.value)
+        self.qlora = self._make_model()
+        self.model = self.qlora.add_lora()
+        self.params = self.qlora.lora_parameters()
+        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=cfg.lr, weight_decay=0.0)
+        self.steps_done = 0
+
+    def _make_model(self) -> QLoRAModel:
+        model = QLoRAModel(self.store, self.cfg, self.device)
+        model.materialize_resident()
+        return model
+
+    def batches(self, step: int) -> list[Batch]:
+        c = self.cfg
+        vocab = self.store.config.vocab_size
+        return [b.to(self.device) for b in synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum, seed=c.data_seed, step=step)]
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
+        with sdpa_context(self.cfg.attention):
+            out = self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            loss = out.loss / self.cfg.grad_accum
+            loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+
+    def counters(self) -> dict:
+        return {}
+
+    def step(self, batches: list[Batch] | None = None) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches of the synthetic data."""
+        batches = batches if batches is not None else self.batches(self.steps_done)
+        t0 = time.perf_counter()
+        loss = torch.zeros((), device=self.device)
+        for b in batches:
+            loss = loss + self.forward_backward(b).float()
+        self.optimizer_step()
+        value = float(loss)
+        return StepResult(value, time.perf_counter() - t0, self.counters())
+
+    # --- state for the parity gate --------------------------------------------------------
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.params}
+
+    def lora_grads(self) -> dict[str, torch.Tensor | None]:
+        return {n: p.grad for n, p in self.params}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in self.params:
+            for k, v in self.optimizer.state.get(p, {}).items():
+                out[f"{n}:{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        return out
+
+    def close(self) -> None:
+        """Release device memory held by this trainer."""
+        self.optimizer.state.clear()
+        del self.model, self.qlora, self.params, self.optimizer
+
+
+class ResidentTrainer(Trainer):
+    """Ordinary QLoRA: the whole NF4 model on the device."""
+
+    method = "resident"
