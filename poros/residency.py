@@ -73,7 +73,9 @@ class BlockStreamer:
         self.copies = 0
         self.peak_resident = 0
         self.copy_wait_s = 0.0
+        self.copy_s = 0.0
         self._wait_events: list[tuple] = []
+        self._copy_events: list[tuple] = []
 
     def prefetch(self, b: int) -> None:
         """Start copying block b into its buffer unless it is already there."""
@@ -90,12 +92,17 @@ class BlockStreamer:
             with torch.cuda.stream(self.copy_stream):
                 if self.free_recorded[s]:
                     self.copy_stream.wait_event(self.free[s])
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
                 dst.copy_(src, non_blocking=True)
+                end.record(self.copy_stream)
                 self.ready[s].record(self.copy_stream)
+                self._copy_events.append((start, end))
         else:
             t0 = time.perf_counter()
             dst.copy_(src)
-            self.copy_wait_s += time.perf_counter() - t0
+            self.copy_s += time.perf_counter() - t0
+            self.copy_wait_s = self.copy_s  # synchronous: every copy is waited for
         self.bytes_h2d += blk.nbytes
         self.copies += 1
         self.peak_resident = max(self.peak_resident, sum(h is not None for h in self.holds))
@@ -123,14 +130,16 @@ class BlockStreamer:
         self.holds = [None] * len(self.buffers)
 
     def counters(self) -> dict:
-        if self.cuda and self._wait_events:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.copy_wait_s = sum(a.elapsed_time(b) for a, b in self._wait_events) / 1e3
-            self._wait_events = []
+        if self.cuda and (self._wait_events or self._copy_events):
+            torch.cuda.synchronize(self.device)
+            self.copy_wait_s += sum(a.elapsed_time(b) for a, b in self._wait_events) / 1e3
+            self.copy_s += sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
+            self._wait_events, self._copy_events = [], []
         return {
             "bytes_h2d": self.bytes_h2d,
             "block_copies": self.copies,
             "peak_blocks_resident": self.peak_resident,
+            "copy_s": self.copy_s,
             "copy_wait_s": self.copy_wait_s,
         }
 

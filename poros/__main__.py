@@ -1,0 +1,5 @@
+import sys
+
+from poros.cli import main
+
+sys.exit(main())

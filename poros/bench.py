@@ -1,0 +1,280 @@
+"""Matrix cells: parity first, then timed passes per method, each appended to results at once."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from poros.config import Method, TrainConfig
+from poros.matrix import Matrix, Stack
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    stack: Stack
+    method: Method | None  # None: the parity gate of this model × stack
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.stack.name, self.method.value if self.method else "parity")
+
+    @property
+    def id(self) -> str:
+        what = f"method={self.method.value}" if self.method else "gate=parity"
+        return f"model={self.model}-stack={self.stack.name}-{what}"
+
+
+def matrix_cells(m: Matrix) -> list[Cell]:
+    """Model by model: the parity gate, then each method (so one store build serves them all)."""
+    cells = []
+    for model in m.models:
+        for stack in m.stacks:
+            if {Method.POROS, Method.RESIDENT} <= set(m.methods):
+                cells.append(Cell(model, stack, None))
+            cells.extend(Cell(model, stack, meth) for meth in m.methods)
+    return cells
+
+
+def matrix_device(m: Matrix) -> str:
+    if m.device is not None:
+        return m.device.value
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_config(m: Matrix, model: str) -> TrainConfig:
+    return TrainConfig(
+        model=model,
+        seq_len=m.seq_len,
+        batch_size=m.batch_size,
+        grad_accum=m.grad_accum,
+        lora_rank=m.lora_rank,
+        lora_alpha=m.lora_alpha,
+        block_size=m.block_size,
+        attention=m.attention,
+        device=matrix_device(m),
+    )
+
+
+def method_unavailable(method: Method, device: str) -> str | None:
+    """Declared capability gates for each method (None when it can run here)."""
+    if method is Method.UNSLOTH:
+        from poros.unsloth_method import unavailable
+
+        return unavailable(device)
+    return None
+
+
+class StoreCache:
+    """Keeps the most recently built NF4 store (host memory) so a model is built once."""
+
+    def __init__(self, device: str):
+        self.device, self.key, self.store, self.stats = device, None, None, None
+
+    def get(self, model: str):
+        if self.key != model:
+            from poros.build import build_store
+
+            self.store = self.stats = None
+            gc.collect()
+            self.store, self.stats = build_store(model, device=self.device, progress=None)
+            self.key = model
+        return self.store
+
+
+class NvmlPeak:
+    """Samples this process's device memory through NVML (what nvidia-smi would show)."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval, self.peak, self._stop = interval, None, threading.Event()
+
+    def __enter__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            idx = torch.cuda.current_device()
+            self._h, self._nvml = pynvml.nvmlDeviceGetHandleByIndex(idx), pynvml
+        except Exception:
+            return self
+        self.peak = 0
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _sample(self) -> None:
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._h)
+        except Exception:
+            return
+        used = sum(p.usedGpuMemory or 0 for p in procs if p.pid == os.getpid())
+        if not used:  # inside containers pids may not match: fall back to the device's used memory
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._h).used
+        self.peak = max(self.peak, used)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.peak is not None:
+            self._t.join()
+            self._sample()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_trainer(method: Method, store, cfg: TrainConfig):
+    if method is Method.POROS:
+        from poros.residency import PorosTrainer
+
+        return PorosTrainer(store, cfg)
+    if method is Method.RESIDENT:
+        from poros.train import ResidentTrainer
+
+        return ResidentTrainer(store, cfg)
+    from poros.unsloth_method import UnslothTrainer
+
+    return UnslothTrainer(store, cfg)
+
+
+@dataclass
+class Measurement:
+    per_pass_s: list[float] = field(default_factory=list)
+    counters: list[dict] = field(default_factory=list)
+    peak_vram_gb: float | None = None
+    peak_vram_nvml_gb: float | None = None
+
+
+def progress(msg: str) -> None:
+    """Progress on the real terminal, even while pytest captures output."""
+    stream = sys.__stderr__ or sys.stderr
+    print(msg, file=stream, flush=True)
+
+
+def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, benchmark=None, label: str = "") -> Measurement:
+    """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes."""
+    out = Measurement()
+    done = {"n": 0}
+
+    def one_pass():
+        _sync(cfg.device.value)
+        t0 = time.perf_counter()
+        counters = []
+        for s in range(steps):
+            r = trainer.step()
+            counters.append(r.counters)
+            if (s + 1) % max(1, steps // 4) == 0 or s + 1 == steps:
+                kind = "warm-up" if done["n"] < warmup else f"pass {done['n'] - warmup + 1}/{passes}"
+                progress(f"  {label} {kind}: step {s + 1}/{steps} loss {r.loss:.4f}")
+        _sync(cfg.device.value)
+        elapsed = time.perf_counter() - t0
+        if done["n"] >= warmup:
+            out.per_pass_s.append(elapsed)
+            out.counters.extend(counters)
+        done["n"] += 1
+
+    with NvmlPeak() as nvml:
+        if benchmark is not None:
+            benchmark.pedantic(one_pass, rounds=passes, warmup_rounds=warmup, iterations=1)
+        else:
+            for _ in range(warmup + passes):
+                one_pass()
+    if nvml.peak is not None:
+        out.peak_vram_nvml_gb = nvml.peak / 1e9
+    if cfg.device.value == "cuda":
+        out.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
+    return out
+
+
+def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, parity, *, reduced: bool,
+           status: str = "ok", error: str | None = None, arch: str = "") -> dict:
+    """One results row (the schema `poros report` reads)."""
+    from poros.provenance import provenance
+
+    steps = m.steps
+    per_step = [t / steps for t in meas.per_pass_s] if meas else []
+    row = {
+        "matrix": m.name,
+        "model": cell.model,
+        "arch": arch,
+        "method": cell.method.value if cell.method else "parity",
+        "stack": cell.stack.label(),
+        "stack_name": cell.stack.name,
+        "steps": steps,
+        "passes": m.passes,
+        "warmup_passes": m.warmup_passes,
+        "reduced": reduced,
+        "s_per_step_median": statistics.median(per_step) if per_step else None,
+        "s_per_step_std": statistics.stdev(per_step) if len(per_step) > 1 else (0.0 if per_step else None),
+        "per_pass_s": meas.per_pass_s if meas else [],
+        "tokens_per_s": (cfg.seq_len * cfg.batch_size * cfg.grad_accum / statistics.median(per_step)) if per_step else None,
+        "peak_vram_gb": meas.peak_vram_gb if meas else None,
+        "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
+        "parity": None if cell.method is Method.UNSLOTH or parity is None else parity.parity,
+        "parity_max_abs_diff": None if cell.method is Method.UNSLOTH or parity is None else parity.max_abs_diff,
+        "parity_first_mismatch": None if parity is None else parity.first_mismatch,
+        "bytes_h2d_per_step": None,
+        "copy_gbps": None,
+        "copy_hidden_share": None,
+        "status": status,
+        "error": error,
+        "config": {**{k: v for k, v in cfg.as_dict().items() if k in (
+            "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention", "device")},
+            "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
+        "provenance": provenance(),
+    }
+    counters = [c for c in (meas.counters if meas else []) if c.get("bytes_h2d") is not None]
+    if counters:
+        n = len(counters)
+        copied = sum(c["bytes_h2d"] for c in counters)
+        copy_s = sum(c.get("copy_s", 0.0) for c in counters)
+        wait_s = sum(c.get("copy_wait_s", 0.0) for c in counters)
+        row["bytes_h2d_per_step"] = copied // n
+        row["copy_gbps"] = copied / copy_s / 1e9 if copy_s > 0 else None
+        row["copy_hidden_share"] = max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None
+        row["copy_wait_s_per_step"] = wait_s / n
+    return row
+
+
+class ResultsWriter:
+    """Appends one JSON object per cell and syncs it, so a killed run keeps finished cells."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def rows(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def done(self, matrix: str) -> dict[tuple, dict]:
+        return {(r["model"], r["stack_name"], r["method"]): r for r in self.rows()
+                if r.get("matrix") == matrix and r.get("status") == "ok"}
+
+    def append(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,38 @@
+"""`poros` command line: one module per subcommand, each with real example calls in its epilog."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from poros.errors import PorosError
+
+SUBCOMMANDS = ("env", "parity", "bench", "report", "validate", "build")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="poros",
+        description="QLoRA with blockwise residency: benchmark and validate bitwise parity.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"poros.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except PorosError as e:
+        print(f"poros {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"poros {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The matrix suite: per model × stack the parity gate, then per method the timed passes.
+
+Run: pytest suites/ --matrix=cpu   (or b300, a100, h200, a path; --steps/--passes for quick runs)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from poros.bench import free_device_memory, make_trainer, measure, method_unavailable, progress, record, train_config
+from poros.config import Method
+
+pytestmark = pytest.mark.bench
+
+
+def _announce(session, cell):
+    session.index += 1
+    progress(f"[cell {session.index}/{session.total}] {cell.id}")
+
+
+def _skip_if_not_runnable(session, cell):
+    why = cell.stack.mismatch()
+    if why:
+        pytest.skip(why)
+    if cell.method is not None:
+        why = method_unavailable(cell.method, session.device)
+        if why:
+            pytest.skip(why)
+
+
+def _gate(session, cell):
+    """The parity outcome of this model × stack: run now, or taken from a resumed results file."""
+    key = (cell.model, cell.stack.name)
+    if key not in session.gates:
+        from poros.parity import parity
+
+        cfg = train_config(session.matrix, cell.model)
+        store = session.stores.get(cell.model)
+        session.gates[key] = parity(cfg, steps=session.parity_steps, store=store)
+        free_device_memory()
+    return session.gates[key]
+
+
+def test_parity(session, cell):
+    _announce(session, cell)
+    _skip_if_not_runnable(session, cell)
+    done = session.writer.done(session.matrix.name) if session.resume else {}
+    prior = [done.get((cell.model, cell.stack.name, m)) for m in ("poros", "resident")]
+    if all(prior):
+        pytest.skip("already in results (--resume)")
+    result = _gate(session, cell)
+    progress(f"  parity {result.parity}: {result.tensors_compared} tensors, {result.steps} steps, "
+             f"first mismatch {result.first_mismatch}")
+    assert result.ok, f"parity FAIL: first mismatching tensor {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
+
+
+def test_step(session, cell, benchmark):
+    _announce(session, cell)
+    _skip_if_not_runnable(session, cell)
+    m = session.matrix
+    if session.resume and cell.key in session.writer.done(m.name):
+        pytest.skip("already in results (--resume)")
+    cfg = train_config(m, cell.model)
+    gate = _gate(session, cell) if cell.method in (Method.POROS, Method.RESIDENT) and {
+        Method.POROS, Method.RESIDENT} <= set(m.methods) else None
+    store = session.stores.get(cell.model)
+    free_device_memory()
+    if cfg.device.value == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    trainer = make_trainer(cell.method, store, cfg)
+    try:
+        meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, benchmark=benchmark, label=cell.method.value)
+    finally:
+        trainer.close()
+        del trainer
+        free_device_memory()
+    row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type)
+    session.writer.append(row)
+    benchmark.extra_info.update({k: row[k] for k in (
+        "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
+        "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share")})
+    progress(f"  {cell.method.value}: {row['s_per_step_median']:.4f} s/step, peak "
+             f"{row['peak_vram_gb'] if row['peak_vram_gb'] is not None else '—'} GB")
+    if gate is not None:
+        assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
