@@ -1,0 +1,53 @@
+"""The GPU parity gate at real scale.
+
+    POROS_GPU_TEST_MODEL=qwen2.5-72b pytest -m gpu tests/test_gpu_parity.py -s
+
+POROS_GPU_TEST_MODEL takes registry names or checkpoint folders, comma-separated; each runs the
+gate (resident vs poros, torch.equal on every tensor) and prints its JSON line.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.capabilities import requires_gpu
+
+MODELS = [m.strip() for m in os.environ.get("POROS_GPU_TEST_MODEL", "qwen2.5-32b").split(",") if m.strip()]
+STEPS = int(os.environ.get("POROS_GPU_TEST_STEPS", "2"))
+SEQ = int(os.environ.get("POROS_GPU_TEST_SEQ", "512"))
+ATTN = os.environ.get("POROS_GPU_TEST_ATTENTION", "default")
+
+
+@pytest.mark.gpu
+@requires_gpu(1)
+@pytest.mark.parametrize("model", MODELS, ids=[f"model={m}" for m in MODELS])
+def test_gpu_parity(model):
+    from poros.build import build_store
+    from poros.config import TrainConfig
+    from poros.parity import run_gate
+    from poros.residency import PorosTrainer
+    from poros.train import ResidentTrainer
+
+    cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN)
+    store, stats = build_store(model, device="cuda")
+    print(f"\nbuild {model}: {stats.seconds:.1f} s, NF4 store {stats.store_bytes / 1e9:.2f} GB")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    poros = PorosTrainer(store, cfg)
+    for i in range(3):  # poros alone: its peak is what poros needs on the device
+        r = poros.step()
+        print(f"poros step {i}: {r.seconds:.3f} s, loss {r.loss:.4f}, counters {r.counters}")
+    torch.cuda.synchronize()
+    poros_peak = torch.cuda.max_memory_allocated() / 1e9
+    poros.close()
+    del poros
+    torch.cuda.empty_cache()
+    resident = ResidentTrainer(store, cfg)
+    poros = PorosTrainer(store, cfg)
+    result = run_gate(resident, poros, STEPS)
+    print(result.json())
+    print(f"poros peak VRAM (alone, one step): {poros_peak:.2f} GB")
+    assert result.ok, f"{model}: first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
