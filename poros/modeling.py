@@ -68,6 +68,13 @@ def bind_nf4(module: nn.Module, packed: torch.Tensor, absmax: torch.Tensor, code
     module.quant_state = state
 
 
+def io_param_names(model: nn.Module) -> set[str]:
+    """Parameter names of the input embeddings and the lm_head (tied or not)."""
+    ids = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+           for p in m.parameters(recurse=False)}
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
 class QLoRAModel:
     """A peft-wrapped causal LM whose decoder linears are NF4 Linear4bit modules.
 
@@ -75,14 +82,15 @@ class QLoRAModel:
     are bound by the caller (`materialize_resident` or the streaming engine).
     """
 
-    def __init__(self, store: NF4Store, cfg: TrainConfig, device: torch.device, dense_device=None):
+    def __init__(self, store: NF4Store, cfg: TrainConfig, device: torch.device, host_io: bool = False):
         self.store, self.cfg, self.device = store, cfg, torch.device(device)
         model = skeleton(store.config)
         self.list_name, self.layers = decoder_layers(model)
         self.linear4bit = _to_linear4bit(model, self.list_name, self.layers)
-        dense_device = dense_device or (lambda name: self.device)
+        # host_io: embeddings and lm_head stay in host memory (the streaming engine moves them)
+        self.host_names = io_param_names(model) if host_io else set()
         for name, t in store.dense.items():
-            _set_param(model, name, t.to(dense_device(name)))
+            _set_param(model, name, t if name in self.host_names else t.to(self.device))
         if getattr(store.config, "tie_word_embeddings", False) and "lm_head.weight" not in store.dense:
             model.lm_head.weight = model.get_input_embeddings().weight
         for mname, module in model.named_modules():

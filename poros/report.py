@@ -101,7 +101,8 @@ def latest(df: pd.DataFrame) -> pd.DataFrame:
 
 def _table(columns, rows) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    # A literal "|" (as in "max |diff|") would split the Markdown cell.
+    return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows])
 
 
 def _s_step(row, with_std: bool = False) -> str:
@@ -174,21 +175,21 @@ def _runs(df: pd.DataFrame) -> str:
 
 
 def _config_table(df: pd.DataFrame, hw: str) -> str:
-    cfg = pd.DataFrame(list(df["config"]))
+    cfg = lambda k: [c.get(k) for c in df["config"]]  # noqa: E731
     prov = list(df["provenance"])
     mem = _uniq(g.get("memory_gb") for p in prov for g in p.get("gpus") or [] if g.get("name") == hw)
     methods = [m for m in METHODS if m in set(df["method"])]
     bnb = _uniq(p.get("versions", {}).get("bitsandbytes") for p in prov)
     rows = [
         ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
-        ("Precision", _uniq(cfg.get("precision", [])).upper()),
+        ("Precision", _uniq(cfg("precision")).upper()),
         ("Steps × passes", f"{_runs(df)} (warm-up discarded; median ± std across passes)"),
-        ("Sequence length", _uniq(cfg.get("seq_len", []))),
-        ("Batch / grad-accum", _uniq(f"{b} / {g}" for b, g in zip(cfg.get("batch_size", []), cfg.get("grad_accum", [])))),
-        ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg.get("lora_rank", []), cfg.get("lora_alpha", [])))),
-        ("Block size (poros)", _uniq(cfg.loc[df["method"].values == "poros", "block_size"]) if "block_size" in cfg else DASH),
-        ("Dataset", _uniq(f"`{d}`" for d in cfg.get("dataset", []))),
-        ("Attention", _uniq(cfg.get("attention", []))),
+        ("Sequence length", _uniq(cfg("seq_len"))),
+        ("Batch / grad-accum", _uniq(f"{b} / {g}" for b, g in zip(cfg("batch_size"), cfg("grad_accum")))),
+        ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
+        ("Block size (poros)", _uniq(b for b, m in zip(cfg("block_size"), df["method"]) if m == "poros")),
+        ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
+        ("Attention", _uniq(cfg("attention"))),
         ("Methods", ", ".join(METHODS[m] for m in methods)),
         ("Software stacks", _uniq(df["stack"], " and ") + ("" if bnb == DASH else f", bitsandbytes {bnb}")),
     ]
@@ -229,7 +230,10 @@ def _reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
     cols = ("Model", "Reference hardware", "Reference stack", "ref poros s/step", "measured poros s/step",
             "ref resident s/step", "measured resident s/step", "ref poros VRAM", "measured poros VRAM",
             "ref resident VRAM", "measured resident VRAM")
-    return _table(cols, rows) if rows else "No model is present in both the reference and the results."
+    if not rows:
+        return "No model is present in both the reference and the results."
+    return _table(cols, rows) + ("\n\nMeasured cells are on the reference row's stack where that stack was measured, "
+                                 "otherwise on the first stack measured for the model.")
 
 
 def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> str:
@@ -274,6 +278,7 @@ def plot(df: pd.DataFrame, png_path) -> Path:
         ax.legend(title="method")
     ax.set(xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median across passes)",
            title="s/step vs peak VRAM")
+    ax.margins(x=0.2, y=0.1)  # room for the point labels
     ax.grid(alpha=0.3, zorder=0)
     fig.tight_layout()
     png_path = Path(png_path)

@@ -153,7 +153,7 @@ class PorosTrainer(Trainer):
         store, cfg = self.store, self.cfg
         if self.device.type == "cuda" and cfg.pin_memory:
             store.pin()
-        model = QLoRAModel(store, cfg, self.device)
+        model = QLoRAModel(store, cfg, self.device, host_io=True)
         self.blocks = plan_blocks(store, cfg.block_size)
         self.streamer = BlockStreamer(store, self.blocks, self.device)
         self.block_of = {}
@@ -166,8 +166,50 @@ class PorosTrainer(Trainer):
                     absmax = absmax_view(buf, slot, base=blk.start)
                     bind_nf4(model.linear4bit[slot.name], packed, absmax, model.code, slot.shape)
         self._patch_layers(model)
+        self._patch_io(model)
         self.fault_refill_before_backward = False  # negative control for the gate's tests
         return model
+
+    # --- embeddings and lm_head: host memory, on the device only while needed ----------------
+    def _patch_io(self, model: QLoRAModel) -> None:
+        """Embedding lookups run on the host (a gather is exact anywhere); the lm_head weight is
+        copied in during the last block's forward and dropped after the head's backward."""
+        emb, head = model.hf.get_input_embeddings(), model.hf.get_output_embeddings()
+        emb.to("cpu")
+        emb_forward = type(emb).forward.__get__(emb)
+        device = self.device
+        emb.forward = lambda input_ids, *a, **k: emb_forward(input_ids.to("cpu"), *a, **k).to(device)
+        self._head_host = head.weight
+        self._head_dev = None
+        if self.device.type == "cuda" and self.cfg.pin_memory:
+            for name in model.host_names:
+                if self.store.dense[name].data_ptr() == self._head_host.data_ptr():
+                    self.store.pin_dense(name)
+        self.head_bytes = self._head_host.numel() * self._head_host.element_size()
+        self._head_ready = torch.cuda.Event() if self.streamer.cuda else None
+        bias = head.bias
+
+        def head_forward(x):
+            if self._head_dev is None:  # not prefetched (e.g. called outside a poros step)
+                self._prefetch_head()
+            if self._head_ready is not None:
+                torch.cuda.current_stream(device).wait_event(self._head_ready)
+            return torch.nn.functional.linear(x, self._head_dev, bias)
+
+        head.forward = head_forward
+
+    def _prefetch_head(self) -> None:
+        w = torch.empty_like(self._head_host, device=self.device)
+        if self.streamer.cuda:
+            # w may reuse memory freed by compute-stream work still in flight: order after it
+            self.streamer.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.streamer.copy_stream):
+                w.copy_(self._head_host, non_blocking=True)
+                self._head_ready.record(self.streamer.copy_stream)
+        else:
+            w.copy_(self._head_host)
+        self.streamer.bytes_h2d += self.head_bytes
+        self._head_dev = w
 
     # --- layer interception ---------------------------------------------------------------
     def _patch_layers(self, model: QLoRAModel) -> None:
@@ -197,6 +239,8 @@ class PorosTrainer(Trainer):
         if i == blk.first:
             self.streamer.acquire(blk.index)
             self.streamer.prefetch(blk.index + 1)
+            if blk.index == len(self.blocks) - 1:
+                self._prefetch_head()
             self._inputs[blk.index] = hidden
         self._calls[i] = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
         with torch.no_grad():
@@ -230,7 +274,7 @@ class PorosTrainer(Trainer):
             loss = out.loss / self.cfg.grad_accum
             loss.backward()
             grad = self._leaf.grad
-            self._leaf = None
+            self._leaf = self._head_dev = None
             for blk in reversed(self.blocks):
                 self.streamer.acquire(blk.index)
                 self.streamer.prefetch(blk.index - 1)

@@ -111,6 +111,7 @@ class NF4Store:
     source: str
     pinned: bool = False
     _registered: bool = field(default=False, repr=False)
+    _pinned_dense: list = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -129,18 +130,27 @@ class NF4Store:
         if self.pinned:
             return
         size = self.arena.numel()
-        err = torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), size, 0)
-        code = int(err.value) if hasattr(err, "value") else int(err)
-        if code != 0:
-            torch.cuda.synchronize()
+        if not pin_in_place(self.arena):
             raise PinningError(
-                f"pinning {size / 1e9:.1f} GB failed (cudaHostRegister error {code}): the locked-memory "
+                f"pinning {size / 1e9:.1f} GB failed (cudaHostRegister): the locked-memory "
                 f"limit is {memlock_limit()} (ulimit -l); raise it or pass --no-pin (pageable copies run "
                 f"about 8x slower: 6.6 vs 55 GB/s on an H200)"
             )
         self.pinned = self._registered = True
 
+    def pin_dense(self, name: str) -> bool:
+        """Page-lock one dense tensor (e.g. lm_head, streamed each step); False if refused."""
+        t = self.dense[name]
+        if any(t is p for p in self._pinned_dense):
+            return True
+        if pin_in_place(t):
+            self._pinned_dense.append(t)
+            return True
+        return False
+
     def unpin(self) -> None:
+        while self._pinned_dense:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_dense.pop().data_ptr())
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
             self._registered = self.pinned = False
@@ -150,6 +160,12 @@ class NF4Store:
             self.unpin()
         except Exception:
             pass
+
+
+def pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock an existing host tensor at its exact size; False if the driver refused."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    return int(getattr(err, "value", err)) == 0
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
