@@ -153,9 +153,7 @@ def make_trainer(method: Method, store, cfg: TrainConfig):
         from poros.train import ResidentTrainer
 
         return ResidentTrainer(store, cfg)
-    from poros.unsloth_method import UnslothTrainer
-
-    return UnslothTrainer(store, cfg)
+    raise ValueError(f"{method.value} runs in a child process (poros.unsloth_method.measure_unsloth)")
 
 
 @dataclass

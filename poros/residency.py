@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from poros.modeling import QLoRAModel, bind_nf4
-from poros.store import NF4Store, absmax_view, weight_view
+from poros.store import ALIGN, NF4Store, absmax_view, weight_view
 from poros.train import Trainer, sdpa_context
 
 N_BUFFERS = 2
@@ -39,6 +39,10 @@ class Block:
         return self.end - self.start
 
 
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 def plan_blocks(store: NF4Store, block_size: int) -> list[Block]:
     n = len(store.layers)
     out = []
@@ -48,21 +52,42 @@ def plan_blocks(store: NF4Store, block_size: int) -> list[Block]:
     return out
 
 
-class BlockStreamer:
-    """Device block buffers filled from the host arena on a dedicated copy stream."""
+HEAD = -1  # marks a buffer lent to the lm_head weight
 
-    def __init__(self, store: NF4Store, blocks: list[Block], device: torch.device):
+
+class BlockStreamer:
+    """Device block buffers filled from the host arena on a dedicated copy stream.
+
+    The two buffers are views of one region. During the head (final norm, lm_head, loss) the
+    buffer of block B-2 is idle, so the lm_head weight is copied into it, extended by a pad when
+    the lm_head is larger than a block: the head costs max(0, lm_head - block) bytes of extra
+    memory instead of a whole lm_head, for one more block copy per step (B-2 is reloaded during
+    the backward of B-1).
+    """
+
+    def __init__(self, store: NF4Store, blocks: list[Block], device: torch.device, head_bytes: int = 0):
         self.store, self.blocks, self.device = store, blocks, device
         self.cuda = device.type == "cuda"
-        size = max(b.nbytes for b in blocks)
+        size = _align(max(b.nbytes for b in blocks))
         nbuf = min(N_BUFFERS, len(blocks))
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
+        self.head_slot = (len(blocks) - 2) % nbuf if nbuf == N_BUFFERS and head_bytes else None
+        pad = _align(max(0, head_bytes - size)) if self.head_slot is not None else 0
+        lead = pad if self.head_slot == 0 else 0
+        self.region = torch.empty(lead + nbuf * size + (pad - lead), dtype=torch.uint8, device=device)
+        self.buffers = [self.region[lead + i * size : lead + (i + 1) * size] for i in range(nbuf)]
+        if self.head_slot is None:
+            self.head_region = torch.empty(head_bytes, dtype=torch.uint8, device=device) if head_bytes else None
+        else:
+            o = 0 if self.head_slot == 0 else size
+            self.head_region = self.region[o : o + head_bytes]
         self.holds: list[int | None] = [None] * nbuf  # block index each buffer holds (or is filling)
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event() for _ in range(nbuf)]
             self.free = [torch.cuda.Event() for _ in range(nbuf)]
             self.free_recorded = [False] * nbuf
+            self.head_ready, self.head_free = torch.cuda.Event(), torch.cuda.Event()
+            self.head_free_recorded = False
         self.reset_counters()
 
     def slot(self, b: int) -> int:
@@ -77,6 +102,28 @@ class BlockStreamer:
         self._wait_events: list[tuple] = []
         self._copy_events: list[tuple] = []
 
+    def _copy(self, s: int | None, dst: torch.Tensor, src: torch.Tensor, ready) -> None:
+        """Copy host->device on the copy stream, after the last reader of the destination is done
+        (buffer `s`'s free event; for the lm_head also the previous head's backward)."""
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                if s is not None and self.free_recorded[s]:
+                    self.copy_stream.wait_event(self.free[s])
+                if ready is self.head_ready and self.head_free_recorded:
+                    self.copy_stream.wait_event(self.head_free)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(self.copy_stream)
+                ready.record(self.copy_stream)
+                self._copy_events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            self.copy_s += time.perf_counter() - t0
+            self.copy_wait_s = self.copy_s  # synchronous: every copy is waited for
+        self.bytes_h2d += src.numel() * src.element_size()
+
     def prefetch(self, b: int) -> None:
         """Start copying block b into its buffer unless it is already there."""
         if b < 0 or b >= len(self.blocks):
@@ -85,27 +132,34 @@ class BlockStreamer:
         if self.holds[s] == b:
             return
         blk = self.blocks[b]
-        src = self.store.arena[blk.start : blk.end]
-        dst = self.buffers[s][: blk.nbytes]
         self.holds[s] = b
-        if self.cuda:
-            with torch.cuda.stream(self.copy_stream):
-                if self.free_recorded[s]:
-                    self.copy_stream.wait_event(self.free[s])
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(self.copy_stream)
-                dst.copy_(src, non_blocking=True)
-                end.record(self.copy_stream)
-                self.ready[s].record(self.copy_stream)
-                self._copy_events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            self.copy_s += time.perf_counter() - t0
-            self.copy_wait_s = self.copy_s  # synchronous: every copy is waited for
-        self.bytes_h2d += blk.nbytes
+        self._copy(s, self.buffers[s][: blk.nbytes], self.store.arena[blk.start : blk.end],
+                   self.ready[s] if self.cuda else None)
         self.copies += 1
-        self.peak_resident = max(self.peak_resident, sum(h is not None for h in self.holds))
+        self.peak_resident = max(self.peak_resident, sum(h is not None and h >= 0 for h in self.holds))
+
+    def load_head(self, host: torch.Tensor) -> torch.Tensor:
+        """Copy the lm_head weight into its lent buffer; returns the device view."""
+        nbytes = host.numel() * host.element_size()
+        dst = self.head_region[:nbytes].view(host.dtype).view(host.shape)
+        if self.head_slot is not None:
+            self.holds[self.head_slot] = HEAD
+        self._copy(self.head_slot, dst, host, self.head_ready if self.cuda else None)
+        return dst
+
+    def acquire_head(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.head_ready)
+
+    def release_head(self) -> None:
+        """The head's backward is enqueued: its buffer may be refilled after it."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            self.head_free.record(stream)
+            self.head_free_recorded = True
+            if self.head_slot is not None:
+                self.free[self.head_slot].record(stream)
+                self.free_recorded[self.head_slot] = True
 
     def acquire(self, b: int) -> None:
         """Make the compute stream wait until block b is in its buffer."""
@@ -155,7 +209,9 @@ class PorosTrainer(Trainer):
             store.pin()
         model = QLoRAModel(store, cfg, self.device, host_io=True)
         self.blocks = plan_blocks(store, cfg.block_size)
-        self.streamer = BlockStreamer(store, self.blocks, self.device)
+        head = model.hf.get_output_embeddings().weight
+        self.head_bytes = head.numel() * head.element_size()
+        self.streamer = BlockStreamer(store, self.blocks, self.device, head_bytes=self.head_bytes)
         self.block_of = {}
         for blk in self.blocks:
             buf = self.streamer.buffers[self.streamer.slot(blk.index)]
@@ -171,9 +227,11 @@ class PorosTrainer(Trainer):
         return model
 
     # --- embeddings and lm_head: host memory, on the device only while needed ----------------
+    # --- embeddings and lm_head: host memory, on the device only while needed ----------------
     def _patch_io(self, model: QLoRAModel) -> None:
         """Embedding lookups run on the host (a gather is exact anywhere); the lm_head weight is
-        copied in during the last block's forward and dropped after the head's backward."""
+        copied into a lent block buffer during the last block's forward, used by the head, and
+        the buffer handed back after the head's backward."""
         emb, head = model.hf.get_input_embeddings(), model.hf.get_output_embeddings()
         emb.to("cpu")
         emb_forward = type(emb).forward.__get__(emb)
@@ -185,31 +243,18 @@ class PorosTrainer(Trainer):
             for name in model.host_names:
                 if self.store.dense[name].data_ptr() == self._head_host.data_ptr():
                     self.store.pin_dense(name)
-        self.head_bytes = self._head_host.numel() * self._head_host.element_size()
-        self._head_ready = torch.cuda.Event() if self.streamer.cuda else None
         bias = head.bias
 
         def head_forward(x):
-            if self._head_dev is None:  # not prefetched (e.g. called outside a poros step)
+            if self._head_dev is None:  # not prefetched (called outside a poros step)
                 self._prefetch_head()
-            if self._head_ready is not None:
-                torch.cuda.current_stream(device).wait_event(self._head_ready)
+            self.streamer.acquire_head()
             return torch.nn.functional.linear(x, self._head_dev, bias)
 
         head.forward = head_forward
 
     def _prefetch_head(self) -> None:
-        w = torch.empty_like(self._head_host, device=self.device)
-        if self.streamer.cuda:
-            # w may reuse memory freed by compute-stream work still in flight: order after it
-            self.streamer.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.streamer.copy_stream):
-                w.copy_(self._head_host, non_blocking=True)
-                self._head_ready.record(self.streamer.copy_stream)
-        else:
-            w.copy_(self._head_host)
-        self.streamer.bytes_h2d += self.head_bytes
-        self._head_dev = w
+        self._head_dev = self.streamer.load_head(self._head_host.detach())
 
     # --- layer interception ---------------------------------------------------------------
     def _patch_layers(self, model: QLoRAModel) -> None:
@@ -275,6 +320,7 @@ class PorosTrainer(Trainer):
             loss.backward()
             grad = self._leaf.grad
             self._leaf = self._head_dev = None
+            self.streamer.release_head()
             for blk in reversed(self.blocks):
                 self.streamer.acquire(blk.index)
                 self.streamer.prefetch(blk.index - 1)

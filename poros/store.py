@@ -169,8 +169,9 @@ def pin_in_place(t: torch.Tensor) -> bool:
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
-    """An uninitialised host byte buffer of exactly `nbytes` (no allocator rounding)."""
-    return torch.empty(nbytes, dtype=torch.uint8)
+    """A zeroed host byte buffer of exactly `nbytes` (no allocator rounding); zeroed so the
+    alignment padding is deterministic and identical builds are identical bytes."""
+    return torch.zeros(nbytes, dtype=torch.uint8)
 
 
 __all__ = [

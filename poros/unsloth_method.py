@@ -1,10 +1,35 @@
-"""Unsloth as a third method (GPU only): FastLanguageModel with 4-bit weights and LoRA."""
+"""Unsloth as a third method (GPU only), measured like the others.
+
+Unsloth patches transformers, peft and bitsandbytes globally when imported and when it loads a
+model, so every Unsloth cell runs in its own child process (`python -m poros.unsloth_method`):
+the resident and poros cells of the same session keep running stock code. The child loads the
+same NF4 weights, written by `poros.export` as a pre-quantized bitsandbytes checkpoint, through
+FastLanguageModel, adds LoRA on the same projections with Unsloth's default gradient
+checkpointing, and trains on the same synthetic batches with the same AdamW.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 from poros.errors import CapabilityError
+
+ENV = {
+    "HF_HUB_OFFLINE": "1",  # no hub look-ups, statistics or model-name tables
+    "UNSLOTH_DISABLE_STATISTICS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+RESULT = "POROS_UNSLOTH_RESULT "
 
 
 def unavailable(device: str) -> str | None:
@@ -16,7 +41,113 @@ def unavailable(device: str) -> str | None:
     return None
 
 
-class UnslothTrainer:  # replaced below once implemented
-    def __init__(self, store, cfg):
-        why = unavailable(cfg.device.value)
-        raise CapabilityError(why or "unsloth method not available")
+def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print):
+    """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record."""
+    from poros.export import export_bnb4bit
+
+    why = unavailable(cfg.device.value)
+    if why:
+        raise CapabilityError(why)
+    root = Path(workdir or os.environ.get("POROS_WORKDIR") or tempfile.gettempdir())
+    folder = Path(tempfile.mkdtemp(prefix="poros-unsloth-", dir=root))
+    try:
+        t0 = time.perf_counter()
+        export_bnb4bit(store, folder)
+        log(f"  unsloth: exported the NF4 checkpoint to {folder} in {time.perf_counter() - t0:.1f} s")
+        cmd = [sys.executable, "-m", "poros.unsloth_method", str(folder), "--steps", str(steps), "--passes", str(passes),
+               "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
+        env = {**os.environ, **ENV, "UNSLOTH_COMPILE_LOCATION": str(root / "unsloth_compiled_cache")}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        record, tail = None, []
+        for line in proc.stdout:
+            if line.startswith(RESULT):
+                record = json.loads(line[len(RESULT):])
+            else:
+                tail = (tail + [line.rstrip()])[-30:]
+                if line.startswith("  unsloth"):
+                    log(line.rstrip())
+        if proc.wait() != 0 or record is None:
+            raise CapabilityError(f"unsloth child failed (exit {proc.returncode}): " + " | ".join(tail[-8:]))
+        return record
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _child(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m poros.unsloth_method")
+    p.add_argument("checkpoint")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--passes", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--config", required=True, help="TrainConfig as JSON")
+    args = p.parse_args(argv)
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    from unsloth import FastLanguageModel  # must precede transformers and peft
+
+    import torch
+
+    from poros.bench import NvmlPeak
+    from poros.config import TrainConfig
+    from poros.data import synthetic_step
+    from poros.train import sdpa_context
+
+    cfg = TrainConfig(**json.loads(args.config))
+    torch.cuda.reset_peak_memory_stats()
+    with NvmlPeak() as nvml:
+        model, _ = FastLanguageModel.from_pretrained(
+            args.checkpoint, load_in_4bit=True, max_seq_length=cfg.seq_len, dtype=torch.bfloat16,
+            local_files_only=True, use_exact_model_name=True)
+        model = FastLanguageModel.get_peft_model(
+            model, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0, bias="none",
+            target_modules=list(cfg.lora_targets), use_gradient_checkpointing="unsloth", random_state=cfg.seed)
+        import bitsandbytes as bnb
+
+        n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+        if n4 == 0:
+            raise SystemExit("unsloth loaded no 4-bit layers (bitsandbytes unavailable?)")
+        params = [q for q in model.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        model.train()
+        vocab = model.config.vocab_size
+        per_pass, step = [], 0
+        for n in range(args.warmup + args.passes):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for s in range(args.steps):
+                for b in synthetic_step(vocab, cfg.seq_len, cfg.batch_size, cfg.grad_accum, seed=cfg.data_seed, step=step):
+                    with sdpa_context(cfg.attention):
+                        loss = model(input_ids=b.input_ids.cuda(), labels=b.labels.cuda()).loss / cfg.grad_accum
+                        loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step += 1
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            kind = "warm-up" if n < args.warmup else f"pass {n - args.warmup + 1}/{args.passes}"
+            print(f"  unsloth {kind}: {args.steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
+            if n >= args.warmup:
+                per_pass.append(dt)
+    per_step = [t / args.steps for t in per_pass]
+    print(RESULT + json.dumps({
+        "per_pass_s": per_pass,
+        "s_per_step_median": statistics.median(per_step),
+        "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,
+        "linear4bit_modules": n4,
+        "unsloth_version": _version("unsloth"),
+    }), flush=True)
+    return 0
+
+
+def _version(pkg: str):
+    import importlib.metadata as md
+
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

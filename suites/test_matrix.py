@@ -69,13 +69,21 @@ def test_step(session, cell, benchmark):
         import torch
 
         torch.cuda.reset_peak_memory_stats()
-    trainer = make_trainer(cell.method, store, cfg)
-    try:
-        meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, benchmark=benchmark, label=cell.method.value)
-    finally:
-        trainer.close()
-        del trainer
-        free_device_memory()
+    if cell.method is Method.UNSLOTH:  # a child process: Unsloth patches libraries globally
+        from poros.bench import Measurement
+        from poros.unsloth_method import measure_unsloth
+
+        child = measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress)
+        meas = Measurement(child["per_pass_s"], [], child["peak_vram_gb"], child["peak_vram_nvml_gb"])
+    else:
+        trainer = make_trainer(cell.method, store, cfg)
+        try:
+            meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, benchmark=benchmark,
+                           label=cell.method.value)
+        finally:
+            trainer.close()
+            del trainer
+            free_device_memory()
     row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type)
     session.writer.append(row)
     benchmark.extra_info.update({k: row[k] for k in (

@@ -25,12 +25,15 @@ def test_blocks_cover_layers_contiguously(store, block):
 
 
 def expected_copies(n_blocks: int, steps: int) -> int:
-    """Block copies for `steps` steps: forward loads 0..B-1 except the two the previous
-    backward left resident (first step: all), backward loads B-3..0 (the turn's two stay)."""
-    if n_blocks <= N_BUFFERS:
-        return n_blocks
-    first = n_blocks + (n_blocks - N_BUFFERS)
-    later = 2 * (n_blocks - N_BUFFERS)
+    """Block copies for `steps` steps. Forward loads 0..B-1 except the two the previous backward
+    left resident (first step: all). The lm_head borrows B-2's buffer, so backward reloads B-2
+    and loads B-3..0; only B-1 stays resident across the turn."""
+    if steps == 0:
+        return 0
+    if n_blocks == 1:
+        return 1
+    first = n_blocks + (n_blocks - 1)
+    later = (n_blocks - N_BUFFERS) + (n_blocks - 1)
     return first + later * (steps - 1)
 
 
