@@ -164,10 +164,22 @@ class Measurement:
     peak_vram_nvml_gb: float | None = None
 
 
+_writer = None
+
+
+def set_progress_writer(writer) -> None:
+    """Route progress to pytest's terminal writer, which bypasses output capture."""
+    global _writer
+    _writer = writer
+
+
 def progress(msg: str) -> None:
     """Progress on the real terminal, even while pytest captures output."""
-    stream = sys.__stderr__ or sys.stderr
-    print(msg, file=stream, flush=True)
+    if _writer is not None:
+        _writer.line(msg)
+        _writer.flush()
+    else:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, benchmark=None, label: str = "") -> Measurement:

@@ -91,7 +91,7 @@ def compare_base_weights(cmp: Comparator, resident: Trainer, poros: PorosTrainer
 
 def run_gate(
     resident: Trainer,
-    poros: PorosTrainer,
+    poros: Trainer,
     steps: int,
     *,
     verify_initial: bool = True,
@@ -108,7 +108,7 @@ def run_gate(
     result = ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
                           block_size=cfg.block_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum)
     ok = True
-    if verify_initial:
+    if verify_initial and isinstance(poros, PorosTrainer):
         ok &= compare_base_weights(cmp, resident, poros)
         ok &= cmp.all_equal("init:", resident.lora_state(), poros.lora_state())
     step = 0
@@ -143,15 +143,18 @@ def parity(
     mutate: Callable[[Trainer, PorosTrainer], None] | None = None,
     verify_initial: bool = True,
     progress: bool | None = None,
+    control: bool = False,
 ) -> ParityResult:
     """Build the model once, set up resident and poros from it, and run the gate.
 
     `mutate(resident, poros)` runs after setup (negative controls use it to corrupt one side).
+    `control=True` compares resident with a second resident instead: a FAIL there means the
+    kernels themselves (e.g. an attention backward) are not run-to-run repeatable here.
     """
     if store is None:
         store, _ = build_store(cfg.model, seed=cfg.seed, device=cfg.device.value, progress=progress)
     resident = ResidentTrainer(store, cfg)
-    poros = PorosTrainer(store, cfg)
+    poros = ResidentTrainer(store, cfg) if control else PorosTrainer(store, cfg)
     if mutate is not None:
         mutate(resident, poros)
     return run_gate(resident, poros, steps, verify_initial=verify_initial)

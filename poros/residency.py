@@ -353,5 +353,17 @@ class PorosTrainer(Trainer):
         self.streamer.reset_counters()
         return super().step(batches)
 
+    def close(self) -> None:
+        # the patched forwards close over self: drop them so nothing keeps the buffers alive
+        for layer in self.qlora.layers:
+            layer.__dict__.pop("forward", None)
+        for m in (self.qlora.hf.get_input_embeddings(), self.qlora.hf.get_output_embeddings()):
+            m.__dict__.pop("forward", None)
+        self._inputs.clear()
+        self._calls.clear()
+        self._head_dev = self._leaf = None
+        del self.streamer
+        super().close()
+
     def counters(self) -> dict:
         return self.streamer.counters()

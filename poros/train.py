@@ -107,9 +107,14 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Release device memory held by this trainer."""
+        """Release device memory held by this trainer (now, not at the next gc cycle)."""
+        import gc
+
         self.optimizer.state.clear()
+        for _, p in self.params:
+            p.grad = None
         del self.model, self.qlora, self.params, self.optimizer
+        gc.collect()
 
 
 class ResidentTrainer(Trainer):

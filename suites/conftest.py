@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from poros.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device
+from poros.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, set_progress_writer
 from poros.matrix import load_matrix
 
 
@@ -12,6 +12,10 @@ def _matrix(config):
     m = load_matrix(config.getoption("--matrix"))
     reduced = m.with_overrides(config.getoption("--steps"), config.getoption("--passes"))
     return m, reduced
+
+
+def pytest_configure(config):
+    set_progress_writer(config.get_terminal_writer())
 
 
 def pytest_generate_tests(metafunc):

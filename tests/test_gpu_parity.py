@@ -8,6 +8,7 @@ gate (resident vs poros, torch.equal on every tensor) and prints its JSON line.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -34,6 +35,7 @@ def test_gpu_parity(model):
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN)
     store, stats = build_store(model, device="cuda")
     print(f"\nbuild {model}: {stats.seconds:.1f} s, NF4 store {stats.store_bytes / 1e9:.2f} GB")
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     poros = PorosTrainer(store, cfg)
@@ -49,5 +51,7 @@ def test_gpu_parity(model):
     poros = PorosTrainer(store, cfg)
     result = run_gate(resident, poros, STEPS)
     print(result.json())
-    print(f"poros peak VRAM (alone, one step): {poros_peak:.2f} GB")
+    print(f"poros peak VRAM (alone, 3 steps): {poros_peak:.2f} GB")
+    resident.close()
+    poros.close()
     assert result.ok, f"{model}: first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"

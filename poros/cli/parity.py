@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(p)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    p.add_argument("--control", action="store_true",
+                   help="compare resident with a second resident run: is this stack repeatable at all?")
     p.set_defaults(run=run)
 
 
@@ -64,6 +66,6 @@ def run(args) -> int:
     cfg = train_config(args)
     if args.steps <= 0:
         raise ConfigError([f"steps: expected an integer > 0, got {args.steps}"], "poros parity")
-    result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty())
+    result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty(), control=args.control)
     print(result.json(), flush=True)
     return 0 if result.ok else 1
