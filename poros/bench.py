@@ -62,6 +62,7 @@ def train_config(m: Matrix, model: str) -> TrainConfig:
         block_size=m.block_size,
         attention=m.attention,
         device=matrix_device(m),
+        deterministic=m.deterministic,
     )
 
 
@@ -250,7 +251,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "status": status,
         "error": error,
         "config": {**{k: v for k, v in cfg.as_dict().items() if k in (
-            "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention", "device")},
+            "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention", "device",
+            "deterministic")},
             "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "provenance": provenance(),
     }

@@ -65,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     data_seed: int = 1234
     pin_memory: bool = True
+    deterministic: bool = False  # torch.use_deterministic_algorithms: repeatable attention backward
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

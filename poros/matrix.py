@@ -71,6 +71,8 @@ class Matrix:
     warmup_passes: int = 1
     attention: Attention = Attention.DEFAULT
     device: Device | None = None
+    deterministic: bool = False
+    parity_steps: int = 3
     source: str = ""
 
     def with_overrides(self, steps: int | None = None, passes: int | None = None) -> "Matrix":
@@ -92,7 +94,7 @@ class Matrix:
             ("LoRA", f"rank {self.lora_rank}, alpha {self.lora_alpha}"),
             ("Block size (poros)", str(self.block_size)),
             ("Dataset", f"`{self.dataset}`"),
-            ("Attention", self.attention.value),
+            ("Attention", self.attention.value + (" (deterministic algorithms)" if self.deterministic else "")),
             ("Methods", ", ".join(m.value for m in self.methods)),
             ("Software stacks", "; ".join(s.label() for s in self.stacks)),
         ]
@@ -100,7 +102,7 @@ class Matrix:
 
 _REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size")
 _REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
-_OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device")
+_OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "parity_steps")
 
 
 def _is_int(v) -> bool:
@@ -149,7 +151,9 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     for k in _REQUIRED:
         if k not in data:
             problems.append(f"{k}: missing required key")
-    for k in _REQUIRED_INT + ("warmup_passes",):
+    if "deterministic" in data and not isinstance(data["deterministic"], bool):
+        problems.append(f"deterministic: expected true or false, got {data['deterministic']!r}")
+    for k in _REQUIRED_INT + ("warmup_passes", "parity_steps"):
         if k in data and not (_is_int(data[k]) and data[k] >= (0 if k == "warmup_passes" else 1)):
             problems.append(f"{k}: expected an integer >= {0 if k == 'warmup_passes' else 1}, got {data[k]!r}")
     for k in ("name", "hardware", "precision", "dataset"):
@@ -206,6 +210,8 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         warmup_passes=data.get("warmup_passes", 1),
         attention=attention,
         device=device,
+        deterministic=data.get("deterministic", False),
+        parity_steps=data.get("parity_steps", 3),
         source=source,
     )
 

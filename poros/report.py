@@ -189,7 +189,8 @@ def _config_table(df: pd.DataFrame, hw: str) -> str:
         ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
         ("Block size (poros)", _uniq(b for b, m in zip(cfg("block_size"), df["method"]) if m == "poros")),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
-        ("Attention", _uniq(cfg("attention"))),
+        ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"
+                            for a, d in zip(cfg("attention"), cfg("deterministic")))),
         ("Methods", ", ".join(METHODS[m] for m in methods)),
         ("Software stacks", _uniq(df["stack"], " and ") + ("" if bnb == DASH else f", bitsandbytes {bnb}")),
     ]

@@ -30,6 +30,20 @@ def sdpa_context(attention: Attention):
     return sdpa_kernel([backend])
 
 
+def enable_determinism() -> None:
+    """Ask every kernel for its run-to-run repeatable variant (process-wide).
+
+    On the H200, the default SDPA backward (flash / cuDNN) accumulates dQ with atomics, so its
+    bits change with timing: resident against resident differed for qwen3-32b, and poros's
+    concurrent host->device copies perturb timing further. cuBLAS needs a fixed workspace
+    configuration for repeatability (set before its first handle is created).
+    """
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 @dataclass
 class StepResult:
     loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step
@@ -47,6 +61,8 @@ class Trainer:
 
     def __init__(self, store: NF4Store, cfg: TrainConfig):
         check_seq_len(store.config, cfg.seq_len)
+        if cfg.deterministic:
+            enable_determinism()
         self.store, self.cfg = store, cfg
         self.device = torch.device(cfg.device.value)
         self.qlora = self._make_model()

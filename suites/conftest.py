@@ -44,7 +44,7 @@ class Session:
     def __init__(self, config):
         self.full, self.matrix = _matrix(config)
         self.reduced = (self.matrix.steps, self.matrix.passes) != (self.full.steps, self.full.passes)
-        self.parity_steps = config.getoption("--parity-steps") or min(3, self.matrix.steps)
+        self.parity_steps = config.getoption("--parity-steps") or self.matrix.parity_steps
         self.writer = ResultsWriter(config.getoption("--results"))
         self.resume = config.getoption("--resume")
         self.device = matrix_device(self.matrix)

@@ -26,6 +26,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-pin", action="store_true", help="do not page-lock the host store (much slower copies)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms for both methods (repeatable attention backward)")
 
 
 def train_config(args):
@@ -46,6 +48,7 @@ def train_config(args):
         device=device,
         seed=args.seed,
         pin_memory=not args.no_pin,
+        deterministic=args.deterministic,
     )
 
 
