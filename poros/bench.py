@@ -169,7 +169,7 @@ _writer = None
 
 
 def set_progress_writer(writer) -> None:
-    """Route progress to pytest's terminal writer, which bypasses output capture."""
+    """Route progress through `writer(msg)` (the suites pass one that bypasses pytest's capture)."""
     global _writer
     _writer = writer
 
@@ -177,8 +177,7 @@ def set_progress_writer(writer) -> None:
 def progress(msg: str) -> None:
     """Progress on the real terminal, even while pytest captures output."""
     if _writer is not None:
-        _writer.line(msg)
-        _writer.flush()
+        _writer(msg)
     else:
         print(msg, file=sys.stderr, flush=True)
 

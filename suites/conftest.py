@@ -14,8 +14,20 @@ def _matrix(config):
     return m, reduced
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal plugin has registered its reporter
 def pytest_configure(config):
-    set_progress_writer(config.get_terminal_writer())
+    tw = config.get_terminal_writer()
+    capman = config.pluginmanager.getplugin("capturemanager")
+
+    def line(msg: str) -> None:
+        if capman is None:
+            tw.line(msg)
+        else:
+            with capman.global_and_fixture_disabled():  # fd-level capture would swallow it
+                tw.line(msg)
+        tw.flush()
+
+    set_progress_writer(line)
 
 
 def pytest_generate_tests(metafunc):
@@ -38,6 +50,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=key)
 
 
+def pytest_collection_finish(session):
+    session.config._poros_cells = sum(1 for item in session.items if "cell" in getattr(item, "fixturenames", ()))
+
+
 class Session:
     """State shared by the cells of one run: matrix, results file, store cache, gate outcomes."""
 
@@ -50,7 +66,7 @@ class Session:
         self.device = matrix_device(self.matrix)
         self.stores = StoreCache(self.device)
         self.gates: dict[tuple, object] = {}
-        self.total = len(matrix_cells(self.matrix))
+        self.total = getattr(config, "_poros_cells", None) or len(matrix_cells(self.matrix))
         self.index = 0
 
 
