@@ -57,6 +57,8 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         cmd = [sys.executable, "-m", "poros.unsloth_method", str(folder), "--steps", str(steps), "--passes", str(passes),
                "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
         env = {**os.environ, **ENV, "UNSLOTH_COMPILE_LOCATION": str(root / "unsloth_compiled_cache")}
+        if not cfg.deterministic:  # poros's determinism mode may have set it in this process
+            env.pop("CUBLAS_WORKSPACE_CONFIG", None)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         record, tail = None, []
         for line in proc.stdout:

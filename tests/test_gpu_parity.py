@@ -3,7 +3,8 @@
     POROS_GPU_TEST_MODEL=qwen2.5-72b pytest -m gpu tests/test_gpu_parity.py -s
 
 POROS_GPU_TEST_MODEL takes registry names or checkpoint folders, comma-separated; each runs the
-gate (resident vs poros, torch.equal on every tensor) and prints its JSON line.
+gate (resident vs poros, torch.equal on every tensor) and prints its JSON line. The attention
+backend is math unless POROS_GPU_TEST_ATTENTION says otherwise (see matrices/h200.yaml).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tests.capabilities import requires_gpu
 MODELS = [m.strip() for m in os.environ.get("POROS_GPU_TEST_MODEL", "qwen2.5-32b").split(",") if m.strip()]
 STEPS = int(os.environ.get("POROS_GPU_TEST_STEPS", "2"))
 SEQ = int(os.environ.get("POROS_GPU_TEST_SEQ", "512"))
-ATTN = os.environ.get("POROS_GPU_TEST_ATTENTION", "default")
+# math: on the H200 the default SDPA backward was not run-to-run repeatable (resident vs resident
+# differed for qwen3-32b); POROS_GPU_TEST_ATTENTION=default tries it anyway.
+ATTN = os.environ.get("POROS_GPU_TEST_ATTENTION", "math")
 
 
 @pytest.mark.gpu
