@@ -32,9 +32,21 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _poros_version() -> str:
+    import poros
+
+    return _version("poros") or poros.__version__
+
+
 def git_info() -> dict:
+    """Commit and dirty flag of the checkout; POROS_GIT_COMMIT stands in where the tree was
+    copied without its .git (e.g. onto a GPU machine)."""
+    import os
+
     commit = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
+    if commit is None and os.environ.get("POROS_GIT_COMMIT"):
+        return {"commit": os.environ["POROS_GIT_COMMIT"], "dirty": None, "source": "POROS_GIT_COMMIT"}
     return {"commit": commit, "dirty": None if dirty is None else bool(dirty)}
 
 
@@ -74,7 +86,7 @@ def _static() -> dict:
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "versions": {p: _version(p) for p in PACKAGES},
+        "versions": {**{p: _version(p) for p in PACKAGES}, "poros": _poros_version()},
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,

@@ -2,3 +2,5 @@
 export PYTHONPATH=$PWD/.devpkgs/site:$PWD
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 poros() { python3 -m poros "$@"; }
+# The copied tree has no .git: pass the commit in, e.g. `export POROS_GIT_COMMIT=$(git rev-parse HEAD)`
+# evaluated here before the call, so results record what ran.
