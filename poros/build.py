@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -237,7 +237,7 @@ def build_store(
         print(file=sys.stderr)
     in_layers = {id(p) for p in layers.parameters()}
     tied = getattr(src.config, "tie_word_embeddings", False)
-    for mname, module in model.named_modules():
+    for k, (mname, module) in enumerate(model.named_modules()):
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in in_layers]
         own = [(n, p) for n, p in own if p.is_meta and not (tied and f"{mname}.{n}" == "lm_head.weight")]
         if not own:
@@ -246,7 +246,7 @@ def build_store(
         with torch.no_grad():
             if reader is None:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    torch.manual_seed(seed * LAYER_SEED_STRIDE - 1 - len(dense))
+                    torch.manual_seed(seed * LAYER_SEED_STRIDE - 1 - k)  # apart from every layer's seed
                     model._init_weights(module)
             else:
                 for n, p in module.named_parameters(recurse=False):
@@ -258,8 +258,3 @@ def build_store(
     store = NF4Store(src.config, layouts, arena, dense, code.to("cpu"), source=src.name)
     return store, BuildStats(time.perf_counter() - t0, total, len(layers), str(device), peak)
 
-
-def iter_layer_weights(store: NF4Store) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(module name, packed weight, absmax) of every NF4 matrix, as views of the arena."""
-    for slot in store.slots():
-        yield slot.name, weight_view(store.arena, slot), absmax_view(store.arena, slot)

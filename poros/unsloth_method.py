@@ -109,7 +109,7 @@ def _child(argv: list[str]) -> int:
         if n4 == 0:
             raise SystemExit("unsloth loaded no 4-bit layers (bitsandbytes unavailable?)")
         params = [q for q in model.parameters() if q.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)  # as poros.train
         model.train()
         vocab = model.config.vocab_size
         per_pass, step = [], 0
