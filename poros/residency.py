@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from poros.errors import CapabilityError
 from poros.modeling import QLoRAModel, bind_nf4
 from poros.store import ALIGN, NF4Store, absmax_view, weight_view
 from poros.train import Trainer, sdpa_context
@@ -227,7 +228,6 @@ class PorosTrainer(Trainer):
         return model
 
     # --- embeddings and lm_head: host memory, on the device only while needed ----------------
-    # --- embeddings and lm_head: host memory, on the device only while needed ----------------
     def _patch_io(self, model: QLoRAModel) -> None:
         """Embedding lookups run on the host (a gather is exact anywhere); the lm_head weight is
         copied into a lent block buffer during the last block's forward, used by the head, and
@@ -258,7 +258,7 @@ class PorosTrainer(Trainer):
 
     # --- layer interception ---------------------------------------------------------------
     def _patch_layers(self, model: QLoRAModel) -> None:
-        self._mode = "resident"
+        self._mode = "plain"  # "stream" only inside a poros forward
         self._inputs: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
         for i, layer in enumerate(model.layers):
@@ -280,7 +280,8 @@ class PorosTrainer(Trainer):
             hidden, rest, kw_hidden = args[0], args[1:], False
         for t in list(rest) + list(kwargs.values()):
             if torch.is_tensor(t) and t.requires_grad and t is not hidden:
-                raise NotImplementedError("poros: a layer argument other than the hidden state requires grad")
+                raise CapabilityError(f"layer {i}: an argument other than the hidden state requires grad; "
+                                      "poros recomputes layers from their input alone")
         if i == blk.first:
             self.streamer.acquire(blk.index)
             self.streamer.prefetch(blk.index + 1)
@@ -315,7 +316,7 @@ class PorosTrainer(Trainer):
             try:
                 out = self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
             finally:
-                self._mode = "resident"
+                self._mode = "plain"
             loss = out.loss / self.cfg.grad_accum
             loss.backward()
             grad = self._leaf.grad
