@@ -66,6 +66,19 @@ def train_config(m: Matrix, model: str) -> TrainConfig:
     )
 
 
+CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU
+
+
+def model_unavailable(model: str, device: str) -> str | None:
+    """Declared gate: full-size shapes are not run on a CPU (tiny ones and checkpoints are)."""
+    from poros.registry import SHAPES
+
+    shape = SHAPES.get(model)
+    if device == "cpu" and shape is not None and (shape.published_params or 0) > CPU_PARAM_LIMIT:
+        return f"{model} has {shape.published_params / 1e9:.1f}B parameters: run it on a GPU (device: cuda)"
+    return None
+
+
 def method_unavailable(method: Method, device: str) -> str | None:
     """Declared capability gates for each method (None when it can run here)."""
     if method is Method.UNSLOTH:

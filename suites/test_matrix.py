@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from poros.bench import free_device_memory, make_trainer, measure, method_unavailable, progress, record, train_config
+from poros.bench import (
+    free_device_memory,
+    make_trainer,
+    measure,
+    method_unavailable,
+    model_unavailable,
+    progress,
+    record,
+    train_config,
+)
 from poros.config import Method
 
 pytestmark = pytest.mark.bench
@@ -19,7 +28,7 @@ def _announce(session, cell):
 
 
 def _skip_if_not_runnable(session, cell):
-    why = cell.stack.mismatch()
+    why = cell.stack.mismatch() or model_unavailable(cell.model, session.device)
     if why:
         pytest.skip(why)
     if cell.method is not None:

@@ -1,0 +1,109 @@
+"""The harness: cell order, capability gates, results rows, resume, and the suites end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poros.bench import ResultsWriter, matrix_cells, model_unavailable
+from poros.matrix import load_matrix, parse_matrix
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = dict(name="t", steps=2, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
+            lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"])
+
+
+def test_cells_run_model_by_model_parity_first():
+    m = load_matrix("cpu")
+    cells = matrix_cells(m)
+    assert len(cells) == len(m.models) * (1 + len(m.methods))
+    for i, model in enumerate(m.models):
+        chunk = cells[i * (1 + len(m.methods)) : (i + 1) * (1 + len(m.methods))]
+        assert [c.model for c in chunk] == [model] * len(chunk)
+        assert chunk[0].method is None and [c.method for c in chunk[1:]] == list(m.methods)
+
+
+def test_cell_ids_read_like_report_rows():
+    m = load_matrix("cpu")
+    ids = [c.id for c in matrix_cells(m)]
+    assert "model=tiny-qwen3-stack=current-gate=parity" in ids
+    assert "model=tiny-qwen3-stack=current-method=poros" in ids
+
+
+def test_real_shapes_are_gated_off_the_cpu():
+    assert "GPU" in model_unavailable("qwen2.5-72b", "cpu")
+    assert model_unavailable("qwen2.5-72b", "cuda") is None
+    assert model_unavailable("tiny-qwen2", "cpu") is None
+
+
+def test_stack_mismatch_names_the_tox_env():
+    m = load_matrix("b300")
+    why = [s.mismatch() for s in m.stacks]
+    assert all(w and f"tox -e {s.name}" in w for w, s in zip(why, m.stacks))
+
+
+def test_results_writer_appends_and_reports_done(tmp_path):
+    w = ResultsWriter(tmp_path / "r.jsonl")
+    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok"})
+    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "resident", "status": "failed"})
+    w.append({"matrix": "u", "model": "a", "stack_name": "current", "method": "resident", "status": "ok"})
+    assert set(w.done("t")) == {("a", "current", "poros")}
+    assert len(w.rows()) == 3
+
+
+def _suite(tmp_path, matrix: dict, *extra, env=None):
+    path = tmp_path / "m.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(matrix))
+    parse_matrix(matrix)  # the fixture itself must be valid
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={path}", f"--results={results}",
+           "-q", "-p", "no:cacheprovider", "-rs", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    return proc, results
+
+
+def test_suite_writes_rows_and_resume_skips_them(tmp_path):
+    matrix = {**TINY, "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident"}  # unsloth: skipped without a GPU
+    for r in rows:
+        assert r["parity"] == "PASS" and r["parity_max_abs_diff"] == 0.0
+        assert len(r["per_pass_s"]) == 2 and r["s_per_step_median"] > 0
+        assert r["provenance"]["versions"]["torch"] and "commit" in r["provenance"]["git"]
+    poros_row = next(r for r in rows if r["method"] == "poros")
+    assert poros_row["bytes_h2d_per_step"] > 0
+    assert "unsloth needs a CUDA GPU" in proc.stdout
+    again, _ = _suite(tmp_path, matrix, "--resume")
+    assert again.returncode == 0
+    assert len(results.read_text().splitlines()) == len(rows)  # nothing re-measured
+    assert "already in results (--resume)" in again.stdout
+
+
+def test_a_parity_fail_fails_the_suite(tmp_path):
+    """Negative control: with the buffer-refill fault injected, the cells fail and rows say FAIL."""
+    import os
+
+    (tmp_path / "inject_fault.py").write_text(
+        "import poros.residency as r\n"
+        "orig = r.PorosTrainer._make_model\n"
+        "def _make_model(self):\n"
+        "    model = orig(self)\n"
+        "    self.fault_refill_before_backward = True\n"
+        "    return model\n"
+        "r.PorosTrainer._make_model = _make_model\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma3"]}
+    proc, results = _suite(tmp_path, matrix, "-p", "inject_fault", env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "parity FAIL" in proc.stdout
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert rows and all(r["parity"] == "FAIL" for r in rows)
