@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from poros.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, set_progress_writer
@@ -14,8 +16,15 @@ def _matrix(config):
     return m, reduced
 
 
-@pytest.hookimpl(trylast=True)  # after the terminal plugin has registered its reporter
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark reads its options
 def pytest_configure(config):
+    if getattr(config.option, "benchmark_json", "absent") is None:  # keep its JSON beside the results
+        config.option.benchmark_json = Path(config.getoption("--results")).with_name("benchmark.json")
+        config.option.benchmark_json.parent.mkdir(parents=True, exist_ok=True)
+
+
+def pytest_sessionstart(session):
+    config = session.config
     tw = config.get_terminal_writer()
     capman = config.pluginmanager.getplugin("capturemanager")
 
