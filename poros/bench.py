@@ -52,18 +52,7 @@ def matrix_device(m: Matrix) -> str:
 
 
 def train_config(m: Matrix, model: str) -> TrainConfig:
-    return TrainConfig(
-        model=model,
-        seq_len=m.seq_len,
-        batch_size=m.batch_size,
-        grad_accum=m.grad_accum,
-        lora_rank=m.lora_rank,
-        lora_alpha=m.lora_alpha,
-        block_size=m.block_size,
-        attention=m.attention,
-        device=matrix_device(m),
-        deterministic=m.deterministic,
-    )
+    return TrainConfig.from_settings(m, model=model, device=matrix_device(m))
 
 
 CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU

@@ -32,6 +32,10 @@ class Device(str, enum.Enum):
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+SHARED_SETTINGS = ("seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention",
+                   "deterministic")
+
+
 def _coerce_enum(obj, name: str, enum_cls: type[enum.Enum], problems: list[str]) -> None:
     value = getattr(obj, name)
     if isinstance(value, enum_cls):
@@ -89,6 +93,11 @@ class TrainConfig:
         _coerce_enum(self, "device", Device, problems)
         if problems:
             raise ConfigError(problems, source="TrainConfig")
+
+    @classmethod
+    def from_settings(cls, settings, *, model: str, device: str, **extra) -> "TrainConfig":
+        """Build from any object carrying the shared setting names (a Matrix, CLI arguments)."""
+        return cls(model=model, device=device, **{k: getattr(settings, k) for k in SHARED_SETTINGS}, **extra)
 
     def replace(self, **changes) -> "TrainConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -36,20 +36,8 @@ def train_config(args):
     from poros.config import TrainConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return TrainConfig(
-        model=args.model,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        block_size=args.block_size,
-        attention=args.attention,
-        device=device,
-        seed=args.seed,
-        pin_memory=not args.no_pin,
-        deterministic=args.deterministic,
-    )
+    return TrainConfig.from_settings(args, model=args.model, device=device, seed=args.seed,
+                                     pin_memory=not args.no_pin)
 
 
 def add_parser(sub) -> None:
