@@ -3,7 +3,7 @@
 #   scripts/h200_chunk.sh "qwen2.5-32b or qwen3-32b" 20 3
 # Finished cells are appended to results/h200/results.jsonl and kept when the chunk is cut off by
 # its time budget (BUDGET seconds, default 540); copy that file back into the checkout after each
-# call so the next chunk's --resume skips them. Needs .devpkgs carried (../shared/device/stage.sh).
+# call so the next chunk's --resume skips them. Needs .devpkgs carried (scripts/stage_device.sh).
 set -uo pipefail
 . scripts/device_env.sh
 export POROS_WORKDIR=${POROS_WORKDIR:-/tmp}
