@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from poros.bench import ResultsWriter, matrix_cells, model_unavailable
 from poros.matrix import load_matrix, parse_matrix
