@@ -47,32 +47,45 @@ def main() -> None:
         if shape.tiny:
             continue
         c = shape.config()
-        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        g = torch.Generator(device=dev).manual_seed(0)
-        mk = lambda h: torch.randn(1, h, args.seq, hd, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
-        q, k, v = mk(c.num_attention_heads), mk(c.num_key_value_heads), mk(c.num_key_value_heads)
-        go = mk(c.num_attention_heads)
-        row = {"model": name, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": hd}
+        layers = getattr(c, "per_layer_config", None) or [c]
+        seen = set()
+        for lc in layers:  # gemma4: sliding and full layers differ in head_dim / kv heads
+            heads, kv = lc.num_attention_heads, lc.num_key_value_heads
+            hd = getattr(lc, "head_dim", None) or c.hidden_size // heads
+            if (heads, kv, hd) not in seen:
+                seen.add((heads, kv, hd))
+                probe(name, heads, kv, hd, args, dev, host, sink, side)
+
+
+def make(h: int, hd: int, seq: int, dev, g) -> torch.Tensor:
+    return torch.randn(1, h, seq, hd, device=dev, dtype=torch.bfloat16, generator=g)
+
+
+def probe(name, heads, kv, hd, args, dev, host, sink, side) -> None:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (make(h, hd, args.seq, dev, g) for h in (heads, kv, kv))
+    go = make(heads, hd, args.seq, dev, g)
+    row = {"model": name, "heads": heads, "kv_heads": kv, "head_dim": hd}
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)
+        row["default_choice"] = SDPBackend(choice).name
+    except (RuntimeError, TypeError, AttributeError, ValueError) as e:  # private API: report, do not fail
+        row["default_choice"] = f"unknown ({type(e).__name__})"
+    for bname, backend in BACKENDS.items():
         try:
-            choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)
-            row["default_choice"] = SDPBackend(choice).name
-        except Exception as e:  # private API: report, do not fail
-            row["default_choice"] = f"unknown ({type(e).__name__})"
-        for bname, backend in BACKENDS.items():
-            try:
-                ref = run(q, k, v, go, backend)
-                same = True
-                for r in range(args.repeats):
-                    if r % 2:
-                        with torch.cuda.stream(side):
-                            sink.copy_(host, non_blocking=True)
-                    got = run(q, k, v, go, backend)
-                    same &= all(torch.equal(a, b) for a, b in zip(ref, got))
-                torch.cuda.synchronize()
-                row[bname] = "repeatable" if same else "NOT repeatable"
-            except RuntimeError as e:
-                row[bname] = f"unavailable: {str(e).splitlines()[0][:80]}"
-        print(json.dumps(row), flush=True)
+            ref = run(q, k, v, go, backend)
+            same = True
+            for r in range(args.repeats):
+                if r % 2:
+                    with torch.cuda.stream(side):
+                        sink.copy_(host, non_blocking=True)
+                got = run(q, k, v, go, backend)
+                same &= all(torch.equal(a, b) for a, b in zip(ref, got))
+            torch.cuda.synchronize()
+            row[bname] = "repeatable" if same else "NOT repeatable"
+        except RuntimeError as e:
+            row[bname] = f"unavailable: {str(e).splitlines()[0][:80]}"
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
