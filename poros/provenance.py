@@ -39,14 +39,14 @@ def _poros_version() -> str:
 
 
 def git_info() -> dict:
-    """Commit and dirty flag of the checkout; POROS_GIT_COMMIT stands in where the tree was
-    copied without its .git (e.g. onto a GPU machine)."""
+    """Commit and dirty flag of the checkout. POROS_GIT_COMMIT, when set, wins: a tree copied onto
+    a GPU machine may carry no .git, or a stale one that names an older commit than what runs."""
     import os
 
+    if os.environ.get("POROS_GIT_COMMIT"):
+        return {"commit": os.environ["POROS_GIT_COMMIT"], "dirty": None, "source": "POROS_GIT_COMMIT"}
     commit = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
-    if commit is None and os.environ.get("POROS_GIT_COMMIT"):
-        return {"commit": os.environ["POROS_GIT_COMMIT"], "dirty": None, "source": "POROS_GIT_COMMIT"}
     return {"commit": commit, "dirty": None if dirty is None else bool(dirty)}
 
 

@@ -4,8 +4,11 @@ Schedule of one micro-batch (the same modules and kernels as resident QLoRA, so 
 bitwise identical):
   forward   blocks 0..B-1 without autograd, keeping each block's input hidden state;
   head      final norm, lm_head and loss with autograd, from a leaf on the last hidden state;
-  backward  blocks B-1..0: recompute the block's forward from its saved input with autograd and
-            backpropagate the incoming gradient; LoRA grads accumulate as in resident training.
+  backward  blocks B-1..0, and within a block its layers last to first: recompute the layer's
+            forward from its saved input with autograd and backpropagate the incoming gradient;
+            LoRA grads accumulate as in resident training. Recomputing layer by layer rather than
+            block by block holds one layer's activations instead of K, for one saved input
+            (seq x hidden) per layer.
 Block b always lives in device buffer b % 2, so every Linear4bit is bound once to a fixed view.
 A buffer is refilled only after the compute stream has passed the event recorded when the last
 block using it finished its backward: bitsandbytes' MatMul4Bit keeps the packed weight on its
@@ -287,7 +290,7 @@ class PorosTrainer(Trainer):
             self.streamer.prefetch(blk.index + 1)
             if blk.index == len(self.blocks) - 1:
                 self._prefetch_head()
-            self._inputs[blk.index] = hidden
+        self._inputs[i] = hidden
         self._calls[i] = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
         with torch.no_grad():
             out = original(*args, **kwargs)
@@ -299,15 +302,13 @@ class PorosTrainer(Trainer):
             out = (self._leaf, *out[1:]) if isinstance(out, tuple) else self._leaf
         return out
 
-    def _recompute(self, blk) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self._inputs.pop(blk.index).detach().requires_grad_(True)
-        h = x
-        for i in range(blk.first, blk.stop):
-            rest, kwargs, kw_hidden = self._calls.pop(i)
-            layer = self.qlora.layers[i]
-            out = layer(*rest, hidden_states=h, **kwargs) if kw_hidden else layer(h, *rest, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
-        return x, h
+    def _recompute(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's forward again, with autograd, from its saved input: (input leaf, output)."""
+        x = self._inputs.pop(i).detach().requires_grad_(True)
+        rest, kwargs, kw_hidden = self._calls.pop(i)
+        layer = self.qlora.layers[i]
+        out = layer(*rest, hidden_states=x, **kwargs) if kw_hidden else layer(x, *rest, **kwargs)
+        return x, out[0] if isinstance(out, tuple) else out
 
     # --- the step -------------------------------------------------------------------------
     def forward_backward(self, batch):
@@ -325,11 +326,12 @@ class PorosTrainer(Trainer):
             for blk in reversed(self.blocks):
                 self.streamer.acquire(blk.index)
                 self.streamer.prefetch(blk.index - 1)
-                x, h = self._recompute(blk)
-                if self.fault_refill_before_backward:
-                    self._refill_wrong(blk)
-                torch.autograd.backward(h, grad)
-                grad = x.grad
+                for i in reversed(range(blk.first, blk.stop)):
+                    x, h = self._recompute(i)
+                    if self.fault_refill_before_backward and i == blk.stop - 1:
+                        self._refill_wrong(blk)
+                    torch.autograd.backward(h, grad)
+                    grad = x.grad
                 self.streamer.release(blk.index)
         return loss.detach()
 
