@@ -243,9 +243,9 @@ class PorosTrainer(Trainer):
         self._head_host = head.weight
         self._head_dev = None
         if self.device.type == "cuda" and self.cfg.pin_memory:
-            for name in model.host_names:
-                if self.store.dense[name].data_ptr() == self._head_host.data_ptr():
-                    self.store.pin_dense(name)
+            name = self._head_store_name()
+            if name is not None:
+                self.store.pin_dense(name)
         bias = head.bias
 
         def head_forward(x):
@@ -255,6 +255,12 @@ class PorosTrainer(Trainer):
             return torch.nn.functional.linear(x, self._head_dev, bias)
 
         head.forward = head_forward
+
+    def _head_store_name(self) -> str | None:
+        """The store's dense entry holding the lm_head weight (the embedding's, when tied: a tied
+        checkpoint has no `lm_head.weight` entry)."""
+        ptr = self._head_host.data_ptr()
+        return next((n for n, t in self.store.dense.items() if t.data_ptr() == ptr), None)
 
     def _prefetch_head(self) -> None:
         self._head_dev = self.streamer.load_head(self._head_host.detach())

@@ -69,3 +69,16 @@ def test_weight_buffers_are_allocated_once(store):
     hi = max(ptrs) + trainer.streamer.buffers[0].numel()
     for q in trainer.qlora.linear4bit.values():
         assert lo <= q.weight.data_ptr() < hi
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=["untied", "tied"])
+def test_the_lm_head_is_found_in_the_store_tied_or_not(model):
+    """The entry pinned for the lm_head copy: tied models store only the embedding (regression:
+    looking up `lm_head.weight` in the store raised KeyError for Gemma on CUDA)."""
+    store, _ = build_store(model)
+    poros = PorosTrainer(store, TrainConfig(model=model, seq_len=64, block_size=2))
+    name = poros._head_store_name()
+    assert name is not None and store.dense[name].data_ptr() == poros._head_host.data_ptr()
+    tied = bool(getattr(store.config, "tie_word_embeddings", False))
+    assert ("embed_tokens" in name) == tied, (name, tied)
+    poros.close()
