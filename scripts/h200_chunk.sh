@@ -10,10 +10,12 @@ export POROS_WORKDIR=${POROS_WORKDIR:-/tmp}
 keyword=$1 steps=${2:-20} passes=${3:-3}
 out=${OUT:-out}
 mkdir -p "$out"
-timeout "${BUDGET:-540}" python3 -m poros bench matrix matrices/h200.yaml -o results/h200 \
+# SIGINT, not SIGTERM: pytest then ends the session normally, so the cut-off chunk still writes
+# its pytest-benchmark JSON and summary (finished cells are in results.jsonl either way).
+timeout -s INT -k 30 "${BUDGET:-540}" python3 -m poros bench matrix matrices/h200.yaml -o results/h200 \
   --steps "$steps" --passes "$passes" --resume -k "$keyword" > "$out/bench.log" 2>&1
 echo "bench exit $?"
-grep -E '^\[cell|^  (parity|poros|resident|unsloth)[: ]|passed|failed' "$out/bench.log" | grep -v 'step [0-9]*/' | tail -40
+grep -E '^\[cell|^  (parity|poros|resident|unsloth)[: ]|passed|failed|Error' "$out/bench.log" | grep -v 'step [0-9]*/' | tail -40
 cp results/h200/results.jsonl "$out/results.jsonl" 2>/dev/null
 cp results/h200/benchmark.json "$out/benchmark.json" 2>/dev/null
 exit 0

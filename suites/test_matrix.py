@@ -57,7 +57,11 @@ def test_parity(session, cell):
     prior = [done.get((cell.model, cell.stack.name, m)) for m in ("poros", "resident")]
     if all(prior):
         pytest.skip("already in results (--resume)")
-    result = _gate(session, cell)
+    try:
+        result = _gate(session, cell)
+    except Exception as e:
+        progress(f"  parity gate FAILED to run: {type(e).__name__}: {str(e)[:200]}")
+        raise
     progress(f"  parity {result.parity}: {result.tensors_compared} tensors, {result.steps} steps, "
              f"first mismatch {result.first_mismatch}")
     assert result.ok, f"parity FAIL: first mismatching tensor {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
@@ -70,6 +74,19 @@ def test_step(session, cell, benchmark):
     if session.resume and cell.key in session.writer.done(m.name):
         pytest.skip("already in results (--resume)")
     cfg = train_config(m, cell.model)
+    try:
+        _measure_cell(session, cell, cfg, benchmark)
+    except Exception as e:  # nothing is lost: the failure is a row too (and --resume retries it)
+        if isinstance(e, AssertionError):  # a parity FAIL already wrote its rows
+            raise
+        session.writer.append(record(m, cell, cfg, None, None, reduced=session.reduced, status="failed",
+                                     error=f"{type(e).__name__}: {e}"[:500]))
+        progress(f"  {cell.method.value}: FAILED ({type(e).__name__}: {str(e)[:200]})")
+        raise
+
+
+def _measure_cell(session, cell, cfg, benchmark):
+    m = session.matrix
     gate = _gate(session, cell) if cell.method in (Method.POROS, Method.RESIDENT) and {
         Method.POROS, Method.RESIDENT} <= set(m.methods) else None
     store = session.stores.get(cell.model)

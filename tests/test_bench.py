@@ -106,3 +106,29 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
     assert "parity FAIL" in proc.stdout
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert rows and all(r["parity"] == "FAIL" for r in rows)
+
+
+def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
+    """Nothing is lost: an exception in a cell (here: poros setup) is recorded as a `failed` row with
+    its message, the suite exits 1, the report shows FAIL, and --resume retries the cell."""
+    import os
+
+    (tmp_path / "inject_error.py").write_text(
+        "import poros.residency as r\n"
+        "def _make_model(self):\n"
+        "    raise RuntimeError('injected setup error')\n"
+        "r.PorosTrainer._make_model = _make_model\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    proc, results = _suite(tmp_path, matrix, "-p", "inject_error", env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident"}  # the gate needs both: both cells fail
+    assert all(r["status"] == "failed" and "injected setup error" in r["error"] for r in rows)
+    from poros.report import load_results, render_markdown
+
+    assert "FAIL" in render_markdown(load_results([results]))
+    again, _ = _suite(tmp_path, matrix, "--resume", "-p", "inject_error", env=env)
+    assert again.returncode == 1
+    assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
