@@ -39,8 +39,14 @@ def enable_determinism() -> None:
     configuration for repeatability (set before its first handle is created).
     """
     import os
+    import warnings
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            warnings.warn("deterministic mode enabled after CUDA was initialized: cuBLAS may already have chosen "
+                          "its workspace, so matmuls may not be repeatable in this process; set "
+                          "CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting it", RuntimeWarning, stacklevel=2)
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 

@@ -37,6 +37,11 @@ def pytest_sessionstart(session):
         tw.flush()
 
     set_progress_writer(line)
+    if _matrix(config)[1].deterministic:
+        # before any CUDA work: cuBLAS reads its workspace configuration once per process
+        from poros.train import enable_determinism
+
+        enable_determinism()
 
 
 def pytest_generate_tests(metafunc):
