@@ -33,7 +33,7 @@ LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 
 
 SHARED_SETTINGS = ("seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention",
-                   "deterministic")
+                   "deterministic", "activation_offload")
 
 
 def _coerce_enum(obj, name: str, enum_cls: type[enum.Enum], problems: list[str]) -> None:
@@ -70,6 +70,9 @@ class TrainConfig:
     data_seed: int = 1234
     pin_memory: bool = True
     deterministic: bool = False  # torch.use_deterministic_algorithms: repeatable attention backward
+    # poros: share of layers whose forward keeps its graph, saved tensors offloaded to the host,
+    # instead of being recomputed in backward (0 = recompute every layer; see poros/offload.py)
+    activation_offload: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +87,9 @@ class TrainConfig:
                 problems.append(f"{name}: expected an integer > 0, got {value!r}")
         if not isinstance(self.lr, (int, float)) or self.lr <= 0:
             problems.append(f"lr: expected a number > 0, got {self.lr!r}")
+        off = self.activation_offload
+        if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0 <= off <= 1:
+            problems.append(f"activation_offload: expected a number from 0 to 1, got {off!r}")
         targets = tuple(self.lora_targets) if isinstance(self.lora_targets, (list, tuple)) else None
         if not targets or not all(isinstance(t, str) and t for t in targets):
             problems.append(f"lora_targets: expected a non-empty list of module names, got {self.lora_targets!r}")

@@ -72,6 +72,7 @@ class Matrix:
     attention: Attention = Attention.DEFAULT
     device: Device | None = None
     deterministic: bool = False
+    activation_offload: float = 0.0
     parity_steps: int = 3
     source: str = ""
 
@@ -102,7 +103,8 @@ class Matrix:
 
 _REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size")
 _REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
-_OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "parity_steps")
+_OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "activation_offload",
+             "parity_steps")
 
 
 def _is_int(v) -> bool:
@@ -153,6 +155,9 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
             problems.append(f"{k}: missing required key")
     if "deterministic" in data and not isinstance(data["deterministic"], bool):
         problems.append(f"deterministic: expected true or false, got {data['deterministic']!r}")
+    off = data.get("activation_offload", 0.0)
+    if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0 <= off <= 1:
+        problems.append(f"activation_offload: expected a number from 0 to 1, got {off!r}")
     for k in _REQUIRED_INT + ("warmup_passes", "parity_steps"):
         if k in data and not (_is_int(data[k]) and data[k] >= (0 if k == "warmup_passes" else 1)):
             problems.append(f"{k}: expected an integer >= {0 if k == 'warmup_passes' else 1}, got {data[k]!r}")
@@ -211,6 +216,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         attention=attention,
         device=device,
         deterministic=data.get("deterministic", False),
+        activation_offload=float(data.get("activation_offload", 0.0)),
         parity_steps=data.get("parity_steps", 3),
         source=source,
     )

@@ -24,6 +24,7 @@ import torch
 
 from poros.errors import CapabilityError
 from poros.modeling import QLoRAModel, bind_nf4
+from poros.offload import ActivationOffloader, offloaded_layers
 from poros.store import ALIGN, NF4Store, absmax_view, weight_view
 from poros.train import Trainer, sdpa_context
 
@@ -225,6 +226,8 @@ class PorosTrainer(Trainer):
                     packed = weight_view(buf, slot, base=blk.start)
                     absmax = absmax_view(buf, slot, base=blk.start)
                     bind_nf4(model.linear4bit[slot.name], packed, absmax, model.code, slot.shape)
+        self.offload_layers = offloaded_layers(len(store.layers), self.blocks[-1].first, cfg.activation_offload)
+        self.offloader = ActivationOffloader(self.device, getattr(self.streamer, "copy_stream", None))
         self._patch_layers(model)
         self._patch_io(model)
         self.fault_refill_before_backward = False  # negative control for the gate's tests
@@ -270,6 +273,7 @@ class PorosTrainer(Trainer):
         self._mode = "plain"  # "stream" only inside a poros forward
         self._inputs: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
+        self._graphs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # offloaded layers: (input leaf, output)
         for i, layer in enumerate(model.layers):
             layer.forward = self._make_forward(i, type(layer).forward.__get__(layer))
 
@@ -296,10 +300,13 @@ class PorosTrainer(Trainer):
             self.streamer.prefetch(blk.index + 1)
             if blk.index == len(self.blocks) - 1:
                 self._prefetch_head()
-        self._inputs[i] = hidden
-        self._calls[i] = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
-        with torch.no_grad():
-            out = original(*args, **kwargs)
+        if i in self.offload_layers:
+            out = self._forward_keeping_graph(i, original, hidden, rest, kwargs, kw_hidden)
+        else:
+            self._inputs[i] = hidden
+            self._calls[i] = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
+            with torch.no_grad():
+                out = original(*args, **kwargs)
         if i == blk.stop - 1:
             self.streamer.release(blk.index)
         if i == len(self.block_of) - 1:
@@ -307,6 +314,17 @@ class PorosTrainer(Trainer):
             self._leaf = hs.detach().requires_grad_(True)
             out = (self._leaf, *out[1:]) if isinstance(out, tuple) else self._leaf
         return out
+
+    def _forward_keeping_graph(self, i, original, hidden, rest, kwargs, kw_hidden):
+        """Layer i's forward with autograd from an input leaf, saved tensors packed to the host;
+        the next layer gets the output detached (every layer's backward stays separate)."""
+        x = hidden.detach().requires_grad_(True)
+        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        with torch.enable_grad(), self.offloader.hooks(i, protect=(x,)):
+            out = original(*rest, hidden_states=x, **kw) if kw_hidden else original(x, *rest, **kw)
+        h = out[0] if isinstance(out, tuple) else out
+        self._graphs[i] = (x, h)
+        return (h.detach(), *out[1:]) if isinstance(out, tuple) else h.detach()
 
     def _recompute(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's forward again, with autograd, from its saved input: (input leaf, output)."""
@@ -318,6 +336,9 @@ class PorosTrainer(Trainer):
 
     # --- the step -------------------------------------------------------------------------
     def forward_backward(self, batch):
+        if self.offload_layers and not self.offloader.protected:  # never offload parameters or weight buffers
+            self.offloader.protected = {p.untyped_storage().data_ptr() for p in self.model.parameters()} | {
+                self.streamer.region.untyped_storage().data_ptr()}
         with sdpa_context(self.cfg.attention):
             self._mode = "stream"
             try:
@@ -332,12 +353,22 @@ class PorosTrainer(Trainer):
             for blk in reversed(self.blocks):
                 self.streamer.acquire(blk.index)
                 self.streamer.prefetch(blk.index - 1)
+                if blk.index > 0:  # the next block's offloaded activations, queued behind its weights
+                    prev = self.blocks[blk.index - 1]
+                    for j in reversed(range(prev.first, prev.stop)):
+                        self.offloader.prefetch(j)
                 for i in reversed(range(blk.first, blk.stop)):
-                    x, h = self._recompute(i)
+                    if i in self._graphs:
+                        x, h = self._graphs.pop(i)
+                        self.offloader.prefetch(i)  # no-op when already fetched
+                        self.offloader.acquire(i)
+                    else:
+                        x, h = self._recompute(i)
                     if self.fault_refill_before_backward and i == blk.stop - 1:
                         self._refill_wrong(blk)
                     torch.autograd.backward(h, grad)
                     grad = x.grad
+                    self.offloader.release(i)
                 self.streamer.release(blk.index)
         return loss.detach()
 
@@ -360,6 +391,7 @@ class PorosTrainer(Trainer):
 
     def step(self, batches=None):
         self.streamer.reset_counters()
+        self.offloader.bytes_d2h = self.offloader.bytes_h2d = 0
         return super().step(batches)
 
     def close(self) -> None:
@@ -370,9 +402,15 @@ class PorosTrainer(Trainer):
             m.__dict__.pop("forward", None)
         self._inputs.clear()
         self._calls.clear()
+        self._graphs.clear()
+        self.offloader.clear()
         self._head_dev = self._leaf = None
         del self.streamer
         super().close()
 
     def counters(self) -> dict:
-        return self.streamer.counters()
+        out = self.streamer.counters()
+        if self.offload_layers:
+            out.update(offloaded_layers=len(self.offload_layers), act_bytes_d2h=self.offloader.bytes_d2h,
+                       act_bytes_h2d=self.offloader.bytes_h2d)
+        return out

@@ -57,8 +57,9 @@ def test_gate_json_line(stores):
     steps=st.integers(1, 3),
     accum=st.integers(1, 2),
     family=st.sampled_from(TINY),
+    offload=st.sampled_from([0.0, 0.5, 1.0]),
 )
-def test_gate_property(layers, block, seq, steps, accum, family):
+def test_gate_property(layers, block, seq, steps, accum, family, offload, monkeypatch):
     from poros.build import Source
     from poros.registry import get_shape
 
@@ -67,9 +68,11 @@ def test_gate_property(layers, block, seq, steps, accum, family):
     if getattr(config, "layer_types", None):
         config.layer_types = (config.layer_types * layers)[:layers]
     store, _ = build_store(Source(family, config), seed=layers, device="cpu", progress=False)
-    cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, lr=1e-2)
+    monkeypatch.setattr("poros.offload.MIN_BYTES", 0)  # tiny tensors: offload them all
+    cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, lr=1e-2,
+                      activation_offload=offload)
     result = parity(cfg, steps=steps, store=store)
-    assert result.ok, f"{family} L={layers} K={block} seq={seq}: {result.first_mismatch}"
+    assert result.ok, f"{family} L={layers} K={block} seq={seq} offload={offload}: {result.first_mismatch}"
 
 
 def test_flipped_byte_in_host_store_fails_naming_the_layer(stores):

@@ -26,6 +26,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-pin", action="store_true", help="do not page-lock the host store (much slower copies)")
+    p.add_argument("--activation-offload", type=float, default=0.0, metavar="F",
+                   help="poros: share of layers (0-1) whose saved activations go to the host instead of "
+                        "being recomputed in backward (default 0)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms for both methods (repeatable attention backward)")
 
