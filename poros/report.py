@@ -187,7 +187,9 @@ def _config_table(df: pd.DataFrame, hw: str) -> str:
         ("Sequence length", _uniq(cfg("seq_len"))),
         ("Batch / grad-accum", _uniq(f"{b} / {g}" for b, g in zip(cfg("batch_size"), cfg("grad_accum")))),
         ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
-        ("Block size (poros)", _uniq(b for b, m in zip(cfg("block_size"), df["method"]) if m == "poros")),
+        ("Block size (poros)", _uniq(
+            f"{b}" + (f", activation offload {o:g} of layers" if o else ", every layer recomputed in backward")
+            for b, o, m in zip(cfg("block_size"), cfg("activation_offload"), df["method"]) if m == "poros")),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
         ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"
                             for a, d in zip(cfg("attention"), cfg("deterministic")))),

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One resumable chunk of the H200 matrix, run on the GPU machine from the repo root, e.g.
 #   scripts/h200_chunk.sh "qwen2.5-32b or qwen3-32b" 20 3
-# Finished cells are appended to results/h200/results.jsonl and kept when the chunk is cut off by
+# MATRIX (default matrices/h200.yaml) and RESULTS (default results/h200) pick another matrix, e.g.
+#   MATRIX=matrices/h200-offload.yaml RESULTS=results/h200-offload scripts/h200_chunk.sh qwen 10 3
+# Finished cells are appended to $RESULTS/results.jsonl and kept when the chunk is cut off by
 # its time budget (BUDGET seconds, default 540); copy that file back into the checkout after each
 # call so the next chunk's --resume skips them. Needs .devpkgs carried (scripts/stage_device.sh).
 set -uo pipefail
@@ -12,10 +14,10 @@ out=${OUT:-out}
 mkdir -p "$out"
 # SIGINT, not SIGTERM: pytest then ends the session normally, so the cut-off chunk still writes
 # its pytest-benchmark JSON and summary (finished cells are in results.jsonl either way).
-timeout -s INT -k 30 "${BUDGET:-540}" python3 -m poros bench matrix matrices/h200.yaml -o results/h200 \
+timeout -s INT -k 30 "${BUDGET:-540}" python3 -m poros bench matrix "${MATRIX:-matrices/h200.yaml}" -o "${RESULTS:-results/h200}" \
   --steps "$steps" --passes "$passes" --resume -k "$keyword" > "$out/bench.log" 2>&1
 echo "bench exit $?"
 grep -E '^\[cell|^  (parity|poros|resident|unsloth)[: ]|passed|failed|Error' "$out/bench.log" | grep -v 'step [0-9]*/' | tail -40
-cp results/h200/results.jsonl "$out/results.jsonl" 2>/dev/null
-cp results/h200/benchmark.json "$out/benchmark.json" 2>/dev/null
+cp "${RESULTS:-results/h200}/results.jsonl" "$out/results.jsonl" 2>/dev/null
+cp "${RESULTS:-results/h200}/benchmark.json" "$out/benchmark.json" 2>/dev/null
 exit 0
