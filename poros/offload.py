@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MIN_BYTES = 1 << 20
+MIN_BYTES = 64 << 10  # smaller storages (rotary tables, masks) stay on the device
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class ActivationOffloader:
                 return ref
             entry = ref.entry
             if entry.device is None:  # not prefetched: fetch now, on the current stream
+                if self.cuda:
+                    torch.cuda.current_stream(self.device).wait_stream(self.d2h)  # after it reached the host
                 entry.device = entry.host.to(self.device, non_blocking=self.cuda)
             out = torch.empty(0, dtype=ref.dtype, device=self.device)
             out.set_(entry.device.untyped_storage(), ref.offset, ref.size, ref.stride)
