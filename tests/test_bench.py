@@ -86,20 +86,23 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     assert "already in results (--resume)" in again.stdout
 
 
-def test_a_parity_fail_fails_the_suite(tmp_path):
-    """Negative control: with the buffer-refill fault injected, the cells fail and rows say FAIL."""
+def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
+    """A pytest plugin module replacing PorosTrainer._make_model; returns the env that finds it."""
     import os
 
-    (tmp_path / "inject_fault.py").write_text(
-        "import poros.residency as r\n"
+    (tmp_path / f"{name}.py").write_text(
+        "import poros.residency as r\n" + make_model_source + "r.PorosTrainer._make_model = _make_model\n")
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_a_parity_fail_fails_the_suite(tmp_path):
+    """Negative control: with the buffer-refill fault injected, the cells fail and rows say FAIL."""
+    env = _plugin(tmp_path, "inject_fault", (
         "orig = r.PorosTrainer._make_model\n"
         "def _make_model(self):\n"
         "    model = orig(self)\n"
         "    self.fault_refill_before_backward = True\n"
-        "    return model\n"
-        "r.PorosTrainer._make_model = _make_model\n"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        "    return model\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma3"]}
     proc, results = _suite(tmp_path, matrix, "-p", "inject_fault", env=env)
     assert proc.returncode == 1, proc.stdout[-2000:]
@@ -111,15 +114,9 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
 def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     """Nothing is lost: an exception in a cell (here: poros setup) is recorded as a `failed` row with
     its message, the suite exits 1, the report shows FAIL, and --resume retries the cell."""
-    import os
-
-    (tmp_path / "inject_error.py").write_text(
-        "import poros.residency as r\n"
+    env = _plugin(tmp_path, "inject_error", (
         "def _make_model(self):\n"
-        "    raise RuntimeError('injected setup error')\n"
-        "r.PorosTrainer._make_model = _make_model\n"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        "    raise RuntimeError('injected setup error')\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     proc, results = _suite(tmp_path, matrix, "-p", "inject_error", env=env)
     assert proc.returncode == 1, proc.stdout[-2000:]
