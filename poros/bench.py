@@ -267,6 +267,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         row["copy_gbps"] = copied / copy_s / 1e9 if copy_s > 0 else None
         row["copy_hidden_share"] = max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None
         row["copy_wait_s_per_step"] = wait_s / n
+        if any("act_bytes_d2h" in c for c in counters):
+            row["act_bytes_offloaded_per_step"] = sum(c.get("act_bytes_d2h", 0) for c in counters) // n
     return row
 
 

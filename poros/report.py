@@ -158,16 +158,25 @@ def results_table(df: pd.DataFrame) -> str:
 
 def _time_table(df: pd.DataFrame) -> str:
     rows = []
+    # activation offload (poros/offload.py) gets a column only where some run used it
+    offload = "act_bytes_offloaded_per_step" in df.columns and df["act_bytes_offloaded_per_step"].notna().any()
     for (model, stack), c in _cells(df).items():
         if "poros" not in c:
             continue
         h2d, gbps, hidden, tps = (_ok(c["poros"], f) for f in
                                   ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
-        rows.append([model, stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
-                     DASH if gbps is None else f"{gbps:.1f} GB/s",
-                     DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"])
-    return _table(("Model", "Stack", "Host→device per step", "Copy GB/s", "Copy hidden behind compute",
-                   "Tokens/s"), rows)
+        row = [model, stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
+               DASH if gbps is None else f"{gbps:.1f} GB/s",
+               DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"]
+        if offload:
+            act = _ok(c["poros"], "act_bytes_offloaded_per_step")
+            row.insert(3, DASH if act is None else f"{act / 1e9:.2f} GB")
+        rows.append(row)
+    columns = ["Model", "Stack", "Host→device per step (weights)", "Copy GB/s", "Copy hidden behind compute",
+               "Tokens/s"]
+    if offload:
+        columns.insert(3, "Activations offloaded per step")
+    return _table(columns, rows)
 
 
 def _runs(df: pd.DataFrame) -> str:

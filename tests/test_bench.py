@@ -129,3 +129,17 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     again, _ = _suite(tmp_path, matrix, "--resume", "-p", "inject_error", env=env)
     assert again.returncode == 1
     assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
+
+
+def test_suite_with_activation_offload_records_and_reports_it(tmp_path):
+    matrix = {**TINY, "seq_len": 128, "activation_offload": 0.5, "methods": ["poros", "resident"],
+              "models": ["tiny-qwen3"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
+    assert rows["poros"]["parity"] == "PASS" and rows["poros"]["config"]["activation_offload"] == 0.5
+    assert rows["poros"]["act_bytes_offloaded_per_step"] > 0
+    from poros.report import load_results, render_markdown
+
+    md = render_markdown(load_results([results]))
+    assert "Activations offloaded per step" in md and "activation offload 0.5 of layers" in md
