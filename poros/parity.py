@@ -28,6 +28,8 @@ class ParityResult:
     block_size: int = 0
     seq_len: int = 0
     grad_accum: int = 1
+    activation_offload: float = 0.0
+    offloaded_layers: int = 0  # layers that kept their forward graph (poros/offload.py) instead of recomputing
     losses: list = field(default_factory=list)
 
     @property
@@ -106,7 +108,9 @@ def run_gate(
     cfg = poros.cfg
     cmp = Comparator()
     result = ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
-                          block_size=cfg.block_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum)
+                          block_size=cfg.block_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
+                          activation_offload=cfg.activation_offload,
+                          offloaded_layers=len(getattr(poros, "offload_layers", ())))
     ok = True
     if verify_initial and isinstance(poros, PorosTrainer):
         ok &= compare_base_weights(cmp, resident, poros)
