@@ -11,8 +11,16 @@ from poros.errors import PorosError
 SUBCOMMANDS = ("env", "parity", "bench", "report", "validate", "build")
 
 
+class Parser(argparse.ArgumentParser):
+    """Keeps each epilog's example lines as written; subcommand parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="poros",
         description="QLoRA with blockwise residency: benchmark and validate bitwise parity.",
     )

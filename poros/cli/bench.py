@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,11 +18,9 @@ SUITES = Path(__file__).resolve().parent.parent.parent / "suites"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run benchmark matrices", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("bench", help="run benchmark matrices", epilog=EPILOG)
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
-    m = bsub.add_parser("matrix", help="run every cell of a matrix file", epilog=EPILOG,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = bsub.add_parser("matrix", help="run every cell of a matrix file", epilog=EPILOG)
     m.add_argument("file", help="matrix file or name (cpu, h200, b300, a100)")
     m.add_argument("-o", "--out", default="out", help="output folder (default: out/)")
     m.add_argument("--steps", type=int, help="steps per pass (reduced run; flagged in the report)")

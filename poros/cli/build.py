@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 EPILOG = """examples:
@@ -14,8 +13,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("build", help="build (synthetic or from a checkpoint) and quantize a model", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("build", help="build (synthetic or from a checkpoint) and quantize a model", epilog=EPILOG)
     p.add_argument("--model", help="registered name or checkpoint folder")
     p.add_argument("--device", default=None, help="device the layers are built and quantized on")
     p.add_argument("--seed", type=int, default=0)

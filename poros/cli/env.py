@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 EPILOG = """examples:
   poros env
   poros env --json > env.json
@@ -11,8 +9,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("env", help="print the environment (versions, git commit, GPUs)", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("env", help="print the environment (versions, git commit, GPUs)", epilog=EPILOG)
     p.add_argument("--json", action="store_true", help="print the full provenance record as JSON")
     p.set_defaults(run=run)
 

@@ -44,8 +44,7 @@ def train_config(args):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("parity", help="bitwise parity gate: resident vs poros", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("parity", help="bitwise parity gate: resident vs poros", epilog=EPILOG)
     add_train_args(p)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     p.add_argument("--control", action="store_true",

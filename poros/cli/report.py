@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md
   poros report out/results.jsonl -o reports/h200.md --reference ../shared/reference/seed_reference.csv
@@ -15,8 +13,7 @@ The PNG is written beside the Markdown (same stem) and linked from it.
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="render results (JSON Lines) into Markdown tables and a PNG", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("report", help="render results (JSON Lines) into Markdown tables and a PNG", epilog=EPILOG)
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl", help="results files written by `poros bench`")
     p.add_argument("-o", "--output", required=True, metavar="FILE.md", help="Markdown file to write")
     p.add_argument("--reference", metavar="CSV", help="reference numbers (seed_reference.csv format) to compare")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 EPILOG = """examples:
   poros validate matrices/h200.yaml
   poros validate matrices/*.yaml
@@ -11,8 +9,7 @@ EPILOG = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("validate", help="validate matrix files", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("validate", help="validate matrix files", epilog=EPILOG)
     p.add_argument("files", nargs="+", help="matrix files or names (cpu, h200, ...)")
     p.set_defaults(run=run)
 
