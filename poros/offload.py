@@ -17,7 +17,7 @@ leaf), which stay referenced as they are.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,6 @@ class _Ref:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    requires_grad: bool
 
 
 @dataclass(eq=False)
@@ -44,7 +43,6 @@ class _Storage:
     source: torch.Tensor | None = None
     device: torch.Tensor | None = None  # uint8 on the device once fetched
     ready: object = None  # CUDA event recorded after the host->device copy
-    views: list = field(default_factory=list)
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -71,6 +69,9 @@ class ActivationOffloader:
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.layers: dict[int, dict[int, _Storage]] = {}
         self.protected: set[int] = set()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.bytes_d2h = self.bytes_h2d = 0
 
     # --- forward ------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class ActivationOffloader:
             if entry is None:
                 src = _bytes_of(st, t.device)
                 entry = table[ptr] = _Storage(self._to_host(src), source=src)
-            return _Ref(entry, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.requires_grad)
+            return _Ref(entry, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
         def unpack(ref):
             if not isinstance(ref, _Ref):

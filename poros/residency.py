@@ -359,8 +359,7 @@ class PorosTrainer(Trainer):
                         self.offloader.prefetch(j)
                 for i in reversed(range(blk.first, blk.stop)):
                     if i in self._graphs:
-                        x, h = self._graphs.pop(i)
-                        self.offloader.prefetch(i)  # no-op when already fetched
+                        x, h = self._graphs.pop(i)  # its tensors were prefetched with its block
                         self.offloader.acquire(i)
                     else:
                         x, h = self._recompute(i)
@@ -391,7 +390,7 @@ class PorosTrainer(Trainer):
 
     def step(self, batches=None):
         self.streamer.reset_counters()
-        self.offloader.bytes_d2h = self.offloader.bytes_h2d = 0
+        self.offloader.reset_counters()
         return super().step(batches)
 
     def close(self) -> None:
