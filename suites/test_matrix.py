@@ -38,16 +38,22 @@ def _skip_if_not_runnable(session, cell):
 
 
 def _gate(session, cell):
-    """The parity outcome of this model × stack: run now, or taken from a resumed results file."""
+    """The parity outcome of this model × stack, run once; a gate that raised raises again for
+    every cell that needs it, without running again."""
     key = (cell.model, cell.stack.name)
     if key not in session.gates:
         from poros.parity import parity
 
         cfg = train_config(session.matrix, cell.model)
-        store = session.stores.get(cell.model)
-        session.gates[key] = parity(cfg, steps=session.parity_steps, store=store)
+        try:
+            session.gates[key] = parity(cfg, steps=session.parity_steps, store=session.stores.get(cell.model))
+        except Exception as e:
+            session.gates[key] = e
         free_device_memory()
-    return session.gates[key]
+    outcome = session.gates[key]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def test_parity(session, cell):
@@ -76,9 +82,9 @@ def test_step(session, cell, benchmark):
     cfg = train_config(m, cell.model)
     try:
         _measure_cell(session, cell, cfg, benchmark)
+    except AssertionError:  # a parity FAIL: its rows are written, saying FAIL
+        raise
     except Exception as e:  # nothing is lost: the failure is a row too (and --resume retries it)
-        if isinstance(e, AssertionError):  # a parity FAIL already wrote its rows
-            raise
         session.writer.append(record(m, cell, cfg, None, None, reduced=session.reduced, status="failed",
                                      error=f"{type(e).__name__}: {e}"[:500]))
         progress(f"  {cell.method.value}: FAILED ({type(e).__name__}: {str(e)[:200]})")

@@ -123,8 +123,10 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
 def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     """Nothing is lost: an exception in a cell (here: poros setup) is recorded as a `failed` row with
     its message, the suite exits 1, the report shows FAIL, and --resume retries the cell."""
+    calls = tmp_path / "calls"
     env = _plugin(tmp_path, "inject_error", (
         "def _make_model(self):\n"
+        f"    open({str(calls)!r}, 'a').write('x')\n"
         "    raise RuntimeError('injected setup error')\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     proc, results = _suite(tmp_path, matrix, "-p", "inject_error", env=env)
@@ -132,6 +134,7 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}  # the gate needs both: both cells fail
     assert all(r["status"] == "failed" and "injected setup error" in r["error"] for r in rows)
+    assert calls.read_text() == "x"  # the gate ran once; its cells reuse the failure instead of re-running it
     from poros.report import load_results, render_markdown
 
     assert "FAIL" in render_markdown(load_results([results]))
