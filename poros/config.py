@@ -33,7 +33,7 @@ LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 
 
 SHARED_SETTINGS = ("seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention",
-                   "deterministic", "activation_offload")
+                   "deterministic", "activation_offload", "overlap_backward")
 
 
 def _coerce_enum(obj, name: str, enum_cls: type[enum.Enum], problems: list[str]) -> None:
@@ -73,6 +73,9 @@ class TrainConfig:
     # poros: share of layers whose forward keeps its graph, saved tensors offloaded to the host,
     # instead of being recomputed in backward (0 = recompute every layer; see poros/offload.py)
     activation_offload: float = 0.0
+    # poros: recompute layer i-1 on the calling thread while layer i's backward runs on a worker
+    # thread (the same kernels on the same stream; only the host-side launch work overlaps)
+    overlap_backward: bool = True
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +93,9 @@ class TrainConfig:
         off = self.activation_offload
         if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0 <= off <= 1:
             problems.append(f"activation_offload: expected a number from 0 to 1, got {off!r}")
+        for name in ("pin_memory", "deterministic", "overlap_backward"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}: expected true or false, got {getattr(self, name)!r}")
         targets = tuple(self.lora_targets) if isinstance(self.lora_targets, (list, tuple)) else None
         if not targets or not all(isinstance(t, str) and t for t in targets):
             problems.append(f"lora_targets: expected a non-empty list of module names, got {self.lora_targets!r}")

@@ -73,6 +73,7 @@ class Matrix:
     device: Device | None = None
     deterministic: bool = False
     activation_offload: float = 0.0
+    overlap_backward: bool = True
     parity_steps: int = 3
     source: str = ""
 
@@ -104,7 +105,7 @@ class Matrix:
 _REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size")
 _REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
 _OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "activation_offload",
-             "parity_steps")
+             "overlap_backward", "parity_steps")
 
 
 def _is_int(v) -> bool:
@@ -153,8 +154,9 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     for k in _REQUIRED:
         if k not in data:
             problems.append(f"{k}: missing required key")
-    if "deterministic" in data and not isinstance(data["deterministic"], bool):
-        problems.append(f"deterministic: expected true or false, got {data['deterministic']!r}")
+    for k in ("deterministic", "overlap_backward"):
+        if k in data and not isinstance(data[k], bool):
+            problems.append(f"{k}: expected true or false, got {data[k]!r}")
     off = data.get("activation_offload", 0.0)
     if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0 <= off <= 1:
         problems.append(f"activation_offload: expected a number from 0 to 1, got {off!r}")
@@ -217,6 +219,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         device=device,
         deterministic=data.get("deterministic", False),
         activation_offload=float(data.get("activation_offload", 0.0)),
+        overlap_backward=data.get("overlap_backward", True),
         parity_steps=data.get("parity_steps", 3),
         source=source,
     )

@@ -9,6 +9,10 @@ bitwise identical):
             LoRA grads accumulate as in resident training. Recomputing layer by layer rather than
             block by block holds one layer's activations instead of K, for one saved input
             (seq x hidden) per layer.
+            At seq 512 a layer's recompute and backward are bound by host-side launch work, not by
+            the GPU, so with `overlap_backward` layer i's backward is enqueued by a worker thread
+            while this thread enqueues layer i-1's recompute (which needs only its saved input):
+            the same kernels on the same stream, two layers' activations held instead of one.
 Block b always lives in device buffer b % 2, so every Linear4bit is bound once to a fixed view.
 A buffer is refilled only after the compute stream has passed the event recorded when the last
 block using it finished its backward: bitsandbytes' MatMul4Bit keeps the packed weight on its
@@ -18,6 +22,7 @@ autograd context (outside save_for_backward), so refilling earlier corrupts grad
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +60,16 @@ def plan_blocks(store: NF4Store, block_size: int) -> list[Block]:
         stop = min(first + block_size, n)
         out.append(Block(b, first, stop, store.layers[first].start, store.layers[stop - 1].end))
     return out
+
+
+class _Done:
+    """An already computed result with a future's `result()` (the serial backward)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 HEAD = -1  # marks a buffer lent to the lm_head weight
@@ -228,6 +243,8 @@ class PorosTrainer(Trainer):
                     bind_nf4(model.linear4bit[slot.name], packed, absmax, model.code, slot.shape)
         self.offload_layers = offloaded_layers(len(store.layers), self.blocks[-1].first, cfg.activation_offload)
         self.offloader = ActivationOffloader(self.device, getattr(self.streamer, "copy_stream", None))
+        self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
+                        if cfg.overlap_backward else None)
         self._patch_layers(model)
         self._patch_io(model)
         self.fault_refill_before_backward = False  # negative control for the gate's tests
@@ -351,25 +368,46 @@ class PorosTrainer(Trainer):
             self._leaf = self._head_dev = None
             self.streamer.release_head()
             for blk in reversed(self.blocks):
-                self.streamer.acquire(blk.index)
-                self.streamer.prefetch(blk.index - 1)
-                if blk.index > 0:  # the next block's offloaded activations, queued behind its weights
-                    prev = self.blocks[blk.index - 1]
-                    for j in reversed(range(prev.first, prev.stop)):
-                        self.offloader.prefetch(j)
-                for i in reversed(range(blk.first, blk.stop)):
-                    if i in self._graphs:
-                        x, h = self._graphs.pop(i)  # its tensors were prefetched with its block
-                        self.offloader.acquire(i)
-                    else:
-                        x, h = self._recompute(i)
-                    if self.fault_refill_before_backward and i == blk.stop - 1:
-                        self._refill_wrong(blk)
-                    torch.autograd.backward(h, grad)
-                    grad = x.grad
-                    self.offloader.release(i)
-                self.streamer.release(blk.index)
+                grad = self._backward_block(blk, grad)
         return loss.detach()
+
+    def _backward_block(self, blk: Block, grad: torch.Tensor) -> torch.Tensor:
+        """Backpropagate `grad` through block `blk`, its layers last to first; returns the gradient
+        at the block's input. Layer i-1's recompute is enqueued while layer i's backward is (on the
+        worker thread, with `overlap_backward`); everything that orders the stream against the copy
+        stream (acquire, release, the offloaded tensors' events) happens between the two, so no
+        backward kernel waits on a copy it does not need."""
+        self.streamer.acquire(blk.index)
+        self.streamer.prefetch(blk.index - 1)
+        if blk.index > 0:  # the next block's offloaded activations, queued behind its weights
+            prev = self.blocks[blk.index - 1]
+            for j in reversed(range(prev.first, prev.stop)):
+                self.offloader.prefetch(j)
+        pending = None
+        for i in reversed(range(blk.first, blk.stop)):
+            x, h = self._graphs.pop(i) if i in self._graphs else self._recompute(i)
+            if pending is not None:
+                grad = pending.result()
+                self.offloader.release(i + 1)
+            self.offloader.acquire(i)  # no-op unless i kept its graph (tensors prefetched with its block)
+            if self.fault_refill_before_backward and i == blk.stop - 1:
+                self._refill_wrong(blk)
+            pending = self._submit_backward(h, grad, x)
+        grad = pending.result()
+        self.offloader.release(blk.first)
+        self.streamer.release(blk.index)
+        return grad
+
+    def _submit_backward(self, h: torch.Tensor, grad: torch.Tensor, x: torch.Tensor):
+        """Layer backward from output `h` with incoming `grad`; `.result()` is the gradient at `x`."""
+
+        def run() -> torch.Tensor:
+            torch.autograd.backward(h, grad)
+            return x.grad
+
+        if self._worker is None:
+            return _Done(run())
+        return self._worker.submit(run)
 
     def _refill_wrong(self, blk) -> None:
         """Negative control: refill the block's buffer between its forward and backward.
@@ -403,6 +441,9 @@ class PorosTrainer(Trainer):
         self._calls.clear()
         self._graphs.clear()
         self.offloader.clear()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         self._head_dev = self._leaf = None
         del self.streamer
         super().close()

@@ -58,8 +58,9 @@ def test_gate_json_line(stores):
     accum=st.integers(1, 2),
     family=st.sampled_from(TINY),
     offload=st.sampled_from([0.0, 0.5, 1.0]),
+    overlap=st.booleans(),
 )
-def test_gate_property(layers, block, seq, steps, accum, family, offload, monkeypatch):
+def test_gate_property(layers, block, seq, steps, accum, family, offload, overlap, monkeypatch):
     from poros.build import Source
     from poros.registry import get_shape
 
@@ -70,9 +71,18 @@ def test_gate_property(layers, block, seq, steps, accum, family, offload, monkey
     store, _ = build_store(Source(family, config), seed=layers, device="cpu", progress=False)
     monkeypatch.setattr("poros.offload.MIN_BYTES", 0)  # tiny tensors: offload them all
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, lr=1e-2,
-                      activation_offload=offload)
+                      activation_offload=offload, overlap_backward=overlap)
     result = parity(cfg, steps=steps, store=store)
-    assert result.ok, f"{family} L={layers} K={block} seq={seq} offload={offload}: {result.first_mismatch}"
+    assert result.ok, (f"{family} L={layers} K={block} seq={seq} offload={offload} overlap={overlap}: "
+                       f"{result.first_mismatch}")
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+def test_gate_passes_with_serial_backward(stores, model):
+    """The one-thread schedule (`overlap_backward: false`) is held to the same gate."""
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=2, lr=1e-2, overlap_backward=False)
+    result = parity(cfg, steps=2, store=stores(model))
+    assert result.ok, f"first mismatch {result.first_mismatch}"
 
 
 def test_flipped_byte_in_host_store_fails_naming_the_layer(stores):

@@ -82,3 +82,26 @@ def test_the_lm_head_is_found_in_the_store_tied_or_not(model):
     tied = bool(getattr(store.config, "tie_word_embeddings", False))
     assert ("embed_tokens" in name) == tied, (name, tied)
     poros.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_layer_backward_runs_where_the_schedule_says(store, overlap):
+    """With `overlap_backward` every layer's backward runs on the worker thread (so the next
+    layer's recompute can be enqueued meanwhile); without it, on the calling thread."""
+    import threading
+
+    trainer = PorosTrainer(store, TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2,
+                                              overlap_backward=overlap))
+    seen: dict[int, set[str]] = {}
+    for i, layer in enumerate(trainer.qlora.layers):
+        p = next(p for n, p in layer.named_parameters() if "lora_A" in n)
+        p.register_hook(lambda g, i=i: seen.setdefault(i, set()).add(threading.current_thread().name))
+    trainer.step()
+    assert sorted(seen) == list(range(len(trainer.qlora.layers)))
+    names = set().union(*seen.values())
+    if overlap:
+        assert all(n.startswith("poros-backward") for n in names), names
+    else:
+        assert names == {threading.current_thread().name}
+    trainer.close()
+    assert trainer._worker is None

@@ -29,6 +29,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-offload", type=float, default=0.0, metavar="F",
                    help="poros: share of layers (0-1) whose saved activations go to the host instead of "
                         "being recomputed in backward (default 0)")
+    p.add_argument("--serial-backward", dest="overlap_backward", action="store_false",
+                   help="poros: recompute and backpropagate layers one after the other on one thread "
+                        "(default: the next layer's recompute overlaps the current layer's backward)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms for both methods (repeatable attention backward)")
 

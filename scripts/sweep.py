@@ -1,0 +1,106 @@
+"""Compare poros schedules on one model, built once (a GPU probe, not a test or an official result).
+
+    python3 scripts/sweep.py qwen2.5-32b --variants serial,overlap,overlap:0.25 [--resident] \
+        [--steps 8 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
+
+A variant is MODE[:F]: MODE `serial` or `overlap` (TrainConfig.overlap_backward), F the
+activation_offload share (default 0). Each variant first passes the parity gate against a fresh
+resident trainer (`--gate-steps` steps, torch.equal on everything), then is timed alone: one
+warm-up pass and `--passes` passes of `--steps` steps. One JSON line per variant (and one for
+resident with `--resident`), appended to DIR/sweep.jsonl too when --out is given. The official
+figures come from `poros bench matrix`; this only tells which settings are worth a matrix run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from poros.bench import free_device_memory, measure
+from poros.build import build_store
+from poros.config import TrainConfig
+from poros.parity import run_gate
+from poros.residency import PorosTrainer
+from poros.train import ResidentTrainer
+
+
+def parse_variant(text: str) -> dict:
+    mode, _, frac = text.partition(":")
+    if mode not in ("serial", "overlap"):
+        raise SystemExit(f"variant {text!r}: expected serial or overlap, optionally :F (e.g. overlap:0.25)")
+    return {"overlap_backward": mode == "overlap", "activation_offload": float(frac or 0.0)}
+
+
+def timed(trainer, cfg: TrainConfig, steps: int, passes: int) -> dict:
+    free_device_memory()
+    if cfg.device.value == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    meas = measure(trainer, cfg, steps, passes, warmup=1, label=trainer.method)
+    per_step = [t / steps for t in meas.per_pass_s]
+    out = {"s_per_step_median": round(statistics.median(per_step), 4), "per_step_by_pass": [round(t, 4) for t in per_step],
+           "peak_vram_gb": None if meas.peak_vram_gb is None else round(meas.peak_vram_gb, 3)}
+    c = [x for x in meas.counters if x.get("bytes_h2d") is not None]
+    if c:
+        copy_s, wait_s = sum(x["copy_s"] for x in c), sum(x["copy_wait_s"] for x in c)
+        out.update(bytes_h2d_per_step=sum(x["bytes_h2d"] for x in c) // len(c),
+                   copy_gbps=round(sum(x["bytes_h2d"] for x in c) / copy_s / 1e9, 2) if copy_s else None,
+                   copy_hidden_share=round(1 - wait_s / copy_s, 3) if copy_s else None,
+                   act_bytes_d2h_per_step=sum(x.get("act_bytes_d2h", 0) for x in c) // len(c))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--variants", default="serial,overlap")
+    p.add_argument("--resident", action="store_true", help="also time resident QLoRA")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--gate-steps", type=int, default=2)
+    p.add_argument("--attention", default="math")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    store, stats = build_store(args.model, device=args.device, progress=None)
+    base = TrainConfig(model=args.model, seq_len=args.seq_len, block_size=args.block_size, device=args.device,
+                       attention=args.attention)
+
+    def emit(row: dict) -> None:
+        row = {"model": args.model, "attention": args.attention, "build_s": round(stats.seconds, 1), **row}
+        print(json.dumps(row), flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            with (args.out / "sweep.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if args.resident:
+        trainer = ResidentTrainer(store, base)
+        emit({"method": "resident", **timed(trainer, base, args.steps, args.passes)})
+        trainer.close()
+        del trainer
+    for v in variants:
+        cfg = base.replace(**v)
+        resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
+        gate = run_gate(resident, poros, args.gate_steps)
+        resident.close()
+        del resident
+        row = {"method": "poros", **v, "offloaded_layers": len(poros.offload_layers), "parity": gate.parity,
+               "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
+               "first_mismatch": gate.first_mismatch, "max_abs_diff": gate.max_abs_diff}
+        if gate.ok:  # a failing schedule is not worth timing
+            row.update(timed(poros, cfg, args.steps, args.passes))
+        emit(row)
+        poros.close()
+        del poros
+        free_device_memory()
+
+
+if __name__ == "__main__":
+    main()
