@@ -66,8 +66,9 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
                 record = json.loads(line[len(RESULT):])
             else:
                 tail = (tail + [line.rstrip()])[-30:]
-                if line.startswith("  unsloth"):
-                    log(line.rstrip())
+                # everything the child says goes to the log as it comes: a child cut off by a time
+                # budget (Unsloth may compile for minutes) still leaves where it was
+                log(line.rstrip() if line.startswith("  unsloth") else "  unsloth| " + line.rstrip())
         if proc.wait() != 0 or record is None:
             raise CapabilityError(f"unsloth child failed (exit {proc.returncode}): " + " | ".join(tail[-8:]))
         return record
@@ -96,6 +97,7 @@ def _child(argv: list[str]) -> int:
 
     cfg = TrainConfig(**json.loads(args.config))
     torch.cuda.reset_peak_memory_stats()
+    t_load = time.perf_counter()
     with NvmlPeak() as nvml:
         model, _ = FastLanguageModel.from_pretrained(
             args.checkpoint, load_in_4bit=True, max_seq_length=cfg.seq_len, dtype=torch.bfloat16,
@@ -108,6 +110,7 @@ def _child(argv: list[str]) -> int:
         n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
         if n4 == 0:
             raise SystemExit("unsloth loaded no 4-bit layers (bitsandbytes unavailable?)")
+        print(f"  unsloth: loaded with LoRA in {time.perf_counter() - t_load:.1f} s ({n4} 4-bit modules)", flush=True)
         params = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)  # as poros.train
         model.train()
