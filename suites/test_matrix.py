@@ -84,6 +84,9 @@ def test_step(session, cell, benchmark):
         _measure_cell(session, cell, cfg, benchmark)
     except AssertionError:  # a parity FAIL: its rows are written, saying FAIL
         raise
+    except KeyboardInterrupt:  # cut off (a chunk's time budget sends SIGINT): pytest-benchmark would
+        benchmark.has_error = True  # put the half-run benchmark into its JSON and crash on its empty stats
+        raise
     except Exception as e:  # nothing is lost: the failure is a row too (and --resume retries it)
         session.writer.append(record(m, cell, cfg, None, None, reduced=session.reduced, status="failed",
                                      error=f"{type(e).__name__}: {e}"[:500]))
