@@ -41,8 +41,13 @@ def unavailable(device: str) -> str | None:
     return None
 
 
-def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print):
-    """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record."""
+def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print,
+                    on_record=None):
+    """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record.
+
+    `on_record(record)` runs as soon as the child has reported, before the export is removed (tens of
+    GB: removing it takes seconds), so a run cut off during the clean-up keeps its result.
+    """
     from poros.export import export_bnb4bit
 
     why = unavailable(cfg.device.value)
@@ -64,6 +69,7 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         for line in proc.stdout:
             if line.startswith(RESULT):
                 record = json.loads(line[len(RESULT):])
+                log("  unsloth result: " + line[len(RESULT):].rstrip())
             else:
                 tail = (tail + [line.rstrip()])[-30:]
                 # everything the child says goes to the log as it comes: a child cut off by a time
@@ -71,6 +77,8 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
                 log(line.rstrip() if line.startswith("  unsloth") else "  unsloth| " + line.rstrip())
         if proc.wait() != 0 or record is None:
             raise CapabilityError(f"unsloth child failed (exit {proc.returncode}): " + " | ".join(tail[-8:]))
+        if on_record is not None:
+            on_record(record)
         return record
     finally:
         shutil.rmtree(folder, ignore_errors=True)

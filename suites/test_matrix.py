@@ -104,12 +104,23 @@ def _measure_cell(session, cell, cfg, benchmark):
         import torch
 
         torch.cuda.reset_peak_memory_stats()
+
+    def write(meas) -> None:
+        row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type)
+        session.writer.append(row)
+        benchmark.extra_info.update({k: row[k] for k in (
+            "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
+            "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share")})
+        progress(f"  {cell.method.value}: {row['s_per_step_median']:.4f} s/step, peak "
+                 f"{row['peak_vram_gb'] if row['peak_vram_gb'] is not None else '—'} GB")
+
     if cell.method is Method.UNSLOTH:  # a child process: Unsloth patches libraries globally
         from poros.bench import Measurement
         from poros.unsloth_method import measure_unsloth
 
-        child = measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress)
-        meas = Measurement(child["per_pass_s"], [], child["peak_vram_gb"], child["peak_vram_nvml_gb"])
+        # the row is written when the child reports, before the export is removed
+        measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress, on_record=lambda child: write(
+            Measurement(child["per_pass_s"], [], child["peak_vram_gb"], child["peak_vram_nvml_gb"])))
     else:
         trainer = make_trainer(cell.method, store, cfg)
         try:
@@ -119,12 +130,6 @@ def _measure_cell(session, cell, cfg, benchmark):
             trainer.close()
             del trainer
             free_device_memory()
-    row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type)
-    session.writer.append(row)
-    benchmark.extra_info.update({k: row[k] for k in (
-        "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
-        "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share")})
-    progress(f"  {cell.method.value}: {row['s_per_step_median']:.4f} s/step, peak "
-             f"{row['peak_vram_gb'] if row['peak_vram_gb'] is not None else '—'} GB")
+        write(meas)
     if gate is not None:
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"

@@ -155,3 +155,29 @@ def test_suite_with_activation_offload_records_and_reports_it(tmp_path):
 
     md = render_markdown(load_results([results]))
     assert "Activations offloaded per step" in md and "activation offload 0.5 of layers" in md
+
+
+def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
+    """A chunk's time budget ends it with SIGINT (KeyboardInterrupt) mid-benchmark: finished cells
+    keep their rows and pytest-benchmark still writes its JSON (the half-run cell left out) instead
+    of crashing on that cell's empty statistics."""
+    import os
+
+    (tmp_path / "cut_off.py").write_text(
+        "import poros.train as t\n"
+        "orig = t.ResidentTrainer.step\n"
+        "def step(self, batches=None):\n"
+        "    if self.steps_done == 3:  # inside the resident cell's first timed pass\n"
+        "        raise KeyboardInterrupt\n"
+        "    return orig(self, batches)\n"
+        "t.ResidentTrainer.step = step\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "bench.json"
+    proc, results = _suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:]  # interrupted
+    assert "min() iterable argument is empty" not in proc.stdout + proc.stderr
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["poros"]
+    names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
+    assert len(names) == 1 and "method=poros" in names[0]
