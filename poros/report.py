@@ -198,7 +198,9 @@ def _config_table(df: pd.DataFrame, hw: str) -> str:
         ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
         ("Block size (poros)", _uniq(
             f"{b}" + (f", activation offload {o:g} of layers" if o else ", every layer recomputed in backward")
-            for b, o, m in zip(cfg("block_size"), cfg("activation_offload"), df["method"]) if m == "poros")),
+            + (", each recompute enqueued while the previous layer's backward runs" if v else "")
+            for b, o, v, m in zip(cfg("block_size"), cfg("activation_offload"), cfg("overlap_backward"), df["method"])
+            if m == "poros")),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
         ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"
                             for a, d in zip(cfg("attention"), cfg("deterministic")))),
