@@ -253,7 +253,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "error": error,
         "config": {**{k: v for k, v in cfg.as_dict().items() if k in (
             "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention", "device",
-            "deterministic", "activation_offload", "overlap_backward")},
+            "deterministic", "activation_offload", "overlap_backward", "cuda_graphs")},
             "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "provenance": provenance(),
     }

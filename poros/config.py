@@ -33,7 +33,7 @@ LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 
 
 SHARED_SETTINGS = ("seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention",
-                   "deterministic", "activation_offload", "overlap_backward")
+                   "deterministic", "activation_offload", "overlap_backward", "cuda_graphs")
 
 
 def _coerce_enum(obj, name: str, enum_cls: type[enum.Enum], problems: list[str]) -> None:
@@ -76,6 +76,9 @@ class TrainConfig:
     # poros: recompute layer i-1 on the calling thread while layer i's backward runs on a worker
     # thread (the same kernels on the same stream; only the host-side launch work overlaps)
     overlap_backward: bool = True
+    # poros, CUDA only: each recomputed layer's recompute + backward replayed from a CUDA graph
+    # shared by the layers at the same buffer position (poros/graphs.py); experimental
+    cuda_graphs: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +96,7 @@ class TrainConfig:
         off = self.activation_offload
         if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0 <= off <= 1:
             problems.append(f"activation_offload: expected a number from 0 to 1, got {off!r}")
-        for name in ("pin_memory", "deterministic", "overlap_backward"):
+        for name in ("pin_memory", "deterministic", "overlap_backward", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}: expected true or false, got {getattr(self, name)!r}")
         targets = tuple(self.lora_targets) if isinstance(self.lora_targets, (list, tuple)) else None
@@ -103,6 +106,8 @@ class TrainConfig:
             object.__setattr__(self, "lora_targets", targets)
         _coerce_enum(self, "attention", Attention, problems)
         _coerce_enum(self, "device", Device, problems)
+        if self.cuda_graphs is True and self.device is not Device.CUDA:
+            problems.append(f"cuda_graphs: needs device cuda, got {getattr(self.device, 'value', self.device)!r}")
         if problems:
             raise ConfigError(problems, source="TrainConfig")
 

@@ -74,6 +74,7 @@ class Matrix:
     deterministic: bool = False
     activation_offload: float = 0.0
     overlap_backward: bool = True
+    cuda_graphs: bool = False
     parity_steps: int = 3
     source: str = ""
 
@@ -105,7 +106,7 @@ class Matrix:
 _REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size")
 _REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
 _OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "activation_offload",
-             "overlap_backward", "parity_steps")
+             "overlap_backward", "cuda_graphs", "parity_steps")
 
 
 def _is_int(v) -> bool:
@@ -154,7 +155,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     for k in _REQUIRED:
         if k not in data:
             problems.append(f"{k}: missing required key")
-    for k in ("deterministic", "overlap_backward"):
+    for k in ("deterministic", "overlap_backward", "cuda_graphs"):
         if k in data and not isinstance(data[k], bool):
             problems.append(f"{k}: expected true or false, got {data[k]!r}")
     off = data.get("activation_offload", 0.0)
@@ -220,6 +221,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         deterministic=data.get("deterministic", False),
         activation_offload=float(data.get("activation_offload", 0.0)),
         overlap_backward=data.get("overlap_backward", True),
+        cuda_graphs=data.get("cuda_graphs", False),
         parity_steps=data.get("parity_steps", 3),
         source=source,
     )

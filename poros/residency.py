@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from poros.errors import CapabilityError
+from poros.graphs import LayerTemplates
 from poros.modeling import QLoRAModel, bind_nf4
 from poros.offload import ActivationOffloader, offloaded_layers
 from poros.store import ALIGN, NF4Store, absmax_view, weight_view
@@ -225,6 +226,9 @@ class PorosTrainer(Trainer):
 
     def _make_model(self) -> QLoRAModel:
         store, cfg = self.store, self.cfg
+        if getattr(store.config, "num_kv_shared_layers", 0):
+            raise CapabilityError(f"{cfg.model}: layers that reuse another layer's keys/values (num_kv_shared_layers="
+                                  f"{store.config.num_kv_shared_layers}) cannot be recomputed one at a time")
         if self.device.type == "cuda" and cfg.pin_memory:
             store.pin()
         model = QLoRAModel(store, cfg, self.device, host_io=True)
@@ -244,7 +248,8 @@ class PorosTrainer(Trainer):
         self.offload_layers = offloaded_layers(len(store.layers), self.blocks[-1].first, cfg.activation_offload)
         self.offloader = ActivationOffloader(self.device, getattr(self.streamer, "copy_stream", None))
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
-                        if cfg.overlap_backward else None)
+                        if cfg.overlap_backward and not cfg.cuda_graphs else None)
+        self._templates = LayerTemplates(capture=True) if cfg.cuda_graphs else None
         self._patch_layers(model)
         self._patch_io(model)
         self.fault_refill_before_backward = False  # negative control for the gate's tests
@@ -385,6 +390,18 @@ class PorosTrainer(Trainer):
                 self.offloader.prefetch(j)
         pending = None
         for i in reversed(range(blk.first, blk.stop)):
+            if self._templates is not None and i not in self._graphs:
+                if pending is not None:
+                    grad, pending = pending.result(), None
+                    self.offloader.release(i + 1)
+                if self.fault_refill_before_backward and i == blk.stop - 1:
+                    self._refill_wrong(blk)
+                rest, kwargs, kw_hidden = self._calls[i]
+                out = self._templates.run(i, self.qlora.layers[i], self._inputs[i], rest, kwargs, kw_hidden, grad)
+                if out is not None:
+                    del self._inputs[i], self._calls[i]
+                    grad = out
+                    continue
             x, h = self._graphs.pop(i) if i in self._graphs else self._recompute(i)
             if pending is not None:
                 grad = pending.result()
@@ -393,7 +410,8 @@ class PorosTrainer(Trainer):
             if self.fault_refill_before_backward and i == blk.stop - 1:
                 self._refill_wrong(blk)
             pending = self._submit_backward(h, grad, x)
-        grad = pending.result()
+        if pending is not None:
+            grad = pending.result()
         self.offloader.release(blk.first)
         self.streamer.release(blk.index)
         return grad
@@ -441,6 +459,8 @@ class PorosTrainer(Trainer):
         self._calls.clear()
         self._graphs.clear()
         self.offloader.clear()
+        if self._templates is not None:
+            self._templates.clear()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -448,8 +468,18 @@ class PorosTrainer(Trainer):
         del self.streamer
         super().close()
 
+    def use_layer_templates(self, capture: bool) -> None:
+        """Run every recomputed layer through a layer template (poros/graphs.py): replayed from CUDA
+        graphs with `capture` (what `cuda_graphs: true` selects), eagerly without (CPU tests)."""
+        self._templates = LayerTemplates(capture=capture)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     def counters(self) -> dict:
         out = self.streamer.counters()
+        if self._templates is not None:
+            out.update(self._templates.counters())
         if self.offload_layers:
             out.update(offloaded_layers=len(self.offload_layers), act_bytes_d2h=self.offloader.bytes_d2h,
                        act_bytes_h2d=self.offloader.bytes_h2d)

@@ -3,10 +3,10 @@
     python3 scripts/sweep.py qwen2.5-32b --variants serial,overlap,overlap:0.25 [--resident] \
         [--steps 8 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
 
-A variant is MODE[:F]: MODE `serial` or `overlap` (TrainConfig.overlap_backward), F the
-activation_offload share (default 0). Each variant first passes the parity gate against a fresh
-resident trainer (`--gate-steps` steps, torch.equal on everything), then is timed alone: one
-warm-up pass and `--passes` passes of `--steps` steps. One JSON line per variant (and one for
+A variant is MODE[:F]: MODE `serial`, `overlap` (TrainConfig.overlap_backward) or `graphs`
+(TrainConfig.cuda_graphs), F the activation_offload share (default 0). Each variant first passes
+the parity gate against a fresh resident trainer (`--gate-steps` steps, torch.equal on
+everything), then is timed alone: one warm-up pass and `--passes` passes of `--steps` steps. One JSON line per variant (and one for
 resident with `--resident`), appended to DIR/sweep.jsonl too when --out is given. The official
 figures come from `poros bench matrix`; this only tells which settings are worth a matrix run.
 """
@@ -30,9 +30,10 @@ from poros.train import ResidentTrainer
 
 def parse_variant(text: str) -> dict:
     mode, _, frac = text.partition(":")
-    if mode not in ("serial", "overlap"):
-        raise SystemExit(f"variant {text!r}: expected serial or overlap, optionally :F (e.g. overlap:0.25)")
-    return {"overlap_backward": mode == "overlap", "activation_offload": float(frac or 0.0)}
+    if mode not in ("serial", "overlap", "graphs"):
+        raise SystemExit(f"variant {text!r}: expected serial, overlap or graphs, optionally :F (e.g. overlap:0.25)")
+    return {"overlap_backward": mode == "overlap", "cuda_graphs": mode == "graphs",
+            "activation_offload": float(frac or 0.0)}
 
 
 def timed(trainer, cfg: TrainConfig, steps: int, passes: int) -> dict:
@@ -96,6 +97,8 @@ def main() -> None:
                "first_mismatch": gate.first_mismatch, "max_abs_diff": gate.max_abs_diff}
         if gate.ok:  # a failing schedule is not worth timing
             row.update(timed(poros, cfg, args.steps, args.passes))
+            row["engine_counters"] = {k: v for k, v in poros.counters().items()
+                                      if k in ("layer_templates", "template_fallbacks", "graphs_captured")}
         emit(row)
         poros.close()
         del poros

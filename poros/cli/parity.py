@@ -32,6 +32,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serial-backward", dest="overlap_backward", action="store_false",
                    help="poros: recompute and backpropagate layers one after the other on one thread "
                         "(default: the next layer's recompute overlaps the current layer's backward)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="poros, CUDA only (experimental): replay each layer's recompute + backward from a CUDA "
+                        "graph shared by the layers at the same buffer position")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms for both methods (repeatable attention backward)")
 

@@ -1,0 +1,252 @@
+"""Layer templates: one decoder layer's recompute + backward, replayed from a CUDA graph.
+
+At seq 512 poros's backward is bound by host-side launch work (hundreds of small kernels per layer
+through bitsandbytes, peft and transformers), not by the GPU. A CUDA graph replays a captured
+kernel sequence for one launch, but it replays fixed addresses. Two layers can share a graph when
+their NF4 weights sit at the same addresses (the same block buffer at the same offset: block b
+and b+2 alternate between the two buffers) and their modules are alike; everything else a layer
+owns (LoRA A/B, norm weights, buffers) is copied into the template's own tensors before a replay,
+and the template's LoRA gradients are accumulated into the layer's afterwards. So the number of
+graphs is (buffers x layers per block x layer kinds), not the number of layers, and their
+activations share one memory pool (replays never overlap).
+
+The kernels are the ones eager recompute + backward launches, in the same order, on the same
+data, so the result is bitwise the same; the parity gate checks that on the GPU. Without capture
+(`capture=False`, the CPU tests) the template runs eagerly: the same copies in and out, which is
+what the CPU gate verifies.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+WARMUP = 2  # eager runs on a side stream before capture (cuBLAS handles, workspaces, autograd caches)
+IGNORED_ATTRS = {"layer_idx", "training"}  # per-layer attributes that do not change the kernels
+
+
+def _tensors(obj, out: list) -> list:
+    """Tensors inside nested tuples/lists/dicts, in a fixed order."""
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _tensors(v, out)
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            _tensors(obj[k], out)
+    return out
+
+
+def _skeleton(obj):
+    """The non-tensor part of nested arguments (tensors replaced by their shape and dtype)."""
+    if torch.is_tensor(obj):
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, tuple(_skeleton(v) for v in obj))
+    if isinstance(obj, dict):
+        return ("dict", tuple((k, _skeleton(obj[k])) for k in sorted(obj)))
+    # other objects (e.g. gemma4's KVSharingDict, new every forward) pass through as they are: a layer
+    # that reads or writes one is never templated (see `templatable`)
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else ("object", type(obj).__name__)
+
+
+def _rebuild(obj, it):
+    """`obj` with its tensors replaced, in `_tensors` order, by the ones `it` yields."""
+    if torch.is_tensor(obj):
+        return next(it)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_rebuild(v, it) for v in obj)
+    if isinstance(obj, dict):
+        rebuilt = {k: _rebuild(obj[k], it) for k in sorted(obj)}
+        return {k: rebuilt[k] for k in obj}
+    return obj
+
+
+def _nf4_params(layer: nn.Module) -> list[torch.Tensor]:
+    import bitsandbytes as bnb
+
+    return [p for p in layer.parameters() if isinstance(p, bnb.nn.Params4bit)]
+
+
+# module attributes that make a layer read state another layer left in its arguments (gemma4's KV
+# sharing). A layer that only stores its K/V there ("store" mode) is fine: the engine refuses models
+# with readers (PorosTrainer), so what it stores is never read.
+CROSS_LAYER_ATTRS = ("is_kv_shared_layer",)
+
+
+def templatable(layer: nn.Module) -> bool:
+    """A layer whose result depends only on its tensors and arguments (no cross-layer state)."""
+    return not any(getattr(m, a, False) is True for m in layer.modules() for a in CROSS_LAYER_ATTRS)
+
+
+def layer_key(layer: nn.Module) -> tuple:
+    """Layers with equal keys can share a template: the same NF4 addresses and the same modules."""
+    addrs = []
+    for p in _nf4_params(layer):
+        addrs.append((p.data_ptr(), tuple(p.shape), p.quant_state.absmax.data_ptr(), tuple(p.quant_state.shape)))
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers())
+    attrs = []
+    for name, m in layer.named_modules():
+        for k, v in sorted(vars(m).items()):
+            if k.startswith("_") or k in IGNORED_ATTRS:
+                continue
+            if isinstance(v, (int, float, str, bool, type(None))) or (
+                    isinstance(v, (tuple, list)) and all(isinstance(x, (int, float, str, bool)) for x in v)):
+                attrs.append((name, k, tuple(v) if isinstance(v, list) else v))
+    return (type(layer).__name__, tuple(addrs), params, buffers, tuple(attrs))
+
+
+class LayerTemplate:
+    """A private copy of one layer sharing only its NF4 weights; runs (or replays) recompute+backward."""
+
+    def __init__(self, layer: nn.Module, capture: bool, pool=None):
+        shared = {}
+        for p in _nf4_params(layer):
+            shared[id(p)] = p
+            shared[id(p.quant_state)] = p.quant_state
+        for m in layer.modules():
+            if getattr(m, "quant_state", None) is not None:
+                shared[id(m.quant_state)] = m.quant_state
+        self.module = copy.deepcopy(layer, shared)
+        self.module.__dict__.pop("forward", None)  # the streaming engine's patched forward stays on the original
+        self.nf4 = {id(p) for p in _nf4_params(layer)}
+        self.capture, self.pool = capture, pool
+        self.graph = None
+        self.params = [p for p in self.module.parameters() if id(p) not in self.nf4]
+        self.lora = [p for p in self.params if p.requires_grad]
+        self.buffers = list(self.module.buffers())
+        self.static_x = self.static_grad = None
+        self.static_args: list[torch.Tensor] = []
+        self.skeleton = None
+        self._dst = None
+        self.replays = 0
+
+    # --- one call -----------------------------------------------------------------------------
+    def run(self, layer: "LayerRefs", x: torch.Tensor, args: tuple, kwargs: dict, kw_hidden: bool,
+            grad: torch.Tensor) -> torch.Tensor | None:
+        """Layer `layer`'s recompute from input `x` and backward of `grad`; LoRA grads accumulate into
+        `layer`'s parameters. Returns the gradient at `x`, or None when this call's non-tensor
+        arguments differ from the captured ones (the caller then runs it eagerly)."""
+        skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
+        if self.skeleton is None:
+            self._setup(x, args, kwargs, kw_hidden, grad, skeleton)
+        elif skeleton != self.skeleton:
+            return None
+        self._load(layer, x, args, kwargs, grad)
+        it = iter(self.static_args)
+        self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
+        if self.capture:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            self._fwd_bwd()
+        self.replays += 1
+        out = self.static_x.grad.clone()
+        for p, t in zip(layer.lora, self.lora, strict=True):
+            if p.grad is None:
+                p.grad = t.grad.clone()
+            else:
+                p.grad.add_(t.grad)
+        if not self.capture:  # eager: the next run must not accumulate onto this one
+            self._clear_grads()
+        return out
+
+    def _setup(self, x, args, kwargs, kw_hidden, grad, skeleton) -> None:
+        self.skeleton = skeleton
+        self.kw_hidden = kw_hidden
+        self.static_x = torch.empty_like(x).requires_grad_(True)
+        self.static_grad = torch.empty_like(grad)
+        self.static_args = [torch.empty_like(t) for t in _tensors((args, kwargs), [])]
+
+    def _load(self, layer: "LayerRefs", x, args, kwargs, grad) -> None:
+        if self._dst is None:
+            self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach(), self.static_grad]
+            self._dst += self.static_args
+        src = layer.state + [x.detach(), grad] + _tensors((args, kwargs), [])
+        with torch.no_grad():
+            torch._foreach_copy_(self._dst, src)
+
+    def _fwd_bwd(self) -> None:
+        with torch.enable_grad():
+            if self.kw_hidden:
+                out = self.module(*self.args, hidden_states=self.static_x, **self.kwargs)
+            else:
+                out = self.module(self.static_x, *self.args, **self.kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+            torch.autograd.backward(h, self.static_grad)
+
+    def _clear_grads(self) -> None:
+        self.static_x.grad = None
+        for p in self.lora:
+            p.grad = None
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                self._fwd_bwd()
+                self._clear_grads()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._fwd_bwd()
+        self.graph = graph
+
+
+class LayerRefs:
+    """What a template copies from one layer (its tensors other than NF4, in template order) and
+    the LoRA parameters its gradients go to; the layer's key. Gathered once per layer."""
+
+    def __init__(self, layer: nn.Module):
+        nf4 = {id(p) for p in _nf4_params(layer)}
+        params = [p for p in layer.parameters() if id(p) not in nf4]
+        self.state = [p.detach() for p in params] + list(layer.buffers())
+        self.lora = [p for p in params if p.requires_grad]
+        self.key = layer_key(layer)
+        self.module = layer
+
+
+class LayerTemplates:
+    """Templates by `layer_key`, created on first use; counters for the engine's report.
+
+    All graphs share one memory pool. That is safe because replays never overlap and a template's
+    only pool-resident outputs (the gradient at its input, its LoRA gradients) are consumed right
+    after its replay; its inputs (the static tensors and its own parameters) live outside the pool.
+    """
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.templates: dict[tuple, LayerTemplate] = {}
+        self.refs: dict[int, LayerRefs] = {}
+        self.fallbacks = 0
+
+    def run(self, i: int, layer: nn.Module, x, args, kwargs, kw_hidden, grad) -> torch.Tensor | None:
+        """Layer i's recompute + backward through its template; None: run it eagerly instead."""
+        if i not in self.refs:
+            self.refs[i] = LayerRefs(layer) if templatable(layer) else None
+        refs = self.refs[i]
+        if refs is None:
+            self.fallbacks += 1
+            return None
+        tpl = self.templates.get(refs.key)
+        if tpl is None:
+            tpl = self.templates[refs.key] = LayerTemplate(layer, self.capture, self.pool)
+        out = tpl.run(refs, x, args, kwargs, kw_hidden, grad)
+        if out is None:
+            self.fallbacks += 1
+        return out
+
+    def counters(self) -> dict:
+        return {"layer_templates": len(self.templates), "template_fallbacks": self.fallbacks,
+                "graphs_captured": sum(t.graph is not None for t in self.templates.values())}
+
+    def clear(self) -> None:
+        self.templates.clear()
+        self.refs.clear()
