@@ -1,4 +1,5 @@
-"""Layer templates: one decoder layer's recompute + backward, replayed from a CUDA graph.
+"""Layer templates: one decoder layer's recompute + backward (and its forward without autograd),
+replayed from a CUDA graph.
 
 At seq 512 poros's backward is bound by host-side launch work (hundreds of small kernels per layer
 through bitsandbytes, peft and transformers), not by the GPU. A CUDA graph replays a captured
@@ -101,9 +102,10 @@ def layer_key(layer: nn.Module) -> tuple:
 
 
 class LayerTemplate:
-    """A private copy of one layer sharing only its NF4 weights; runs (or replays) recompute+backward."""
+    """A private copy of one layer sharing only its NF4 weights. With `backward`, runs (or replays)
+    the layer's recompute + backward; without, its forward without autograd."""
 
-    def __init__(self, layer: nn.Module, capture: bool, pool=None):
+    def __init__(self, layer: nn.Module, capture: bool, pool=None, backward: bool = True):
         shared = {}
         for p in _nf4_params(layer):
             shared[id(p)] = p
@@ -114,27 +116,30 @@ class LayerTemplate:
         self.module = copy.deepcopy(layer, shared)
         self.module.__dict__.pop("forward", None)  # the streaming engine's patched forward stays on the original
         self.nf4 = {id(p) for p in _nf4_params(layer)}
-        self.capture, self.pool = capture, pool
+        self.capture, self.pool, self.backward = capture, pool, backward
         self.graph = None
         self.params = [p for p in self.module.parameters() if id(p) not in self.nf4]
         self.lora = [p for p in self.params if p.requires_grad]
         self.buffers = list(self.module.buffers())
-        self.static_x = self.static_grad = None
+        self.static_x = self.static_grad = self.static_out = None
+        self.out_rest = None  # forward: what follows the hidden state when the layer returns a tuple
         self.static_args: list[torch.Tensor] = []
         self.skeleton = None
+        self.usable = True
         self._dst = None
         self.replays = 0
 
     # --- one call -----------------------------------------------------------------------------
     def run(self, layer: "LayerRefs", x: torch.Tensor, args: tuple, kwargs: dict, kw_hidden: bool,
-            grad: torch.Tensor) -> torch.Tensor | None:
-        """Layer `layer`'s recompute from input `x` and backward of `grad`; LoRA grads accumulate into
-        `layer`'s parameters. Returns the gradient at `x`, or None when this call's non-tensor
-        arguments differ from the captured ones (the caller then runs it eagerly)."""
+            grad: torch.Tensor | None = None):
+        """Backward template: layer `layer`'s recompute from input `x` and backward of `grad`, LoRA
+        grads accumulated into `layer`'s parameters; returns the gradient at `x`. Forward template:
+        returns the layer's output. None when this call's non-tensor arguments differ from the
+        captured ones, or the layer's output is not a template's to give (the caller runs it eagerly)."""
         skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
         if self.skeleton is None:
             self._setup(x, args, kwargs, kw_hidden, grad, skeleton)
-        elif skeleton != self.skeleton:
+        elif skeleton != self.skeleton or not self.usable:
             return None
         self._load(layer, x, args, kwargs, grad)
         it = iter(self.static_args)
@@ -142,10 +147,17 @@ class LayerTemplate:
         if self.capture:
             if self.graph is None:
                 self._capture()
+                if not self.usable:
+                    return None
             self.graph.replay()
         else:
-            self._fwd_bwd()
+            self._body()
+            if not self.usable:
+                return None
         self.replays += 1
+        if not self.backward:
+            h = self.static_out.clone()
+            return h if self.out_rest is None else (h, *self.out_rest)
         out = self.static_x.grad.clone()
         for p, t in zip(layer.lora, self.lora, strict=True):
             if p.grad is None:
@@ -159,43 +171,58 @@ class LayerTemplate:
     def _setup(self, x, args, kwargs, kw_hidden, grad, skeleton) -> None:
         self.skeleton = skeleton
         self.kw_hidden = kw_hidden
-        self.static_x = torch.empty_like(x).requires_grad_(True)
-        self.static_grad = torch.empty_like(grad)
+        self.static_x = torch.empty_like(x).requires_grad_(self.backward)
+        self.static_grad = torch.empty_like(grad) if self.backward else None
         self.static_args = [torch.empty_like(t) for t in _tensors((args, kwargs), [])]
 
     def _load(self, layer: "LayerRefs", x, args, kwargs, grad) -> None:
         if self._dst is None:
-            self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach(), self.static_grad]
-            self._dst += self.static_args
-        src = layer.state + [x.detach(), grad] + _tensors((args, kwargs), [])
+            self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()]
+            self._dst += ([self.static_grad] if self.backward else []) + self.static_args
+        src = layer.state + [x.detach()] + ([grad] if self.backward else []) + _tensors((args, kwargs), [])
         with torch.no_grad():
             torch._foreach_copy_(self._dst, src)
 
-    def _fwd_bwd(self) -> None:
-        with torch.enable_grad():
-            if self.kw_hidden:
-                out = self.module(*self.args, hidden_states=self.static_x, **self.kwargs)
-            else:
-                out = self.module(self.static_x, *self.args, **self.kwargs)
-            h = out[0] if isinstance(out, tuple) else out
-            torch.autograd.backward(h, self.static_grad)
+    def _call(self):
+        if self.kw_hidden:
+            return self.module(*self.args, hidden_states=self.static_x, **self.kwargs)
+        return self.module(self.static_x, *self.args, **self.kwargs)
+
+    def _body(self) -> None:
+        if self.backward:
+            with torch.enable_grad():
+                out = self._call()
+                torch.autograd.backward(out[0] if isinstance(out, tuple) else out, self.static_grad)
+            return
+        with torch.no_grad():
+            out = self._call()
+        if isinstance(out, tuple):
+            if any(torch.is_tensor(o) for o in _tensors(out[1:], [])):
+                self.usable = False  # more than a hidden state comes back: not replayable as one
+                return
+            self.static_out, self.out_rest = out[0], tuple(out[1:])
+        else:
+            self.static_out = out
 
     def _clear_grads(self) -> None:
-        self.static_x.grad = None
-        for p in self.lora:
-            p.grad = None
+        if self.backward:
+            self.static_x.grad = None
+            for p in self.lora:
+                p.grad = None
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
-                self._fwd_bwd()
+                self._body()
                 self._clear_grads()
         torch.cuda.current_stream().wait_stream(side)
+        if not self.usable:
+            return
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._fwd_bwd()
+            self._body()
         self.graph = graph
 
 
@@ -223,28 +250,32 @@ class LayerTemplates:
     def __init__(self, capture: bool):
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.templates: dict[tuple, LayerTemplate] = {}
+        self.templates: dict[tuple, LayerTemplate] = {}  # by (backward?, layer key)
         self.refs: dict[int, LayerRefs] = {}
         self.fallbacks = 0
 
-    def run(self, i: int, layer: nn.Module, x, args, kwargs, kw_hidden, grad) -> torch.Tensor | None:
-        """Layer i's recompute + backward through its template; None: run it eagerly instead."""
+    def run(self, i: int, layer: nn.Module, x, args, kwargs, kw_hidden, grad=None):
+        """Layer i through its template: with `grad`, recompute + backward (returns the gradient at
+        `x`); without, the forward without autograd (returns the layer's output). None: run it
+        eagerly instead."""
         if i not in self.refs:
             self.refs[i] = LayerRefs(layer) if templatable(layer) else None
         refs = self.refs[i]
         if refs is None:
             self.fallbacks += 1
             return None
-        tpl = self.templates.get(refs.key)
+        key = (grad is not None, refs.key)
+        tpl = self.templates.get(key)
         if tpl is None:
-            tpl = self.templates[refs.key] = LayerTemplate(layer, self.capture, self.pool)
+            tpl = self.templates[key] = LayerTemplate(layer, self.capture, self.pool, backward=grad is not None)
         out = tpl.run(refs, x, args, kwargs, kw_hidden, grad)
         if out is None:
             self.fallbacks += 1
         return out
 
     def counters(self) -> dict:
-        return {"layer_templates": len(self.templates), "template_fallbacks": self.fallbacks,
+        return {"layer_templates": sum(k[0] for k in self.templates),
+                "forward_templates": sum(not k[0] for k in self.templates), "template_fallbacks": self.fallbacks,
                 "graphs_captured": sum(t.graph is not None for t in self.templates.values())}
 
     def clear(self) -> None:

@@ -326,9 +326,13 @@ class PorosTrainer(Trainer):
             out = self._forward_keeping_graph(i, original, hidden, rest, kwargs, kw_hidden)
         else:
             self._inputs[i] = hidden
-            self._calls[i] = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
-            with torch.no_grad():
-                out = original(*args, **kwargs)
+            self._calls[i] = call = (rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, kw_hidden)
+            out = None
+            if self._templates is not None:
+                out = self._templates.run(i, self.qlora.layers[i], hidden, *call)
+            if out is None:
+                with torch.no_grad():
+                    out = original(*args, **kwargs)
         if i == blk.stop - 1:
             self.streamer.release(blk.index)
         if i == len(self.block_of) - 1:
@@ -469,8 +473,9 @@ class PorosTrainer(Trainer):
         super().close()
 
     def use_layer_templates(self, capture: bool) -> None:
-        """Run every recomputed layer through a layer template (poros/graphs.py): replayed from CUDA
-        graphs with `capture` (what `cuda_graphs: true` selects), eagerly without (CPU tests)."""
+        """Run every recomputed layer's forward, and its recompute + backward, through layer templates
+        (poros/graphs.py): replayed from CUDA graphs with `capture` (what `cuda_graphs: true` selects),
+        eagerly without (CPU tests)."""
         self._templates = LayerTemplates(capture=capture)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
