@@ -5,6 +5,7 @@
 POROS_GPU_TEST_MODEL takes registry names or checkpoint folders, comma-separated; each runs the
 gate (resident vs poros, torch.equal on every tensor) and prints its JSON line. The attention
 backend is math unless POROS_GPU_TEST_ATTENTION says otherwise (see matrices/h200.yaml).
+POROS_GPU_TEST_GRAPHS=1 runs poros with `cuda_graphs` (layer templates replayed from CUDA graphs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SEQ = int(os.environ.get("POROS_GPU_TEST_SEQ", "512"))
 # backward (resident vs resident differed for qwen3-32b; results/h200/attention_probe.jsonl);
 # POROS_GPU_TEST_ATTENTION=default tries it anyway.
 ATTN = os.environ.get("POROS_GPU_TEST_ATTENTION", "math")
+GRAPHS = os.environ.get("POROS_GPU_TEST_GRAPHS", "0") == "1"
 
 
 @pytest.mark.gpu
@@ -36,7 +38,7 @@ def test_gpu_parity(model):
     from poros.residency import PorosTrainer
     from poros.train import ResidentTrainer
 
-    cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN)
+    cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN, cuda_graphs=GRAPHS)
     store, stats = build_store(model, device="cuda")
     print(f"\nbuild {model}: {stats.seconds:.1f} s, NF4 store {stats.store_bytes / 1e9:.2f} GB")
     gc.collect()
