@@ -20,6 +20,7 @@ what the CPU gate verifies.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -126,6 +127,7 @@ class LayerTemplate:
         self.static_args: list[torch.Tensor] = []
         self.skeleton = None
         self.usable = True
+        self.error: str | None = None  # why capture failed, if it did
         self._dst = None
         self.replays = 0
 
@@ -146,7 +148,15 @@ class LayerTemplate:
         self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
         if self.capture:
             if self.graph is None:
-                self._capture()
+                try:
+                    self._capture()
+                except Exception as e:  # not capturable here: this template runs eagerly from now on
+                    self.usable, self.error = False, f"{type(e).__name__}: {e}"[:300]
+                    warnings.warn(f"poros: CUDA graph capture failed, running the layer eagerly: {self.error}",
+                                  stacklevel=2)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    self._clear_grads()
                 if not self.usable:
                     return None
             self.graph.replay()
@@ -276,7 +286,11 @@ class LayerTemplates:
     def counters(self) -> dict:
         return {"layer_templates": sum(k[0] for k in self.templates),
                 "forward_templates": sum(not k[0] for k in self.templates), "template_fallbacks": self.fallbacks,
-                "graphs_captured": sum(t.graph is not None for t in self.templates.values())}
+                "graphs_captured": sum(t.graph is not None for t in self.templates.values()),
+                "capture_errors": sum(t.error is not None for t in self.templates.values())}
+
+    def errors(self) -> list[str]:
+        return sorted({t.error for t in self.templates.values() if t.error})
 
     def clear(self) -> None:
         self.templates.clear()

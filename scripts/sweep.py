@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path)
+    p.add_argument("--time-failing", action="store_true", help="time a variant even when its gate FAILs")
     args = p.parse_args()
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     store, stats = build_store(args.model, device=args.device, progress=None)
@@ -95,10 +96,12 @@ def main() -> None:
         row = {"method": "poros", **v, "offloaded_layers": len(poros.offload_layers), "parity": gate.parity,
                "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
                "first_mismatch": gate.first_mismatch, "max_abs_diff": gate.max_abs_diff}
-        if gate.ok:  # a failing schedule is not worth timing
+        if gate.ok or args.time_failing:
             row.update(timed(poros, cfg, args.steps, args.passes))
-            row["engine_counters"] = {k: v for k, v in poros.counters().items()
-                                      if k in ("layer_templates", "template_fallbacks", "graphs_captured")}
+            row["engine_counters"] = {k: v for k, v in poros.counters().items() if k in (
+                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
+            if poros._templates is not None and poros._templates.errors():
+                row["capture_errors"] = poros._templates.errors()
         emit(row)
         poros.close()
         del poros

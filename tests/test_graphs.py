@@ -113,3 +113,26 @@ def test_models_whose_layers_reuse_other_layers_kv_are_refused():
         pytest.skip(f"config not buildable with KV sharing here: {e}")
     with pytest.raises(CapabilityError, match="num_kv_shared_layers=2"):
         PorosTrainer(store, TrainConfig(model="tiny-gemma4", seq_len=64, block_size=1))
+
+
+def test_a_template_that_cannot_be_captured_falls_back_to_eager_and_says_so(stores, monkeypatch):
+    """Capture is CUDA-only; here it is made to fail: every layer then runs eagerly, parity holds,
+    and the counters report the failures (the sweep prints their messages)."""
+    import poros.graphs as g
+
+    monkeypatch.setattr(g.torch.cuda, "graph_pool_handle", lambda: None)
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(g.LayerTemplate, "_capture", fail)
+    store = stores("tiny-qwen2")
+    cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=1, lr=1e-2)
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
+    poros.use_layer_templates(capture=True)
+    with pytest.warns(UserWarning, match="capture failed"):
+        result = run_gate(resident, poros, 2)
+    assert result.ok, result.first_mismatch
+    c = poros.counters()
+    assert c["graphs_captured"] == 0 and c["capture_errors"] == c["layer_templates"] + c["forward_templates"] > 0
+    assert poros._templates.errors() == ["RuntimeError: operation not permitted when stream is capturing"]
