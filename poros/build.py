@@ -152,6 +152,9 @@ class CheckpointReader:
                 return key[len(p) :]
         return key
 
+    def has(self, name: str) -> bool:
+        return self._strip(name) in self._by_suffix
+
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
@@ -176,10 +179,23 @@ class BuildStats:
     peak_device_bytes: int | None
 
 
+def persistent_buffers(module: nn.Module):
+    """(name, buffer) for the buffers a state dict (and so a checkpoint) carries, e.g. gemma4's
+    per-layer `layer_scalar`; non-persistent ones (rotary tables) are derived from the config."""
+    for mname, m in module.named_modules():
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                yield (f"{mname}.{n}" if mname else n), b
+
+
 def _fill(module: nn.Module, model: nn.Module, prefix: str, device, seed: int | None, reader) -> None:
-    """Materialise `module`'s own parameters on `device`: seeded init or read from the checkpoint."""
+    """Materialise `module`'s own parameters on `device`: seeded init or read from the checkpoint.
+    Persistent buffers keep their constructed values unless the checkpoint has them."""
+    defaults = {n: b.detach().clone() for n, b in persistent_buffers(module)}
     module.to_empty(device=device)
     with torch.no_grad():
+        for n, b in persistent_buffers(module):
+            b.copy_(defaults[n])
         if reader is None:
             with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
                 torch.manual_seed(seed)
@@ -187,6 +203,10 @@ def _fill(module: nn.Module, model: nn.Module, prefix: str, device, seed: int | 
         else:
             for name, p in module.named_parameters():
                 p.copy_(reader.get(f"{prefix}.{name}" if prefix else name).to(p.dtype))
+            for name, b in persistent_buffers(module):
+                full = f"{prefix}.{name}" if prefix else name
+                if reader.has(full):
+                    b.copy_(reader.get(full).to(b.dtype))
 
 
 def build_store(
@@ -214,6 +234,7 @@ def build_store(
     layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])
     arena = host_buffer(total)
     dense: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     code = None
     show = sys.stderr.isatty() if progress is None else progress
     for i, (layer, prefix, layout) in enumerate(zip(layers, prefixes, layouts)):
@@ -228,6 +249,8 @@ def build_store(
         for name, p in layer.named_parameters():
             if not (name.endswith(".weight") and isinstance(linears[name.rsplit(".", 1)[0]], nn.Linear)):
                 dense[f"{prefix}.{name}"] = p.detach().to("cpu", copy=True)
+        for name, b in persistent_buffers(layer):
+            buffers[f"{prefix}.{name}"] = b.detach().to("cpu", copy=True)
         layer.to("meta")
         if on_layer:
             on_layer(i + 1, len(layers))
@@ -255,6 +278,6 @@ def build_store(
             dense[f"{mname}.{n}" if mname else n] = p.detach().to("cpu", copy=True)
         module.to("meta")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    store = NF4Store(src.config, layouts, arena, dense, code.to("cpu"), source=src.name)
+    store = NF4Store(src.config, layouts, arena, dense, code.to("cpu"), source=src.name, buffers=buffers)
     return store, BuildStats(time.perf_counter() - t0, total, len(layers), str(device), peak)
 

@@ -69,9 +69,9 @@ def export_bnb4bit(store: NF4Store, folder: str | Path, *, progress=None) -> Pat
         for slot in layer.slots:
             tensors.update(_quant_tensors(store, slot))
         prefix = layer.slots[0].name.rsplit(".", 2)[0] if layer.slots else None
-        for name, t in store.dense.items():
+        for name, t in (*store.dense.items(), *store.buffers.items()):
             if prefix and name.startswith(prefix.rsplit(".", 1)[0] + f".{i}."):
-                tensors[name] = t
+                tensors[name] = t.contiguous()
         save_file(tensors, str(folder / shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in tensors})
         if progress:

@@ -93,6 +93,9 @@ class QLoRAModel:
             _set_param(model, name, t if name in self.host_names else t.to(self.device))
         if getattr(store.config, "tie_word_embeddings", False) and "lm_head.weight" not in store.dense:
             model.lm_head.weight = model.get_input_embeddings().weight
+        for name, t in store.buffers.items():  # as built or read from the checkpoint
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = t.clone()
         for mname, module in model.named_modules():
             for bname, buf in list(module._buffers.items()):
                 if buf is not None and not buf.is_meta:

@@ -109,6 +109,9 @@ class NF4Store:
     dense: dict[str, torch.Tensor]
     code: torch.Tensor
     source: str
+    # persistent buffers of the decoder layers (e.g. gemma4's layer_scalar), as built or as the
+    # checkpoint has them; small, applied over the model skeleton's constructed values
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     pinned: bool = False
     _registered: bool = field(default=False, repr=False)
     _pinned_dense: list = field(default_factory=list, repr=False)

@@ -313,3 +313,44 @@ def test_cli_bad_input_is_one_line_exit_2(capsys, argv, named):
     assert len(lines) == 1, f"expected one line on stderr, got {lines}"
     assert named in lines[0] and "Traceback" not in err
     assert out == ""
+
+
+@requires_bitsandbytes
+def test_checkpoint_buffers_are_read_used_and_exported(tmp_path):
+    """gemma4 keeps a learned `layer_scalar` per layer as a persistent buffer: it must come from the
+    checkpoint (not the constructor's 1.0), reach the model, and be written by the export (Unsloth
+    reported it MISSING before)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from poros.config import TrainConfig
+    from poros.export import export_bnb4bit
+    from poros.modeling import QLoRAModel
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(get_shape("tiny-gemma4").config(), dtype=torch.bfloat16)
+    scalars = {}
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.25 + len(scalars) / 8)
+                scalars[name] = b.clone()
+    assert scalars, "tiny-gemma4 has no layer_scalar buffers any more"
+    hf.save_pretrained(str(tmp_path / "ckpt"))
+    store, _ = build_store(str(tmp_path / "ckpt"), progress=False)
+    for name, value in scalars.items():
+        assert torch.equal(store.buffers[name], value), name
+    model = QLoRAModel(store, TrainConfig(model="tiny-gemma4"), torch.device("cpu"))
+    live = dict(model.hf.named_buffers())
+    for name, value in scalars.items():
+        assert torch.equal(live[name], value), name
+    out = export_bnb4bit(store, tmp_path / "export")
+    exported = {}
+    for f in out.glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    for name, value in scalars.items():
+        assert torch.equal(exported[name], value), name
+    # a synthetic build records the constructed values, so the export is complete too
+    synthetic, _ = build_store("tiny-gemma4", progress=False)
+    assert set(synthetic.buffers) == set(scalars)
+    assert all(torch.equal(b, torch.ones_like(b)) for b in synthetic.buffers.values())
