@@ -74,8 +74,13 @@ def main() -> None:
     base = TrainConfig(model=args.model, seq_len=args.seq_len, block_size=args.block_size, device=args.device,
                        attention=args.attention)
 
+    from poros.provenance import provenance
+
+    prov = provenance()  # once: commit, versions, GPU name/UUID (which machine a figure came from)
+
     def emit(row: dict) -> None:
-        row = {"model": args.model, "attention": args.attention, "build_s": round(stats.seconds, 1), **row}
+        row = {"model": args.model, "attention": args.attention, "build_s": round(stats.seconds, 1), **row,
+               "provenance": prov}
         print(json.dumps(row), flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
