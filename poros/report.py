@@ -198,8 +198,10 @@ def _config_table(df: pd.DataFrame, hw: str) -> str:
         ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
         ("Block size (poros)", _uniq(
             f"{b}" + (f", activation offload {o:g} of layers" if o else ", every layer recomputed in backward")
-            + (", each recompute enqueued while the previous layer's backward runs" if v else "")
-            for b, o, v, m in zip(cfg("block_size"), cfg("activation_offload"), cfg("overlap_backward"), df["method"])
+            + (", layers replayed from CUDA graphs" if g else
+               ", each recompute enqueued while the previous layer's backward runs" if v else "")
+            for b, o, v, g, m in zip(cfg("block_size"), cfg("activation_offload"), cfg("overlap_backward"),
+                                     cfg("cuda_graphs"), df["method"])
             if m == "poros")),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
         ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"

@@ -105,3 +105,24 @@ def test_layer_backward_runs_where_the_schedule_says(store, overlap):
         assert names == {threading.current_thread().name}
     trainer.close()
     assert trainer._worker is None
+
+
+def test_an_error_in_a_worker_backward_reaches_the_caller(store, monkeypatch):
+    """The overlapped backward must not swallow failures: an exception raised by a layer's backward
+    on the worker thread surfaces from the step, and the trainer still closes cleanly."""
+    import threading
+
+    import poros.residency as r
+
+    trainer = PorosTrainer(store, TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2))
+    real = r.torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, *a, **k):
+        if threading.current_thread().name.startswith("poros-backward"):
+            raise RuntimeError("injected backward failure")
+        return real(tensors, grad_tensors, *a, **k)
+
+    monkeypatch.setattr(r.torch.autograd, "backward", backward)
+    with pytest.raises(RuntimeError, match="injected backward failure"):
+        trainer.step()
+    trainer.close()
