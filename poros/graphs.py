@@ -169,14 +169,24 @@ class LayerTemplate:
             h = self.static_out.clone()
             return h if self.out_rest is None else (h, *self.out_rest)
         out = self.static_x.grad.clone()
-        for p, t in zip(layer.lora, self.lora, strict=True):
-            if p.grad is None:
-                p.grad = t.grad.clone()
-            else:
-                p.grad.add_(t.grad)
+        self._accumulate(layer.lora)
         if not self.capture:  # eager: the next run must not accumulate onto this one
             self._clear_grads()
         return out
+
+    def _accumulate(self, params: list[torch.Tensor]) -> None:
+        """The template's LoRA gradients into `params`' .grad, as autograd's AccumulateGrad would:
+        the first gradient becomes .grad (a copy here: the template's is overwritten by the next
+        replay), later ones are added in place. One foreach launch each, not one per tensor."""
+        new = [(p, t.grad) for p, t in zip(params, self.lora, strict=True) if p.grad is None]
+        old = [(p, t.grad) for p, t in zip(params, self.lora, strict=True) if p.grad is not None]
+        if new:
+            copies = [torch.empty_like(g) for _, g in new]
+            torch._foreach_copy_(copies, [g for _, g in new])
+            for (p, _), c in zip(new, copies):
+                p.grad = c
+        if old:
+            torch._foreach_add_([p.grad for p, _ in old], [g for _, g in old])
 
     def _setup(self, x, args, kwargs, kw_hidden, grad, skeleton) -> None:
         self.skeleton = skeleton
