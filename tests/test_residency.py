@@ -6,7 +6,8 @@ import pytest
 
 from poros.build import build_store
 from poros.config import TrainConfig
-from poros.residency import N_BUFFERS, PorosTrainer, plan_blocks
+from poros.residency import PorosTrainer
+from poros.streaming import N_BUFFERS, plan_blocks
 
 
 @pytest.fixture(scope="module")
