@@ -16,18 +16,6 @@ from poros.train import ResidentTrainer
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
 
-@pytest.fixture(scope="module")
-def stores():
-    cache = {}
-
-    def get(model):
-        if model not in cache:
-            cache[model] = build_store(model, seed=0, device="cpu", progress=False)[0]
-        return cache[model]
-
-    return get
-
-
 def _gate(store, cfg, steps=2, mutate=None):
     resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
     poros.use_layer_templates(capture=False)

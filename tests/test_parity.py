@@ -16,18 +16,6 @@ TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 N_LAYERS = 5  # every tiny shape; 2 does not divide it, 5 is all layers in one block
 
 
-@pytest.fixture(scope="module")
-def stores():
-    cache = {}
-
-    def get(model):
-        if model not in cache:
-            cache[model] = build_store(model, seed=0, device="cpu", progress=False)[0]
-        return cache[model]
-
-    return get
-
-
 @pytest.mark.parametrize("grad_accum", [1, 2], ids=lambda g: f"accum={g}")
 @pytest.mark.parametrize("block", [1, 2, N_LAYERS], ids=lambda k: f"block={k}")
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
