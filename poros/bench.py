@@ -257,19 +257,30 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
             "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "provenance": provenance(),
     }
-    counters = [c for c in (meas.counters if meas else []) if c.get("bytes_h2d") is not None]
-    if counters:
-        n = len(counters)
-        copied = sum(c["bytes_h2d"] for c in counters)
-        copy_s = sum(c.get("copy_s", 0.0) for c in counters)
-        wait_s = sum(c.get("copy_wait_s", 0.0) for c in counters)
-        row["bytes_h2d_per_step"] = copied // n
-        row["copy_gbps"] = copied / copy_s / 1e9 if copy_s > 0 else None
-        row["copy_hidden_share"] = max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None
-        row["copy_wait_s_per_step"] = wait_s / n
-        if any("act_bytes_d2h" in c for c in counters):
-            row["act_bytes_offloaded_per_step"] = sum(c.get("act_bytes_d2h", 0) for c in counters) // n
+    row.update(copy_summary(meas.counters if meas else []))
     return row
+
+
+def copy_summary(step_counters: list[dict]) -> dict:
+    """Where a poros step's copy time went, from the engine's per-step counters: bytes host->device
+    per step, achieved GB/s, the share of copy time hidden behind compute, the wait per step, and
+    activations offloaded per step when any were. Empty for methods without counters."""
+    counters = [c for c in step_counters if c.get("bytes_h2d") is not None]
+    if not counters:
+        return {}
+    n = len(counters)
+    copied = sum(c["bytes_h2d"] for c in counters)
+    copy_s = sum(c.get("copy_s", 0.0) for c in counters)
+    wait_s = sum(c.get("copy_wait_s", 0.0) for c in counters)
+    out = {
+        "bytes_h2d_per_step": copied // n,
+        "copy_gbps": copied / copy_s / 1e9 if copy_s > 0 else None,
+        "copy_hidden_share": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
+        "copy_wait_s_per_step": wait_s / n,
+    }
+    if any("act_bytes_d2h" in c for c in counters):
+        out["act_bytes_offloaded_per_step"] = sum(c.get("act_bytes_d2h", 0) for c in counters) // n
+    return out
 
 
 class ResultsWriter:

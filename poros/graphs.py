@@ -139,11 +139,12 @@ class LayerTemplate:
         returns the layer's output. None when this call's non-tensor arguments differ from the
         captured ones, or the layer's output is not a template's to give (the caller runs it eagerly)."""
         skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
+        tensors = _tensors((args, kwargs), [])
         if self.skeleton is None:
-            self._setup(x, args, kwargs, kw_hidden, grad, skeleton)
+            self._setup(x, tensors, kw_hidden, grad, skeleton)
         elif skeleton != self.skeleton or not self.usable:
             return None
-        self._load(layer, x, args, kwargs, grad)
+        self._load(layer, x, tensors, grad)
         it = iter(self.static_args)
         self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
         if self.capture:
@@ -188,18 +189,18 @@ class LayerTemplate:
         if old:
             torch._foreach_add_([p.grad for p, _ in old], [g for _, g in old])
 
-    def _setup(self, x, args, kwargs, kw_hidden, grad, skeleton) -> None:
+    def _setup(self, x, tensors, kw_hidden, grad, skeleton) -> None:
         self.skeleton = skeleton
         self.kw_hidden = kw_hidden
         self.static_x = torch.empty_like(x).requires_grad_(self.backward)
         self.static_grad = torch.empty_like(grad) if self.backward else None
-        self.static_args = [torch.empty_like(t) for t in _tensors((args, kwargs), [])]
+        self.static_args = [torch.empty_like(t) for t in tensors]
 
-    def _load(self, layer: "LayerRefs", x, args, kwargs, grad) -> None:
+    def _load(self, layer: "LayerRefs", x, tensors, grad) -> None:
         if self._dst is None:
             self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()]
             self._dst += ([self.static_grad] if self.backward else []) + self.static_args
-        src = layer.state + [x.detach()] + ([grad] if self.backward else []) + _tensors((args, kwargs), [])
+        src = layer.state + [x.detach()] + ([grad] if self.backward else []) + tensors
         with torch.no_grad():
             torch._foreach_copy_(self._dst, src)
 
@@ -256,7 +257,6 @@ class LayerRefs:
         self.state = [p.detach() for p in params] + list(layer.buffers())
         self.lora = [p for p in params if p.requires_grad]
         self.key = layer_key(layer)
-        self.module = layer
 
 
 class LayerTemplates:

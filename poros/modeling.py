@@ -95,7 +95,7 @@ class QLoRAModel:
             model.lm_head.weight = model.get_input_embeddings().weight
         for name, t in store.buffers.items():  # as built or read from the checkpoint
             owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner)._buffers[leaf] = t.clone()
+            model.get_submodule(owner)._buffers[leaf] = t.to(self.device, copy=True)
         for mname, module in model.named_modules():
             for bname, buf in list(module._buffers.items()):
                 if buf is not None and not buf.is_meta:

@@ -219,25 +219,23 @@ class PorosTrainer(Trainer):
                 self.offloader.prefetch(j)
         pending = None
         for i in reversed(range(blk.first, blk.stop)):
-            if self._templates is not None and i not in self._graphs:
-                if pending is not None:
-                    grad, pending = pending.result(), None
-                    self.offloader.release(i + 1)
-                if self.fault_refill_before_backward and i == blk.stop - 1:
-                    self._refill_wrong(blk)
+            templated = self._templates is not None and i not in self._graphs
+            if not templated:  # enqueued while layer i+1's backward is (overlap_backward)
+                x, h = self._graphs.pop(i) if i in self._graphs else self._recompute(i)
+            if pending is not None:
+                grad, pending = pending.result(), None
+                self.offloader.release(i + 1)
+            if self.fault_refill_before_backward and i == blk.stop - 1:
+                self._refill_wrong(blk)
+            if templated:
                 rest, kwargs, kw_hidden = self._calls[i]
                 out = self._templates.run(i, self.qlora.layers[i], self._inputs[i], rest, kwargs, kw_hidden, grad)
                 if out is not None:
                     del self._inputs[i], self._calls[i]
                     grad = out
                     continue
-            x, h = self._graphs.pop(i) if i in self._graphs else self._recompute(i)
-            if pending is not None:
-                grad = pending.result()
-                self.offloader.release(i + 1)
+                x, h = self._recompute(i)  # this layer's template declined: eagerly
             self.offloader.acquire(i)  # no-op unless i kept its graph (tensors prefetched with its block)
-            if self.fault_refill_before_backward and i == blk.stop - 1:
-                self._refill_wrong(blk)
             pending = self._submit_backward(h, grad, x)
         if pending is not None:
             grad = pending.result()

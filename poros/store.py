@@ -17,7 +17,8 @@ ALIGN = 256  # bytes; keeps every view aligned for vectorised kernel loads
 NF4_BLOCKSIZE = 64  # bitsandbytes' QLoRA default; the 494 MB/layer of a 72B layer assumes it
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -71,9 +72,9 @@ def plan_layout(layer_linears: list[list[tuple[str, tuple[int, int]]]]) -> tuple
             if numel % 2:
                 raise ValueError(f"{name}: NF4 needs an even element count, got shape {shape}")
             w_off = offset
-            offset = _align(offset + numel // 2)
+            offset = align(offset + numel // 2)
             a_off = offset
-            offset = _align(offset + 4 * -(-numel // NF4_BLOCKSIZE))
+            offset = align(offset + 4 * -(-numel // NF4_BLOCKSIZE))
             slots.append(QuantSlot(name, (int(shape[0]), int(shape[1])), w_off, a_off))
         layouts.append(LayerLayout(index, start, offset, tuple(slots)))
     return layouts, offset
@@ -179,6 +180,7 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 __all__ = [
     "ALIGN",
+    "align",
     "NF4_BLOCKSIZE",
     "LayerLayout",
     "NF4Store",

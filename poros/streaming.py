@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poros.store import ALIGN, NF4Store
+from poros.store import NF4Store, align
 
 N_BUFFERS = 2
 
@@ -25,10 +25,6 @@ class Block:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def plan_blocks(store: NF4Store, block_size: int) -> list[Block]:
@@ -56,10 +52,10 @@ class BlockStreamer:
     def __init__(self, store: NF4Store, blocks: list[Block], device: torch.device, head_bytes: int = 0):
         self.store, self.blocks, self.device = store, blocks, device
         self.cuda = device.type == "cuda"
-        size = _align(max(b.nbytes for b in blocks))
+        size = align(max(b.nbytes for b in blocks))
         nbuf = min(N_BUFFERS, len(blocks))
         self.head_slot = (len(blocks) - 2) % nbuf if nbuf == N_BUFFERS and head_bytes else None
-        pad = _align(max(0, head_bytes - size)) if self.head_slot is not None else 0
+        pad = align(max(0, head_bytes - size)) if self.head_slot is not None else 0
         lead = pad if self.head_slot == 0 else 0
         self.region = torch.empty(lead + nbuf * size + (pad - lead), dtype=torch.uint8, device=device)
         self.buffers = [self.region[lead + i * size : lead + (i + 1) * size] for i in range(nbuf)]

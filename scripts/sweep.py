@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from poros.bench import free_device_memory, measure
+from poros.bench import copy_summary, free_device_memory, measure
 from poros.build import build_store
 from poros.config import TrainConfig
 from poros.parity import run_gate
@@ -44,13 +44,7 @@ def timed(trainer, cfg: TrainConfig, steps: int, passes: int) -> dict:
     per_step = [t / steps for t in meas.per_pass_s]
     out = {"s_per_step_median": round(statistics.median(per_step), 4), "per_step_by_pass": [round(t, 4) for t in per_step],
            "peak_vram_gb": None if meas.peak_vram_gb is None else round(meas.peak_vram_gb, 3)}
-    c = [x for x in meas.counters if x.get("bytes_h2d") is not None]
-    if c:
-        copy_s, wait_s = sum(x["copy_s"] for x in c), sum(x["copy_wait_s"] for x in c)
-        out.update(bytes_h2d_per_step=sum(x["bytes_h2d"] for x in c) // len(c),
-                   copy_gbps=round(sum(x["bytes_h2d"] for x in c) / copy_s / 1e9, 2) if copy_s else None,
-                   copy_hidden_share=round(1 - wait_s / copy_s, 3) if copy_s else None,
-                   act_bytes_d2h_per_step=sum(x.get("act_bytes_d2h", 0) for x in c) // len(c))
+    out.update(copy_summary(meas.counters))
     return out
 
 

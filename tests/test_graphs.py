@@ -64,9 +64,9 @@ def test_a_template_that_keeps_another_layers_lora_fails_the_gate(stores):
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=1, lr=1e-2)
     original = LayerTemplate._load
 
-    def load_without_lora(self, layer, x, args, kwargs, grad):
+    def load_without_lora(self, layer, x, tensors, grad):
         saved = [p.detach().clone() for p in self.lora]
-        original(self, layer, x, args, kwargs, grad)
+        original(self, layer, x, tensors, grad)
         for p, s in zip(self.lora, saved):
             p.data.copy_(s)
 
