@@ -97,10 +97,11 @@ def main() -> None:
                "first_mismatch": gate.first_mismatch, "max_abs_diff": gate.max_abs_diff}
         if gate.ok or args.time_failing:
             row.update(timed(poros, cfg, args.steps, args.passes))
-            row["engine_counters"] = {k: v for k, v in poros.counters().items() if k in (
-                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
-            if poros._templates is not None and poros._templates.errors():
-                row["capture_errors"] = poros._templates.errors()
+        # also for a FAILing gate: whether the templates were captured, and why not
+        row["engine_counters"] = {k: v for k, v in poros.counters().items() if k in (
+            "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
+        if poros._templates is not None and poros._templates.errors():
+            row["capture_errors"] = poros._templates.errors()
         emit(row)
         poros.close()
         del poros
