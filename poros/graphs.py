@@ -20,12 +20,15 @@ what the CPU gate verifies.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import torch
 from torch import nn
 
-WARMUP = 2  # eager runs on a side stream before capture (cuBLAS handles, workspaces, autograd caches)
+# eager runs on a side stream before capture (cuBLAS handles, workspaces, autograd caches); the
+# environment variable is for probes (scripts/memtrace.py), not a setting
+WARMUP = int(os.environ.get("POROS_GRAPH_WARMUP", "2"))
 IGNORED_ATTRS = {"layer_idx", "training"}  # per-layer attributes that do not change the kernels
 
 

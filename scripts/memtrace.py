@@ -26,13 +26,10 @@ from poros.residency import PorosTrainer
 MAX_ENTRIES = 2_000_000
 
 
-def site(frames: list[dict]) -> str:
-    """The innermost frame outside torch, and the innermost poros frame, of an allocation."""
-    outer = next((f for f in frames if "/torch/" not in f["filename"]), None)
-    mine = next((f for f in frames if "/poros/" in f["filename"]), None)
-    fmt = lambda f: f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
-    parts = [fmt(f) for f in (outer, mine) if f is not None]
-    return " <- ".join(dict.fromkeys(parts)) or "?"
+def site(frames: list[dict], depth: int = 3) -> str:
+    """The innermost `depth` frames outside torch of an allocation."""
+    mine = [f for f in frames if "/torch/" not in f["filename"]][:depth]
+    return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in mine) or "?"
 
 
 def analyse(trace: list[dict], step_start: int, top: int) -> dict:
@@ -67,6 +64,20 @@ def analyse(trace: list[dict], step_start: int, top: int) -> dict:
     return {"traced_peak_gb": round(peak / 1e9, 3), "traced_at_step_start_gb": round((start_live or 0) / 1e9, 3),
             "peak_reached_at": at,
             "top": [{"site": k, "gb": round(v / 1e9, 4), "n": counts[k]} for k, v in groups.most_common(top)]}
+
+
+def live_blocks(snapshot: dict, top: int) -> list[dict]:
+    """Allocated blocks now, grouped by pool (default or a graph pool) and allocation site."""
+    groups: Counter = Counter()
+    counts: Counter = Counter()
+    for seg in snapshot["segments"]:
+        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                key = pool + " | " + site(b.get("frames") or [], 4)
+                groups[key] += b["size"]
+                counts[key] += 1
+    return [{"site": k, "gb": round(v / 1e9, 4), "n": counts[k]} for k, v in groups.most_common(top)]
 
 
 def pools(snapshot: dict) -> dict:
@@ -113,7 +124,7 @@ def main() -> None:
                "last_step_max_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
                "allocated_after_gb": round(torch.cuda.memory_allocated() / 1e9, 3),
                "trace_entries": len(trace), "trace_full": len(trace) >= MAX_ENTRIES,
-               **pools(snap), **analyse(trace, mark, args.top)}
+               **pools(snap), **analyse(trace, mark, args.top), "live_after": live_blocks(snap, args.top)}
         counters = trainer.counters()
         row["templates"] = {k: counters[k] for k in ("layer_templates", "forward_templates", "graphs_captured",
                                                      "capture_errors") if k in counters}
