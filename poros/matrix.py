@@ -76,7 +76,13 @@ class Matrix:
     overlap_backward: bool = True
     cuda_graphs: bool = False
     parity_steps: int = 3
+    # per-model schedule settings that differ from the matrix's: ((model, ((key, value), ...)), ...)
+    model_overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
     source: str = ""
+
+    def overrides_for(self, model: str) -> dict:
+        """The schedule settings `model` runs with instead of the matrix's."""
+        return dict(next((kv for m, kv in self.model_overrides if m == model), ()))
 
     def with_overrides(self, steps: int | None = None, passes: int | None = None) -> "Matrix":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -106,7 +112,37 @@ class Matrix:
 _REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size")
 _REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
 _OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "activation_offload",
-             "overlap_backward", "cuda_graphs", "parity_steps")
+             "overlap_backward", "cuda_graphs", "parity_steps", "model_overrides")
+# what `model_overrides` may set per model: how poros schedules its work, never what is computed
+_OVERRIDABLE = {"overlap_backward": bool, "cuda_graphs": bool, "activation_offload": float}
+
+
+def _parse_overrides(value, models: list[str], problems: list[str]) -> tuple:
+    if not isinstance(value, dict):
+        problems.append(f"model_overrides: expected a mapping of model to settings, got {value!r}")
+        return ()
+    out = []
+    for model, settings in value.items():
+        where = f"model_overrides.{model}"
+        if model not in models:
+            problems.append(f"{where}: not one of this matrix's models")
+            continue
+        if not isinstance(settings, dict) or not settings:
+            problems.append(f"{where}: expected a non-empty mapping of settings, got {settings!r}")
+            continue
+        kv = []
+        for k, v in settings.items():
+            kind = _OVERRIDABLE.get(k)
+            if kind is None:
+                problems.append(f"{where}.{k}: not overridable per model (only {', '.join(sorted(_OVERRIDABLE))})")
+            elif kind is bool and not isinstance(v, bool):
+                problems.append(f"{where}.{k}: expected true or false, got {v!r}")
+            elif kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+                problems.append(f"{where}.{k}: expected a number from 0 to 1, got {v!r}")
+            else:
+                kv.append((k, float(v) if kind is float else v))
+        out.append((model, tuple(kv)))
+    return tuple(out)
 
 
 def _is_int(v) -> bool:
@@ -192,6 +228,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
                 else:
                     models.append(m)
     stacks = _parse_stacks(data["stacks"], problems) if "stacks" in data else ()
+    overrides = _parse_overrides(data["model_overrides"], models, problems) if "model_overrides" in data else ()
     attention = Attention.DEFAULT
     if "attention" in data:
         try:
@@ -223,6 +260,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         overlap_backward=data.get("overlap_backward", True),
         cuda_graphs=data.get("cuda_graphs", False),
         parity_steps=data.get("parity_steps", 3),
+        model_overrides=overrides,
         source=source,
     )
 

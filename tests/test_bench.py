@@ -181,3 +181,32 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     assert [r["method"] for r in rows] == ["poros"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
     assert len(names) == 1 and "method=poros" in names[0]
+
+
+def test_model_overrides_change_only_that_models_schedule():
+    from poros.bench import train_config
+
+    m = parse_matrix({**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2", "tiny-qwen3"],
+                      "overlap_backward": True, "model_overrides": {"tiny-qwen3": {"overlap_backward": False,
+                                                                                   "activation_offload": 0.5}}})
+    q2, q3 = train_config(m, "tiny-qwen2"), train_config(m, "tiny-qwen3")
+    assert q2.overlap_backward and q2.activation_offload == 0.0
+    assert not q3.overlap_backward and q3.activation_offload == 0.5
+    assert q2.replace(model="tiny-qwen3", overlap_backward=False, activation_offload=0.5) == q3  # nothing else
+
+
+def test_bad_model_overrides_are_refused_with_every_problem():
+    import pytest
+
+    from poros.errors import ConfigError
+
+    bad = {**TINY, "methods": ["poros"], "models": ["tiny-qwen2"], "model_overrides": {
+        "tiny-qwen3": {"cuda_graphs": False},  # not in the matrix
+        "tiny-qwen2": {"seq_len": 128, "cuda_graphs": "yes", "activation_offload": 2}}}
+    with pytest.raises(ConfigError) as e:
+        parse_matrix(bad)
+    text = str(e.value)
+    for needle in ("model_overrides.tiny-qwen3: not one of this matrix's models",
+                   "model_overrides.tiny-qwen2.seq_len: not overridable", "cuda_graphs: expected true or false",
+                   "activation_offload: expected a number from 0 to 1"):
+        assert needle in text, text
