@@ -61,3 +61,29 @@ def test_gpu_parity(model):
     resident.close()
     poros.close()
     assert result.ok, f"{model}: first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
+
+
+@pytest.mark.gpu
+@requires_gpu(1)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
+    """Negative control on the device: the bitsandbytes trap (a block's buffer refilled between its
+    forward and its backward) must FAIL the gate, with the eager backward and with layers replayed
+    from CUDA graphs (whose fixed addresses read whatever the buffer holds at replay)."""
+    from poros.build import build_store
+    from poros.config import TrainConfig
+    from poros.parity import run_gate
+    from poros.residency import PorosTrainer
+    from poros.train import ResidentTrainer
+
+    model = os.environ.get("POROS_GPU_TEST_NEGATIVE_MODEL", "tiny-qwen3")
+    cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs)
+    store, _ = build_store(model, device="cuda")
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
+    poros.fault_refill_before_backward = True
+    result = run_gate(resident, poros, 1)
+    print(result.json())
+    resident.close()
+    poros.close()
+    assert not result.ok, "the gate passed although the block buffer was refilled before backward"
+    assert result.first_mismatch is not None
