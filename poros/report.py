@@ -202,7 +202,7 @@ def _config_table(df: pd.DataFrame, hw: str) -> str:
                ", each recompute enqueued while the previous layer's backward runs" if v else "")
             for b, o, v, g, m in zip(cfg("block_size"), cfg("activation_offload"), cfg("overlap_backward"),
                                      cfg("cuda_graphs"), df["method"])
-            if m == "poros")),
+            if m == "poros"), "; "),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
         ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"
                             for a, d in zip(cfg("attention"), cfg("deterministic")))),
