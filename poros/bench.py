@@ -52,7 +52,7 @@ def matrix_device(m: Matrix) -> str:
 
 
 def train_config(m: Matrix, model: str) -> TrainConfig:
-    return TrainConfig.from_settings(m, model=model, device=matrix_device(m)).replace(**m.overrides_for(model))
+    return TrainConfig.from_settings(m, model=model, device=matrix_device(m), **m.overrides_for(model))
 
 
 CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU

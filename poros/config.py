@@ -77,7 +77,7 @@ class TrainConfig:
     # thread (the same kernels on the same stream; only the host-side launch work overlaps)
     overlap_backward: bool = True
     # poros, CUDA only: each recomputed layer's recompute + backward replayed from a CUDA graph
-    # shared by the layers at the same buffer position (poros/graphs.py); experimental
+    # shared by the layers at the same buffer position (poros/graphs.py)
     cuda_graphs: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -113,8 +113,9 @@ class TrainConfig:
 
     @classmethod
     def from_settings(cls, settings, *, model: str, device: str, **extra) -> "TrainConfig":
-        """Build from any object carrying the shared setting names (a Matrix, CLI arguments)."""
-        return cls(model=model, device=device, **{k: getattr(settings, k) for k in SHARED_SETTINGS}, **extra)
+        """Build from any object carrying the shared setting names (a Matrix, CLI arguments); `extra`
+        adds other fields or overrides shared ones."""
+        return cls(model=model, device=device, **{**{k: getattr(settings, k) for k in SHARED_SETTINGS}, **extra})
 
     def replace(self, **changes) -> "TrainConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -113,8 +113,20 @@ _REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora
 _REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
 _OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "activation_offload",
              "overlap_backward", "cuda_graphs", "parity_steps", "model_overrides")
+# settings checked by kind, at the top level and in `model_overrides`
+_FLAGS = ("deterministic", "overlap_backward", "cuda_graphs")
+_FRACTIONS = ("activation_offload",)
 # what `model_overrides` may set per model: how poros schedules its work, never what is computed
-_OVERRIDABLE = {"overlap_backward": bool, "cuda_graphs": bool, "activation_offload": float}
+_OVERRIDABLE = ("overlap_backward", "cuda_graphs", "activation_offload")
+
+
+def _value_problem(key: str, value) -> str | None:
+    """Why `value` is not valid for flag or fraction setting `key` (None when it is)."""
+    if key in _FLAGS and not isinstance(value, bool):
+        return f"expected true or false, got {value!r}"
+    if key in _FRACTIONS and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        return f"expected a number from 0 to 1, got {value!r}"
+    return None
 
 
 def _parse_overrides(value, models: list[str], problems: list[str]) -> tuple:
@@ -132,15 +144,12 @@ def _parse_overrides(value, models: list[str], problems: list[str]) -> tuple:
             continue
         kv = []
         for k, v in settings.items():
-            kind = _OVERRIDABLE.get(k)
-            if kind is None:
-                problems.append(f"{where}.{k}: not overridable per model (only {', '.join(sorted(_OVERRIDABLE))})")
-            elif kind is bool and not isinstance(v, bool):
-                problems.append(f"{where}.{k}: expected true or false, got {v!r}")
-            elif kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
-                problems.append(f"{where}.{k}: expected a number from 0 to 1, got {v!r}")
+            why = (f"not overridable per model (only {', '.join(sorted(_OVERRIDABLE))})"
+                   if k not in _OVERRIDABLE else _value_problem(k, v))
+            if why:
+                problems.append(f"{where}.{k}: {why}")
             else:
-                kv.append((k, float(v) if kind is float else v))
+                kv.append((k, float(v) if k in _FRACTIONS else v))
         out.append((model, tuple(kv)))
     return tuple(out)
 
@@ -191,12 +200,10 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     for k in _REQUIRED:
         if k not in data:
             problems.append(f"{k}: missing required key")
-    for k in ("deterministic", "overlap_backward", "cuda_graphs"):
-        if k in data and not isinstance(data[k], bool):
-            problems.append(f"{k}: expected true or false, got {data[k]!r}")
-    off = data.get("activation_offload", 0.0)
-    if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0 <= off <= 1:
-        problems.append(f"activation_offload: expected a number from 0 to 1, got {off!r}")
+    for k in _FLAGS + _FRACTIONS:
+        why = _value_problem(k, data[k]) if k in data else None
+        if why:
+            problems.append(f"{k}: {why}")
     for k in _REQUIRED_INT + ("warmup_passes", "parity_steps"):
         if k in data and not (_is_int(data[k]) and data[k] >= (0 if k == "warmup_passes" else 1)):
             problems.append(f"{k}: expected an integer >= {0 if k == 'warmup_passes' else 1}, got {data[k]!r}")
