@@ -10,7 +10,7 @@ import torch
 
 from poros.build import build_store
 from poros.config import TrainConfig
-from poros.residency import PorosTrainer
+from poros.executor import PorosTrainer
 from poros.store import absmax_view, weight_view
 from poros.train import ResidentTrainer, Trainer
 
@@ -28,8 +28,9 @@ class ParityResult:
     block_size: int = 0
     seq_len: int = 0
     grad_accum: int = 1
-    activation_offload: float = 0.0
-    offloaded_layers: int = 0  # layers that kept their forward graph (poros/offload.py) instead of recomputing
+    accumulation: str = "layer"
+    resident_layers: int = 0  # layers the plan kept on the device for the whole step
+    gate: str = "resident"  # what poros was compared with: resident QLoRA, or resident again (--control)
     losses: list = field(default_factory=list)
 
     @property
@@ -107,10 +108,12 @@ def run_gate(
     """
     cfg = poros.cfg
     cmp = Comparator()
+    plan = getattr(poros, "plan", None)
     result = ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
-                          block_size=cfg.block_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
-                          activation_offload=cfg.activation_offload,
-                          offloaded_layers=len(getattr(poros, "offload_layers", ())))
+                          block_size=plan.block_size if plan else cfg.block_size, seq_len=cfg.seq_len,
+                          grad_accum=cfg.grad_accum, accumulation=cfg.accumulation.value,
+                          resident_layers=len(plan.resident_layers) if plan else 0,
+                          gate="resident" if plan else "control")
     ok = True
     if verify_initial and isinstance(poros, PorosTrainer):
         ok &= compare_base_weights(cmp, resident, poros)
@@ -118,9 +121,7 @@ def run_gate(
     step = 0
     while ok and step < steps:
         batches = resident.batches(step)
-        for m, b in enumerate(batches):
-            lr = resident.forward_backward(b)
-            lp = poros.forward_backward(b)
+        for m, (lr, lp) in enumerate(zip(resident.accumulate(batches), poros.accumulate(batches), strict=True)):
             ok &= cmp.equal(f"step{step}.micro{m}.loss", lr, lp)
             result.losses.append(float(lr))
         ok &= cmp.all_equal(f"step{step}.grad:", resident.lora_grads(), poros.lora_grads())
