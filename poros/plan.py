@@ -400,9 +400,15 @@ def plan_for_budget(geo: Geometry, budget: int, *, block_size: int, **kw) -> Pla
     if best is None:
         raise BudgetError(f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name} "
                           f"({format_size(smallest.memory.total)} predicted: block size {smallest.block_size}, "
-                          f"every layer streamed); use --vram-budget {-(-smallest.memory.total // 10**8) / 10:g}GB "
+                          f"every layer streamed); use --vram-budget {_size_at_least(smallest.memory.total)} "
                           f"or more, or a shorter --seq-len")
     return best
+
+
+def _size_at_least(n: int) -> str:
+    """`n` bytes rounded up to a tenth of its unit, as --vram-budget takes it."""
+    unit, name = (10**9, "GB") if n >= 10**9 else (10**6, "MB") if n >= 10**6 else (10**3, "kB")
+    return f"{-(-n * 10 // unit) / 10:g}{name}"
 
 
 # --- rules ---------------------------------------------------------------------------------------

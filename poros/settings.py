@@ -229,8 +229,7 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
         shown = (defaults or {}).get(s.name, s.default)
         help_ = f"{s.help} (default: {s.show(shown) if shown is not None else 'none'})"
         if s.check is flag:
-            parser.add_argument(s.flag, dest=s.name, default=None, action="store_true" if not s.default else
-                                "store_const", const=True, help=help_)
+            parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True, help=help_)
             if s.default:  # a flag on by default gets a --no- form
                 parser.add_argument("--no-" + s.flag[2:], dest=s.name, action="store_const", const=False,
                                     help=f"turn off {s.flag}")
