@@ -154,7 +154,8 @@ def test_suite_with_activation_offload_records_and_reports_it(tmp_path):
     from poros.report import load_results, render_markdown
 
     md = render_markdown(load_results([results]))
-    assert "Activations offloaded per step" in md and "activation offload 0.5 of layers" in md
+    # a CPU report has no copy table (tests/test_report.py renders the offload column from GPU rows)
+    assert "activation offload 0.5 of layers" in md
 
 
 def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
