@@ -35,7 +35,7 @@ def test_gpu_parity(model):
     from poros.build import build_store
     from poros.config import TrainConfig
     from poros.parity import run_gate
-    from poros.residency import PorosTrainer
+    from poros.executor import PorosTrainer
     from poros.train import ResidentTrainer
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN, cuda_graphs=GRAPHS)
@@ -73,14 +73,18 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     from poros.build import build_store
     from poros.config import TrainConfig
     from poros.parity import run_gate
-    from poros.residency import PorosTrainer
+    from poros.executor import PorosTrainer
     from poros.train import ResidentTrainer
 
     model = os.environ.get("POROS_GPU_TEST_NEGATIVE_MODEL", "tiny-qwen3")
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs)
     store, _ = build_store(model, device="cuda")
-    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
-    poros.fault_refill_before_backward = True
+    from poros.executor import geometry_of_store
+    from poros.plan import build_plan
+    from tests.faults import refill_before_backward
+
+    bad = refill_before_backward(build_plan(geometry_of_store(store, cfg), block_size=2, seq_len=SEQ))
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=bad, check_plan=False)
     result = run_gate(resident, poros, 1)
     print(result.json())
     resident.close()
