@@ -70,3 +70,20 @@ def test_flipped_byte_fails_in_training_too():
     cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=2)
     result = parity(cfg, steps=1, store=store, mutate=flip, verify_initial=False)
     assert result.parity == "FAIL" and result.first_mismatch == "step0.micro0.loss"
+
+
+def test_recorded_reference_gate_passes_for_any_schedule_and_fails_for_other_arithmetic(stores):
+    """The gate against resident states recorded in host memory (for plans that cannot share the device
+    with resident): every schedule PASSes; a trainer computing something else (lr) FAILs."""
+    from poros.executor import PorosTrainer
+    from poros.parity import RecordedReference, run_gate_recorded
+    from poros.train import ResidentTrainer
+
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, lr=1e-2)
+    reference = RecordedReference(ResidentTrainer(store, cfg), 2)
+    for schedule in ({}, {"vram_budget": "1GB"}, {"block_size": 1, "accumulation": "micro"}):
+        result = run_gate_recorded(reference, PorosTrainer(store, cfg.replace(**schedule)))
+        assert result.ok and result.steps == 2 and result.gate == "resident (recorded)", (schedule, result.first_mismatch)
+    other = run_gate_recorded(reference, PorosTrainer(store, cfg.replace(lr=2e-2)))
+    assert other.parity == "FAIL" and other.first_mismatch.startswith("step0.weight:"), other.first_mismatch
