@@ -157,20 +157,29 @@ class Memory:
     dense: int  # norms, biases, rotary tables
     saved_inputs: int  # each layer's input, kept for its recompute
     transient: int  # the larger of the head and one (two, overlapped) layers' backward
+    templates: int = 0  # CUDA-graph layer templates of resident layers (their static tensors and LoRA copies)
 
     @property
     def total(self) -> int:
         return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
-                + self.transient)
+                + self.transient + self.templates)
 
     def parts(self) -> dict:
         return {"weight_buffers": self.weight_buffers, "resident_weights": self.resident_weights, "lora": self.lora,
-                "dense": self.dense, "saved_inputs": self.saved_inputs, "transient": self.transient}
+                "dense": self.dense, "saved_inputs": self.saved_inputs, "transient": self.transient,
+                "templates": self.templates}
 
 
 def lora_bytes(geo: Geometry, rank: int) -> int:
     """fp32 LoRA A and B of every target, with gradients and both AdamW moments."""
     return sum(io * rank for io in geo.lora_in_out) * 4 * 4
+
+
+def template_bytes(geo: Geometry, seq_len: int, batch: int, rank: int) -> int:
+    """One layer's forward and backward templates: three copies of its fp32 LoRA (forward and backward
+    parameters, backward gradients) and five activations (inputs, incoming gradient, outputs)."""
+    lora_layer = sum(io * rank for io in geo.lora_in_out) * 4 // geo.n_layers
+    return 3 * lora_layer + 5 * seq_len * batch * geo.hidden * 2
 
 
 def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: str, overlap: bool) -> tuple[int, int]:
@@ -310,8 +319,8 @@ def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumu
 
 def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulation: Accumulation = Accumulation.LAYER,
                resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
-               lora_rank: int = 16, attention: str = "default", overlap: bool = True, budget: int | None = None,
-               notes: tuple[str, ...] = ()) -> Plan:
+               lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
+               budget: int | None = None, notes: tuple[str, ...] = ()) -> Plan:
     """The plan keeping the last `resident_layers` layers (and, with `head_resident`, the lm_head) on the
     device for good and streaming the rest in groups of `block_size` through two rotating buffers."""
     n = geo.n_layers
@@ -352,7 +361,10 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
         resident_weights=sum(b.nbytes for b in buffers if b.resident) + (geo.head_bytes if head_resident else 0),
         lora=lora_bytes(geo, lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
-        transient=max(head_t, layer_t + grads_in_flight))
+        transient=max(head_t, layer_t + grads_in_flight),
+        # streamed layers share 2 x block_size templates (within the measured peaks the model is fitted
+        # to); every resident layer has its own weights' addresses, so its own templates
+        templates=resident_layers * template_bytes(geo, seq_len, batch_size, lora_rank) if graphs else 0)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes)
     problems = check(plan)
