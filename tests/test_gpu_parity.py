@@ -91,3 +91,29 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     poros.close()
     assert not result.ok, "the gate passed although the block buffer was refilled before backward"
     assert result.first_mismatch is not None
+
+
+@pytest.mark.gpu
+@requires_gpu(1)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+@pytest.mark.parametrize("schedule", [{"vram_budget": "5MB"}, {"grad_accum": 3}, {"grad_accum": 3, "vram_budget": "5MB"}],
+                         ids=["budget", "layer-major", "both"])
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
+def test_gpu_plans_keep_parity(model, schedule, graphs):
+    """Plans other than full streaming on the device: resident layers from a budget, layer-major
+    accumulation, and both, eager and replayed from CUDA graphs."""
+    from poros.build import build_store
+    from poros.config import TrainConfig
+    from poros.executor import PorosTrainer
+    from poros.parity import run_gate
+    from poros.train import ResidentTrainer
+
+    cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs,
+                      **schedule)
+    store, _ = build_store(model, device="cuda")
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
+    result = run_gate(resident, poros, 2)
+    print(result.json(), f"resident layers {len(poros.plan.resident_layers)}")
+    resident.close()
+    poros.close()
+    assert result.ok, f"{model} {schedule}: first mismatch {result.first_mismatch}"
