@@ -211,30 +211,37 @@ def _runs(df: pd.DataFrame) -> str:
     return _uniq(f"{s} steps × {p} passes" for s, p in zip(df["steps"], df["passes"]))
 
 
+def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """A row per training setting (poros/settings.py): what is computed over every row, how poros
+    schedules it over the poros rows (distinct values joined by "; "); a setting a row predates reads
+    as its default."""
+    from poros.settings import COMPUTED, SCHEDULE, SETTINGS
+
+    out = []
+    poros = [c for c, m in zip(df["config"], df["method"]) if m == "poros"]
+    for s in SETTINGS:
+        if s.kind not in (COMPUTED, SCHEDULE):
+            continue
+        configs = list(df["config"]) if s.kind == COMPUTED else poros
+        if not configs:
+            continue
+        shown = [s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default) for c in configs]
+        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(shown, "; ")))
+    return out
+
+
 def _config_table(df: pd.DataFrame, hw: str) -> str:
     cfg = lambda k: [c.get(k) for c in df["config"]]  # noqa: E731
     prov = list(df["provenance"])
     mem = _uniq(g.get("memory_gb") for p in prov for g in p.get("gpus") or [] if g.get("name") == hw)
     methods = [m for m in METHODS if m in set(df["method"])]
     bnb = _uniq(p.get("versions", {}).get("bitsandbytes") for p in prov)
-    # distinct poros schedules share one cell, separated by "; "
-    schedules = [f"{b}" + (f", activation offload {o:g} of layers" if o else ", every layer recomputed in backward")
-                 + (", layers replayed from CUDA graphs" if g else
-                    ", each recompute enqueued while the previous layer's backward runs" if v else "")
-                 for b, o, v, g, m in zip(cfg("block_size"), cfg("activation_offload"), cfg("overlap_backward"),
-                                          cfg("cuda_graphs"), df["method"])
-                 if m == "poros"]
     rows = [
         ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
         ("Precision", _uniq(cfg("precision")).upper()),
         ("Steps × passes", f"{_runs(df)} (warm-up discarded; median ± std across passes)"),
-        ("Sequence length", _uniq(cfg("seq_len"))),
-        ("Batch / grad-accum", _uniq(f"{b} / {g}" for b, g in zip(cfg("batch_size"), cfg("grad_accum")))),
-        ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
-        ("Block size (poros)", _uniq(schedules, sep="; ")),
+        *_setting_rows(df),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
-        ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"
-                            for a, d in zip(cfg("attention"), cfg("deterministic")))),
         ("Methods", ", ".join(METHODS[m] for m in methods)),
         ("Software stacks", _uniq(df["stack"], " and ") + ("" if bnb == DASH else f", bitsandbytes {bnb}")),
     ]
