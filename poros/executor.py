@@ -67,8 +67,8 @@ def make_plan(geo: P.Geometry, cfg, free_bytes: int | None = None) -> P.Plan:
             raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
         budget = int(free_bytes * AUTO_SHARE)
     if budget is None:
-        return P.build_plan(geo, block_size=cfg.block_size, **kw)
-    return P.plan_for_budget(geo, budget, block_size=cfg.block_size, **kw)
+        return P.build_plan(geo, block_size=cfg.block_size, offload_inputs=cfg.offload_inputs, **kw)
+    return P.plan_for_budget(geo, budget, block_size=cfg.block_size, offload_inputs=cfg.offload_inputs or None, **kw)
 
 
 AUTO_SHARE = 0.9  # `vram_budget: auto` plans for this share of the device's free memory
@@ -174,6 +174,87 @@ class DeviceBuffers:
 HEAD_KEY = -1  # the lm_head's own region when it borrows no buffer
 
 
+class SavedInputs:
+    """Each layer's input, kept for its recompute: on the device, or (plan.offload_inputs) copied to
+    pinned host memory in forward on a device->host stream, and brought back on the copy stream, a
+    window of backward operations ahead, into fresh device memory. The bytes are the same either way."""
+
+    def __init__(self, plan: P.Plan, device: torch.device, copy_stream=None):
+        self.offload, self.device = plan.offload_inputs, device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = copy_stream
+        self.d2h = torch.cuda.Stream(device) if self.cuda and self.offload else None
+        self.window = plan.input_window
+        self.kept: dict = {}  # key -> device tensor
+        self.host: dict = {}  # key -> (host tensor, event after its device->host copy)
+        self.ready: dict = {}  # key -> event after its host->device copy
+        self._pool: list[torch.Tensor] = []  # host buffers, reused step after step
+        self.bytes_d2h = self.bytes_h2d = 0
+
+    def put(self, key, x: torch.Tensor) -> None:
+        if not self.offload:
+            self.kept[key] = x
+            return
+        host = self._pool.pop() if self._pool and self._pool[-1].shape == x.shape else torch.empty(
+            x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        if self.cuda:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h):
+                host.copy_(x, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.d2h)
+            x.record_stream(self.d2h)  # its memory is not reused before the copy ends
+        else:
+            host.copy_(x)
+            done = None
+        self.host[key] = (host, done)
+        self.bytes_d2h += x.numel() * x.element_size()
+
+    def prefetch(self, key) -> None:
+        if key in self.kept or key not in self.host:
+            return
+        host, done = self.host.pop(key)
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(done)
+                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                dev.copy_(host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            self.ready[key] = (ready, host)
+        else:
+            dev = host.clone()
+            self._pool.append(host)
+        self.kept[key] = dev
+        self.bytes_h2d += dev.numel() * dev.element_size()
+
+    def take(self, key) -> torch.Tensor:
+        self.prefetch(key)
+        x = self.kept.pop(key)
+        if key in self.ready:
+            ready, host = self.ready.pop(key)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready)
+            x.record_stream(stream)  # allocated on the copy stream, read here
+            self._pool.append(host)  # reusable once the copy is done: the next put follows this wait
+        return x
+
+    def peek(self, key) -> torch.Tensor:
+        """The input without giving it up (a template that may decline still needs it)."""
+        x = self.take(key)
+        self.kept[key] = x
+        return x
+
+    def __len__(self) -> int:
+        return len(self.kept) + len(self.host)
+
+    def clear(self) -> None:
+        self.kept.clear()
+        self.host.clear()
+        self.ready.clear()
+        self._pool.clear()
+
+
 class PorosTrainer(Trainer):
     """QLoRA whose decoder weights reach the device as `plan` says; arithmetic identical to resident.
 
@@ -219,6 +300,8 @@ class PorosTrainer(Trainer):
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if cfg.overlap_backward and not cfg.cuda_graphs else None)
         self._templates = LayerTemplates(capture=True) if cfg.cuda_graphs else None
+        self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
+        self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         self._patch(model)
         for op in self.plan.setup:
             (self.buffers.load_head if op.kind == P.LOAD_HEAD else self.buffers.load)(op)
@@ -234,7 +317,6 @@ class PorosTrainer(Trainer):
         self._micro = 0
         self._calls: dict[tuple[int, int], tuple] = {}
         self._hidden: dict[int, torch.Tensor] = {}
-        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._leaf = None
         self._last = len(model.layers) - 1
@@ -304,6 +386,7 @@ class PorosTrainer(Trainer):
         self._batches = batches
         self._losses: list = [None] * len(batches)
         self._pending = None
+        self._backward_done = 0
         handlers = {P.LOAD: self.buffers.load, P.LOAD_HEAD: self.buffers.load_head, P.RELEASE: self._release,
                     P.RELEASE_HEAD: self._release, P.FORWARD: self._forward, P.HEAD: self._head,
                     P.BACKWARD: self._backward}
@@ -312,7 +395,7 @@ class PorosTrainer(Trainer):
                 handlers[op.kind](op)
             self._resolve()
         self._batches = None
-        assert not self._inputs and not self._calls, "every saved input is consumed by its backward"
+        assert not len(self.saved) and not self._calls, "every saved input is consumed by its backward"
         return self._losses
 
     def _resolve(self) -> None:
@@ -335,7 +418,7 @@ class PorosTrainer(Trainer):
             self._run_model("capture", self._batches[m])
         self.buffers.acquire(self.plan.groups[op.group].buffer)
         x = self._hidden[m]
-        self._inputs[(i, m)] = x
+        self.saved.put((i, m), x)
         rest, kwargs, kw_hidden = self._calls[(i, m)]
         out = None
         if self._templates is not None:
@@ -360,7 +443,7 @@ class PorosTrainer(Trainer):
 
     def _recompute(self, i: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's forward again, with autograd, from its saved input: (input leaf, output)."""
-        x = self._inputs.pop((i, m)).detach().requires_grad_(True)
+        x = self.saved.take((i, m)).detach().requires_grad_(True)
         rest, kwargs, kw_hidden = self._calls.pop((i, m))
         layer = self.qlora.layers[i]
         out = layer(*rest, hidden_states=x, **kwargs) if kw_hidden else layer(x, *rest, **kwargs)
@@ -369,15 +452,19 @@ class PorosTrainer(Trainer):
     def _backward(self, op: P.Op) -> None:
         i, m = op.layer, op.micro
         self.buffers.acquire(self.plan.groups[op.group].buffer)
+        k = self._backward_done = self._backward_done + 1
+        for key in self._backward_keys[k: k + self.saved.window]:  # offloaded inputs, a window ahead
+            self.saved.prefetch(key)
         if self._templates is None:
             x, h = self._recompute(i, m)  # enqueued while the backward in flight runs (overlap_backward)
         self._resolve()
         if self._templates is not None:
             rest, kwargs, kw_hidden = self._calls[(i, m)]
-            out = self._templates.run(i, self.qlora.layers[i], self._inputs[(i, m)], rest, kwargs, kw_hidden,
+            out = self._templates.run(i, self.qlora.layers[i], self.saved.peek((i, m)), rest, kwargs, kw_hidden,
                                       self._grads[m])
             if out is not None:
-                del self._inputs[(i, m)], self._calls[(i, m)]
+                self.saved.take((i, m))
+                del self._calls[(i, m)]
                 self._grads[m] = out
                 return
             x, h = self._recompute(i, m)  # this layer's template declined: eagerly
@@ -392,10 +479,14 @@ class PorosTrainer(Trainer):
     # --- bookkeeping --------------------------------------------------------------------------
     def step(self, batches=None):
         self.buffers.reset_counters()
+        self.saved.bytes_d2h = self.saved.bytes_h2d = 0
         return super().step(batches)
 
     def counters(self) -> dict:
         out = self.buffers.counters()
+        if self.plan.offload_inputs:
+            out.update(input_bytes_d2h=self.saved.bytes_d2h, input_bytes_h2d=self.saved.bytes_h2d)
+            out["bytes_h2d"] += self.saved.bytes_h2d
         out["peak_blocks_resident"] = sum(not b.resident for b in self.plan.buffers)
         if self._templates is not None:
             out.update(self._templates.counters())
@@ -407,7 +498,7 @@ class PorosTrainer(Trainer):
             layer.__dict__.pop("forward", None)
         for m in (self.qlora.hf.get_input_embeddings(), self.qlora.hf.get_output_embeddings()):
             m.__dict__.pop("forward", None)
-        self._inputs.clear()
+        self.saved.clear()
         self._calls.clear()
         self._hidden.clear()
         self._grads.clear()

@@ -212,6 +212,11 @@ class Plan:
     memory: Memory
     budget: int | None = None
     notes: tuple[str, ...] = field(default=())
+    # saved layer inputs: kept on the device, or copied to host memory in forward (device->host, the
+    # direction the weights leave idle) and back ahead of their backward, `input_window` at a time
+    offload_inputs: bool = False
+    input_bytes: int = 0  # one saved input (one layer, one micro-batch)
+    input_window: int = 0
 
     @property
     def resident_layers(self) -> list[int]:
@@ -234,7 +239,12 @@ class Plan:
 
     @property
     def h2d_bytes_per_step(self) -> int:
-        return sum(self.op_bytes(op) for op in self.step)
+        inputs = self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
+        return sum(self.op_bytes(op) for op in self.step) + inputs
+
+    @property
+    def d2h_bytes_per_step(self) -> int:
+        return self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
 
     @property
     def loads_per_step(self) -> int:
@@ -247,6 +257,7 @@ class Plan:
             "accumulation": self.accumulation.value, "n_layers": self.n_layers,
             "resident_layers": self.resident_layers, "streamed_layers": self.streamed_layers,
             "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
+            "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
             "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.total,
             "memory": self.memory.parts(), "vram_budget": self.budget,
             "buffers": [{"index": b.index, "bytes": b.nbytes, "resident": b.resident} for b in self.buffers],
@@ -320,7 +331,7 @@ def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumu
 def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulation: Accumulation = Accumulation.LAYER,
                resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
                lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
-               budget: int | None = None, notes: tuple[str, ...] = ()) -> Plan:
+               offload_inputs: bool = False, budget: int | None = None, notes: tuple[str, ...] = ()) -> Plan:
     """The plan keeping the last `resident_layers` layers (and, with `head_resident`, the lm_head) on the
     device for good and streaming the rest in groups of `block_size` through two rotating buffers."""
     n = geo.n_layers
@@ -354,7 +365,10 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     setup = [Op(LOAD, group=g.index, buffer=g.buffer) for g in groups if g.resident]
     setup += [Op(LOAD, group=grp, buffer=b) for b, grp in sorted(end.items()) if grp != HEAD_SLOT
               and not groups[grp].resident]
-    saved = n * seq_len * batch_size * geo.hidden * 2 * (grad_accum if accumulation is Accumulation.LAYER else 1)
+    live = grad_accum if accumulation is Accumulation.LAYER else 1  # micro-batches whose inputs are kept at once
+    one_input = seq_len * batch_size * geo.hidden * 2
+    window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
+    saved = (window + live) * one_input if offload_inputs else n * live * one_input
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap)
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
@@ -366,7 +380,8 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         # to); every resident layer has its own weights' addresses, so its own templates
         templates=resident_layers * template_bytes(geo, seq_len, batch_size, lora_rank) if graphs else 0)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
-                head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes)
+                head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes, offload_inputs,
+                one_input, window)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
@@ -395,24 +410,27 @@ def plan_for_budget(geo: Geometry, budget: int, *, block_size: int, **kw) -> Pla
     from poros.errors import BudgetError
 
     best, smallest = None, None
-    for block in range(block_size, 0, -1):
-        for head in (True, False):
-            lo, hi, fit = 0, geo.n_layers, None
-            while lo <= hi:  # most resident layers that fit (memory grows with them)
-                r = (lo + hi) // 2
-                p = build_plan(geo, block_size=block, resident_layers=r, head_resident=head, budget=budget, **kw)
-                if smallest is None or p.memory.total < smallest.memory.total:
-                    smallest = p
-                if p.memory.total <= budget:
-                    fit, lo = p, r + 1
-                else:
-                    hi = r - 1
-            if fit is not None and (best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step):
-                best = fit
+    given = kw.pop("offload_inputs", None)  # None: the planner decides
+    choices = [(b, h, o) for b in range(block_size, 0, -1) for h in (True, False)
+               for o in ((False, True) if given is None else (given,))]
+    for block, head, offload in choices:
+        lo, hi, fit = 0, geo.n_layers, None
+        while lo <= hi:  # most resident layers that fit (memory grows with them)
+            r = (lo + hi) // 2
+            p = build_plan(geo, block_size=block, resident_layers=r, head_resident=head, budget=budget,
+                           offload_inputs=offload, **kw)
+            if smallest is None or p.memory.total < smallest.memory.total:
+                smallest = p
+            if p.memory.total <= budget:
+                fit, lo = p, r + 1
+            else:
+                hi = r - 1
+        if fit is not None and (best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step):
+            best = fit
     if best is None:
         raise BudgetError(f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name} "
                           f"({format_size(smallest.memory.total)} predicted: block size {smallest.block_size}, "
-                          f"every layer streamed); use --vram-budget {_size_at_least(smallest.memory.total)} "
+                          f"every layer streamed, saved inputs in host memory); use --vram-budget {_size_at_least(smallest.memory.total)} "
                           f"or more, or a shorter --seq-len")
     return best
 
@@ -513,7 +531,9 @@ def describe(plan: Plan) -> str:
         f"  streamed layers:  {span(st)}",
         f"  resident layers:  {span(res)}",
         f"  lm_head:          {'resident' if plan.head_resident else f'streamed into buffer {plan.head_buffer}'}",
-        f"  host->device per optimizer step: {gb(plan.h2d_bytes_per_step)} ({plan.loads_per_step} group loads)",
+        f"  host->device per optimizer step: {gb(plan.h2d_bytes_per_step)} ({plan.loads_per_step} group loads"
+        + (f", saved inputs back: {gb(plan.d2h_bytes_per_step)})" if plan.offload_inputs else ")"),
+        f"  saved layer inputs: {'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
         f"  predicted peak device memory: {gb(plan.memory.total)}"
         + (f" (budget {format_size(plan.budget)})" if plan.budget else ""),
     ]

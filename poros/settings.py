@@ -191,6 +191,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cuda_graphs", False, SCHEDULE, flag,
             "poros, CUDA only: replay each layer from a CUDA graph shared by the layers at the same "
             "buffer position", "CUDA-graph layers"),
+    Setting("offload_inputs", False, SCHEDULE, flag,
+            "poros: keep each layer's saved input in host memory (device->host in forward, back ahead of its "
+            "backward); with a VRAM budget the planner turns it on where it needs to", "Saved inputs in host memory"),
     Setting("accumulation", Accumulation.LAYER, SCHEDULE, one_of(Accumulation),
             "poros, grad_accum > 1: layer (each block loaded once for all micro-batches) or micro "
             "(each micro-batch through the whole model)", "Accumulation order"),

@@ -41,8 +41,8 @@ def plan_for(store, cfg, **kw):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
        order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
-       overlap=st.booleans(), seq=st.sampled_from([64, 96]))
-def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq):
+       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans())
+def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
     (0, some, all) and the lm_head's place: every plan trains bitwise like resident QLoRA."""
     config = get_shape(family).config()
@@ -52,10 +52,10 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     store, _ = build_store(Source(family, config), seed=layers, device="cpu", progress=False)
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
                       overlap_backward=overlap)
-    plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head)
+    plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload)
     result, _ = gate(store, cfg, plan)
     assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident} head={head} "
-                       f"overlap={overlap}: {result.first_mismatch}")
+                       f"overlap={overlap} offload={offload}: {result.first_mismatch}")
 
 
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
@@ -181,3 +181,37 @@ def test_a_plan_for_other_micro_batches_is_refused(stores):
     with pytest.raises(CapabilityError, match="plan is for 2 micro-batches"):
         trainer.accumulate(trainer.batches(0)[:1])
     trainer.close()
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+def test_saved_inputs_in_host_memory_keep_parity_and_move_every_input_both_ways(stores, model):
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=2, lr=1e-2, offload_inputs=True)
+    store = stores(model)
+    result, _ = gate(store, cfg)
+    assert result.ok, result.first_mismatch
+    trainer = PorosTrainer(store, cfg)
+    c = trainer.step().counters
+    per_input = 64 * store.config.hidden_size * 2
+    assert c["input_bytes_d2h"] == c["input_bytes_h2d"] == len(store.layers) * 2 * per_input
+    assert trainer.plan.d2h_bytes_per_step == c["input_bytes_d2h"]
+    assert c["bytes_h2d"] == trainer.plan.h2d_bytes_per_step
+    trainer.close()
+
+
+def test_corrupted_saved_inputs_fail_the_gate(stores, monkeypatch):
+    """Negative control: an input that comes back from host memory with one value changed must FAIL."""
+    import poros.executor as ex
+
+    real = ex.SavedInputs.take
+
+    def take(self, key):
+        x = real(self, key)
+        if key == (2, 0):
+            x = x.clone()
+            x.view(-1)[5] += 1
+        return x
+
+    monkeypatch.setattr(ex.SavedInputs, "take", take)
+    cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=2, lr=1e-2, offload_inputs=True)
+    result, _ = gate(stores("tiny-qwen2"), cfg)
+    assert result.parity == "FAIL" and ".grad:" in result.first_mismatch, result.first_mismatch

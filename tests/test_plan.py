@@ -66,6 +66,17 @@ def test_resident_layers_and_head_cut_the_copies(q72):
     assert everything.setup and all(op.kind == P.LOAD for op in everything.setup)
 
 
+def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
+    on_device = P.build_plan(q72, block_size=4, grad_accum=8)
+    on_host = P.build_plan(q72, block_size=4, grad_accum=8, offload_inputs=True)
+    per_input = 512 * 8192 * 2
+    assert on_host.d2h_bytes_per_step == 80 * 8 * per_input
+    assert on_host.h2d_bytes_per_step == on_device.h2d_bytes_per_step + 80 * 8 * per_input
+    assert on_device.memory.saved_inputs == 80 * 8 * per_input
+    assert on_host.memory.saved_inputs == (2 * 4 * 8 + 8) * per_input
+    assert on_host.memory.total < 12e9 < on_device.memory.total
+
+
 @pytest.mark.parametrize("budget", [12e9, 16e9, 24e9, 40e9, 64e9])
 def test_a_budget_picks_the_fewest_bytes_that_fit(q72, budget):
     plan = P.plan_for_budget(q72, int(budget), block_size=4, attention="math")
