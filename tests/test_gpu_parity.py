@@ -96,8 +96,9 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
 @pytest.mark.gpu
 @requires_gpu(1)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
-@pytest.mark.parametrize("schedule", [{"vram_budget": True}, {"grad_accum": 3}, {"grad_accum": 3, "vram_budget": True}],
-                         ids=["resident-layers", "layer-major", "both"])
+@pytest.mark.parametrize("schedule", [{"vram_budget": True}, {"grad_accum": 3}, {"grad_accum": 3, "vram_budget": True},
+                                      {"grad_accum": 3, "offload_inputs": True}],
+                         ids=["resident-layers", "layer-major", "both", "inputs-on-host"])
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
 def test_gpu_plans_keep_parity(model, schedule, graphs):
     """Plans other than full streaming on the device: resident layers from a budget, layer-major
@@ -112,7 +113,7 @@ def test_gpu_plans_keep_parity(model, schedule, graphs):
     from poros.plan import build_plan
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs,
-                      grad_accum=schedule.get("grad_accum", 1))
+                      grad_accum=schedule.get("grad_accum", 1), offload_inputs=schedule.get("offload_inputs", False))
     store, _ = build_store(model, device="cuda")
     plan = None
     if schedule.get("vram_budget"):  # what a budget buys: the last layers and the lm_head resident
