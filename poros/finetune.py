@@ -112,8 +112,9 @@ def model_fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
-def _prepare_out(out: Path, resume: bool) -> dict | None:
-    """Check the run folder; on resume return its config.json (settings of the run so far)."""
+def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
+    """Check the run folder; on resume return its config.json (settings of the run so far) with the
+    checkpoint's state.json under "checkpoint"."""
     if not resume:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             if (out / "config.json").is_file():
@@ -128,7 +129,12 @@ def _prepare_out(out: Path, resume: bool) -> dict | None:
     if not (out / "checkpoint" / "state.json").is_file():
         raise ConfigError([f"--resume: {out} has no checkpoint (checkpoint/state.json) to continue from; start "
                            "again in a new --out"], "poros train")
-    return json.loads((out / "config.json").read_text())
+    before = json.loads((out / "config.json").read_text())
+    before["checkpoint"] = json.loads((out / "checkpoint" / "state.json").read_text())
+    if steps <= before["checkpoint"]["step"]:
+        raise ConfigError([f"--steps {steps}: the run in {out} is already at step {before['checkpoint']['step']}; "
+                           "raise --steps to train further"], "poros train")
+    return before
 
 
 def _check_resume(before: dict, now: dict) -> None:
@@ -141,7 +147,7 @@ def _check_resume(before: dict, now: dict) -> None:
     for k in ("model", "data"):
         a, b = before["fingerprints"][k], now["fingerprints"][k]
         if a != b:
-            diffs.append(f"{k} content {a[:12]} (now {b[:12]}: {now['settings'][k]})")
+            diffs.append(f"{k} {now['settings'][k]} (other content than the run's: sha256 {b[:12]}, was {a[:12]})")
     if diffs:
         raise ConfigError([f"--resume: settings differ from the run in {now['settings']['out']} and would change "
                            f"its result: {', '.join(diffs)}; use the run's settings (its config.json) or a new --out"],
@@ -376,7 +382,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     from poros.textdata import file_sha256, load_data, load_tokenizer
 
     cfg, out = fc.train, fc.out
-    before = _prepare_out(out, resume)
+    before = _prepare_out(out, resume, fc.steps)
     src = resolve(cfg.model)
     if src.checkpoint is None:
         raise ConfigError([f"--model {cfg.model}: a registered shape has no tokenizer or trained weights; pass a "
@@ -399,6 +405,8 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     base_model = record["settings"]["model"]
     out.mkdir(parents=True, exist_ok=True)
     store, stats = build_store(src, seed=cfg.seed, device=cfg.device.value, progress=progress)
+    if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
+        torch.cuda.reset_peak_memory_stats()
     trainer = make_trainer(fc.method, store, cfg)
     try:
         start = 0
@@ -408,9 +416,6 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
             if state["position"] != start * cfg.batch_size * cfg.grad_accum:
                 raise CheckpointError(f"{out}/checkpoint: data position {state['position']} does not match step "
                                       f"{start}")
-            if fc.steps <= start:
-                raise ConfigError([f"--steps {fc.steps}: the run in {out} is already at step {start}; raise --steps "
-                                   "to train further"], "poros train")
             trainer.steps_done = start
         record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
                                                             "provenance": provenance()}]
@@ -425,7 +430,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     cfg, out = fc.train, fc.out
     per_step = cfg.batch_size * cfg.grad_accum
     tokens = per_step * cfg.seq_len
-    bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({stats.store_bytes / 1e9:.2f} GB NF4), "
+    bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({stats.store_bytes / 2**20:,.0f} MiB NF4), "
                 f"{data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records, steps {start + 1}-"
                 f"{fc.steps}")
     summary = RunSummary(step=start, interrupted=False)

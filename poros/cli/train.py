@@ -6,6 +6,9 @@ import argparse
 import shlex
 import sys
 from dataclasses import fields
+from pathlib import Path
+
+from poros.config import TrainConfig
 
 EPILOG = """examples:
   poros train --model ./Qwen3-32B --data chats.jsonl --out runs/qwen3 --steps 1000 --device cuda --attention math
@@ -53,7 +56,6 @@ def finetune_config(args):
     """The validated FinetuneConfig of the parsed arguments (every problem at once)."""
     import torch
 
-    from poros.config import TrainConfig
     from poros.errors import ConfigError
     from poros.finetune import FinetuneConfig
 
@@ -74,7 +76,8 @@ def finetune_config(args):
 
 def resume_command(args, device: str) -> str:
     """The command that continues this run: every setting spelled out, plus --resume."""
-    prog = ["python", "-m", "poros"] if sys.argv and sys.argv[0].endswith("__main__.py") else ["poros"]
+    as_module = sys.argv and Path(sys.argv[0]).parent.name == "poros" and Path(sys.argv[0]).name == "__main__.py"
+    prog = ["python", "-m", "poros"] if as_module else ["poros"]
     argv = ["train", "--model", args.model, "--data", args.data, "--out", args.out, "--steps", str(args.steps),
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
             "--lr", repr(args.lr), "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
