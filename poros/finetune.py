@@ -13,15 +13,11 @@ torch.equal to each other. Settings that would change that arithmetic are refuse
 from __future__ import annotations
 
 import copy
-import csv
 import hashlib
 import json
 import math
 import random
 import shutil
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +26,11 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.errors import CheckpointError, ConfigError, PorosError
+from poros.runlog import Progress, RunLog, StopRequest, plot_loss
 
 # TrainConfig fields that change what a step computes; --resume refuses a change to any of them
 EXACT_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "lora_rank", "lora_alpha", "lora_targets", "seed",
                 "attention", "deterministic", "device")
-LOG_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "peak_memory_gb", "eval_loss")
 TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                   "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -240,106 +236,6 @@ def load_checkpoint(trainer, folder: Path) -> dict:
     return json.loads((folder / "state.json").read_text())
 
 
-# --- log, plot, progress -----------------------------------------------------------------------
-
-
-class RunLog:
-    """log.csv, one row per step; on resume rows after the checkpoint's step are dropped."""
-
-    def __init__(self, path: Path, keep_through: int):
-        self.path = path
-        rows = []
-        if keep_through and path.is_file():
-            with path.open(newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= keep_through]
-        with path.open("w", newline="") as f:
-            w = csv.DictWriter(f, LOG_COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-
-    def append(self, row: dict) -> None:
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, LOG_COLUMNS).writerow({k: "" if row.get(k) is None else row[k] for k in LOG_COLUMNS})
-
-    def rows(self) -> list[dict]:
-        with self.path.open(newline="") as f:
-            return list(csv.DictReader(f))
-
-
-def plot_loss(log: RunLog, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    rows = log.rows()
-    fig = Figure(figsize=(7, 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label="train loss", lw=1)
-    ev = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
-
-
-def _duration(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
-
-
-class Progress:
-    """A one-line bar on a terminal (step, loss, tokens/s, time left); plain lines otherwise."""
-
-    def __init__(self, total: int, start: int, stream=None, tty: bool | None = None):
-        self.total, self.start, self.stream = total, start, stream or sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.every = max(1, (total - start) // 50)
-        self.t0 = None
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        now = time.perf_counter()
-        if self.t0 is None:  # time left from the steps after the first (which carries the warm-up)
-            self.t0, self.first = now, step
-        rate = (now - self.t0) / (step - self.first) if step > self.first else None
-        left = "--:--" if rate is None else _duration(rate * (self.total - step))
-        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left"
-        if self.tty:
-            done = int(20 * step / self.total)
-            print(f"\r[{'#' * done}{'.' * (20 - done)}] {text}  ", end="", file=self.stream, flush=True)
-        elif step == self.total or (step - self.start) % self.every == 0 or step == self.start + 1:
-            print(text, file=self.stream, flush=True)
-
-    def message(self, text: str) -> None:
-        print(("\n" if self.tty else "") + text, file=self.stream, flush=True)
-
-
-class StopRequest:
-    """The first Ctrl-C asks the loop to save a checkpoint and stop after the current step; a
-    second aborts at once. Only the main thread receives signals; elsewhere nothing is installed."""
-
-    def __init__(self, say):
-        self.requested, self.say, self.previous = False, say, None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.say("Ctrl-C: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-
-
 # --- the run -----------------------------------------------------------------------------------
 
 
@@ -403,25 +299,27 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     if before is not None:
         _check_resume(before, record)
     base_model = record["settings"]["model"]
+    start = before["checkpoint"]["step"] if before is not None else 0
+    bar = Progress(fc.steps, start, tty=progress)
+    bar.message(f"poros train: {data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records; "
+                f"loading {src.name} on {cfg.device.value}")
     out.mkdir(parents=True, exist_ok=True)
     store, stats = build_store(src, seed=cfg.seed, device=cfg.device.value, progress=progress)
     if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
         torch.cuda.reset_peak_memory_stats()
     trainer = make_trainer(fc.method, store, cfg)
     try:
-        start = 0
         if before is not None:
             state = load_checkpoint(trainer, out / "checkpoint")
-            start = state["step"]
-            if state["position"] != start * cfg.batch_size * cfg.grad_accum:
-                raise CheckpointError(f"{out}/checkpoint: data position {state['position']} does not match step "
-                                      f"{start}")
+            if (state["step"], state["position"]) != (start, start * cfg.batch_size * cfg.grad_accum):
+                raise CheckpointError(f"{out}/checkpoint: step {state['step']} and data position "
+                                      f"{state['position']} do not match (expected step {start})")
             trainer.steps_done = start
         record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
                                                             "provenance": provenance()}]
         (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
-        return _loop(fc, trainer, data, evals, start, RunLog(out / "log.csv", start), base_model,
-                     Progress(fc.steps, start, tty=progress), resume_command, on_step, stats)
+        return _loop(fc, trainer, data, evals, start, RunLog(out / "log.csv", start), base_model, bar,
+                     resume_command, on_step, stats)
     finally:
         trainer.close()
 
@@ -431,8 +329,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     per_step = cfg.batch_size * cfg.grad_accum
     tokens = per_step * cfg.seq_len
     bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({stats.store_bytes / 2**20:,.0f} MiB NF4), "
-                f"{data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records, steps {start + 1}-"
-                f"{fc.steps}")
+                f"steps {start + 1}-{fc.steps}")
     summary = RunSummary(step=start, interrupted=False)
     speeds = []
     with StopRequest(bar.message) as stop:
@@ -444,7 +341,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
             done = summary.step = step + 1
             if not math.isfinite(result.loss):
                 raise PorosError(f"step {done}: the loss is {result.loss}; lower --lr (now {cfg.lr}) and start a new "
-                                 "run (the last checkpoint holds finite weights)")
+                                 "run")
             summary.losses.append(result.loss)
             row = {"step": done, "loss": f"{result.loss:.6f}", "lr": trainer.optimizer.param_groups[0]["lr"],
                    "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{_peak_memory_gb(cfg.device.value):.3f}"}
@@ -459,19 +356,21 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                     bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
                 save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
                                 base_model)
-            log.append(row)
-            if stop.requested and not last:
+                log.append(row)
                 plot_loss(log, out / "loss.png")
+            else:
+                log.append(row)
+            if stop.requested and not last:
                 summary.interrupted = True
                 again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
                 bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
                             f"resume with:\n  {again}")
                 break
-    summary.tokens_per_s = sorted(speeds)[len(speeds) // 2] if speeds else None
+    timed = sorted(speeds[1:] or speeds)  # the first step carries the warm-up
+    summary.tokens_per_s = timed[len(timed) // 2] if timed else None
     summary.peak_memory_gb = _peak_memory_gb(cfg.device.value)
     if not summary.interrupted:
         summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
-        plot_loss(log, out / "loss.png")
         bar.message(f"done: adapter in {summary.adapter} (PeftModel.from_pretrained(base_model, "
                     f"{summary.adapter!r}))")
     return summary

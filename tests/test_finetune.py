@@ -144,6 +144,8 @@ def test_resume_ends_equal_to_an_uninterrupted_run(files, reference, monkeypatch
     shifted = _resume_copy(part, files["root"] / "part-shifted")
     nudged = _resume_copy(part, files["root"] / "part-nudged")
 
+    with (part / "log.csv").open("a") as f:  # a step logged after the last checkpoint, then killed
+        f.write("3,9.999,0.003,1.0,1.0,\n")
     assert train(files, part, "--resume") == 0
     assert_all_equal("resumed at 2 vs uninterrupted", run_state(reference), run_state(part))
     rows = log_rows(part)
