@@ -239,6 +239,10 @@ def load_checkpoint(trainer, folder: Path) -> dict:
 # --- the run -----------------------------------------------------------------------------------
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _peak_memory_gb(device: str) -> float:
     """Peak device memory torch allocated (cuda), else the process's peak resident set (cpu)."""
     if device == "cuda":
@@ -328,7 +332,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     cfg, out = fc.train, fc.out
     per_step = cfg.batch_size * cfg.grad_accum
     tokens = per_step * cfg.seq_len
-    bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({stats.store_bytes / 2**20:,.0f} MiB NF4), "
+    bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({_size(stats.store_bytes)} NF4), "
                 f"steps {start + 1}-{fc.steps}")
     summary = RunSummary(step=start, interrupted=False)
     speeds = []

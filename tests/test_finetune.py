@@ -387,3 +387,27 @@ def test_vram_budget_is_passed_through_only_when_train_config_has_it(files, tmp_
     args = build_parser().parse_args(["train", "--model", str(files["ckpt"]), "--data", str(files["data"]),
                                       "--out", "x", "--steps", "1", "--vram-budget", "24GB"])
     assert cli_train.finetune_config(args).train.vram_budget == "24GB"
+
+
+def test_eval_data_shorter_than_one_batch_is_refused(files, tmp_path, capsys):
+    evals = write_jsonl(tmp_path / "eval.jsonl", [{"text": " ".join(generated_texts(8, seed=2))}])
+    code = train(files, tmp_path / "run", "--eval-data", str(evals), "--batch-size", "4")
+    _refused(capsys, code, f"--eval-data {evals}", "--batch-size 4")
+
+
+def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
+    import poros.bench
+
+    real = poros.bench.make_trainer
+
+    def diverging(method, store, cfg):
+        trainer = real(method, store, cfg)
+        step = trainer.step
+        trainer.step = lambda batches: dataclasses.replace(step(batches), loss=float("nan"))
+        return trainer
+
+    monkeypatch.setattr(poros.bench, "make_trainer", diverging)
+    assert train(files, tmp_path / "run", steps=2) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "poros train: error: step 1: the loss is nan; lower --lr (now 0.003) and start a new run"
+    assert not (tmp_path / "run/checkpoint").exists(), "a diverged step is not saved"
