@@ -5,7 +5,7 @@ every invocation), `log.csv` and `loss.png`, `checkpoint/` (peft adapter, AdamW 
 RNG states; written every `save_every` steps, at the end and on Ctrl-C) and, at the end, `adapter/`.
 
 Exactness: the batches of step s are a function of (data, seed, s) alone (poros.textdata), the
-adapter starts from the seed, and a checkpoint holds every tensor the next step reads, so a resumed
+adapter starts from --seed, and a checkpoint holds every tensor the next step reads, so a resumed
 run ends torch.equal to an uninterrupted one, and poros and resident (the same arithmetic) end
 torch.equal to each other. Settings that would change that arithmetic are refused on --resume.
 """

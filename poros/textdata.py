@@ -156,7 +156,7 @@ def encode_records(tok, records: list[dict], source: str) -> tuple[list[int], li
 
 @dataclass
 class PackedData:
-    """Blocks of `seq_len` tokens (int32) with their labels, and the seeded visiting order."""
+    """Blocks of `seq_len` tokens (int32) with their labels, and a seeded visiting order."""
 
     input_ids: torch.Tensor  # (blocks, seq_len)
     labels: torch.Tensor

@@ -22,7 +22,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_SUBJECTS = "the cat|a dog|the old farmer|my sister|the small robot|a red bird|the teacher|our neighbour".split("|")
+_SUBJECTS = "the cat|a dog|the old farmer|my sister|the small robot|a red bird|the teacher|the neighbour".split("|")
 _VERBS = "sat|walked|slept|sang|waited|read a book|painted a fence|looked around".split("|")
 _PLACES = "on the mat|in the garden|near the river|under the bridge|at the station|by the window".split("|")
 _TIMES = "this morning|after lunch|every evening|at night|on sunday|before the rain".split("|")

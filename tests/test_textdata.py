@@ -183,7 +183,7 @@ def test_each_pass_visits_every_block_once_in_a_seeded_order():
     assert sorted(first) == sorted(second) == list(range(7))
     assert first != second, "every pass over the data gets its own order"
     other = _packed(seed=1)
-    assert [other.block_at(g) for g in range(7)] != first, "the seed changes the order"
+    assert [other.block_at(g) for g in range(7)] != first, "another seed, another order"
 
 
 def test_batches_depend_on_the_position_alone():
