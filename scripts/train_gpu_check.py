@@ -16,6 +16,12 @@ Each stage is skipped when its output is already in --out, so a cut-off check co
 Prints one JSON line per method and a final summary (also OUT/summary.json); exits 0 only if every
 check passes. On the H200 use --attention math (the default here on cuda): cuDNN's and flash's
 attention backward are not run-to-run repeatable there (README, "Running on a GPU").
+
+Under a time limit per command, run it in parts with the same --out (each part reuses what is there):
+    python3 scripts/train_gpu_check.py --methods '' --skip-peft       # data and the NF4 checkpoint
+    python3 scripts/train_gpu_check.py --methods poros --skip-peft
+    python3 scripts/train_gpu_check.py --methods resident --skip-peft
+    python3 scripts/train_gpu_check.py                                 # compare, load with peft
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import csv
 import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true", help="poros: replay layers from CUDA graphs")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms in both runs")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of poros,resident")
+    p.add_argument("--skip-peft", action="store_true", help="leave out loading the adapter with peft")
     p.add_argument("--texts", type=int, default=3000, help="generated text records (plus a third as many chats)")
     p.add_argument("--vocab", type=int, default=8192, help="BPE tokenizer size (capped by the model's vocabulary)")
     return p.parse_args(argv)
@@ -110,7 +118,8 @@ def run_method(out: Path, model: Path, method: str, args) -> dict:
         if (run / "checkpoint" / "state.json").is_file():
             cmd.append("--resume")
         say(" ".join(cmd))
-        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # the tokenizer was trained in this process
+        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"[train-check] poros train --method {method} exited {proc.returncode}")
     with (run / "log.csv").open(newline="") as f:
@@ -200,16 +209,22 @@ def main(argv=None) -> int:
     for m, r in rows.items():
         checks[f"{m}_loss_falls"] = r["loss_falls"]
     if set(METHODS) <= set(rows):
-        diff = first_difference(run_state(out / "run-resident"), run_state(out / "run-poros"))
+        resident = run_state(out / "run-resident")
+        diff = first_difference(resident, run_state(out / "run-poros"))
         checks["poros_equals_resident"] = diff is None
         summary["first_difference"] = diff
-    peft_from = "poros" if "poros" in rows else methods[0]
-    gc.collect()
-    peft = check_peft(model, out / f"run-{peft_from}" / "adapter", out / "eval.jsonl", args.device, args.seq_len)
-    summary["peft"] = peft
-    checks["peft_loads"] = (not peft["peft_missing_warnings"] and not peft["missing_keys"]
-                            and not peft["unexpected_keys"] and peft["tensors_equal"])
-    checks["peft_adapter_lowers_eval_loss"] = peft["eval_loss_with_adapter"] < peft["eval_loss_without"]
+        nudged = dict(resident)  # negative control: one element one ulp off is reported
+        key = next(k for k in nudged if ".lora_B." in k)
+        nudged[key] = nudged[key].clone()
+        nudged[key].view(-1)[0] = torch.nextafter(nudged[key].view(-1)[0], torch.tensor(1.0))
+        checks["comparison_catches_one_ulp"] = first_difference(resident, nudged) is not None
+    if rows and not args.skip_peft:
+        gc.collect()
+        adapter = out / f"run-{'poros' if 'poros' in rows else methods[0]}" / "adapter"
+        peft = summary["peft"] = check_peft(model, adapter, out / "eval.jsonl", args.device, args.seq_len)
+        checks["peft_loads"] = (not peft["peft_missing_warnings"] and not peft["missing_keys"]
+                                and not peft["unexpected_keys"] and peft["tensors_equal"])
+        checks["peft_adapter_lowers_eval_loss"] = peft["eval_loss_with_adapter"] < peft["eval_loss_without"]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary), flush=True)
     failed = [k for k, ok in checks.items() if not ok]
