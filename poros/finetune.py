@@ -69,7 +69,7 @@ class FinetuneConfig:
         if self.eval_data is not None:
             object.__setattr__(self, "eval_data", Path(self.eval_data))
         if problems:
-            raise ConfigError(problems, source="poros train")
+            raise ConfigError(problems, source="FinetuneConfig")
 
     def settings(self) -> dict:
         return {"model": str(Path(self.train.model).resolve()), "data": str(self.data.resolve()),
@@ -115,21 +115,20 @@ def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             if (out / "config.json").is_file():
                 raise ConfigError([f"{out} holds another run (config.json, checkpoint/); pass --resume to continue "
-                                   "it or choose another --out"], "poros train")
-            raise ConfigError([f"{out} is not an empty folder; choose a new or empty --out"], "poros train")
+                                   "it or choose another --out"], "--out")
+            raise ConfigError([f"{out} is not an empty folder; choose a new or empty --out"], "--out")
         return None
     if not (out / "config.json").is_file():
-        raise ConfigError([f"--resume: {out} holds no run (no config.json); leave out --resume to start one"],
-                          "poros train")
+        raise ConfigError([f"{out} holds no run (no config.json); leave out --resume to start one"], "--resume")
     _recover_checkpoint(out)
     if not (out / "checkpoint" / "state.json").is_file():
-        raise ConfigError([f"--resume: {out} has no checkpoint (checkpoint/state.json) to continue from; start "
-                           "again in a new --out"], "poros train")
+        raise ConfigError([f"{out} has no checkpoint (checkpoint/state.json) to continue from; start again in a "
+                           "new --out"], "--resume")
     before = json.loads((out / "config.json").read_text())
     before["checkpoint"] = json.loads((out / "checkpoint" / "state.json").read_text())
     if steps <= before["checkpoint"]["step"]:
-        raise ConfigError([f"--steps {steps}: the run in {out} is already at step {before['checkpoint']['step']}; "
-                           "raise --steps to train further"], "poros train")
+        raise ConfigError([f"the run in {out} is already at step {before['checkpoint']['step']}, got --steps "
+                           f"{steps}; raise --steps to train further"], "--steps")
     return before
 
 
@@ -145,9 +144,8 @@ def _check_resume(before: dict, now: dict) -> None:
         if a != b:
             diffs.append(f"{k} {now['settings'][k]} (other content than the run's: sha256 {b[:12]}, was {a[:12]})")
     if diffs:
-        raise ConfigError([f"--resume: settings differ from the run in {now['settings']['out']} and would change "
-                           f"its result: {', '.join(diffs)}; use the run's settings (its config.json) or a new --out"],
-                          "poros train")
+        raise ConfigError([f"settings differ from the run in {now['settings']['out']} and would change its result: "
+                           f"{', '.join(diffs)}; use the run's settings (its config.json) or a new --out"], "--resume")
 
 
 # --- checkpoint --------------------------------------------------------------------------------
@@ -285,8 +283,8 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     before = _prepare_out(out, resume, fc.steps)
     src = resolve(cfg.model)
     if src.checkpoint is None:
-        raise ConfigError([f"--model {cfg.model}: a registered shape has no tokenizer or trained weights; pass a "
-                           "checkpoint folder (config.json, safetensors and tokenizer files)"], "poros train")
+        raise ConfigError([f"{cfg.model} is a registered shape, with no tokenizer or trained weights; pass a "
+                           "checkpoint folder (config.json, safetensors and tokenizer files)"], "--model")
     check_seq_len(src.config, cfg.seq_len)
     tok = load_tokenizer(src.checkpoint)
     vocab = src.config.vocab_size
@@ -295,8 +293,8 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     if fc.eval_data is not None:
         evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab).in_order(cfg.batch_size)
         if not evals:
-            raise ConfigError([f"--eval-data {fc.eval_data}: fewer sequences than one batch of --batch-size "
-                               f"{cfg.batch_size}"], "poros train")
+            raise ConfigError([f"{fc.eval_data} holds fewer sequences than one batch of --batch-size "
+                               f"{cfg.batch_size}"], "--eval-data")
     record = {"settings": fc.settings(),
               "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data)},
               "data": {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}}

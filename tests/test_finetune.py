@@ -347,12 +347,12 @@ def test_a_model_folder_without_tokenizer_files(files, tmp_path, capsys):
 
 
 def test_a_registered_shape_is_not_a_checkpoint(files, tmp_path, capsys):
-    _refused(capsys, train(files, tmp_path / "run", model="tiny-qwen2"), "tiny-qwen2", "checkpoint folder")
+    _refused(capsys, train(files, tmp_path / "run", model="tiny-qwen2"), "--model: tiny-qwen2", "checkpoint folder")
 
 
 def test_an_output_folder_holding_another_run(files, reference, tmp_path, capsys):
     before = (reference / "config.json").read_text()
-    _refused(capsys, train(files, reference), str(reference), "another run", "--resume")
+    _refused(capsys, train(files, reference), f"--out: {reference} holds another run", "--resume")
     (tmp_path / "notes.txt").write_text("mine")
     _refused(capsys, train(files, tmp_path), str(tmp_path), "not an empty folder")
     assert (reference / "config.json").read_text() == before
@@ -361,12 +361,12 @@ def test_an_output_folder_holding_another_run(files, reference, tmp_path, capsys
 def test_resume_refuses_settings_that_change_the_result(files, reference, tmp_path, capsys):
     before = (reference / "config.json").read_text()
     code = train(files, reference, "--resume", "--lr", "1e-3", "--seed", "2", steps=STEPS + 2)
-    _refused(capsys, code, "lr 0.003 (now 0.001)", "seed 0 (now 2)")
+    _refused(capsys, code, "--resume: settings differ", "lr 0.003 (now 0.001)", "seed 0 (now 2)")
     other = write_jsonl(tmp_path / "other.jsonl", [{"text": t} for t in generated_texts(80, seed=1)])
     _refused(capsys, train(files, reference, "--resume", data=other, steps=STEPS + 2), f"data {other.resolve()}")
     assert (reference / "config.json").read_text() == before
-    _refused(capsys, train(files, reference, "--resume"), f"--steps {STEPS}", f"already at step {STEPS}")
-    _refused(capsys, train(files, tmp_path / "none", "--resume"), "holds no run")
+    _refused(capsys, train(files, reference, "--resume"), f"--steps: the run in {reference} is already at step {STEPS}")
+    _refused(capsys, train(files, tmp_path / "none", "--resume"), "--resume:", "holds no run")
 
 
 def test_vram_budget_is_passed_through_only_when_train_config_has_it(files, tmp_path, capsys, monkeypatch):
@@ -375,8 +375,7 @@ def test_vram_budget_is_passed_through_only_when_train_config_has_it(files, tmp_
 
     plain = [f for f in dataclasses.fields(TrainConfig) if f.name != "vram_budget"]
     monkeypatch.setattr(cli_train, "fields", lambda cls: plain)
-    _refused(capsys, train(files, tmp_path / "run", "--vram-budget", "24GB"), "--vram-budget 24GB",
-             "not supported yet")
+    _refused(capsys, train(files, tmp_path / "run", "--vram-budget", "24GB"), "--vram-budget: 24GB: not supported yet")
 
     @dataclasses.dataclass(frozen=True)
     class WithBudget(TrainConfig):
@@ -392,7 +391,7 @@ def test_vram_budget_is_passed_through_only_when_train_config_has_it(files, tmp_
 def test_eval_data_shorter_than_one_batch_is_refused(files, tmp_path, capsys):
     evals = write_jsonl(tmp_path / "eval.jsonl", [{"text": " ".join(generated_texts(8, seed=2))}])
     code = train(files, tmp_path / "run", "--eval-data", str(evals), "--batch-size", "4")
-    _refused(capsys, code, f"--eval-data {evals}", "--batch-size 4")
+    _refused(capsys, code, f"--eval-data: {evals} holds fewer sequences", "--batch-size 4")
 
 
 def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
@@ -411,3 +410,8 @@ def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "poros train: error: step 1: the loss is nan; lower --lr (now 0.003) and start a new run"
     assert not (tmp_path / "run/checkpoint").exists(), "a diverged step is not saved"
+
+
+def test_bad_schedule_settings_are_listed_at_once(files, tmp_path, capsys):
+    code = train(files, tmp_path / "run", "--save-every", "-1", steps=0)
+    _refused(capsys, code, "steps: expected an integer > 0, got 0", "save_every: expected an integer >= 0")

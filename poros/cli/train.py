@@ -63,8 +63,8 @@ def finetune_config(args):
     extra = {}
     if args.vram_budget is not None:
         if "vram_budget" not in {f.name for f in fields(TrainConfig)}:
-            raise ConfigError([f"--vram-budget {args.vram_budget}: not supported yet by this version of poros; "
-                               "leave it out (--block-size sets how many layers are on the device)"], "poros train")
+            raise ConfigError([f"{args.vram_budget}: not supported yet by this version of poros; leave it out "
+                               "(--block-size sets how many layers are on the device)"], "--vram-budget")
         extra["vram_budget"] = args.vram_budget
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       lr=args.lr, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, block_size=args.block_size,
