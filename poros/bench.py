@@ -16,6 +16,7 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.matrix import Matrix, Stack
+from poros.methods import METHODS, gated
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def matrix_cells(m: Matrix) -> list[Cell]:
     cells = []
     for model in m.models:
         for stack in m.stacks:
-            if {Method.POROS, Method.RESIDENT} <= set(m.methods):
+            if gated(m.methods):
                 cells.append(Cell(model, stack, None))
             cells.extend(Cell(model, stack, meth) for meth in m.methods)
     return cells
@@ -52,7 +53,7 @@ def matrix_device(m: Matrix) -> str:
 
 
 def train_config(m: Matrix, model: str) -> TrainConfig:
-    return TrainConfig.from_settings(m, model=model, device=matrix_device(m), **m.overrides_for(model))
+    return TrainConfig.from_settings(m.settings_for(model), model=model, device=matrix_device(m))
 
 
 CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU
@@ -65,15 +66,6 @@ def model_unavailable(model: str, device: str) -> str | None:
     shape = SHAPES.get(model)
     if device == "cpu" and shape is not None and (shape.published_params or 0) > CPU_PARAM_LIMIT:
         return f"{model} has {shape.published_params / 1e9:.1f}B parameters: run it on a GPU (device: cuda)"
-    return None
-
-
-def method_unavailable(method: Method, device: str) -> str | None:
-    """Declared capability gates for each method (None when it can run here)."""
-    if method is Method.UNSLOTH:
-        from poros.unsloth_method import unavailable
-
-        return unavailable(device)
     return None
 
 
@@ -94,48 +86,6 @@ class StoreCache:
         return self.store
 
 
-class NvmlPeak:
-    """Samples this process's device memory through NVML (what nvidia-smi would show)."""
-
-    def __init__(self, interval: float = 0.05):
-        self.interval, self.peak, self._stop = interval, None, threading.Event()
-
-    def __enter__(self):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            idx = torch.cuda.current_device()
-            self._h, self._nvml = pynvml.nvmlDeviceGetHandleByIndex(idx), pynvml
-        except Exception:
-            return self
-        self.peak = 0
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _sample(self) -> None:
-        try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._h)
-        except Exception:
-            return
-        used = sum(p.usedGpuMemory or 0 for p in procs if p.pid == os.getpid())
-        if not used:  # inside containers pids may not match: fall back to the device's used memory
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._h).used
-        self.peak = max(self.peak, used)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self.peak is not None:
-            self._t.join()
-            self._sample()
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -145,18 +95,6 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def make_trainer(method: Method, store, cfg: TrainConfig):
-    if method is Method.POROS:
-        from poros.residency import PorosTrainer
-
-        return PorosTrainer(store, cfg)
-    if method is Method.RESIDENT:
-        from poros.train import ResidentTrainer
-
-        return ResidentTrainer(store, cfg)
-    raise ValueError(f"{method.value} runs in a child process (poros.unsloth_method.measure_unsloth)")
 
 
 @dataclass
@@ -206,6 +144,8 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, ben
             out.counters.extend(counters)
         done["n"] += 1
 
+    from poros.nvml import NvmlPeak
+
     with NvmlPeak() as nvml:
         if benchmark is not None:
             benchmark.pedantic(one_pass, rounds=passes, warmup_rounds=warmup, iterations=1)
@@ -220,11 +160,13 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, ben
 
 
 def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, parity, *, reduced: bool,
-           status: str = "ok", error: str | None = None, arch: str = "") -> dict:
-    """One results row (the schema `poros report` reads)."""
+           status: str = "ok", error: str | None = None, arch: str = "", plan: dict | None = None) -> dict:
+    """One results row (the schema `poros report` reads). `plan`: the poros plan's summary, so the row
+    carries the predicted peak and bytes beside the measured ones."""
     from poros.provenance import provenance
 
     steps = m.steps
+    gate_applies = cell.method is None or METHODS[cell.method].gated
     per_step = [t / steps for t in meas.per_pass_s] if meas else []
     row = {
         "matrix": m.name,
@@ -243,18 +185,21 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "tokens_per_s": (cfg.seq_len * cfg.batch_size * cfg.grad_accum / statistics.median(per_step)) if per_step else None,
         "peak_vram_gb": meas.peak_vram_gb if meas else None,
         "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
-        "parity": None if cell.method is Method.UNSLOTH or parity is None else parity.parity,
-        "parity_max_abs_diff": None if cell.method is Method.UNSLOTH or parity is None else parity.max_abs_diff,
+        "parity": None if not gate_applies or parity is None else parity.parity,
+        "parity_max_abs_diff": None if not gate_applies or parity is None else parity.max_abs_diff,
+        "parity_steps": None if parity is None else parity.steps,
         "parity_first_mismatch": None if parity is None else parity.first_mismatch,
         "bytes_h2d_per_step": None,
         "copy_gbps": None,
         "copy_hidden_share": None,
         "status": status,
         "error": error,
-        "config": {**{k: v for k, v in cfg.as_dict().items() if k in (
-            "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size", "attention", "device",
-            "deterministic", "activation_offload", "overlap_backward", "cuda_graphs")},
-            "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
+        "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
+        "plan": None if plan is None else {k: plan[k] for k in (
+            "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
+            "peak_vram_bytes", "memory", "vram_budget", "accumulation")},
+        "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,
+        "resident_layers": None if plan is None else len(plan["resident_layers"]),
         "provenance": provenance(),
     }
     row.update(copy_summary(meas.counters if meas else []))
@@ -263,8 +208,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
 
 def copy_summary(step_counters: list[dict]) -> dict:
     """Where a poros step's copy time went, from the engine's per-step counters: bytes host->device
-    per step, achieved GB/s, the share of copy time hidden behind compute, the wait per step, and
-    activations offloaded per step when any were. Empty for methods without counters."""
+    per step, achieved GB/s, the share of copy time hidden behind compute and the wait per step.
+    Empty for methods without counters."""
     counters = [c for c in step_counters if c.get("bytes_h2d") is not None]
     if not counters:
         return {}
@@ -278,8 +223,6 @@ def copy_summary(step_counters: list[dict]) -> dict:
         "copy_hidden_share": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
         "copy_wait_s_per_step": wait_s / n,
     }
-    if any("act_bytes_d2h" in c for c in counters):
-        out["act_bytes_offloaded_per_step"] = sum(c.get("act_bytes_d2h", 0) for c in counters) // n
     return out
 
 

@@ -33,3 +33,7 @@ class PinningError(PorosError):
 
 class CapabilityError(PorosError):
     """The requested method or backend cannot run in this environment."""
+
+
+class BudgetError(PorosError):
+    """No plan fits the device memory the user allows."""

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from poros.config import Attention, Device, Method
+from poros.config import Device, Method
 from poros.errors import ConfigError
+from poros.settings import BY_NAME, RUN, SCHEDULE_NAMES, SETTINGS, check_values
 
 MATRICES = Path(__file__).resolve().parent.parent / "matrices"
 DATASETS = ("synthetic",)
@@ -53,36 +54,39 @@ class Stack:
 
 @dataclass(frozen=True)
 class Matrix:
+    """A benchmark sweep: models x stacks x methods, the run's repetitions, and every training setting
+    (poros/settings.py) at the matrix's level, with per-model changes to how poros schedules them."""
+
     name: str
     steps: int
     passes: int
-    seq_len: int
-    batch_size: int
-    grad_accum: int
-    lora_rank: int
-    lora_alpha: int
-    block_size: int
     dataset: str
     methods: tuple[Method, ...]
     models: tuple[str, ...]
     stacks: tuple[Stack, ...]
+    settings: dict  # every setting of the table that is not RUN-only: the matrix's value or the default
     hardware: str | None = None
     precision: str = "nf4"
     warmup_passes: int = 1
-    attention: Attention = Attention.DEFAULT
     device: Device | None = None
-    deterministic: bool = False
-    activation_offload: float = 0.0
-    overlap_backward: bool = True
-    cuda_graphs: bool = False
     parity_steps: int = 3
     # per-model schedule settings that differ from the matrix's: ((model, ((key, value), ...)), ...)
     model_overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
     source: str = ""
 
+    def __getattr__(self, name: str):  # matrix.seq_len etc.: the settings by name
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name]
+        raise AttributeError(name)
+
     def overrides_for(self, model: str) -> dict:
         """The schedule settings `model` runs with instead of the matrix's."""
         return dict(next((kv for m, kv in self.model_overrides if m == model), ()))
+
+    def settings_for(self, model: str) -> dict:
+        """Every setting `model`'s cells run with."""
+        return {**self.settings, **self.overrides_for(model)}
 
     def with_overrides(self, steps: int | None = None, passes: int | None = None) -> "Matrix":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,41 +96,11 @@ class Matrix:
             values["passes"] = passes
         return Matrix(**values)
 
-    def config_rows(self) -> list[tuple[str, str]]:
-        """The seed's Configuration table."""
-        return [
-            ("Hardware", self.hardware or "(as recorded in provenance)"),
-            ("Precision", self.precision.upper()),
-            ("Steps × passes", f"{self.steps} steps × {self.passes} passes (warmup {self.warmup_passes} discarded; median ± std across passes)"),
-            ("Sequence length", str(self.seq_len)),
-            ("Batch / grad-accum", f"{self.batch_size} / {self.grad_accum}"),
-            ("LoRA", f"rank {self.lora_rank}, alpha {self.lora_alpha}"),
-            ("Block size (poros)", str(self.block_size)),
-            ("Dataset", f"`{self.dataset}`"),
-            ("Attention", self.attention.value + (" (deterministic algorithms)" if self.deterministic else "")),
-            ("Methods", ", ".join(m.value for m in self.methods)),
-            ("Software stacks", "; ".join(s.label() for s in self.stacks)),
-        ]
 
-
-_REQUIRED_INT = ("steps", "passes", "seq_len", "batch_size", "grad_accum", "lora_rank", "lora_alpha", "block_size")
-_REQUIRED = _REQUIRED_INT + ("name", "dataset", "methods", "models", "stacks")
-_OPTIONAL = ("hardware", "precision", "warmup_passes", "attention", "device", "deterministic", "activation_offload",
-             "overlap_backward", "cuda_graphs", "parity_steps", "model_overrides")
-# settings checked by kind, at the top level and in `model_overrides`
-_FLAGS = ("deterministic", "overlap_backward", "cuda_graphs")
-_FRACTIONS = ("activation_offload",)
+_REQUIRED = ("name", "steps", "passes", "dataset", "methods", "models", "stacks")
+_OPTIONAL = ("hardware", "precision", "warmup_passes", "device", "parity_steps", "model_overrides")
+_MATRIX_SETTINGS = tuple(s.name for s in SETTINGS if s.kind != RUN)  # settings a matrix may set
 # what `model_overrides` may set per model: how poros schedules its work, never what is computed
-_OVERRIDABLE = ("overlap_backward", "cuda_graphs", "activation_offload")
-
-
-def _value_problem(key: str, value) -> str | None:
-    """Why `value` is not valid for flag or fraction setting `key` (None when it is)."""
-    if key in _FLAGS and not isinstance(value, bool):
-        return f"expected true or false, got {value!r}"
-    if key in _FRACTIONS and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
-        return f"expected a number from 0 to 1, got {value!r}"
-    return None
 
 
 def _parse_overrides(value, models: list[str], problems: list[str]) -> tuple:
@@ -142,15 +116,13 @@ def _parse_overrides(value, models: list[str], problems: list[str]) -> tuple:
         if not isinstance(settings, dict) or not settings:
             problems.append(f"{where}: expected a non-empty mapping of settings, got {settings!r}")
             continue
-        kv = []
-        for k, v in settings.items():
-            why = (f"not overridable per model (only {', '.join(sorted(_OVERRIDABLE))})"
-                   if k not in _OVERRIDABLE else _value_problem(k, v))
-            if why:
-                problems.append(f"{where}.{k}: {why}")
-            else:
-                kv.append((k, float(v) if k in _FRACTIONS else v))
-        out.append((model, tuple(kv)))
+        for k in settings:
+            if k not in SCHEDULE_NAMES:
+                problems.append(f"{where}.{k}: not overridable per model (only the schedule settings "
+                                f"{', '.join(SCHEDULE_NAMES)}; what is computed is the same for every model)")
+        values, bad = check_values({k: v for k, v in settings.items() if k in SCHEDULE_NAMES}, f"{where}.")
+        problems += bad
+        out.append((model, tuple(values.items())))
     return tuple(out)
 
 
@@ -195,18 +167,18 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     problems: list[str] = []
     if not isinstance(data, dict):
         raise ConfigError([f"expected a mapping at the top level, got {type(data).__name__}"], source)
-    for k in sorted(set(data) - set(_REQUIRED) - set(_OPTIONAL)):
-        problems.append(f"{k}: unknown key")
+    for k in sorted(set(data) - set(_REQUIRED) - set(_OPTIONAL) - set(_MATRIX_SETTINGS)):
+        problems.append(f"{k}: unknown key" + (" (a run setting: it is given on the command line)"
+                                               if k in BY_NAME else ""))
     for k in _REQUIRED:
         if k not in data:
             problems.append(f"{k}: missing required key")
-    for k in _FLAGS + _FRACTIONS:
-        why = _value_problem(k, data[k]) if k in data else None
-        if why:
-            problems.append(f"{k}: {why}")
-    for k in _REQUIRED_INT + ("warmup_passes", "parity_steps"):
-        if k in data and not (_is_int(data[k]) and data[k] >= (0 if k == "warmup_passes" else 1)):
-            problems.append(f"{k}: expected an integer >= {0 if k == 'warmup_passes' else 1}, got {data[k]!r}")
+    settings, bad = check_values({k: v for k, v in data.items() if k in _MATRIX_SETTINGS})
+    problems += bad
+    for k in ("steps", "passes", "warmup_passes", "parity_steps"):
+        least = 0 if k == "warmup_passes" else 1
+        if k in data and not (_is_int(data[k]) and data[k] >= least):
+            problems.append(f"{k}: expected an integer >= {least}, got {data[k]!r}")
     for k in ("name", "hardware", "precision", "dataset"):
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: expected a string, got {data[k]!r}")
@@ -236,12 +208,6 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
                     models.append(m)
     stacks = _parse_stacks(data["stacks"], problems) if "stacks" in data else ()
     overrides = _parse_overrides(data["model_overrides"], models, problems) if "model_overrides" in data else ()
-    attention = Attention.DEFAULT
-    if "attention" in data:
-        try:
-            attention = Attention(data["attention"])
-        except ValueError:
-            problems.append(f"attention: expected one of {', '.join(a.value for a in Attention)}, got {data['attention']!r}")
     device = None
     if data.get("device") is not None:
         try:
@@ -251,24 +217,12 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     if problems:
         raise ConfigError(problems, source)
     return Matrix(
-        name=data["name"],
-        **{k: data[k] for k in _REQUIRED_INT},
-        dataset=data["dataset"],
-        methods=tuple(methods),
-        models=tuple(models),
-        stacks=stacks,
-        hardware=data.get("hardware"),
-        precision=data.get("precision", "nf4").lower(),
-        warmup_passes=data.get("warmup_passes", 1),
-        attention=attention,
-        device=device,
-        deterministic=data.get("deterministic", False),
-        activation_offload=float(data.get("activation_offload", 0.0)),
-        overlap_backward=data.get("overlap_backward", True),
-        cuda_graphs=data.get("cuda_graphs", False),
-        parity_steps=data.get("parity_steps", 3),
-        model_overrides=overrides,
-        source=source,
+        name=data["name"], steps=data["steps"], passes=data["passes"], dataset=data["dataset"],
+        methods=tuple(methods), models=tuple(models), stacks=stacks,
+        settings={**{k: BY_NAME[k].default for k in _MATRIX_SETTINGS}, **settings},
+        hardware=data.get("hardware"), precision=data.get("precision", "nf4").lower(),
+        warmup_passes=data.get("warmup_passes", 1), device=device, parity_steps=data.get("parity_steps", 3),
+        model_overrides=overrides, source=source,
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from poros.build import build_store
 from poros.config import TrainConfig
-from poros.residency import PorosTrainer
+from poros.executor import PorosTrainer
 from poros.store import absmax_view, weight_view
 from poros.train import ResidentTrainer, Trainer
 
@@ -28,8 +28,9 @@ class ParityResult:
     block_size: int = 0
     seq_len: int = 0
     grad_accum: int = 1
-    activation_offload: float = 0.0
-    offloaded_layers: int = 0  # layers that kept their forward graph (poros/offload.py) instead of recomputing
+    accumulation: str = "layer"
+    resident_layers: int = 0  # layers the plan kept on the device for the whole step
+    gate: str = "resident"  # what poros was compared with: resident QLoRA, or resident again (--control)
     losses: list = field(default_factory=list)
 
     @property
@@ -91,6 +92,70 @@ def compare_base_weights(cmp: Comparator, resident: Trainer, poros: PorosTrainer
     return ok
 
 
+@dataclass
+class StepState:
+    """What the gate compares after one optimizer step of one side."""
+
+    losses: list
+    grads: dict
+    weights: dict
+    adamw: dict
+
+
+def take_step(trainer: Trainer, step: int, to_host: bool = False) -> StepState:
+    """One optimizer step of `trainer` on synthetic step `step`: its losses, the LoRA gradients before the
+    optimizer step, the LoRA weights and AdamW state after it (copied to host memory with `to_host`)."""
+    keep = (lambda d: {k: None if v is None else v.detach().to("cpu", copy=True) for k, v in d.items()}) \
+        if to_host else (lambda d: d)
+    losses = trainer.accumulate(trainer.batches(step))
+    grads = keep(trainer.lora_grads())
+    trainer.optimizer_step()
+    return StepState([x.detach().to("cpu") if to_host else x for x in losses], grads, keep(trainer.lora_state()),
+                     keep(trainer.optimizer_state()))
+
+
+class RecordedReference:
+    """Resident QLoRA's states for `steps` steps, recorded in host memory: a gate for a trainer that cannot
+    share the device with resident (both would not fit), at the cost of host memory for the states."""
+
+    def __init__(self, trainer: Trainer, steps: int):
+        self.cfg = trainer.cfg
+        self.init = {k: v.detach().to("cpu", copy=True) for k, v in trainer.lora_state().items()}
+        self.states = [take_step(trainer, s, to_host=True) for s in range(steps)]
+
+
+def _result(poros: Trainer, gate: str) -> ParityResult:
+    cfg = poros.cfg
+    plan = getattr(poros, "plan", None)
+    return ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
+                        block_size=plan.block_size if plan else cfg.block_size, seq_len=cfg.seq_len,
+                        grad_accum=cfg.grad_accum, accumulation=cfg.accumulation.value,
+                        resident_layers=len(plan.resident_layers) if plan else 0, gate=gate)
+
+
+def _compare(cmp: Comparator, result: ParityResult, reference: Callable[[int], StepState], poros: Trainer,
+             steps: int, ok: bool, on_step=None) -> ParityResult:
+    step = 0
+    while ok and step < steps:
+        ref = reference(step)
+        mine = take_step(poros, step)
+        for m, (a, b) in enumerate(zip(ref.losses, mine.losses, strict=True)):
+            ok &= cmp.equal(f"step{step}.micro{m}.loss", a, b)
+            result.losses.append(float(a))
+        ok &= cmp.all_equal(f"step{step}.grad:", ref.grads, mine.grads)
+        ok &= cmp.all_equal(f"step{step}.weight:", ref.weights, mine.weights)
+        ok &= cmp.all_equal(f"step{step}.adamw:", ref.adamw, mine.adamw)
+        step += 1
+        result.steps = step
+        if on_step:
+            on_step(step, result)
+    result.tensors_compared = cmp.count
+    result.first_mismatch = cmp.first
+    result.max_abs_diff = cmp.max_abs
+    result.parity = "PASS" if ok and cmp.first is None else "FAIL"
+    return result
+
+
 def run_gate(
     resident: Trainer,
     poros: Trainer,
@@ -105,38 +170,22 @@ def run_gate(
     micro-batch, every LoRA gradient before the optimizer step, every LoRA weight and AdamW
     state tensor after it. Stops after the first step with a mismatch.
     """
-    cfg = poros.cfg
     cmp = Comparator()
-    result = ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
-                          block_size=cfg.block_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
-                          activation_offload=cfg.activation_offload,
-                          offloaded_layers=len(getattr(poros, "offload_layers", ())))
+    result = _result(poros, "resident" if isinstance(poros, PorosTrainer) else "control")
     ok = True
     if verify_initial and isinstance(poros, PorosTrainer):
         ok &= compare_base_weights(cmp, resident, poros)
         ok &= cmp.all_equal("init:", resident.lora_state(), poros.lora_state())
-    step = 0
-    while ok and step < steps:
-        batches = resident.batches(step)
-        for m, b in enumerate(batches):
-            lr = resident.forward_backward(b)
-            lp = poros.forward_backward(b)
-            ok &= cmp.equal(f"step{step}.micro{m}.loss", lr, lp)
-            result.losses.append(float(lr))
-        ok &= cmp.all_equal(f"step{step}.grad:", resident.lora_grads(), poros.lora_grads())
-        resident.optimizer_step()
-        poros.optimizer_step()
-        ok &= cmp.all_equal(f"step{step}.weight:", resident.lora_state(), poros.lora_state())
-        ok &= cmp.all_equal(f"step{step}.adamw:", resident.optimizer_state(), poros.optimizer_state())
-        step += 1
-        result.steps = step
-        if on_step:
-            on_step(step, result)
-    result.tensors_compared = cmp.count
-    result.first_mismatch = cmp.first
-    result.max_abs_diff = cmp.max_abs
-    result.parity = "PASS" if ok and cmp.first is None else "FAIL"
-    return result
+    return _compare(cmp, result, lambda s: take_step(resident, s), poros, steps, ok, on_step)
+
+
+def run_gate_recorded(reference: RecordedReference, poros: Trainer, steps: int | None = None) -> ParityResult:
+    """The gate against resident states recorded earlier (`RecordedReference`), step by step."""
+    steps = len(reference.states) if steps is None else min(steps, len(reference.states))
+    cmp = Comparator()
+    result = _result(poros, "resident (recorded)")
+    ok = cmp.all_equal("init:", reference.init, poros.lora_state())
+    return _compare(cmp, result, lambda s: reference.states[s], poros, steps, ok)
 
 
 def parity(

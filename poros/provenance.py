@@ -105,7 +105,7 @@ def provenance() -> dict:
 
 
 def stack_label() -> str:
-    """The running stack as the seed names it, e.g. 'torch 2.11.0+cu130 / transformers 5.17.0'."""
+    """The running stack as the official results name it, e.g. 'torch 2.11.0+cu130 / transformers 5.17.0'."""
     return f"torch {torch.__version__} / transformers {_version('transformers')}"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -19,15 +20,18 @@ REQUIRED = KEY + (
 METHODS = {"poros": "poros (blockwise residency)", "resident": "resident (full QLoRA)", "unsloth": "unsloth"}
 STATUSES = ("ok", "failed", "skipped")
 RESULTS_COLUMNS = (
-    "Model", "Arch", "Stack", "Bitwise parity", "poros s/step (median±std)", "resident s/step", "unsloth s/step",
-    "Slowdown vs resident", "vs unsloth", "poros VRAM", "resident VRAM", "unsloth VRAM", "VRAM cut vs resident",
-    "vs unsloth",
+    "Model", "Arch", "Stack", "Bitwise parity", "poros s/step (median±std)", "resident s/step (median±std)",
+    "unsloth s/step", "Slowdown vs resident", "vs unsloth", "poros VRAM", "resident VRAM", "unsloth VRAM",
+    "VRAM cut vs resident", "vs unsloth",
 )
+VRAM_COLUMNS = 5  # the last five results columns; without a device memory (CPU) they mean nothing
 REFERENCE_COLUMNS = (
     "hardware", "model", "arch", "stack", "parity", "poros_s_step_median", "poros_s_step_std", "resident_s_step",
     "unsloth_s_step", "poros_vram_gb", "resident_vram_gb", "unsloth_vram_gb",
 )
 DASH = "—"
+# The official validation figures, shipped with the source tree (reports/reference/README.md).
+OFFICIAL_REFERENCE = Path(__file__).resolve().parent.parent / "reports" / "reference" / "official.csv"
 
 
 def load_results(paths) -> pd.DataFrame:
@@ -62,15 +66,31 @@ def load_results(paths) -> pd.DataFrame:
     return pd.DataFrame.from_records(records)
 
 
-def load_reference(csv_path) -> pd.DataFrame:
-    """Read reference numbers in the format of `seed_reference.csv` (empty fields become NaN)."""
+def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
+    """Read reference figures in the format of `reports/reference/official.csv` (empty fields become NaN).
+
+    Lines starting with `#` before the header are comments; one reading `# Source: TEXT` names where
+    the figures come from, kept as `ref.attrs["source"]` and printed in the report.
+
+    Raises:
+        PorosError: naming the file when it is missing or lacks a column.
+    """
     path = Path(csv_path)
     if not path.is_file():
-        raise PorosError(f"{path}: no such reference file")
-    ref = pd.read_csv(path, dtype={"hardware": str, "model": str, "stack": str, "parity": str})
+        hint = (" (the official figures ship in a source checkout: install with pip install -e . or pass "
+                "--reference FILE.csv)" if path == OFFICIAL_REFERENCE else "")
+        raise PorosError(f"{path}: no such reference file{hint}")
+    lines = path.read_text().splitlines(keepends=True)
+    comments = []
+    while lines and lines[0].startswith("#"):
+        comments.append(lines.pop(0)[1:].strip())
+    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str})
     missing = [c for c in REFERENCE_COLUMNS if c not in ref.columns]
     if missing:
         raise PorosError(f"{path}: missing column(s) {', '.join(missing)}")
+    source = [c.removeprefix("Source:").strip() for c in comments if c.startswith("Source:")]
+    if source:
+        ref.attrs["source"] = source[0]
     return ref
 
 
@@ -90,6 +110,12 @@ def _uniq(values, sep: str = ", ") -> str:
 def _hardware(row) -> str:
     gpus = row["provenance"].get("gpus") or []
     return row["config"].get("hardware") or (gpus[0]["name"] if gpus else "CPU")
+
+
+def on_cpu(df: pd.DataFrame) -> bool:
+    """Whether every row ran on the CPU, where device memory, host→device copies and CUDA mean nothing."""
+    return all((c.get("device") or ("cuda" if p.get("gpus") else "cpu")) == "cpu"
+               for c, p in zip(df["config"], df["provenance"]))
 
 
 def latest(df: pd.DataFrame) -> pd.DataFrame:
@@ -142,7 +168,7 @@ def _cells(df: pd.DataFrame) -> dict:
 
 
 def results_table(df: pd.DataFrame) -> str:
-    """The seed's results table: one row per model × stack."""
+    """The official results table, one row per model × stack; on CPU without the VRAM columns."""
     rows = []
     for (model, stack), c in _cells(df).items():
         p, r, u = c.get("poros"), c.get("resident"), c.get("unsloth")
@@ -151,8 +177,10 @@ def results_table(df: pd.DataFrame) -> str:
                  else f"{ps / _ok(o, 's_per_step_median'):.2f}×" for o in (r, u)]
         cut = [DASH if pv is None or not _ok(o, "peak_vram_gb")
                else f"{(1 - pv / _ok(o, 'peak_vram_gb')) * 100:.1f}%" for o in (r, u)]
-        rows.append([model, c["arch"], stack, _parity(p or r), _s_step(p, True), _s_step(r), _s_step(u), *speed,
-                     *(_gb(_ok(x, "peak_vram_gb")) for x in (p, r, u)), *cut])
+        rows.append([model, c["arch"], stack, _parity(p or r), _s_step(p, True), _s_step(r, True), _s_step(u),
+                     *speed, *(_gb(_ok(x, "peak_vram_gb")) for x in (p, r, u)), *cut])
+    if on_cpu(df):
+        return _table(RESULTS_COLUMNS[:-VRAM_COLUMNS], [r[:-VRAM_COLUMNS] for r in rows])
     return _table(RESULTS_COLUMNS, rows)
 
 
@@ -183,6 +211,25 @@ def _runs(df: pd.DataFrame) -> str:
     return _uniq(f"{s} steps × {p} passes" for s, p in zip(df["steps"], df["passes"]))
 
 
+def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """A row per training setting (poros/settings.py): what is computed over every row, how poros
+    schedules it over the poros rows (distinct values joined by "; "); a setting a row predates reads
+    as its default."""
+    from poros.settings import COMPUTED, SCHEDULE, SETTINGS
+
+    out = []
+    poros = [c for c, m in zip(df["config"], df["method"]) if m == "poros"]
+    for s in SETTINGS:
+        if s.kind not in (COMPUTED, SCHEDULE):
+            continue
+        configs = list(df["config"]) if s.kind == COMPUTED else poros
+        if not configs:
+            continue
+        shown = [s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default) for c in configs]
+        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(shown, "; ")))
+    return out
+
+
 def _config_table(df: pd.DataFrame, hw: str) -> str:
     cfg = lambda k: [c.get(k) for c in df["config"]]  # noqa: E731
     prov = list(df["provenance"])
@@ -193,19 +240,8 @@ def _config_table(df: pd.DataFrame, hw: str) -> str:
         ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
         ("Precision", _uniq(cfg("precision")).upper()),
         ("Steps × passes", f"{_runs(df)} (warm-up discarded; median ± std across passes)"),
-        ("Sequence length", _uniq(cfg("seq_len"))),
-        ("Batch / grad-accum", _uniq(f"{b} / {g}" for b, g in zip(cfg("batch_size"), cfg("grad_accum")))),
-        ("LoRA", _uniq(f"rank {r}, alpha {a}" for r, a in zip(cfg("lora_rank"), cfg("lora_alpha")))),
-        ("Block size (poros)", _uniq(
-            f"{b}" + (f", activation offload {o:g} of layers" if o else ", every layer recomputed in backward")
-            + (", layers replayed from CUDA graphs" if g else
-               ", each recompute enqueued while the previous layer's backward runs" if v else "")
-            for b, o, v, g, m in zip(cfg("block_size"), cfg("activation_offload"), cfg("overlap_backward"),
-                                     cfg("cuda_graphs"), df["method"])
-            if m == "poros"), "; "),
+        *_setting_rows(df),
         ("Dataset", _uniq(f"`{d}`" for d in cfg("dataset") if d)),
-        ("Attention", _uniq(f"{a}{' (deterministic algorithms)' if d else ''}"
-                            for a, d in zip(cfg("attention"), cfg("deterministic")))),
         ("Methods", ", ".join(METHODS[m] for m in methods)),
         ("Software stacks", _uniq(df["stack"], " and ") + ("" if bnb == DASH else f", bitsandbytes {bnb}")),
     ]
@@ -221,10 +257,11 @@ def _provenance_line(df: pd.DataFrame) -> str:
                  for p in prov for g in p.get("gpus") or [])
     times = sorted(t for t in (p.get("time") for p in prov) if t)
     span = f"{times[0]} → {times[-1]}" if times else DASH
+    cuda = "" if on_cpu(df) else f"CUDA {_uniq(p.get('cuda') for p in prov)}, "
+    gpu = "" if on_cpu(df) else f"GPU {gpus}; "
     return (f"Provenance: poros {ver('poros')} at commit {git}; torch {_uniq(p.get('torch') for p in prov)}, "
-            f"CUDA {_uniq(p.get('cuda') for p in prov)}, transformers {ver('transformers')}, "
-            f"bitsandbytes {ver('bitsandbytes')}, peft {ver('peft')}; GPU {gpus}; "
-            f"host {_uniq(p.get('host') for p in prov)}; rows recorded {span}.")
+            f"{cuda}transformers {ver('transformers')}, bitsandbytes {ver('bitsandbytes')}, peft {ver('peft')}; "
+            f"{gpu}host {_uniq(p.get('host') for p in prov)}; rows recorded {span}.")
 
 
 def _reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
@@ -240,7 +277,7 @@ def _reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
         ref_res = _num(r["resident_s_step"])
         rows.append([r["model"], _text(r["hardware"]) or DASH, _text(r["stack"]) or DASH,
                      ref_poros, _s_step(c.get("poros"), True),
-                     DASH if ref_res is None else f"{ref_res:.4f}", _s_step(c.get("resident")),
+                     DASH if ref_res is None else f"{ref_res:.4f}", _s_step(c.get("resident"), True),
                      _gb(_num(r["poros_vram_gb"])), _gb(_ok(c.get("poros"), "peak_vram_gb")),
                      _gb(_num(r["resident_vram_gb"])), _gb(_ok(c.get("resident"), "peak_vram_gb"))])
     cols = ("Model", "Reference hardware", "Reference stack", "ref poros s/step", "measured poros s/step",
@@ -248,8 +285,9 @@ def _reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
             "ref resident VRAM", "measured resident VRAM")
     if not rows:
         return "No model is present in both the reference and the results."
-    return _table(cols, rows) + ("\n\nMeasured cells are on the reference row's stack where that stack was measured, "
-                                 "otherwise on the first stack measured for the model.")
+    source = f"Reference figures: {ref.attrs['source']}. " if ref.attrs.get("source") else ""
+    return _table(cols, rows) + (f"\n\n{source}Measured cells are on the reference row's stack where that stack "
+                                 "was measured, otherwise on the first stack measured for the model.")
 
 
 def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> str:
@@ -261,44 +299,86 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
         if len(reduced):
             parts.append(f"> **Reduced run: {_runs(reduced)} (the matrix file asks for more) — "
                          "not comparable to full runs.**")
-        parts += [f"## Results — {hw}", results_table(g), "## Where the time goes (poros)", _time_table(g)]
+        parts += [f"## Results — {hw}", results_table(g)]
+        if not on_cpu(g):  # no host→device copy to account for on the CPU
+            parts += ["## Where the time goes (poros)", _time_table(g)]
         if reference is not None:
             parts += ["## Reference vs measured", _reference_table(g, reference)]
         parts.append(_provenance_line(g))
     return "\n\n".join(parts) + "\n"
 
 
-def plot(df: pd.DataFrame, png_path) -> Path:
-    """Scatter s/step against peak VRAM, one labeled point per model × method × stack, coloured by method."""
+def plot_title(df: pd.DataFrame) -> str:
+    """What the plot shows: s/step against peak VRAM where VRAM was measured, else s/step per model and method."""
+    return "s/step vs peak VRAM" if _measured(latest(df))["peak_vram_gb"].notna().any() else \
+        "s/step per model and method"
+
+
+def _measured(df: pd.DataFrame) -> pd.DataFrame:
+    return df[(df["status"] == "ok") & df["s_per_step_median"].notna()]
+
+
+def _label(r, many_stacks: bool, many_hw: bool) -> str:
+    return r["model"] + (f" / {r['stack'].split(' / ')[0]}" if many_stacks else "") + \
+        (f" / {r['hardware']}" if many_hw else "")
+
+
+def figure(df: pd.DataFrame):
+    """The plot of what was measured, coloured by method: with peak VRAM, s/step against it, one labeled
+    point per model × method × stack; without (CPU), s/step per model × stack as bars with ± std."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     df = latest(df)
-    ok = df[(df["status"] == "ok") & df["s_per_step_median"].notna() & df["peak_vram_gb"].notna()]
+    title = plot_title(df)
+    measured = _measured(df)
     fig = Figure(figsize=(8, 5.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     many_stacks, many_hw = df["stack"].nunique() > 1, df["hardware"].nunique() > 1
-    for (method, colour) in zip(METHODS, ("tab:blue", "tab:orange", "tab:green")):
-        pts = ok[ok["method"] == method]
-        if len(pts):
-            ax.scatter(pts["peak_vram_gb"], pts["s_per_step_median"], color=colour, label=method, zorder=2)
-        for r in pts.to_dict("records"):
-            label = r["model"] + (f" / {r['stack'].split(' / ')[0]}" if many_stacks else "") + \
-                (f" / {r['hardware']}" if many_hw else "")
-            ax.annotate(label, (r["peak_vram_gb"], r["s_per_step_median"]), fontsize=7,
-                        xytext=(4, 4), textcoords="offset points")
-    if ok.empty:
+    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green")))
+    if title == "s/step vs peak VRAM":
+        ok = measured[measured["peak_vram_gb"].notna()]
+        for method, colour in colours.items():
+            pts = ok[ok["method"] == method]
+            if len(pts):
+                ax.scatter(pts["peak_vram_gb"], pts["s_per_step_median"], color=colour, label=method, zorder=2)
+            for r in pts.to_dict("records"):
+                ax.annotate(_label(r, many_stacks, many_hw), (r["peak_vram_gb"], r["s_per_step_median"]),
+                            fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set(xlabel="peak VRAM (GB, torch max allocated)")
+        ax.margins(x=0.2, y=0.1)  # room for the point labels
+    else:
+        groups = list(dict.fromkeys((r["model"], r["stack"], r["hardware"]) for r in measured.to_dict("records")))
+        methods = [m for m in METHODS if m in set(measured["method"])]
+        width = 0.8 / max(len(methods), 1)
+        for i, method in enumerate(methods):
+            rows = {(r["model"], r["stack"], r["hardware"]): r
+                    for r in measured[measured["method"] == method].to_dict("records")}
+            xs = [n for n, g in enumerate(groups) if g in rows]
+            ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in xs],
+                   [rows[groups[x]]["s_per_step_median"] for x in xs], width,
+                   yerr=[_num(rows[groups[x]]["s_per_step_std"]) or 0.0 for x in xs], capsize=3,
+                   color=colours[method], label=method, zorder=2)
+        ax.set_xticks(range(len(groups)),
+                      [_label(dict(model=m, stack=s, hardware=h), many_stacks, many_hw) for m, s, h in groups],
+                      fontsize=8, rotation=15 if len(groups) > 4 else 0)
+        ax.set(xlabel="model")
+        ax.margins(y=0.15)  # room for the legend
+    if measured.empty:
         ax.text(0.5, 0.5, "no measured cells", ha="center", va="center", transform=ax.transAxes)
     else:
         ax.legend(title="method")
-    ax.set(xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median across passes)",
-           title="s/step vs peak VRAM")
-    ax.margins(x=0.2, y=0.1)  # room for the point labels
+    ax.set(ylabel="s/step (median across passes)", title=title)
     ax.grid(alpha=0.3, zorder=0)
     fig.tight_layout()
+    return fig
+
+
+def plot(df: pd.DataFrame, png_path) -> Path:
+    """Write `figure(df)` as a PNG."""
     png_path = Path(png_path)
-    fig.savefig(png_path, dpi=120)
+    figure(df).savefig(png_path, dpi=120)
     return png_path
 
 
@@ -310,5 +390,6 @@ def write_report(results_paths, out_md, reference_csv=None, title: str | None = 
     out_md.parent.mkdir(parents=True, exist_ok=True)
     png = plot(df, out_md.with_suffix(".png"))
     text = render_markdown(df, reference, title)
-    out_md.write_text(text + f"\n## s/step vs peak VRAM\n\n![s/step vs peak VRAM]({png.name})\n")
+    shows = plot_title(df)
+    out_md.write_text(text + f"\n## {shows}\n\n![{shows}]({png.name})\n")
     return out_md

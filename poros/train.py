@@ -58,7 +58,7 @@ class StepResult:
 
 
 class Trainer:
-    """A QLoRA training loop: `forward_backward` per micro-batch, then `optimizer_step`.
+    """A QLoRA training loop: `accumulate` the micro-batches of a step, then `optimizer_step`.
 
     Subclasses change how the base weights reach the device, never the arithmetic.
     """
@@ -97,6 +97,11 @@ class Trainer:
             loss.backward()
         return loss.detach()
 
+    def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
+        `.grad`s in micro-batch order."""
+        return [self.forward_backward(b) for b in batches]
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -110,8 +115,8 @@ class Trainer:
         batches = batches if batches is not None else self.batches(self.steps_done)
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
-        for b in batches:
-            loss = loss + self.forward_backward(b).float()
+        for micro in self.accumulate(batches):
+            loss = loss + micro.float()
         self.optimizer_step()
         value = float(loss)
         return StepResult(value, time.perf_counter() - t0, self.counters())

@@ -98,7 +98,7 @@ def _child(argv: list[str]) -> int:
 
     import torch
 
-    from poros.bench import NvmlPeak
+    from poros.nvml import NvmlPeak
     from poros.config import TrainConfig
     from poros.data import synthetic_step
     from poros.train import sdpa_context

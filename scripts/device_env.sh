@@ -1,4 +1,4 @@
-# Source on the GPU machine (from the repo root, with .devpkgs carried; see ../shared/device/stage.sh).
+# Source on the GPU machine from the repo root, with .devpkgs/ (made by scripts/stage_device.sh) copied along.
 export PYTHONPATH=$PWD/.devpkgs/site:$PWD
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 poros() { python3 -m poros "$@"; }

@@ -1,4 +1,4 @@
-"""Which SDPA backend does torch pick for our models' attention, and is its backward repeatable?
+"""Which SDPA backend does torch pick for the registered models' attention, and is its backward repeatable?
 
     python3 scripts/probe_attention.py [--repeats 8] [--seq 512]
 

@@ -1,21 +1,27 @@
-"""Compare poros schedules on one model, built once (a GPU probe, not a test or an official result).
+"""Compare poros schedules on one model, built once: each schedule gated, then timed.
 
-    python3 scripts/sweep.py qwen2.5-32b --variants serial,overlap,overlap:0.25 [--resident] \
-        [--steps 8 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
+    python3 scripts/sweep.py qwen2.5-72b --resident \
+        --variant cuda_graphs=true --variant cuda_graphs=true,vram_budget=24GB \
+        --grad-accum 1,8 [--steps 6 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
 
-A variant is MODE[:F]: MODE `serial`, `overlap` (TrainConfig.overlap_backward) or `graphs`
-(TrainConfig.cuda_graphs), F the activation_offload share (default 0). Each variant first passes
-the parity gate against a fresh resident trainer (`--gate-steps` steps, torch.equal on
-everything), then is timed alone: one warm-up pass and `--passes` passes of `--steps` steps. One JSON line per variant (and one for
-resident with `--resident`), appended to DIR/sweep.jsonl too when --out is given. The official
-figures come from `poros bench matrix`; this only tells which settings are worth a matrix run.
+A variant is a comma-separated list of schedule settings (poros/settings.py: block_size, vram_budget,
+overlap_backward, cuda_graphs, accumulation); what is computed (--seq-len, --grad-accum, --attention,
+--deterministic) is the sweep's. Per value of --grad-accum, resident QLoRA runs the gate's steps first
+and its states are recorded in host memory (so a schedule is gated even when it and resident would not
+fit the device together), then each variant is gated against them and timed alone: one warm-up pass
+and --passes passes of --steps steps. One JSON line per variant (and per resident with --resident),
+appended to DIR/sweep.jsonl with --out. `--previous DIR` also times the engine of another checkout
+(a folder holding its `poros` package, imported as `poros_previous`) on the same store, for
+same-GPU speed comparisons across versions. The official figures come from `poros bench matrix`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -23,89 +29,129 @@ import torch
 from poros.bench import copy_summary, free_device_memory, measure
 from poros.build import build_store
 from poros.config import TrainConfig
-from poros.parity import run_gate
-from poros.residency import PorosTrainer
-from poros.train import ResidentTrainer
+from poros.executor import PorosTrainer
+from poros.parity import RecordedReference, run_gate_recorded
+from poros.settings import SCHEDULE_NAMES, check_values
+from poros.train import ResidentTrainer, enable_determinism
 
 
 def parse_variant(text: str) -> dict:
-    mode, _, frac = text.partition(":")
-    if mode not in ("serial", "overlap", "graphs"):
-        raise SystemExit(f"variant {text!r}: expected serial, overlap or graphs, optionally :F (e.g. overlap:0.25)")
-    return {"overlap_backward": mode == "overlap", "cuda_graphs": mode == "graphs",
-            "activation_offload": float(frac or 0.0)}
+    raw = {}
+    for item in filter(None, text.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or k not in SCHEDULE_NAMES:
+            raise SystemExit(f"variant {text!r}: expected KEY=VALUE with KEY one of {', '.join(SCHEDULE_NAMES)}")
+        raw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+    values, problems = check_values(raw)
+    if problems:
+        raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
+    return values
 
 
 def timed(trainer, cfg: TrainConfig, steps: int, passes: int) -> dict:
     free_device_memory()
     if cfg.device.value == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    meas = measure(trainer, cfg, steps, passes, warmup=1, label=trainer.method)
+    meas = measure(trainer, cfg, steps, passes, warmup=1, label=getattr(trainer, "method", "poros"))
     per_step = [t / steps for t in meas.per_pass_s]
-    out = {"s_per_step_median": round(statistics.median(per_step), 4), "per_step_by_pass": [round(t, 4) for t in per_step],
+    med = statistics.median(per_step)
+    out = {"s_per_step_median": round(med, 4), "per_step_by_pass": [round(t, 4) for t in per_step],
+           "tokens_per_s": round(cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1),
            "peak_vram_gb": None if meas.peak_vram_gb is None else round(meas.peak_vram_gb, 3)}
     out.update(copy_summary(meas.counters))
     return out
 
 
+def previous_trainer(folder: Path, store, cfg: TrainConfig):
+    """The streaming trainer of another checkout's engine (its `poros` package copied to
+    FOLDER/poros_previous, imports rewritten), on this store and settings."""
+    sys.path.insert(0, str(folder))
+    pconfig = importlib.import_module("poros_previous.config")
+    old = {k: v for k, v in cfg.as_dict().items() if k in {f for f in pconfig.TrainConfig.__dataclass_fields__}}
+    module = importlib.import_module("poros_previous.residency")
+    return module.PorosTrainer(store, pconfig.TrainConfig(**old))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
-    p.add_argument("--variants", default="serial,overlap")
+    p.add_argument("--variant", action="append", default=[], help="schedule settings, e.g. cuda_graphs=true,vram_budget=24GB")
     p.add_argument("--resident", action="store_true", help="also time resident QLoRA")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--previous", type=Path, help="folder holding poros_previous/ (another checkout's engine)")
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--gate-steps", type=int, default=2)
     p.add_argument("--attention", default="math")
+    p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--grad-accum", default="1", help="comma-separated values, each with its own reference")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path)
-    p.add_argument("--time-failing", action="store_true", help="time a variant even when its gate FAILs")
     args = p.parse_args()
-    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    if args.deterministic:
+        enable_determinism()
+    variants = [parse_variant(v) for v in args.variant]
     store, stats = build_store(args.model, device=args.device, progress=None)
-    base = TrainConfig(model=args.model, seq_len=args.seq_len, block_size=args.block_size, device=args.device,
-                       attention=args.attention)
 
     from poros.provenance import provenance
 
     prov = provenance()  # once: commit, versions, GPU name/UUID (which machine a figure came from)
 
     def emit(row: dict) -> None:
-        row = {"model": args.model, "attention": args.attention, "build_s": round(stats.seconds, 1), **row,
-               "provenance": prov}
+        row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len,
+               "build_s": round(stats.seconds, 1), **row, "provenance": prov}
         print(json.dumps(row), flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             with (args.out / "sweep.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    if args.resident:
-        trainer = ResidentTrainer(store, base)
-        emit({"method": "resident", **timed(trainer, base, args.steps, args.passes)})
-        trainer.close()
-        del trainer
-    for v in variants:
-        cfg = base.replace(**v)
-        resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
-        gate = run_gate(resident, poros, args.gate_steps)
+    for accum in (int(g) for g in args.grad_accum.split(",")):
+        base = TrainConfig(model=args.model, seq_len=args.seq_len, grad_accum=accum, device=args.device,
+                           attention=args.attention, deterministic=args.deterministic)
+        resident = ResidentTrainer(store, base)
+        reference = RecordedReference(resident, args.gate_steps)
+        if args.resident:
+            resident.close()
+            resident = ResidentTrainer(store, base)  # timed from a fresh start, like every variant
+            emit({"method": "resident", "grad_accum": accum, **timed(resident, base, args.steps, args.passes)})
         resident.close()
         del resident
-        row = {"method": "poros", **v, "offloaded_layers": len(poros.offload_layers), "parity": gate.parity,
-               "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
-               "first_mismatch": gate.first_mismatch, "max_abs_diff": gate.max_abs_diff}
-        if gate.ok or args.time_failing:
-            row.update(timed(poros, cfg, args.steps, args.passes))
-        # also for a FAILing gate: whether the templates were captured, and why not
-        row["engine_counters"] = {k: v for k, v in poros.counters().items() if k in (
-            "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
-        if poros._templates is not None and poros._templates.errors():
-            row["capture_errors"] = poros._templates.errors()
-        emit(row)
-        poros.close()
-        del poros
         free_device_memory()
+        if args.previous:
+            cfg = base.replace(cuda_graphs=base.device.value == "cuda")
+            trainer = previous_trainer(args.previous, store, cfg)
+            emit({"method": "poros (previous engine)", "grad_accum": accum, "cuda_graphs": cfg.cuda_graphs,
+                  **timed(trainer, cfg, args.steps, args.passes)})
+            trainer.close()
+            del trainer
+            free_device_memory()
+        for v in variants:
+            cfg = base.replace(**v)
+            if cfg.device.value == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                poros = PorosTrainer(store, cfg)
+            except Exception as e:  # e.g. a budget below the smallest plan: say so and go on
+                emit({"method": "poros", "grad_accum": accum, **{k: str(x) for k, x in v.items()},
+                      "error": f"{type(e).__name__}: {e}"})
+                continue
+            gate = run_gate_recorded(reference, poros)  # then timed after a discarded warm-up pass
+            plan = poros.plan.summary()
+            row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
+                   "parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
+                   "first_mismatch": gate.first_mismatch, "gate": gate.gate,
+                   "block_size": plan["block_size"], "resident_layers": len(plan["resident_layers"]),
+                   "head_resident": plan["head_resident"], "predicted_h2d_bytes_per_step": plan["h2d_bytes_per_step"],
+                   "predicted_peak_vram_gb": round(plan["peak_vram_bytes"] / 1e9, 3),
+                   "predicted_memory_gb": {k: round(x / 1e9, 3) for k, x in plan["memory"].items()}}
+            row.update(timed(poros, cfg, args.steps, args.passes))
+            row["engine_counters"] = {k: x for k, x in poros.counters().items() if k in (
+                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
+            emit(row)
+            poros.close()
+            del poros
+            free_device_memory()
 
 
 if __name__ == "__main__":

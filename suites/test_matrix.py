@@ -7,17 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from poros.bench import (
-    free_device_memory,
-    make_trainer,
-    measure,
-    method_unavailable,
-    model_unavailable,
-    progress,
-    record,
-    train_config,
-)
-from poros.config import Method
+from poros.bench import free_device_memory, measure, model_unavailable, progress, record, train_config
+from poros.methods import METHODS, gated, make_trainer, method_unavailable
 
 pytestmark = pytest.mark.bench
 
@@ -96,8 +87,7 @@ def test_step(session, cell, benchmark):
 
 def _measure_cell(session, cell, cfg, benchmark):
     m = session.matrix
-    gate = _gate(session, cell) if cell.method in (Method.POROS, Method.RESIDENT) and {
-        Method.POROS, Method.RESIDENT} <= set(m.methods) else None
+    gate = _gate(session, cell) if METHODS[cell.method].gated and gated(m.methods) else None
     store = session.stores.get(cell.model)
     free_device_memory()
     if cfg.device.value == "cuda":
@@ -105,8 +95,8 @@ def _measure_cell(session, cell, cfg, benchmark):
 
         torch.cuda.reset_peak_memory_stats()
 
-    def write(meas) -> None:
-        row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type)
+    def write(meas, plan=None) -> None:
+        row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type, plan=plan)
         session.writer.append(row)
         benchmark.extra_info.update({k: row[k] for k in (
             "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
@@ -114,7 +104,7 @@ def _measure_cell(session, cell, cfg, benchmark):
         progress(f"  {cell.method.value}: {row['s_per_step_median']:.4f} s/step, peak "
                  f"{row['peak_vram_gb'] if row['peak_vram_gb'] is not None else '—'} GB")
 
-    if cell.method is Method.UNSLOTH:  # a child process: Unsloth patches libraries globally
+    if not METHODS[cell.method].in_process:  # Unsloth patches libraries globally: a child process
         from poros.bench import Measurement
         from poros.unsloth_method import measure_unsloth
 
@@ -123,6 +113,7 @@ def _measure_cell(session, cell, cfg, benchmark):
             Measurement(child["per_pass_s"], [], child["peak_vram_gb"], child["peak_vram_nvml_gb"])))
     else:
         trainer = make_trainer(cell.method, store, cfg)
+        plan = trainer.plan.summary() if hasattr(trainer, "plan") else None
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, benchmark=benchmark,
                            label=cell.method.value)
@@ -130,6 +121,6 @@ def _measure_cell(session, cell, cfg, benchmark):
             trainer.close()
             del trainer
             free_device_memory()
-        write(meas)
+        write(meas, plan)
     if gate is not None:
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"

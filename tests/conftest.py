@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def stores():
-    """`stores(model)`: the seed-0 CPU build of a tiny model, built once per session. Tests that
+    """`stores(model)`: the CPU build of a tiny model with seed 0, built once per session. Tests that
     corrupt a store build their own."""
     from poros.build import build_store
 

@@ -100,18 +100,23 @@ def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
     import os
 
     (tmp_path / f"{name}.py").write_text(
-        "import poros.residency as r\n" + make_model_source + "r.PorosTrainer._make_model = _make_model\n")
+        "import poros.executor as r\n" + make_model_source + "r.PorosTrainer._make_model = _make_model\n")
     return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def test_a_parity_fail_fails_the_suite(tmp_path):
-    """Negative control: with the buffer-refill fault injected, the cells fail and rows say FAIL."""
+    """Negative control: with a plan that refills a buffer before its backward, run unchecked, the cells
+    fail and rows say FAIL."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
     env = _plugin(tmp_path, "inject_fault", (
-        "orig = r.PorosTrainer._make_model\n"
-        "def _make_model(self):\n"
-        "    model = orig(self)\n"
-        "    self.fault_refill_before_backward = True\n"
-        "    return model\n"))
+        f"import sys; sys.path.insert(0, {root!r})\n"
+        "from tests.faults import refill_before_backward\n"
+        "orig = r.make_plan\n"
+        "r.make_plan = lambda geo, cfg, free=None: refill_before_backward(orig(geo, cfg, free))\n"
+        "r.P.check = lambda plan: []  # run the unsafe plan anyway\n"
+        "_make_model = r.PorosTrainer._make_model\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma3"]}
     proc, results = _suite(tmp_path, matrix, "-p", "inject_fault", env=env)
     assert proc.returncode == 1, proc.stdout[-2000:]
@@ -143,18 +148,20 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
 
 
-def test_suite_with_activation_offload_records_and_reports_it(tmp_path):
-    matrix = {**TINY, "seq_len": 128, "activation_offload": 0.5, "methods": ["poros", "resident"],
-              "models": ["tiny-qwen3"]}
+def test_suite_records_the_plan_beside_the_measurement(tmp_path):
+    """A budget and layer-major accumulation in a matrix: rows record the settings, the plan's
+    predicted peak and bytes, the resident layer count and how many parity steps ran."""
+    matrix = {**TINY, "seq_len": 128, "grad_accum": 2, "vram_budget": "1GB", "methods": ["poros", "resident"],
+              "models": ["tiny-qwen3"], "parity_steps": 2}
     proc, results = _suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
     rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
-    assert rows["poros"]["parity"] == "PASS" and rows["poros"]["config"]["activation_offload"] == 0.5
-    assert rows["poros"]["act_bytes_offloaded_per_step"] > 0
-    from poros.report import load_results, render_markdown
-
-    md = render_markdown(load_results([results]))
-    assert "Activations offloaded per step" in md and "activation offload 0.5 of layers" in md
+    poros = rows["poros"]
+    assert poros["parity"] == "PASS" and poros["parity_steps"] == 2
+    assert poros["config"]["vram_budget"] == 10**9 and poros["config"]["accumulation"] == "layer"
+    assert poros["resident_layers"] == 5 and poros["plan"]["resident_layers"] == [0, 1, 2, 3, 4]
+    assert poros["predicted_peak_vram_gb"] and poros["bytes_h2d_per_step"] == poros["plan"]["h2d_bytes_per_step"]
+    assert rows["resident"]["plan"] is None
 
 
 def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
@@ -188,11 +195,11 @@ def test_model_overrides_change_only_that_models_schedule():
 
     m = parse_matrix({**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2", "tiny-qwen3"],
                       "overlap_backward": True, "model_overrides": {"tiny-qwen3": {"overlap_backward": False,
-                                                                                   "activation_offload": 0.5}}})
+                                                                                   "vram_budget": "300MB"}}})
     q2, q3 = train_config(m, "tiny-qwen2"), train_config(m, "tiny-qwen3")
-    assert q2.overlap_backward and q2.activation_offload == 0.0
-    assert not q3.overlap_backward and q3.activation_offload == 0.5
-    assert q2.replace(model="tiny-qwen3", overlap_backward=False, activation_offload=0.5) == q3  # nothing else
+    assert q2.overlap_backward and q2.vram_budget is None
+    assert not q3.overlap_backward and q3.vram_budget == 300 * 10**6
+    assert q2.replace(model="tiny-qwen3", overlap_backward=False, vram_budget=300 * 10**6) == q3  # nothing else
 
 
 def test_bad_model_overrides_are_refused_with_every_problem():
@@ -202,11 +209,11 @@ def test_bad_model_overrides_are_refused_with_every_problem():
 
     bad = {**TINY, "methods": ["poros"], "models": ["tiny-qwen2"], "model_overrides": {
         "tiny-qwen3": {"cuda_graphs": False},  # not in the matrix
-        "tiny-qwen2": {"seq_len": 128, "cuda_graphs": "yes", "activation_offload": 2}}}
+        "tiny-qwen2": {"seq_len": 128, "cuda_graphs": "yes", "vram_budget": "lots"}}}
     with pytest.raises(ConfigError) as e:
         parse_matrix(bad)
     text = str(e.value)
     for needle in ("model_overrides.tiny-qwen3: not one of this matrix's models",
                    "model_overrides.tiny-qwen2.seq_len: not overridable", "cuda_graphs: expected true or false",
-                   "activation_offload: expected a number from 0 to 1"):
+                   "vram_budget: expected a size such as 24GB"):
         assert needle in text, text

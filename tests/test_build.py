@@ -43,7 +43,7 @@ def nf4_slots(store) -> dict[str, torch.Tensor]:
     return out
 
 
-# --- (a) synthetic builds are a pure function of the seed ------------------------------------
+# --- (a) synthetic builds are a pure function of their seed ----------------------------------
 
 
 @requires_bitsandbytes
@@ -60,7 +60,7 @@ def test_synthetic_build_is_deterministic(model):
     assert not torch.equal(a.arena, c.arena), f"{model}: seed 1 gives the same arena as seed 0"
     embed = "model.embed_tokens.weight"
     assert not torch.equal(a.dense[embed], c.dense[embed]), f"{model}: seed 1 gives the same {embed}"
-    # Every NF4 slot (not just one) changes with the seed: no layer ignores it.
+    # Every NF4 slot (not just one) changes with `seed`: no layer ignores it.
     same = [s.name for s in a.slots() if torch.equal(weight_view(a.arena, s), weight_view(c.arena, s))]
     assert not same, f"{model}: seed 1 leaves these NF4 matrices unchanged: {same}"
 

@@ -35,7 +35,7 @@ def test_gpu_parity(model):
     from poros.build import build_store
     from poros.config import TrainConfig
     from poros.parity import run_gate
-    from poros.residency import PorosTrainer
+    from poros.executor import PorosTrainer
     from poros.train import ResidentTrainer
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN, cuda_graphs=GRAPHS)
@@ -73,17 +73,55 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     from poros.build import build_store
     from poros.config import TrainConfig
     from poros.parity import run_gate
-    from poros.residency import PorosTrainer
+    from poros.executor import PorosTrainer
     from poros.train import ResidentTrainer
 
     model = os.environ.get("POROS_GPU_TEST_NEGATIVE_MODEL", "tiny-qwen3")
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs)
     store, _ = build_store(model, device="cuda")
-    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
-    poros.fault_refill_before_backward = True
+    from poros.executor import geometry_of_store
+    from poros.plan import build_plan
+    from tests.faults import refill_before_backward
+
+    bad = refill_before_backward(build_plan(geometry_of_store(store, cfg), block_size=2, seq_len=SEQ))
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=bad, check_plan=False)
     result = run_gate(resident, poros, 1)
     print(result.json())
     resident.close()
     poros.close()
     assert not result.ok, "the gate passed although the block buffer was refilled before backward"
     assert result.first_mismatch is not None
+
+
+@pytest.mark.gpu
+@requires_gpu(1)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+@pytest.mark.parametrize("schedule", [{"vram_budget": True}, {"grad_accum": 3}, {"grad_accum": 3, "vram_budget": True},
+                                      {"grad_accum": 3, "offload_inputs": True}],
+                         ids=["resident-layers", "layer-major", "both", "inputs-on-host"])
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
+def test_gpu_plans_keep_parity(model, schedule, graphs):
+    """Plans other than full streaming on the device: resident layers from a budget, layer-major
+    accumulation, and both, eager and replayed from CUDA graphs."""
+    from poros.build import build_store
+    from poros.config import TrainConfig
+    from poros.executor import PorosTrainer
+    from poros.parity import run_gate
+    from poros.train import ResidentTrainer
+
+    from poros.executor import geometry_of_store
+    from poros.plan import build_plan
+
+    cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs,
+                      grad_accum=schedule.get("grad_accum", 1), offload_inputs=schedule.get("offload_inputs", False))
+    store, _ = build_store(model, device="cuda")
+    plan = None
+    if schedule.get("vram_budget"):  # what a budget buys: the last layers and the lm_head resident
+        plan = build_plan(geometry_of_store(store, cfg), block_size=2, resident_layers=2, head_resident=True,
+                          grad_accum=cfg.grad_accum, seq_len=SEQ, attention=ATTN, graphs=graphs)
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=plan)
+    result = run_gate(resident, poros, 2)
+    print(result.json(), f"resident layers {len(poros.plan.resident_layers)}")
+    resident.close()
+    poros.close()
+    assert result.ok, f"{model} {schedule}: first mismatch {result.first_mismatch}"

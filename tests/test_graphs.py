@@ -10,7 +10,7 @@ from poros.config import TrainConfig
 from poros.errors import ConfigError
 from poros.graphs import LayerTemplate, layer_key
 from poros.parity import run_gate
-from poros.residency import PorosTrainer
+from poros.executor import PorosTrainer
 from poros.train import ResidentTrainer
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]

@@ -1,7 +1,10 @@
-"""Every matrix file loads and validates; the official matrices reproduce the seed's configuration;
+"""Every matrix file loads and validates; the official matrices reproduce the configuration of the official
+validation results (reports/reference/README.md);
 a malformed file is refused with every problem listed at once."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import yaml
@@ -10,11 +13,12 @@ from poros.config import Device, Method
 from poros.errors import ConfigError
 from poros.matrix import MATRICES, load_matrix
 from poros.registry import SHAPES
+from poros.report import load_reference
 
 FILES = sorted(MATRICES.glob("*.yaml"))
 
-# The seed document's Configuration table (shared/seed/official-validation-results.txt).
-SEED = dict(steps=200, passes=3, seq_len=512, batch_size=1, grad_accum=1, lora_rank=16, lora_alpha=32,
+# The Configuration table of "Poros — Official Validation Results (NVIDIA B300 SXM6)" (reports/reference/README.md).
+OFFICIAL = dict(steps=200, passes=3, seq_len=512, batch_size=1, grad_accum=1, lora_rank=16, lora_alpha=32,
             block_size=4, dataset="synthetic", precision="nf4")
 
 
@@ -41,29 +45,37 @@ def _load_or_skip(name: str):
 
 
 @pytest.mark.parametrize("name", ["b300", "a100", "h200"], ids=lambda n: f"matrix={n}")
-def test_official_matrix_reproduces_seed_configuration(name):
+def test_official_matrix_reproduces_official_configuration(name):
     m = _load_or_skip(name)
-    got = {k: getattr(m, k) for k in SEED}
-    assert got == SEED, f"{name}.yaml differs from the seed: " + ", ".join(
-        f"{k}={got[k]!r} (seed {v!r})" for k, v in SEED.items() if got[k] != v)
+    got = {k: getattr(m, k) for k in OFFICIAL}
+    assert got == OFFICIAL, f"{name}.yaml differs from the official configuration: " + ", ".join(
+        f"{k}={got[k]!r} (official {v!r})" for k, v in OFFICIAL.items() if got[k] != v)
     assert set(m.methods) == {Method.POROS, Method.RESIDENT, Method.UNSLOTH}
     assert not any(SHAPES[x].tiny for x in m.models), f"{name}.yaml lists tiny models: {m.models}"
     assert m.device in (None, Device.CUDA)
 
 
-def test_b300_matrix_is_the_seed_table():
+def _reference_models(hardware: str) -> set[str]:
+    """Registry names of the models the official reference figures list for `hardware`."""
+    ref = load_reference()
+    return {m.lower() for h, m in zip(ref["hardware"], ref["model"]) if hardware in h}
+
+
+def test_b300_matrix_is_the_official_table():
     m = _load_or_skip("b300")
     assert "B300" in (m.hardware or "")
-    assert set(m.models) == {"qwen3-32b", "qwen2.5-32b", "qwen2.5-72b"}
-    # The seed's two stacks; a local version tag (+cu128) is optional, as in Stack.mismatch.
+    assert set(m.models) == {"qwen3-32b", "qwen2.5-32b", "qwen2.5-72b"} == _reference_models("B300")
+    # The official two stacks; a local version tag (+cu128) is optional, as in Stack.mismatch.
     pinned = {(s.torch.split("+")[0], s.transformers, s.bitsandbytes) for s in m.stacks if not s.is_current}
     assert pinned == {("2.10.0", "5.5.0", "0.49.2"), ("2.12.0", "5.10.1", "0.49.2")}
+    assert {f"torch {t} / transformers {tf}" for t, tf, _ in pinned} == {
+        re.sub(r"\+\w+", "", s) for s in load_reference()["stack"].dropna()}  # the reference's B300 stacks
 
 
 def test_a100_matrix_covers_every_family():
     m = _load_or_skip("a100")
     assert "A100" in (m.hardware or "")
-    assert set(m.models) == {"qwen2.5-32b", "qwen3-32b", "gemma3-27b", "gemma4-31b"}
+    assert set(m.models) == {"qwen2.5-32b", "qwen3-32b", "gemma3-27b", "gemma4-31b"} == _reference_models("A100")
 
 
 def test_cpu_matrix_runs_tiny_models_on_cpu():

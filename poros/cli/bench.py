@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from poros.cli.report import add_reference_argument, reference_path
+
 EPILOG = """examples:
   poros bench matrix matrices/cpu.yaml -o out/
   poros bench matrix matrices/h200.yaml -o out/h200 --steps 20 --passes 3 -k qwen2.5-32b
@@ -28,7 +30,7 @@ def add_parser(sub) -> None:
     m.add_argument("--parity-steps", type=int, help="optimizer steps of the parity gate (default 3)")
     m.add_argument("-k", dest="keyword", help="pytest -k expression over cell ids, e.g. 'qwen2.5-32b and poros'")
     m.add_argument("--resume", action="store_true", help="skip cells already in OUT/results.jsonl")
-    m.add_argument("--reference", help="reference CSV for a side-by-side (e.g. ../shared/reference/seed_reference.csv)")
+    add_reference_argument(m)
     m.set_defaults(run=run)
 
 
@@ -63,7 +65,7 @@ def run(args) -> int:
     if results.exists() and results.stat().st_size:
         from poros.report import write_report
 
-        md = write_report([results], out / "report.md", reference_csv=args.reference)
+        md = write_report([results], out / "report.md", reference_csv=reference_path(args.reference))
         print(md.read_text())
         print(f"wrote {md}", file=sys.stderr)
     else:

@@ -1,22 +1,42 @@
-"""`poros report`: render saved results into the seed's Markdown tables and a s/step-vs-VRAM PNG."""
+"""`poros report`: render saved results into the official Markdown tables and a PNG of what was measured."""
 
 from __future__ import annotations
 
 EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md
-  poros report out/results.jsonl -o reports/h200.md --reference ../shared/reference/seed_reference.csv
+  poros report out/results.jsonl -o reports/h200.md --reference        # beside the official figures
+  poros report out/results.jsonl -o reports/h200.md --reference my_reference.csv
   poros report out/pr.jsonl out/un.jsonl -o reports/b300.md --title "Poros — Official Validation Results"
 
 Later files win: a row repeating a (matrix, model, stack, method) cell replaces the earlier one.
-The PNG is written beside the Markdown (same stem) and linked from it.
+--reference alone takes the official validation figures (reports/reference/official.csv, B300 and
+A100); give it after the results files, or name a CSV in that format.
+The PNG is written beside the Markdown (same stem) and linked from it: s/step against peak VRAM,
+or on CPU, where there is no device memory, s/step per model and method.
 """
+
+
+def add_reference_argument(p) -> None:
+    """`--reference [CSV]`, shared with `poros bench matrix`: alone, the official figures."""
+    p.add_argument("--reference", nargs="?", const=True, metavar="CSV",
+                   help="reference figures to set beside the measured ones; alone: the official B300 and A100 "
+                        "figures (reports/reference/official.csv)")
+
+
+def reference_path(value):
+    """The CSV `--reference` names: None when not given, the official figures when given alone."""
+    if value is True:
+        from poros.report import OFFICIAL_REFERENCE
+
+        return OFFICIAL_REFERENCE
+    return value
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="render results (JSON Lines) into Markdown tables and a PNG", epilog=EPILOG)
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl", help="results files written by `poros bench`")
     p.add_argument("-o", "--output", required=True, metavar="FILE.md", help="Markdown file to write")
-    p.add_argument("--reference", metavar="CSV", help="reference numbers (seed_reference.csv format) to compare")
+    add_reference_argument(p)
     p.add_argument("--title", metavar="T", help="title prefix (default: 'Poros — Validation Results')")
     p.set_defaults(run=run)
 
@@ -24,7 +44,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from poros.report import latest, load_results, results_table, write_report
 
-    out = write_report(args.results, args.output, reference_csv=args.reference, title=args.title)
+    out = write_report(args.results, args.output, reference_csv=reference_path(args.reference), title=args.title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     df = latest(load_results(args.results))
     for hw, g in df.groupby("hardware", sort=False):

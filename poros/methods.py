@@ -1,0 +1,58 @@
+"""The methods a matrix compares, as one registry: how each is made, whether it can run here, and
+whether the parity gate holds it to resident QLoRA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from poros.config import Method, TrainConfig
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    method: Method
+    label: str  # how reports name it
+    gated: bool  # held to bitwise parity with resident QLoRA
+    in_process: bool  # a Trainer in this process (False: measured in a child process)
+    unavailable: Callable[[str], str | None]  # why it cannot run on a device (None when it can)
+
+
+def _always(device: str) -> str | None:
+    return None
+
+
+def _unsloth_unavailable(device: str) -> str | None:
+    from poros.unsloth_method import unavailable
+
+    return unavailable(device)
+
+
+METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
+    MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, in_process=True, unavailable=_always),
+    MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, in_process=True, unavailable=_always),
+    MethodSpec(Method.UNSLOTH, "unsloth", gated=False, in_process=False, unavailable=_unsloth_unavailable),
+)}
+
+
+def make_trainer(method: Method, store, cfg: TrainConfig):
+    """An in-process trainer of `method` on `store`."""
+    if method is Method.POROS:
+        from poros.executor import PorosTrainer
+
+        return PorosTrainer(store, cfg)
+    if method is Method.RESIDENT:
+        from poros.train import ResidentTrainer
+
+        return ResidentTrainer(store, cfg)
+    raise ValueError(f"{method.value} runs in a child process (poros.unsloth_method.measure_unsloth)")
+
+
+def method_unavailable(method: Method, device: str) -> str | None:
+    """Declared capability gate of `method` on `device` (None when it can run)."""
+    return METHODS[method].unavailable(device)
+
+
+def gated(methods) -> bool:
+    """Whether a set of methods gets a parity gate cell (resident and a gated method besides it)."""
+    return Method.RESIDENT in methods and any(METHODS[m].gated and m is not Method.RESIDENT for m in methods)

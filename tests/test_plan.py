@@ -1,0 +1,165 @@
+"""The planner: plans from shapes alone, their bytes and memory, and the rules every plan must keep,
+each with a plan that breaks it (refused by `check`, and by the executor)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poros import plan as P
+from poros.build import resolve
+from poros.errors import BudgetError
+from poros.settings import LORA_TARGETS, Accumulation
+from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
+
+
+def geometry(model: str) -> P.Geometry:
+    return P.Geometry.of_config(model, resolve(model).config, LORA_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def q72():
+    return geometry("qwen2.5-72b")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return geometry("tiny-qwen2")
+
+
+def test_72b_streams_75_6_gb_a_step(q72):
+    """Every layer copied twice per micro-batch but for the two blocks left over at each turn, the
+    lm_head once and the block whose buffer it borrowed once more: 75.56 GB (measured on the H200)."""
+    plan = P.build_plan(q72, block_size=4)
+    assert abs(plan.h2d_bytes_per_step - 75.56e9) / 75.56e9 < 0.01
+    assert plan.loads_per_step == 20 - 2 + 20 - 1  # forward loads blocks 2..19, backward 18..0
+    assert plan.resident_layers == [] and len(plan.streamed_layers) == 80
+
+
+def test_geometry_from_shapes_matches_a_built_store(stores):
+    store = stores("tiny-gemma4")
+    geo = geometry("tiny-gemma4")
+    assert geo.layer_starts == tuple(x.start for x in store.layers)
+    assert geo.layer_ends == tuple(x.end for x in store.layers)
+
+
+@pytest.mark.parametrize("accum", [2, 8, 32])
+def test_layer_major_copies_as_much_per_step_as_one_micro_batch(q72, accum):
+    one = P.build_plan(q72, block_size=4, grad_accum=1)
+    layer = P.build_plan(q72, block_size=4, grad_accum=accum, accumulation=Accumulation.LAYER)
+    micro = P.build_plan(q72, block_size=4, grad_accum=accum, accumulation=Accumulation.MICRO)
+    assert layer.h2d_bytes_per_step == one.h2d_bytes_per_step
+    assert micro.h2d_bytes_per_step == accum * one.h2d_bytes_per_step
+
+
+def test_resident_layers_and_head_cut_the_copies(q72):
+    streamed = P.build_plan(q72, block_size=4)
+    half = P.build_plan(q72, block_size=4, resident_layers=40, head_resident=True)
+    assert half.resident_layers == list(range(40, 80)) and half.streamed_layers == list(range(40))
+    assert half.h2d_bytes_per_step < streamed.h2d_bytes_per_step / 2
+    assert half.memory.resident_weights == half.buffers[-1].nbytes + q72.head_bytes
+    everything = P.build_plan(q72, block_size=4, resident_layers=80)
+    assert everything.h2d_bytes_per_step == 0 and everything.head_resident
+    assert everything.setup and all(op.kind == P.LOAD for op in everything.setup)
+
+
+def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
+    on_device = P.build_plan(q72, block_size=4, grad_accum=8)
+    on_host = P.build_plan(q72, block_size=4, grad_accum=8, offload_inputs=True)
+    per_input = 512 * 8192 * 2
+    assert on_host.d2h_bytes_per_step == 80 * 8 * per_input
+    assert on_host.h2d_bytes_per_step == on_device.h2d_bytes_per_step + 80 * 8 * per_input
+    assert on_device.memory.saved_inputs == 80 * 8 * per_input
+    assert on_host.memory.saved_inputs == (2 * 4 * 8 + 8) * per_input
+    assert on_host.memory.total < 12e9 < on_device.memory.total
+
+
+@pytest.mark.parametrize("budget", [12e9, 16e9, 24e9, 40e9, 64e9])
+def test_a_budget_picks_the_fewest_bytes_that_fit(q72, budget):
+    plan = P.plan_for_budget(q72, int(budget), block_size=4, attention="math")
+    assert plan.memory.total <= budget
+    # one more resident layer would not fit at any block size the planner tried
+    more = P.build_plan(q72, block_size=plan.block_size, resident_layers=len(plan.resident_layers) + 1,
+                        head_resident=True, attention="math") if plan.streamed_layers else None
+    assert more is None or more.memory.total > budget or more.h2d_bytes_per_step >= plan.h2d_bytes_per_step
+    smaller = P.plan_for_budget(q72, int(budget * 0.8), block_size=4, attention="math") if budget > 12e9 else None
+    assert smaller is None or smaller.h2d_bytes_per_step >= plan.h2d_bytes_per_step
+
+
+def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
+    with pytest.raises(BudgetError, match=r"below the smallest plan for qwen2.5-72b .* use --vram-budget [0-9.]+GB"):
+        P.plan_for_budget(q72, 2 * 10**9, block_size=4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(resident=st.integers(0, 5), block=st.integers(1, 6), accum=st.integers(1, 4),
+       order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]))
+def test_every_plan_keeps_the_rules(resident, block, accum, order, head):
+    plan = P.build_plan(geometry("tiny-gemma3"), block_size=block, grad_accum=accum, accumulation=order,
+                        resident_layers=resident, head_resident=head)
+    assert P.check(plan) == []
+    assert plan.resident_layers + plan.streamed_layers == list(range(5)) or \
+        sorted(plan.resident_layers + plan.streamed_layers) == list(range(5))
+
+
+# --- each rule, broken ---------------------------------------------------------------------------
+
+def _without(plan, pos):
+    return replace(plan, step=plan.step[:pos] + plan.step[pos + 1:])
+
+
+def test_rule_weights_present(tiny):
+    plan = P.build_plan(tiny, block_size=1)
+    pos = next(i for i, op in enumerate(plan.step) if op.kind == P.LOAD and i > len(plan.step) // 2)
+    problems = P.check(_without(plan, pos))  # a backward-phase reload dropped
+    assert any("weights are not present" in p for p in problems), problems
+
+
+def test_rule_no_load_before_the_release_of_the_buffers_last_reader(tiny):
+    """A load enqueued before the release that follows the last read of the buffer's contents: the copy
+    would not wait for those reads."""
+    plan = P.build_plan(tiny, block_size=1)
+    ops = list(plan.step)
+    pos = next(i for i, (a, b) in enumerate(zip(ops, ops[1:]))
+               if a.kind == P.RELEASE and b.kind == P.LOAD and a.buffer == b.buffer)
+    ops[pos], ops[pos + 1] = ops[pos + 1], ops[pos]
+    problems = P.check(replace(plan, step=tuple(ops)))
+    assert any("before the release after the last read" in p for p in problems), problems
+
+
+def test_rule_no_refill_before_the_backward_that_reads_it(tiny):
+    """The bitsandbytes trap: another group loaded into a buffer whose group's backward is still to come."""
+    problems = P.check(refill_before_backward(P.build_plan(tiny, block_size=1)))
+    assert any("weights are not present" in p for p in problems), problems
+
+
+def test_rule_backward_after_forward_and_head(tiny):
+    plan = P.build_plan(tiny, block_size=5)
+    ops = list(plan.step)
+    head = next(i for i, op in enumerate(ops) if op.kind == P.HEAD)
+    bwd = next(i for i, op in enumerate(ops) if op.kind == P.BACKWARD)
+    ops[head], ops[bwd] = ops[bwd], ops[head]
+    problems = P.check(replace(plan, step=tuple(ops)))
+    assert any("backward before the head" in p for p in problems), problems
+
+
+def test_rule_micro_batches_accumulate_in_order(tiny):
+    plan = P.build_plan(tiny, block_size=2, grad_accum=3)
+    problems = P.check(reverse_micro_batches_in_backward(plan))
+    assert any("LoRA gradients would be summed in another order" in p for p in problems), problems
+
+
+def test_rule_every_layer_once(tiny):
+    plan = P.build_plan(tiny, block_size=2)
+    pos = next(i for i, op in enumerate(plan.step) if op.kind == P.BACKWARD)
+    problems = P.check(_without(plan, pos))
+    assert any("one forward and one backward" in p for p in problems), problems
+
+
+def test_rule_steady_state_loads_in_setup(tiny):
+    plan = P.build_plan(tiny, block_size=1)
+    problems = P.check(replace(plan, setup=()))  # nothing loaded before the first step
+    assert any("weights are not present" in p for p in problems), problems
