@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from poros.config import Method, TrainConfig
+from poros.config import COMPUTED_NAMES, Method, TrainConfig
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.runlog import Progress, RunLog, StopRequest, plot_loss
 
-# TrainConfig fields that change what a step computes; --resume refuses a change to any of them
-EXACT_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "lora_rank", "lora_alpha", "lora_targets", "seed",
-                "attention", "deterministic", "device")
+# settings that change what a step computes (the seed also draws the LoRA init and the data order);
+# --resume refuses a change to any of them and accepts new schedule settings
+EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
 TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                   "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -251,15 +251,19 @@ def _peak_memory_gb(device: str) -> float:
 
 
 def eval_loss(trainer, batches) -> float:
-    """Mean loss per learned token over `batches`; the gradients it makes are dropped, so training
-    continues exactly as without it (gradients are None between optimizer steps)."""
+    """Mean loss per learned token over `batches`, run grad_accum micro-batches at a time as a step
+    runs them; the gradients it makes are dropped, so training continues exactly as without it
+    (gradients are None between optimizer steps)."""
+    accum = trainer.cfg.grad_accum
     total, count = 0.0, 0
-    for b in batches:
-        n = int((b.labels[:, 1:] != -100).sum())
-        loss = float(trainer.forward_backward(b.to(trainer.device))) * trainer.cfg.grad_accum
+    for i in range(0, len(batches) - accum + 1, accum):
+        group = [b.to(trainer.device) for b in batches[i : i + accum]]
+        losses = trainer.accumulate(group)
         for _, p in trainer.params:
             p.grad = None
-        total, count = total + loss * n, count + n
+        for b, loss in zip(group, losses):
+            n = int((b.labels[:, 1:] != -100).sum())
+            total, count = total + float(loss) * accum * n, count + n
     return total / count
 
 
@@ -274,8 +278,8 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     Raises:
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
-    from poros.bench import make_trainer
     from poros.build import build_store, check_seq_len, resolve
+    from poros.methods import make_trainer
     from poros.provenance import provenance
     from poros.textdata import file_sha256, load_data, load_tokenizer
 
@@ -292,9 +296,9 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     evals = None
     if fc.eval_data is not None:
         evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab).in_order(cfg.batch_size)
-        if not evals:
-            raise ConfigError([f"{fc.eval_data} holds fewer sequences than one batch of --batch-size "
-                               f"{cfg.batch_size}"], "--eval-data")
+        if len(evals) < cfg.grad_accum:
+            raise ConfigError([f"{fc.eval_data} holds fewer sequences than one step (--batch-size {cfg.batch_size} x "
+                               f"--grad-accum {cfg.grad_accum})"], "--eval-data")
     record = {"settings": fc.settings(),
               "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data)},
               "data": {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}}

@@ -56,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--attention", default=None, help="default: math on cuda, default on cpu")
     p.add_argument("--cuda-graphs", action="store_true", help="poros: replay layers from CUDA graphs")
+    p.add_argument("--vram-budget", metavar="SIZE", help="poros: device memory its plan may use (e.g. 24GB)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms in both runs")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of poros,resident")
     p.add_argument("--skip-peft", action="store_true", help="leave out loading the adapter with peft")
@@ -113,6 +114,8 @@ def run_method(out: Path, model: Path, method: str, args) -> dict:
                "--save-every", str(max(1, args.steps // 2))]
         if args.cuda_graphs and method == "poros":
             cmd.append("--cuda-graphs")
+        if args.vram_budget and method == "poros":
+            cmd += ["--vram-budget", args.vram_budget]
         if args.deterministic:
             cmd.append("--deterministic")
         if (run / "checkpoint" / "state.json").is_file():

@@ -369,35 +369,29 @@ def test_resume_refuses_settings_that_change_the_result(files, reference, tmp_pa
     _refused(capsys, train(files, tmp_path / "none", "--resume"), "--resume:", "holds no run")
 
 
-def test_vram_budget_is_passed_through_only_when_train_config_has_it(files, tmp_path, capsys, monkeypatch):
-    import poros.cli.train as cli_train
-    from poros.config import TrainConfig
-
-    plain = [f for f in dataclasses.fields(TrainConfig) if f.name != "vram_budget"]
-    monkeypatch.setattr(cli_train, "fields", lambda cls: plain)
-    _refused(capsys, train(files, tmp_path / "run", "--vram-budget", "24GB"), "--vram-budget: 24GB: not supported yet")
-
-    @dataclasses.dataclass(frozen=True)
-    class WithBudget(TrainConfig):
-        vram_budget: str | None = None
-
-    monkeypatch.setattr(cli_train, "fields", dataclasses.fields)
-    monkeypatch.setattr(cli_train, "TrainConfig", WithBudget)
-    args = build_parser().parse_args(["train", "--model", str(files["ckpt"]), "--data", str(files["data"]),
-                                      "--out", "x", "--steps", "1", "--vram-budget", "24GB"])
-    assert cli_train.finetune_config(args).train.vram_budget == "24GB"
+def test_schedule_settings_change_nothing_and_may_change_on_resume(files, reference):
+    """--vram-budget (a plan that keeps 2 of the 5 layers resident), --block-size and the accumulation order
+    are schedule settings: a run with them, and a run resumed with others, end equal to the reference."""
+    out = files["root"] / "budget"
+    assert train(files, out, "--vram-budget", "4.4MB", "--accumulation", "micro", steps=2) == 0
+    assert train(files, out, "--resume", "--block-size", "1", "--no-overlap-backward") == 0
+    assert_all_equal("other schedules vs the reference", run_state(reference), run_state(out))
+    runs = json.loads((out / "config.json").read_text())["runs"]
+    assert [r["from_step"] for r in runs] == [0, 2]
+    config = json.loads((out / "config.json").read_text())["settings"]["train"]
+    assert config["block_size"] == 1 and config["vram_budget"] is None
 
 
 def test_eval_data_shorter_than_one_batch_is_refused(files, tmp_path, capsys):
     evals = write_jsonl(tmp_path / "eval.jsonl", [{"text": " ".join(generated_texts(8, seed=2))}])
     code = train(files, tmp_path / "run", "--eval-data", str(evals), "--batch-size", "4")
-    _refused(capsys, code, f"--eval-data: {evals} holds fewer sequences", "--batch-size 4")
+    _refused(capsys, code, f"--eval-data: {evals} holds fewer sequences", "--batch-size 4 x --grad-accum 2")
 
 
 def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
-    import poros.bench
+    import poros.methods
 
-    real = poros.bench.make_trainer
+    real = poros.methods.make_trainer
 
     def diverging(method, store, cfg):
         trainer = real(method, store, cfg)
@@ -405,7 +399,7 @@ def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
         trainer.step = lambda batches: dataclasses.replace(step(batches), loss=float("nan"))
         return trainer
 
-    monkeypatch.setattr(poros.bench, "make_trainer", diverging)
+    monkeypatch.setattr(poros.methods, "make_trainer", diverging)
     assert train(files, tmp_path / "run", steps=2) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "poros train: error: step 1: the loss is nan; lower --lr (now 0.003) and start a new run"
