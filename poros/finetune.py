@@ -28,7 +28,7 @@ from poros.config import COMPUTED_NAMES, Method, TrainConfig
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.runlog import Progress, RunLog, StopRequest, plot_loss
 
-# settings that change what a step computes (the seed also draws the LoRA init and the data order);
+# settings that change what a step computes (--seed also draws the LoRA init and the data order);
 # --resume refuses a change to any of them and accepts new schedule settings
 EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
 TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

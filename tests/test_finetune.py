@@ -374,6 +374,8 @@ def test_schedule_settings_change_nothing_and_may_change_on_resume(files, refere
     are schedule settings: a run with them, and a run resumed with others, end equal to the reference."""
     out = files["root"] / "budget"
     assert train(files, out, "--vram-budget", "4.4MB", "--accumulation", "micro", steps=2) == 0
+    first = json.loads((out / "config.json").read_text())["settings"]["train"]
+    assert first["vram_budget"] == 4_400_000 and first["accumulation"] == "micro"
     assert train(files, out, "--resume", "--block-size", "1", "--no-overlap-backward") == 0
     assert_all_equal("other schedules vs the reference", run_state(reference), run_state(out))
     runs = json.loads((out / "config.json").read_text())["runs"]
