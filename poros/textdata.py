@@ -144,7 +144,11 @@ def encode_records(tok, records: list[dict], source: str) -> tuple[list[int], li
             labels.extend(seq)
             continue
         full, spans = _render_chat(tok, rec["messages"], f"{source} record {n}")
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        try:
+            enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # tokenizers without character offsets (no tokenizer.json)
+            raise DataError(f"{source} record {n}: this tokenizer cannot map tokens to characters, needed to learn "
+                            "only the assistant turns; add a tokenizer.json or use text records") from None
         for t, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"]):
             ids.append(t)
             labels.append(t if any(a <= start < b for a, b in spans) else IGNORE)

@@ -208,3 +208,19 @@ def test_in_order_keeps_whole_batches():
     p = _packed(seed=0)
     batches = p.in_order(3)
     assert [b.input_ids[:, 0].tolist() for b in batches] == [[0, 4, 8], [12, 16, 20]]
+
+
+def test_a_tokenizer_without_character_offsets_is_refused_for_chats(tok):
+    class NoOffsets:  # what a tokenizer without tokenizer.json does when asked for offsets
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, text, **kwargs):
+            if kwargs.get("return_offsets_mapping"):
+                raise NotImplementedError("return_offset_mapping is not available")
+            return tok(text, **kwargs)
+
+    assert encode_records(NoOffsets(), [{"text": "the cat"}], "d")[0], "text records need no offsets"
+    with pytest.raises(DataError) as e:
+        encode_records(NoOffsets(), [{"messages": generated_chats(1)[0]}], "d.jsonl")
+    assert "d.jsonl record 1" in _error_line(e) and "tokenizer.json" in str(e.value)
