@@ -186,8 +186,6 @@ def results_table(df: pd.DataFrame) -> str:
 
 def _time_table(df: pd.DataFrame) -> str:
     rows = []
-    # activation offload (poros/offload.py) gets a column only where some run used it
-    offload = "act_bytes_offloaded_per_step" in df.columns and df["act_bytes_offloaded_per_step"].notna().any()
     for (model, stack), c in _cells(df).items():
         if "poros" not in c:
             continue
@@ -196,14 +194,9 @@ def _time_table(df: pd.DataFrame) -> str:
         row = [model, stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
                DASH if gbps is None else f"{gbps:.1f} GB/s",
                DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"]
-        if offload:
-            act = _ok(c["poros"], "act_bytes_offloaded_per_step")
-            row.insert(3, DASH if act is None else f"{act / 1e9:.2f} GB")
         rows.append(row)
     columns = ["Model", "Stack", "Host→device per step (weights)", "Copy GB/s", "Copy hidden behind compute",
                "Tokens/s"]
-    if offload:
-        columns.insert(3, "Activations offloaded per step")
     return _table(columns, rows)
 
 
@@ -219,8 +212,9 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
 
     out = []
     poros = [c for c, m in zip(df["config"], df["method"]) if m == "poros"]
+    cpu = on_cpu(df)
     for s in SETTINGS:
-        if s.kind not in (COMPUTED, SCHEDULE):
+        if s.kind not in (COMPUTED, SCHEDULE) or (cpu and s.gpu_only):
             continue
         configs = list(df["config"]) if s.kind == COMPUTED else poros
         if not configs:

@@ -143,6 +143,7 @@ class Setting:
     label: str
     cli: bool = True  # a flag of `poros parity/plan/train`
     metavar: str | None = None
+    gpu_only: bool = False  # means nothing without a device (CPU reports leave it out)
 
     @property
     def flag(self) -> str:
@@ -184,13 +185,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,
             "poros: device memory the plan may use (24GB, 40GiB, 300MB or auto); layers that fit stay "
-            "resident, the rest stream (default: stream every layer)", "VRAM budget", metavar="SIZE"),
+            "resident, the rest stream (default: stream every layer)", "VRAM budget", metavar="SIZE", gpu_only=True),
     Setting("overlap_backward", True, SCHEDULE, flag,
             "poros: enqueue the next layer's recompute while the current layer's backward runs",
             "Overlapped backward"),
     Setting("cuda_graphs", False, SCHEDULE, flag,
             "poros, CUDA only: replay each layer from a CUDA graph shared by the layers at the same "
-            "buffer position", "CUDA-graph layers"),
+            "buffer position", "CUDA-graph layers", gpu_only=True),
     Setting("offload_inputs", False, SCHEDULE, flag,
             "poros: keep each layer's saved input in host memory (device->host in forward, back ahead of its "
             "backward); with a VRAM budget the planner turns it on where it needs to", "Saved inputs in host memory"),

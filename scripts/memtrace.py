@@ -21,7 +21,7 @@ import torch
 
 from poros.build import build_store
 from poros.config import TrainConfig
-from poros.residency import PorosTrainer
+from poros.executor import PorosTrainer
 
 MAX_ENTRIES = 2_000_000
 

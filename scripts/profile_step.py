@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from poros.bench import make_trainer
+from poros.methods import make_trainer
 from poros.build import build_store
 from poros.config import Method, TrainConfig
 

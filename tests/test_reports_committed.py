@@ -22,6 +22,10 @@ def render(tmp_path: Path, report: str, entry: dict) -> str:
     argv = ["report", *(str(ROOT / r) for r in entry["results"]), "-o", str(out)]
     if entry.get("reference"):
         argv += ["--reference", str(ROOT / entry["reference"])]
+    if entry.get("sweep"):
+        argv += ["--sweep"]
+    if entry.get("title"):
+        argv += ["--title", entry["title"]]
     assert main(argv) == 0
     return out.read_text()
 
@@ -30,7 +34,8 @@ def test_manifest_lists_every_committed_report():
     committed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "reports").glob("*.md"))
     assert sorted(MANIFEST) == committed
     for report, entry in MANIFEST.items():
-        assert set(entry) <= {"results", "reference"}, f"{report}: unknown key(s) {set(entry) - {'results', 'reference'}}"
+        keys = {"results", "reference", "sweep", "title"}
+        assert set(entry) <= keys, f"{report}: unknown key(s) {set(entry) - keys}"
         for path in [*entry["results"], *([entry["reference"]] if entry.get("reference") else [])]:
             assert (ROOT / path).is_file(), f"{report}: {path} does not exist"
         assert (ROOT / report).with_suffix(".png").is_file(), f"{report}: its PNG is not committed"

@@ -38,11 +38,20 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="FILE.md", help="Markdown file to write")
     add_reference_argument(p)
     p.add_argument("--title", metavar="T", help="title prefix (default: 'Poros — Validation Results')")
+    p.add_argument("--sweep", action="store_true",
+                   help="the files are schedule sweeps (scripts/sweep.py): one table of plans, a plot against VRAM")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from poros.report import latest, load_results, results_table, write_report
+
+    if args.sweep:
+        from poros.sweep_report import write_sweep_report
+
+        out = write_sweep_report(args.results, args.output, title=args.title)
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+        return 0
 
     out = write_report(args.results, args.output, reference_csv=reference_path(args.reference), title=args.title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
