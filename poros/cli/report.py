@@ -8,7 +8,8 @@ EPILOG = """examples:
   poros report out/pr.jsonl out/un.jsonl -o reports/b300.md --title "Poros — Official Validation Results"
 
 Later files win: a row repeating a (matrix, model, stack, method) cell replaces the earlier one.
-The PNG is written beside the Markdown (same stem) and linked from it.
+The PNG is written beside the Markdown (same stem) and linked from it. -o must be a .md file
+that is none of the inputs.
 """
 
 
@@ -22,8 +23,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from poros.preflight import check_report_paths
     from poros.report import latest, load_results, results_table, write_report
 
+    check_report_paths(args.results, args.output, args.reference)  # never over its own input
     out = write_report(args.results, args.output, reference_csv=args.reference, title=args.title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     df = latest(load_results(args.results))
