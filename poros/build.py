@@ -386,7 +386,10 @@ def build_store(
     device = torch.device(device)
     t0 = time.perf_counter()
     model = skeleton(src.config)
-    list_name, layers = decoder_layers(model)
+    try:
+        list_name, layers = decoder_layers(model)
+    except CheckpointError as e:
+        raise CheckpointError(f"{src.name}: {e}") from None
     check_supported(src.name, layers, list_name)
     prefixes = [f"{list_name}.{i}" for i in range(len(layers))]
     layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])

@@ -127,14 +127,15 @@ def check_keyword(expr: str | None) -> None:
     if not expr:
         return
     try:
-        from _pytest.mark.expression import Expression, ParseError
+        from _pytest.mark.expression import Expression
     except ImportError:  # pytest moved it: the run itself will complain
         return
     try:
         Expression.compile(expr)
-    except ParseError as e:
-        raise ConfigError([f"-k {expr!r}: not a valid selection ({e.message} at column {e.column}); "
-                           f"e.g. -k 'qwen3 and poros'"], "poros bench") from None
+    except Exception as e:  # SyntaxError in pytest 8.4+, ParseError before
+        why = getattr(e, "msg", None) or getattr(e, "message", None) or str(e)
+        raise ConfigError([f"-k {expr!r}: not a valid selection ({why}); e.g. -k 'qwen3 and poros'"],
+                          "poros bench") from None
 
 
 def check_report_paths(inputs, output, reference=None) -> None:
@@ -144,9 +145,6 @@ def check_report_paths(inputs, output, reference=None) -> None:
         PorosError: naming the output and why it cannot be written.
     """
     out = Path(output)
-    if out.suffix.lower() != ".md":
-        raise PorosError(f"-o {output}: expected a Markdown file name ending in .md (the report; its PNG is "
-                         f"written beside it), e.g. -o {out.with_suffix('.md') if out.suffix else out / 'report.md'}")
     if out.is_dir():
         raise PorosError(f"-o {output} is a folder, expected a .md file name, e.g. -o {out / 'report.md'}")
     written = {out.resolve(), out.with_suffix(".png").resolve()}
@@ -154,6 +152,9 @@ def check_report_paths(inputs, output, reference=None) -> None:
         if Path(given).resolve() in written:
             raise PorosError(f"-o {output} would write over the input {given}; a command never writes over its own "
                              f"input: pass another file, e.g. -o {out.with_name('report.md')}")
+    if out.suffix.lower() != ".md":
+        raise PorosError(f"-o {output}: expected a Markdown file name ending in .md (the report; its PNG is "
+                         f"written beside it), e.g. -o {out.with_suffix('.md')}")
     folder = out.parent
     probe = folder
     while not probe.exists():

@@ -44,12 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Hide(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 def quiet() -> None:
     """Hide the known third-party notices listed above (and only those)."""
     for category, module in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", category=category, module=module)
     for name, text in QUIET_LOGS:
-        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Hide) and f.text == text for f in logger.filters):
+            logger.addFilter(_Hide(text))
 
 
 def preflight(args) -> None:
