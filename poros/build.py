@@ -236,6 +236,10 @@ class CheckpointReader:
 
 SKIP_MEMORY_CHECK = "POROS_SKIP_MEMORY_CHECK"
 QUANTIZE_PEAK = 7  # host bytes bitsandbytes' CPU quantize_4bit holds per byte of its bf16 input
+# room left beyond the estimate: MemAvailable is itself an estimate, and allocator slack, the page
+# cache of a checkpoint being read and other processes all take some; a build that would leave
+# less than this is refused rather than run to the edge of the host's memory
+MEMORY_HEADROOM = 0.10
 
 
 def _nbytes(tensors) -> int:
@@ -317,14 +321,15 @@ def check_host_memory(name: str, need: HostNeed, available: int | None = None) -
         PorosError: naming what the build needs, what is available and what to do.
     """
     available = available_host_memory() if available is None else available
-    if available is None or os.environ.get(SKIP_MEMORY_CHECK) == "1" or need.total <= available:
+    wanted = int(need.total * (1 + MEMORY_HEADROOM))
+    if available is None or os.environ.get(SKIP_MEMORY_CHECK) == "1" or wanted <= available:
         return
     parts = f"NF4 store {need.arena / 1e9:.1f} GB + bf16 embeddings and norms {need.dense / 1e9:.1f} GB"
     if need.transient:
         parts += f" + {need.transient / 1e9:.1f} GB while a layer is built on the CPU"
-    raise PorosError(f"building {name} needs about {need.total / 1e9:.1f} GB of host memory ({parts}); "
-                     f"{available / 1e9:.1f} GB is available: free memory or use a larger machine "
-                     f"({SKIP_MEMORY_CHECK}=1 tries anyway)")
+    raise PorosError(f"building {name} needs about {need.total / 1e9:.1f} GB of host memory ({parts}), "
+                     f"{wanted / 1e9:.1f} GB with {MEMORY_HEADROOM:.0%} headroom; {available / 1e9:.1f} GB is "
+                     f"available: free memory or use a larger machine ({SKIP_MEMORY_CHECK}=1 tries anyway)")
 
 
 # --- the build -------------------------------------------------------------------------------

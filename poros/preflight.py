@@ -184,3 +184,44 @@ def check_resume(rows: list[dict], m, path) -> None:
         steps, passes = differ[0]
         raise PorosError(f"--resume: {path} has rows of {steps} steps x {passes} passes, this run would measure "
                          f"{m.steps} x {m.passes}; pass --steps {steps} --passes {passes}, or another -o")
+
+
+def check_reference(path) -> None:
+    """A `--reference` file must be a readable CSV with the reference columns.
+
+    Raises:
+        PorosError: naming the file and what is wrong with it.
+    """
+    from poros.report import load_reference
+
+    p = Path(path)
+    if p.is_dir():
+        raise PorosError(f"--reference {path} is a folder, expected a CSV file (seed_reference.csv format)")
+    if p.is_file():
+        try:
+            p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PorosError(f"--reference {path}: not a CSV file (byte {e.start} is not UTF-8 text)") from None
+    try:
+        load_reference(p)
+    except PorosError:
+        raise
+    except ValueError as e:  # pandas' parser errors
+        raise PorosError(f"--reference {path}: not a readable CSV ({str(e).splitlines()[0][:160]})") from None
+
+
+def check_runnable(m, device: str) -> None:
+    """Refuse a matrix none of whose cells can run here (every stack pinned to other versions, or
+    every model too large for this device), before an output folder fills with skipped cells.
+
+    Raises:
+        CapabilityError: with the first reason.
+    """
+    from poros.bench import model_unavailable
+
+    stacks = [s.mismatch() for s in m.stacks]
+    if all(stacks):
+        raise CapabilityError(f"{m.source}: no cell can run here: {stacks[0]}")
+    models = [model_unavailable(x, device) for x in m.models]
+    if all(models):
+        raise CapabilityError(f"{m.source}: no cell can run here: {models[0]}")

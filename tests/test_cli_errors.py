@@ -80,6 +80,17 @@ def test_bench_refuses_seq_len_beyond_a_models_positions(capsys, tmp_path):
              "seq_len: 4096 exceeds tiny-qwen2's max_position_embeddings (2048)")
 
 
+@pytest.mark.parametrize("changes,named", [
+    ({"stacks": [{"name": "old", "torch": "0.0.1", "transformers": "0.0.1", "bitsandbytes": "0.0.1"}]},
+     "no cell can run here: stack old needs torch 0.0.1"),
+    ({"models": ["qwen2.5-72b"]}, "no cell can run here: qwen2.5-72b has 72.7B parameters: run it on a GPU"),
+], ids=["stacks=all-pinned-elsewhere", "models=all-too-big-for-cpu"])
+def test_bench_refuses_a_matrix_with_no_cell_runnable_here(capsys, tmp_path, changes, named):
+    out = tmp_path / "out"
+    _refused(capsys, ["bench", "matrix", _matrix(tmp_path, **changes), "-o", str(out)], named)
+    assert not out.exists()
+
+
 def test_bench_refuses_an_output_path_that_is_a_file(capsys, tmp_path):
     f = tmp_path / "out.txt"
     f.write_text("keep me\n")
@@ -137,6 +148,19 @@ def test_report_of_a_non_utf8_results_file_is_one_line(capsys, tmp_path, content
     results = tmp_path / "results.jsonl"
     results.write_bytes(content)
     _refused(capsys, ["report", str(results), "-o", str(tmp_path / "r.md")], str(results), "not UTF-8")
+
+
+@pytest.mark.parametrize("content,named", [
+    (b"\x89\x00\xff binary", "not a CSV file (byte 0 is not UTF-8 text)"),
+    (b'a,b\n1,2,3,4\n"open', "not a readable CSV"),
+    (b"a,b\n1,2\n", "missing column(s) hardware"),
+], ids=["binary", "unparseable", "other-columns"])
+def test_report_with_a_bad_reference_is_one_line(capsys, tmp_path, content, named):
+    results, ref = tmp_path / "results.jsonl", tmp_path / "ref.csv"
+    write_jsonl(results, [fixture_row()])
+    ref.write_bytes(content)
+    _refused(capsys, ["report", str(results), "-o", str(tmp_path / "r.md"), "--reference", str(ref)], named)
+    assert not (tmp_path / "r.md").exists()
 
 
 def test_report_given_folders_is_one_line(capsys, tmp_path):

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         preflight(args)
         return int(args.run(args) or 0)
     except PorosError as e:
-        print(f"poros {args.command}: error: {e}", file=sys.stderr)
+        prefix = f"poros {args.command}: "  # a check that names the command itself
+        print(f"{prefix}error: {str(e).removeprefix(prefix)}", file=sys.stderr)
         return 2
     except OSError as e:  # a path given on the command line: one line, no traceback
         if e.filename is None:

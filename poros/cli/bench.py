@@ -115,14 +115,11 @@ def _preflight(args):
     preflight.check_matrix(m)
     preflight.check_keyword(args.keyword)
     if args.reference:
-        from poros.report import load_reference
-
-        load_reference(args.reference)
+        preflight.check_reference(args.reference)
+    device = matrix_device(m)
+    preflight.check_runnable(m, device)
     if not args.keyword:  # with -k the suites check the models it selects, after collecting them
-        device = matrix_device(m)
-        runnable = [x for x in m.models if model_unavailable(x, device) is None]
-        if any(not s.mismatch() for s in m.stacks):
-            preflight.check_host_memory(runnable, device)
+        preflight.check_host_memory([x for x in m.models if model_unavailable(x, device) is None], device)
     if not SUITES.is_dir():
         raise PorosError(f"suites folder not found at {SUITES}: install poros from a source checkout (pip install -e .)")
     return m.with_overrides(args.steps, args.passes)

@@ -23,10 +23,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros.preflight import check_report_paths
+    from poros.preflight import check_reference, check_report_paths
     from poros.report import latest, load_results, results_table, write_report
 
     check_report_paths(args.results, args.output, args.reference)  # never over its own input
+    if args.reference:
+        check_reference(args.reference)
     out = write_report(args.results, args.output, reference_csv=args.reference, title=args.title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     df = latest(load_results(args.results))
