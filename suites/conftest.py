@@ -149,6 +149,8 @@ def _outcome(item, report) -> str:
                 detail += f", first mismatch {gate.first_mismatch}, max |diff| {gate.max_abs_diff:.3e}"
             return f"parity {gate.parity} ({detail}){took}"
     row = session.writer.last if session is not None else None
+    if row is not None and (row.get("model"), row.get("stack_name"), row.get("method")) != cell.key:
+        row = None  # the row of an earlier cell: this one wrote none
     if report.passed and row is not None and row.get("s_per_step_median") is not None:
         vram = f", peak {row['peak_vram_gb']:.2f} GB" if row.get("peak_vram_gb") is not None else ""
         return f"{row['s_per_step_median']:.4f} s/step{vram}{took}"

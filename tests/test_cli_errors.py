@@ -192,6 +192,21 @@ def test_a_second_bench_into_a_busy_folder_is_refused_and_touches_nothing(capsys
     assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME, "results.jsonl"]
 
 
+def test_a_selected_model_that_does_not_fit_is_refused_by_the_suites_in_one_line(capfd, tmp_path, monkeypatch):
+    """With -k the suites check the models the selection builds, after collecting it (before any
+    cell), and `poros bench` relays their refusal from its log as its own one line."""
+    import poros.build
+
+    monkeypatch.setattr(poros.build, "available_host_memory", lambda: 1000)
+    out = tmp_path / "out"
+    code = main(["bench", "matrix", _matrix(tmp_path), "-o", str(out), "-k", "tiny-qwen2 and poros"])
+    stdout, stderr = capfd.readouterr()
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "", stderr
+    assert len(lines) == 1 and lines[0].startswith("poros bench: error: building tiny-qwen2 needs about"), lines
+    assert not (out / "results.jsonl").exists() and not (out / LOCK_NAME).exists()
+
+
 # --- the bench end to end (subprocesses: it redirects file descriptors) -----------------------------
 
 

@@ -68,11 +68,16 @@ class RunLog:
         os.dup2(fd, 2)
         os.close(fd)
         self.terminal = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
+        # Python's own streams too, wherever they pointed (pytest prints its usage errors there)
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
         return self
 
     def __exit__(self, *exc) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        sys.stdout, sys.stderr = self._streams
         os.dup2(self._saved[0], 1)
         os.dup2(self._saved[1], 2)
         for fd in self._saved:
