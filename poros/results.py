@@ -56,7 +56,7 @@ class OutputLock:
     def __init__(self, folder, command: str | None = None):
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
-        self.command = command if command is not None else " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:])
+        self.command = command if command is not None else _invocation()
         self.stale: dict | None = None  # the holder a killed run left behind, once taken over
         self._fd: int | None = None
         self._depth = 0
@@ -145,6 +145,14 @@ class OutputLock:
         self.release()
 
 
+def _invocation() -> str:
+    """This process's command line, as typed (`python -m pytest suites/ ...`)."""
+    prog = Path(sys.argv[0]).name
+    if prog == "__main__.py":
+        prog = f"python -m {Path(sys.argv[0]).parent.name}"
+    return " ".join([prog, *sys.argv[1:]])
+
+
 def _parse_holder(raw: bytes) -> dict | None:
     try:
         holder = json.loads(raw.decode())
@@ -182,6 +190,8 @@ def keep_earlier(folder, names=RUN_FILES) -> tuple[Path | None, list[str]]:
     if not present:
         return None, []
     base = folder / EARLIER
+    if base.exists() and not base.is_dir():
+        raise PorosError(f"{base} is a file: it is where earlier runs' files are kept; move it away")
     base.mkdir(exist_ok=True)
     numbers = [int(p.name) for p in base.iterdir() if p.name.isdigit()]
     n = max(numbers, default=0) + 1

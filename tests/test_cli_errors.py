@@ -243,11 +243,16 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     assert [r["method"] for r in rows] == ["poros", "resident"]
     assert all(r["parity_steps"] == 2 and r["parity"] == "PASS" for r in rows)  # --parity-steps 2 over the matrix's 1
 
-    # killed while writing the resident row: resume keeps the poros row, sets the partial line aside
+    # killed while writing the resident row: its lock file is left behind, its last line torn; resume
+    # takes the folder over, keeps the poros row and sets the partial line aside
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / LOCK_NAME).write_text(json.dumps({"pid": int(gone.stdout), "host": os.uname().nodename,
+                                             "started": "2026-01-01T00:00:00+00:00", "command": "poros bench"}))
     torn = json.dumps(rows[1])[:60]
     (out / "results.jsonl").write_text(json.dumps(rows[0]) + "\n" + torn)
     again = _bench(m, "-o", str(out), "--parity-steps", "2", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"was left by pid {gone.stdout.strip()} on host" in again.stderr, again.stderr
     assert f"{out / 'results.jsonl'}:2 is a partial row" in again.stderr, again.stderr
     assert "tiny-qwen2 poros: skipped: already in results (--resume)" in again.stderr, again.stderr
     assert (out / "results.jsonl.torn").read_text() == torn + "\n"
