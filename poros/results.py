@@ -86,7 +86,7 @@ class OutputLock:
                     raise PorosError(f"output folder {self.folder}: cannot lock {LOCK_NAME} ({e.strerror})") from None
                 raise OutputInUse(f"output folder {self.folder} is in use by another run: "
                                   f"{_describe(self._read())}; wait for it to end or pass another -o") from None
-            try:  # the file we locked must still be the one at the path (a releasing run unlinks it)
+            try:  # the locked file must still be the one at the path (a releasing run unlinks it)
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same = False
