@@ -93,10 +93,13 @@ def layer_linears(layer: nn.Module, prefix: str) -> list[tuple[str, tuple[int, i
     ]
 
 
-def check_seq_len(config, seq_len: int) -> None:
+def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
+    """Raises: ConfigError when `seq_len` exceeds the model's max_position_embeddings."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq_len > limit:
-        raise ConfigError([f"seq_len: {seq_len} exceeds the model's max_position_embeddings ({limit})"])
+        owner = name if name == "the model" else f"{name}'s"
+        raise ConfigError([f"seq_len: {seq_len} exceeds {owner} max_position_embeddings ({limit}); "
+                           f"use seq_len <= {limit}"])
 
 
 # --- sources ---------------------------------------------------------------------------------

@@ -51,17 +51,17 @@ def check_device(device: str, where: str) -> None:
 def model_problems(models, seq_len: int) -> list[str]:
     """Problems knowable from each model's config alone: an unreadable checkpoint folder, layers
     Poros cannot quantize, and `seq_len` beyond the model's max_position_embeddings."""
-    from poros.build import check_supported, decoder_layers, resolve, skeleton
+    from poros.build import check_seq_len, check_supported, decoder_layers, resolve, skeleton
     from poros.config import LORA_TARGETS
 
     problems = []
     for model in models:
         try:
             src = resolve(model)
-            limit = getattr(src.config, "max_position_embeddings", None)
-            if limit is not None and seq_len > limit:
-                problems.append(f"seq_len: {seq_len} exceeds {model}'s max_position_embeddings ({limit}); "
-                                f"use seq_len <= {limit}")
+            try:
+                check_seq_len(src.config, seq_len, model)
+            except ConfigError as e:
+                problems.extend(e.problems)
             if src.checkpoint is not None:  # registered shapes are known to be supported
                 list_name, layers = decoder_layers(skeleton(src.config))
                 check_supported(src.name, layers, list_name)
