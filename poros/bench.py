@@ -1,22 +1,22 @@
-"""Matrix cells: parity first, then timed passes per method, each appended to results at once."""
+"""Matrix cells: parity first, then timed passes per method, each appended to results at once
+(`poros.results`); progress as full log lines and one compact line per cell."""
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from poros.config import Method, TrainConfig
 from poros.matrix import Matrix, Stack
 from poros.methods import METHODS, gated
+from poros.results import ResultsWriter  # noqa: F401  (re-exported: the suites and tests import it here)
 
 
 @dataclass(frozen=True)
@@ -105,21 +105,75 @@ class Measurement:
     peak_vram_nvml_gb: float | None = None
 
 
-_writer = None
+_writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
+_status = None  # the one compact line per cell (the terminal)
+_cell = ""  # the current cell's label, which status updates follow
 
 
 def set_progress_writer(writer) -> None:
-    """Route progress through `writer(msg)` (the suites pass one that bypasses pytest's capture)."""
+    """Route progress lines through `writer(msg)` (the suites pass one that bypasses pytest's
+    capture; None drops them)."""
     global _writer
     _writer = writer
 
 
+def set_status_writer(writer) -> None:
+    """Route the compact per-cell line through `writer(msg, final)`: `final` ends the cell's line,
+    otherwise `msg` replaces what the line shows so far."""
+    global _status
+    _status = writer
+
+
+def status_writer():
+    return _status
+
+
 def progress(msg: str) -> None:
-    """Progress on the real terminal, even while pytest captures output."""
+    """A line of the full log (on stderr when no writer was set)."""
     if _writer is not None:
         _writer(msg)
-    else:
+    elif _status is None:
         print(msg, file=sys.stderr, flush=True)
+
+
+def begin_cell(label: str) -> None:
+    """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 resident`."""
+    global _cell
+    _cell = label
+    status("…")
+
+
+def status(msg: str) -> None:
+    """Show `msg` as where the current cell's compact line is (a TTY rewrites the line in place)."""
+    if _status is not None and _cell:
+        _status(f"{_cell}: {msg}", False)
+
+
+def end_cell(msg: str) -> None:
+    """End the current cell's compact line with its outcome (nothing when no cell is open)."""
+    global _cell
+    if _status is not None and _cell:
+        _status(f"{_cell}: {msg}", True)
+    _cell = ""
+
+
+class StatusLine:
+    """The compact per-cell line on a terminal stream: rewritten in place on a TTY, and only its
+    final form (one line per cell) elsewhere."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+
+    def __call__(self, msg: str, final: bool) -> None:
+        if self.tty:
+            import shutil
+
+            width = shutil.get_terminal_size().columns
+            self.stream.write("\r\033[K" + (msg if final else msg[: max(width - 1, 20)]) + ("\n" if final else ""))
+        elif final:
+            self.stream.write(msg + "\n")
+        self.stream.flush()
 
 
 def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, benchmark=None, label: str = "") -> Measurement:
@@ -131,11 +185,12 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, ben
         _sync(cfg.device.value)
         t0 = time.perf_counter()
         counters = []
+        kind = "warm-up" if done["n"] < warmup else f"pass {done['n'] - warmup + 1}/{passes}"
         for s in range(steps):
             r = trainer.step()
             counters.append(r.counters)
+            status(f"{kind}, step {s + 1}/{steps}")
             if (s + 1) % max(1, steps // 4) == 0 or s + 1 == steps:
-                kind = "warm-up" if done["n"] < warmup else f"pass {done['n'] - warmup + 1}/{passes}"
                 progress(f"  {label} {kind}: step {s + 1}/{steps} loss {r.loss:.4f}")
         _sync(cfg.device.value)
         elapsed = time.perf_counter() - t0
@@ -189,6 +244,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "parity_max_abs_diff": None if not gate_applies or parity is None else parity.max_abs_diff,
         "parity_steps": None if parity is None else parity.steps,
         "parity_first_mismatch": None if parity is None else parity.first_mismatch,
+        "parity_steps": None if cell.method is Method.UNSLOTH or parity is None else parity.steps,
         "bytes_h2d_per_step": None,
         "copy_gbps": None,
         "copy_hidden_share": None,
@@ -224,26 +280,3 @@ def copy_summary(step_counters: list[dict]) -> dict:
         "copy_wait_s_per_step": wait_s / n,
     }
     return out
-
-
-class ResultsWriter:
-    """Appends one JSON object per cell and syncs it, so a killed run keeps finished cells."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def rows(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
-    def done(self, matrix: str) -> dict[tuple, dict]:
-        return {(r["model"], r["stack_name"], r["method"]): r for r in self.rows()
-                if r.get("matrix") == matrix and r.get("status") == "ok"}
-
-    def append(self, row: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from poros.errors import CheckpointError, ConfigError, UnknownModelError
+from poros.errors import CheckpointError, ConfigError, PorosError, UnknownModelError
 from poros.store import NF4_BLOCKSIZE, NF4Store, absmax_view, host_buffer, plan_layout, weight_view
 
 LAYER_SEED_STRIDE = 1_000_003
@@ -30,12 +30,23 @@ def _quantize(w: torch.Tensor):
 
 
 def skeleton(config) -> nn.Module:
-    """The causal-LM module tree on the meta device (buffers such as rotary tables stay real)."""
+    """The causal-LM module tree on the meta device (buffers such as rotary tables stay real).
+
+    Raises:
+        CheckpointError: transformers has no causal-LM class for the config's model_type.
+    """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    except ValueError as e:
+        import transformers
+
+        raise CheckpointError(f"model_type {getattr(config, 'model_type', '?')!r}: no causal-LM model in transformers "
+                              f"{transformers.__version__} ({str(e).splitlines()[0][:160]}); Poros trains decoder-only "
+                              f"causal LMs such as qwen2, qwen3, gemma3, gemma4") from None
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -55,6 +66,25 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
+def check_supported(name: str, layers: nn.ModuleList, list_name: str) -> None:
+    """Every weight matrix of a decoder layer must sit in an nn.Linear: Poros quantizes those to NF4
+    and streams them; any other module holding one (GPT-2's Conv1D, for one) it cannot.
+
+    Raises:
+        CheckpointError: naming the first such module and its type.
+    """
+    for i, layer in enumerate(layers):
+        for mname, m in layer.named_modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                continue
+            own = [n for n, p in m.named_parameters(recurse=False) if p.dim() >= 2]
+            if own:
+                raise CheckpointError(
+                    f"{name}: {list_name}.{i}.{mname}.{own[0]} belongs to a {type(m).__name__}, which Poros cannot "
+                    f"quantize (it streams the nn.Linear layers of each decoder layer as NF4); supported are "
+                    f"decoder-only families built from nn.Linear, e.g. qwen2, qwen3, gemma3, gemma4")
+
+
 def layer_linears(layer: nn.Module, prefix: str) -> list[tuple[str, tuple[int, int]]]:
     return [
         (f"{prefix}.{name}", (m.out_features, m.in_features))
@@ -63,10 +93,13 @@ def layer_linears(layer: nn.Module, prefix: str) -> list[tuple[str, tuple[int, i
     ]
 
 
-def check_seq_len(config, seq_len: int) -> None:
+def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
+    """Raises: ConfigError when `seq_len` exceeds the model's max_position_embeddings."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq_len > limit:
-        raise ConfigError([f"seq_len: {seq_len} exceeds the model's max_position_embeddings ({limit})"])
+        owner = name if name == "the model" else f"{name}'s"
+        raise ConfigError([f"seq_len: {seq_len} exceeds {owner} max_position_embeddings ({limit}); "
+                           f"use seq_len <= {limit}"])
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -125,25 +158,39 @@ class CheckpointReader:
     _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.", "")
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = path
+        self._open = {}
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+                assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise CheckpointError(f"{index}: not a safetensors index (JSON with a weight_map of tensor name to "
+                                      f"file); re-save the checkpoint or delete the index") from None
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{path}: no *.safetensors weights found")
             weight_map = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
+                weight_map.update({k: f.name for k in self._handle(f.name).keys()})
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).is_file():
                 raise CheckpointError(f"{path}: shard {shard} named in model.safetensors.index.json is missing")
         self._by_suffix = {self._strip(k): (k, shard) for k, shard in weight_map.items()}
-        self._open = {}
+
+    def _handle(self, shard: str):
+        from safetensors import safe_open
+
+        if shard not in self._open:
+            try:
+                self._open[shard] = safe_open(str(self.path / shard), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for a bad header
+                raise CheckpointError(f"{self.path / shard}: not a readable safetensors file "
+                                      f"({str(e).splitlines()[0][:160]}); it is truncated or corrupt: "
+                                      f"download or save it again") from None
+        return self._open[shard]
 
     @classmethod
     def _strip(cls, key: str) -> str:
@@ -155,16 +202,137 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return self._strip(name) in self._by_suffix
 
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name`; with `like`, checked to have its shape and a floating-point dtype
+        (copy_ would broadcast a [1] tensor over a [128] norm weight without a word).
 
+        Raises:
+            CheckpointError: naming the file and tensor that is missing, unreadable or mis-shaped.
+        """
         hit = self._by_suffix.get(self._strip(name))
         if hit is None:
             raise CheckpointError(f"{self.path}: tensor {name} not found in the checkpoint")
         key, shard = hit
-        if shard not in self._open:
-            self._open[shard] = safe_open(str(self.path / shard), framework="pt")
-        return self._open[shard].get_tensor(key)
+        where = self.path / shard
+        try:
+            t = self._handle(shard).get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{where}: tensor {key} cannot be read ({str(e).splitlines()[0][:160]}); the "
+                                  f"file is truncated or corrupt: download or save it again") from None
+        if like is not None:
+            if tuple(t.shape) != tuple(like.shape):
+                raise CheckpointError(f"{where}: tensor {key} has shape {list(t.shape)}, expected {list(like.shape)} "
+                                      f"from config.json; the weights do not match their config.json")
+            if like.is_floating_point() and not t.is_floating_point():
+                raise CheckpointError(f"{where}: tensor {key} is {t.dtype}, expected floating-point weights (a "
+                                      f"quantized checkpoint?); pass the original bf16/fp16/fp32 checkpoint")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise CheckpointError(f"{where}: tensor {key} holds {bad} NaN/inf values of {t.numel()}; the "
+                                      f"file is corrupt: download or save it again")
+        return t
+
+
+# --- host memory -----------------------------------------------------------------------------
+
+SKIP_MEMORY_CHECK = "POROS_SKIP_MEMORY_CHECK"
+QUANTIZE_PEAK = 7  # host bytes bitsandbytes' CPU quantize_4bit holds per byte of its bf16 input
+# room left beyond the estimate: MemAvailable is itself an estimate, and allocator slack, the page
+# cache of a checkpoint being read and other processes all take some; a build that would leave
+# less than this is refused rather than run to the edge of the host's memory
+MEMORY_HEADROOM = 0.10
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """Host memory a build takes, from the model's shapes alone."""
+
+    arena: int  # the NF4 decoder weights with their absmax
+    dense: int  # every other weight (embeddings, lm_head, norms, biases) and the layers' persistent buffers
+    transient: int  # held only during a CPU build: one bf16 layer and its quantization, or a dense weight's copy
+
+    @property
+    def store(self) -> int:
+        return self.arena + self.dense
+
+    @property
+    def total(self) -> int:
+        return self.arena + self.dense + self.transient
+
+
+def host_need(model: nn.Module, layers: nn.ModuleList, arena_bytes: int, device) -> HostNeed:
+    in_layers = {id(p) for p in layers.parameters()}
+    tied = getattr(model.config, "tie_word_embeddings", False)  # the build keeps one copy (embed_tokens)
+    outside = [p for n, p in model.named_parameters() if id(p) not in in_layers and not (tied and n == "lm_head.weight")]
+    layer_dense = [p for layer in layers for n, p in layer.named_parameters()
+                   if not (n.endswith(".weight") and isinstance(layer.get_submodule(n.rsplit(".", 1)[0]), nn.Linear))]
+    buffers = [b for layer in layers for _, b in persistent_buffers(layer)]
+    transient = 0
+    if torch.device(device).type == "cpu":
+        # one bf16 layer, plus bitsandbytes' CPU quantize_4bit, which peaks at about 7x its bf16 input
+        # (measured with bitsandbytes 0.50: +1.83 GB for a 5120x25600 matrix); or a dense weight's copy
+        linears = [m.weight for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)]
+        biggest_layer = max((_nbytes(layer.parameters()) for layer in layers), default=0)
+        quantize = QUANTIZE_PEAK * max((_nbytes([w]) for w in linears), default=0)
+        transient = max(biggest_layer + quantize, max((_nbytes([p]) for p in outside), default=0))
+    return HostNeed(arena_bytes, _nbytes(outside) + _nbytes(layer_dense) + _nbytes(buffers), transient)
+
+
+def config_host_need(config, device) -> HostNeed:
+    """What building `config` on `device` takes in host memory, from its shapes alone."""
+    model = skeleton(config)
+    list_name, layers = decoder_layers(model)
+    _, total = plan_layout([layer_linears(layer, f"{list_name}.{i}") for i, layer in enumerate(layers)])
+    return host_need(model, layers, total, device)
+
+
+def store_bytes(config) -> int:
+    """Host bytes of the NF4 store of `config` (arena, dense weights, buffers), from its shapes alone."""
+    return config_host_need(config, "meta").store
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process can still allocate: MemAvailable, capped by a cgroup memory limit."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap, used = Path(limit).read_text().strip(), Path(usage).read_text().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and used.isdigit() and int(cap) < 1 << 60:
+            found.append(max(0, int(cap) - int(used)))
+    return min(found) if found else None
+
+
+def check_host_memory(name: str, need: HostNeed, available: int | None = None) -> None:
+    """Refuse a build that would not fit in host memory, before anything is allocated.
+
+    Raises:
+        PorosError: naming what the build needs, what is available and what to do.
+    """
+    available = available_host_memory() if available is None else available
+    wanted = int(need.total * (1 + MEMORY_HEADROOM))
+    if available is None or os.environ.get(SKIP_MEMORY_CHECK) == "1" or wanted <= available:
+        return
+    parts = f"NF4 store {need.arena / 1e9:.1f} GB + bf16 embeddings and norms {need.dense / 1e9:.1f} GB"
+    if need.transient:
+        parts += f" + {need.transient / 1e9:.1f} GB while a layer is built on the CPU"
+    raise PorosError(f"building {name} needs about {need.total / 1e9:.1f} GB of host memory ({parts}), "
+                     f"{wanted / 1e9:.1f} GB with {MEMORY_HEADROOM:.0%} headroom; {available / 1e9:.1f} GB is "
+                     f"available: free memory or use a larger machine ({SKIP_MEMORY_CHECK}=1 tries anyway)")
 
 
 # --- the build -------------------------------------------------------------------------------
@@ -202,11 +370,11 @@ def _fill(module: nn.Module, model: nn.Module, prefix: str, device, seed: int | 
                 module.apply(model._init_weights)
         else:
             for name, p in module.named_parameters():
-                p.copy_(reader.get(f"{prefix}.{name}" if prefix else name).to(p.dtype))
+                p.copy_(reader.get(f"{prefix}.{name}" if prefix else name, like=p).to(p.dtype))
             for name, b in persistent_buffers(module):
                 full = f"{prefix}.{name}" if prefix else name
                 if reader.has(full):
-                    b.copy_(reader.get(full).to(b.dtype))
+                    b.copy_(reader.get(full, like=b).to(b.dtype))
 
 
 def build_store(
@@ -230,13 +398,18 @@ def build_store(
             return load_nf4_store(src, device=device, progress=progress, on_layer=on_layer)
     device = torch.device(device)
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    reader = CheckpointReader(src.checkpoint) if src.checkpoint else None
     model = skeleton(src.config)
-    list_name, layers = decoder_layers(model)
+    try:
+        list_name, layers = decoder_layers(model)
+    except CheckpointError as e:
+        raise CheckpointError(f"{src.name}: {e}") from None
+    check_supported(src.name, layers, list_name)
     prefixes = [f"{list_name}.{i}" for i in range(len(layers))]
     layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])
+    check_host_memory(src.name, host_need(model, layers, total, device))
+    reader = CheckpointReader(src.checkpoint) if src.checkpoint else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     arena = host_buffer(total)
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -278,7 +451,7 @@ def build_store(
                     model._init_weights(module)
             else:
                 for n, p in module.named_parameters(recurse=False):
-                    p.copy_(reader.get(f"{mname}.{n}").to(p.dtype))
+                    p.copy_(reader.get(f"{mname}.{n}", like=p).to(p.dtype))
         for n, p in module.named_parameters(recurse=False):
             dense[f"{mname}.{n}" if mname else n] = p.detach().to("cpu", copy=True)
         module.to("meta")

@@ -38,14 +38,22 @@ def load_results(paths) -> pd.DataFrame:
     """Read results files (JSON Lines), in order, into one row per line.
 
     Raises:
-        PorosError: naming the file and line of a missing file, malformed JSON or a row missing keys.
+        PorosError: naming the file (and line) of a missing, binary or non-UTF-8 file, malformed JSON
+            or a row missing keys.
     """
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(x) for x in paths]
     records = []
     for path in paths:
+        if path.is_dir():
+            raise PorosError(f"{path} is a folder, expected a results file, e.g. {path / 'results.jsonl'}")
         if not path.is_file():
             raise PorosError(f"{path}: no such results file")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PorosError(f"{path}: not a results file (byte {e.start} is not UTF-8 text; expected the JSON "
+                             f"Lines a poros bench run writes, e.g. OUT/results.jsonl)") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -1,17 +1,25 @@
-"""Parametrize the matrix suites from `--matrix`; cells run model by model, parity first."""
+"""Parametrize the matrix suites from `--matrix`; cells run model by model, parity first.
+
+Before any cell runs, the session start refuses bad settings, a missing device and models the
+matrix cannot run, in one line each, and takes the results folder's lock; each cell then shows
+one compact line (its outcome), the per-step detail only with -v (or in `poros bench`'s log).
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from poros import bench, preflight
 from poros.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, set_progress_writer
-from poros.matrix import load_matrix
+from poros.errors import PorosError
+from poros.results import OutputLock, ensure_folder
 
 
 def _matrix(config):
-    m = load_matrix(config.getoption("--matrix"))
+    m = preflight.load_matrix(config.getoption("--matrix"))
     reduced = m.with_overrides(config.getoption("--steps"), config.getoption("--passes"))
     return m, reduced
 
@@ -19,8 +27,12 @@ def _matrix(config):
 @pytest.hookimpl(tryfirst=True)  # before pytest-benchmark reads its options
 def pytest_configure(config):
     if getattr(config.option, "benchmark_json", "absent") is None:  # keep its JSON beside the results
-        config.option.benchmark_json = Path(config.getoption("--results")).with_name("benchmark.json")
-        config.option.benchmark_json.parent.mkdir(parents=True, exist_ok=True)
+        results = Path(config.getoption("--results"))
+        try:
+            ensure_folder(results.parent, "results folder")
+        except PorosError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.option.benchmark_json = results.with_name("benchmark.json")
 
 
 def pytest_sessionstart(session):
@@ -36,12 +48,38 @@ def pytest_sessionstart(session):
                 tw.line(msg)
         tw.flush()
 
-    set_progress_writer(line)
+    set_progress_writer(line if config.option.verbose > 0 or bench.status_writer() is not None else None)
+    if bench.status_writer() is None:  # `poros bench` routes it to the terminal, its log gets `line`
+        bench.set_status_writer(lambda msg, final: final and line(msg))
+        config._poros_status = True
+    try:
+        _preflight(config)
+    except PorosError as e:
+        raise pytest.UsageError(str(e)) from None
     if _matrix(config)[1].deterministic:
         # before any CUDA work: cuBLAS reads its workspace configuration once per process
         from poros.train import enable_determinism
 
         enable_determinism()
+
+
+def _preflight(config) -> None:
+    """Everything knowable before the first cell: counts, device, models, the results file."""
+    preflight.check_counts("pytest suites/", steps=config.getoption("--steps"), passes=config.getoption("--passes"),
+                           parity_steps=config.getoption("--parity-steps"))
+    m = _matrix(config)[1]
+    if m.device is not None:
+        preflight.check_device(m.device.value, f"{m.source}: device")
+    preflight.check_matrix(m)
+    results = Path(config.getoption("--results"))
+    lock = OutputLock(results.parent).acquire()
+    config.add_cleanup(lock.release)
+    warning = lock.stale_warning()
+    if warning:
+        bench.progress(warning)
+    warning = ResultsWriter(results).repair()  # appending after a torn line would glue two rows together
+    if warning:
+        bench.progress(warning)
 
 
 def pytest_generate_tests(metafunc):
@@ -65,7 +103,84 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    session.config._poros_cells = sum(1 for item in session.items if "cell" in getattr(item, "fixturenames", ()))
+    config = session.config
+    cells = [item.callspec.params["cell"] for item in session.items if "cell" in getattr(item, "fixturenames", ())]
+    config._poros_cells, config._poros_index = len(cells), 0
+    m = _matrix(config)[1]
+    device = matrix_device(m)
+    runnable = {c.model for c in cells if not c.stack.mismatch() and not bench.model_unavailable(c.model, device)}
+    try:  # only the models this session will build (-k may select a few)
+        preflight.check_host_memory(sorted(runnable), device)
+    except PorosError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def _cell(item):
+    spec = getattr(item, "callspec", None)
+    return spec.params.get("cell") if spec is not None else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    cell = _cell(item)
+    if cell is None:
+        return
+    config = item.config
+    config._poros_index = getattr(config, "_poros_index", 0) + 1
+    what = cell.method.value if cell.method else "parity gate"
+    stack = "" if cell.stack.name == "current" else f" [{cell.stack.name}]"
+    item._poros_t0 = time.perf_counter()
+    bench.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.model}{stack} {what}")
+
+
+def _outcome(item, report) -> str:
+    """The compact line's ending: the cell's result, why it was skipped, or why it failed."""
+    cell = _cell(item)
+    took = f" ({time.perf_counter() - getattr(item, '_poros_t0', time.perf_counter()):.1f} s)"
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        return f"skipped: {reason.removeprefix('Skipped: ')}"
+    session = item.funcargs.get("session") if hasattr(item, "funcargs") else None
+    if cell.method is None:
+        gate = session.gates.get((cell.model, cell.stack.name)) if session is not None else None
+        if gate is not None and not isinstance(gate, Exception):
+            detail = f"{gate.tensors_compared} tensors, {gate.steps} step{'s' if gate.steps != 1 else ''}"
+            if not gate.ok:
+                detail += f", first mismatch {gate.first_mismatch}, max |diff| {gate.max_abs_diff:.3e}"
+            return f"parity {gate.parity} ({detail}){took}"
+    row = session.writer.last if session is not None else None
+    if row is not None and (row.get("model"), row.get("stack_name"), row.get("method")) != cell.key:
+        row = None  # the row of an earlier cell: this one wrote none
+    if report.passed and row is not None and row.get("s_per_step_median") is not None:
+        vram = f", peak {row['peak_vram_gb']:.2f} GB" if row.get("peak_vram_gb") is not None else ""
+        return f"{row['s_per_step_median']:.4f} s/step{vram}{took}"
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message.splitlines()[0] if crash is not None and crash.message else "see the log"
+        return f"FAILED: {message[:200]}{took}"
+    return f"done{took}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _cell(item) is None:
+        return
+    if (report.when == "call" or (report.when == "setup" and not report.passed)) and not getattr(
+            item, "_poros_reported", False):
+        item._poros_reported = True
+        bench.end_cell(_outcome(item, report))
+
+
+def pytest_keyboard_interrupt(excinfo):
+    bench.end_cell("interrupted")
+
+
+def pytest_unconfigure(config):
+    set_progress_writer(None)
+    if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
+        bench.set_status_writer(None)
 
 
 class Session:
@@ -74,7 +189,8 @@ class Session:
     def __init__(self, config):
         self.full, self.matrix = _matrix(config)
         self.reduced = (self.matrix.steps, self.matrix.passes) != (self.full.steps, self.full.passes)
-        self.parity_steps = config.getoption("--parity-steps") or self.matrix.parity_steps
+        given = config.getoption("--parity-steps")  # 0 is refused at session start, never replaced
+        self.parity_steps = self.matrix.parity_steps if given is None else given
         self.writer = ResultsWriter(config.getoption("--results"))
         self.resume = config.getoption("--resume")
         self.device = matrix_device(self.matrix)

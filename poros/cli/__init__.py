@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+import warnings
 
 from poros.errors import PorosError
 
 SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train")
+
+# Third-party notices that read like failures to a new user but change nothing Poros does; the
+# command line hides them (`poros bench` keeps pytest's warning summary in its log).
+QUIET_WARNINGS = (  # (category, module the warning is attributed to)
+    (FutureWarning, r"transformers(\.|$)"),  # e.g. `is_gradient_checkpointing` is deprecated (peft calls it)
+    (DeprecationWarning, r"torch\.jit(\.|$)"),  # `torch.jit.script_method` is deprecated (bitsandbytes)
+)
+QUIET_LOGS = (  # (logger, text of the record)
+    # bitsandbytes' CPU backend, when the optional `kernels` package is absent: it falls back to its own
+    # gemm, which is what Poros's parity is measured on anyway
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,12 +44,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Hide(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet() -> None:
+    """Hide the known third-party notices listed above (and only those)."""
+    for category, module in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, module=module)
+    for name, text in QUIET_LOGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Hide) and f.text == text for f in logger.filters):
+            logger.addFilter(_Hide(text))
+
+
+def preflight(args) -> None:
+    """Checks the subcommands share, made before any work: the device they name, and the model's
+    limits against the sequence length they would train at."""
+    from poros import preflight as checks
+
+    device = getattr(args, "device", None)
+    if device is not None:
+        checks.check_device(device, "--device")
+    model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)
+    if model and isinstance(seq_len, int) and seq_len > 0:
+        problems = checks.model_problems([model], seq_len)
+        if problems:
+            raise PorosError("; ".join(problems))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet()
     try:
+        preflight(args)
         return int(args.run(args) or 0)
     except PorosError as e:
-        print(f"poros {args.command}: error: {e}", file=sys.stderr)
+        prefix = f"poros {args.command}: "  # a check that names the command itself
+        print(f"{prefix}error: {str(e).removeprefix(prefix)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path given on the command line: one line, no traceback
+        if e.filename is None:
+            raise
+        print(f"poros {args.command}: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"poros {args.command}: interrupted", file=sys.stderr)

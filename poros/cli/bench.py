@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from poros.cli.report import add_reference_argument, reference_path
@@ -12,8 +15,10 @@ EPILOG = """examples:
   poros bench matrix matrices/h200.yaml -o out/h200 --steps 20 --passes 3 -k qwen2.5-32b
   poros bench matrix matrices/h200.yaml -o out/h200 --resume      # continue a killed run
 
-Writes OUT/results.jsonl (one line per finished cell), OUT/benchmark.json (pytest-benchmark)
-and OUT/report.md (+ report.png). Exits non-zero if any cell failed, parity FAIL included.
+Writes OUT/results.jsonl (one line per finished cell), OUT/bench.log (the full log),
+OUT/benchmark.json (pytest-benchmark) and OUT/report.md (+ report.png); shows one line per cell.
+An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time
+owns OUT. Exits non-zero if any cell failed, parity FAIL included.
 """
 
 SUITES = Path(__file__).resolve().parent.parent.parent / "suites"
@@ -27,28 +32,143 @@ def add_parser(sub) -> None:
     m.add_argument("-o", "--out", default="out", help="output folder (default: out/)")
     m.add_argument("--steps", type=int, help="steps per pass (reduced run; flagged in the report)")
     m.add_argument("--passes", type=int, help="timed passes (reduced run; flagged in the report)")
-    m.add_argument("--parity-steps", type=int, help="optimizer steps of the parity gate (default 3)")
+    m.add_argument("--parity-steps", type=int, help="optimizer steps of the parity gate (default: the matrix's, 3)")
     m.add_argument("-k", dest="keyword", help="pytest -k expression over cell ids, e.g. 'qwen2.5-32b and poros'")
     m.add_argument("--resume", action="store_true", help="skip cells already in OUT/results.jsonl")
     add_reference_argument(m)
     m.set_defaults(run=run)
 
 
-def run(args) -> int:
-    import pytest
+def command_line(args, resume: bool) -> str:
+    """The command that runs this benchmark again (`--resume`: continuing it)."""
+    prog = "poros" if Path(sys.argv[0]).name == "poros" else f"{shlex.quote(sys.executable)} -m poros"
+    words = ["bench", "matrix", args.file, "-o", args.out]
+    for opt in ("steps", "passes", "parity_steps"):
+        if getattr(args, opt) is not None:
+            words += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+    if args.keyword:
+        words += ["-k", args.keyword]
+    if args.reference:
+        words += ["--reference"] + ([] if args.reference is True else [args.reference])
+    return " ".join([prog, shlex.join(words)] + (["--resume"] if resume else []))
 
+
+class RunLog:
+    """While the suites run, file descriptors 1 and 2 (pytest, warnings, child processes) go to
+    OUT/bench.log; `terminal` is the real stderr, for the one line per cell."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> "RunLog":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = (os.dup(1), os.dup(2))
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.start = os.fstat(fd).st_size
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        self.terminal = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
+        # Python's own streams too, wherever they pointed (pytest prints its usage errors there)
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = self._streams
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+        for fd in self._saved:
+            os.close(fd)
+        self.terminal.close()
+
+    def since_start(self) -> list[str]:
+        with self.path.open("rb") as f:
+            f.seek(self.start)
+            return f.read().decode("utf-8", "replace").splitlines()
+
+
+class Tally:
+    """pytest plugin: each cell's outcome (passed, failed or skipped)."""
+
+    def __init__(self):
+        self.outcomes: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.failed or report.when == "call" or (report.when == "setup" and report.skipped):
+            if self.outcomes.get(report.nodeid) != "failed":
+                self.outcomes[report.nodeid] = report.outcome
+
+    def summary(self) -> str:
+        counts = {k: sum(v == k for v in self.outcomes.values()) for k in ("passed", "failed", "skipped")}
+        return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no cell ran"
+
+
+def _preflight(args):
+    """Everything knowable before any work: the matrix, the counts, the device, the models, the
+    selection and the reference file. Returns the matrix."""
+    from poros import preflight
+    from poros.bench import matrix_device, model_unavailable
     from poros.errors import PorosError
-    from poros.matrix import load_matrix, resolve_matrix_path
 
-    load_matrix(args.file)  # refuse a malformed file before anything runs
+    m = preflight.load_matrix(args.file)
+    preflight.check_counts("poros bench", steps=args.steps, passes=args.passes, parity_steps=args.parity_steps)
+    if m.device is not None:
+        preflight.check_device(m.device.value, f"{m.source}: device")
+    preflight.check_matrix(m)
+    preflight.check_keyword(args.keyword)
+    if args.reference:
+        preflight.check_reference(reference_path(args.reference))
+    device = matrix_device(m)
+    preflight.check_runnable(m, device)
+    if not args.keyword:  # with -k the suites check the models it selects, after collecting them
+        preflight.check_host_memory([x for x in m.models if model_unavailable(x, device) is None], device)
     if not SUITES.is_dir():
         raise PorosError(f"suites folder not found at {SUITES}: install poros from a source checkout (pip install -e .)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return m.with_overrides(args.steps, args.passes)
+
+
+def run(args) -> int:
+    from poros.results import OutputLock, ensure_folder
+
+    m = _preflight(args)
+    out = ensure_folder(args.out)
+    with OutputLock(out, command=command_line(args, resume=False)) as lock:
+        try:
+            return _run_locked(args, m, out, lock)
+        except KeyboardInterrupt:
+            print(f"\nporos bench: interrupted; finished cells are kept in {out / 'results.jsonl'}. "
+                  f"Continue with:\n  {command_line(args, resume=True)}", file=sys.stderr)
+            return 130
+
+
+def _run_locked(args, m, out: Path, lock) -> int:
+    import pytest
+
+    from poros import preflight
+    from poros.bench import StatusLine, set_status_writer
+    from poros.matrix import resolve_matrix_path
+    from poros.results import ResultsWriter, keep_earlier
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if lock.stale_warning():
+        say(lock.stale_warning())
     results = out / "results.jsonl"
-    if results.exists() and not args.resume:
-        results.rename(results.with_suffix(".jsonl.prev"))
-        print(f"moved the previous {results} to {results.with_suffix('.jsonl.prev')}", file=sys.stderr)
+    if args.resume:
+        writer = ResultsWriter(results)
+        warning = writer.repair()
+        if warning:
+            say(warning)
+        preflight.check_resume(writer.rows(), m, results)
+        kept, names = keep_earlier(out, ("benchmark.json",))  # pytest-benchmark would overwrite it
+    else:
+        kept, names = keep_earlier(out)
+    if kept is not None:
+        say(f"kept the earlier run's {', '.join(names)} in {kept}/")
     argv = [str(SUITES), f"--matrix={resolve_matrix_path(args.file)}", f"--results={results}",
             f"--benchmark-json={out / 'benchmark.json'}", "-p", "no:cacheprovider", "-q", "-rs"]
     for opt in ("steps", "passes", "parity_steps"):
@@ -58,17 +178,36 @@ def run(args) -> int:
         argv += ["-k", args.keyword]
     if args.resume:
         argv.append("--resume")
-    code = pytest.main(argv)
+    tally = Tally()
+    t0 = time.perf_counter()
+    with RunLog(out / "bench.log") as log:
+        print(f"=== {command_line(args, args.resume)}  ({time.strftime('%Y-%m-%d %H:%M:%S')})", flush=True)
+        set_status_writer(StatusLine(log.terminal))
+        try:
+            code = pytest.main(argv, plugins=[tally])
+        finally:
+            set_status_writer(None)
+        lines = log.since_start()
+    if code == pytest.ExitCode.INTERRUPTED:
+        raise KeyboardInterrupt
+    if code == pytest.ExitCode.USAGE_ERROR:  # a session-start check refused: relay its line
+        errors = [x.removeprefix("ERROR: ") for x in lines if x.startswith("ERROR: ")]
+        say(f"poros bench: error: {errors[0] if errors else f'the suites refused to start; see {log.path}'}")
+        return 2
+    if code == pytest.ExitCode.INTERNAL_ERROR:
+        say("\n".join(lines[-30:]))
+        say(f"poros bench: internal error (a bug in Poros); the full log is {log.path}")
+        return 3
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
-        print("poros bench: no cell matched", file=sys.stderr)
+        say(f"poros bench: no cell matched -k {args.keyword!r}" if args.keyword else "poros bench: no cells")
         return 1
-    if results.exists() and results.stat().st_size:
-        from poros.report import write_report
+    say(f"{tally.summary()} in {time.perf_counter() - t0:.0f} s; full log: {log.path}")
+    if not (results.exists() and ResultsWriter(results).rows()):
+        say("poros bench: no cell produced a result")
+        return 1
+    from poros.report import write_report
 
-        md = write_report([results], out / "report.md", reference_csv=reference_path(args.reference))
-        print(md.read_text())
-        print(f"wrote {md}", file=sys.stderr)
-    else:
-        print("poros bench: no cell produced a result", file=sys.stderr)
-        return 1
+    md = write_report([results], out / "report.md", reference_csv=reference_path(args.reference))
+    say(f"wrote {md}")
+    print(md.read_text(), flush=True)
     return int(code)

@@ -1,4 +1,7 @@
-"""`poros build`: build a model's NF4 store layer by layer and report time and peak memory."""
+"""`poros build`: build a model's NF4 store layer by layer and report time and peak memory.
+
+A build that would not fit in host memory (estimated from the model's shapes) is refused before
+anything is allocated."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def run(args) -> int:
 
     import torch
 
-    from poros.build import build_store
+    from poros.build import build_store, config_host_need
     from poros.errors import ConfigError
     from poros.registry import SHAPES, count_params
 
@@ -49,5 +52,7 @@ def run(args) -> int:
         "device": stats.device,
         "peak_device_gb": None if stats.peak_device_bytes is None else round(stats.peak_device_bytes / 1e9, 3),
         "peak_host_rss_gb": round(rss / 1e9, 3),
+        # what the up-front memory check assumed the build adds to the process (shapes alone)
+        "host_estimate_gb": round(config_host_need(store.config, device).total / 1e9, 3),
     }))
     return 0

@@ -12,7 +12,8 @@ Later files win: a row repeating a (matrix, model, stack, method) cell replaces 
 --reference alone takes the official validation figures (reports/reference/official.csv, B300 and
 A100); give it after the results files, or name a CSV in that format.
 The PNG is written beside the Markdown (same stem) and linked from it: s/step against peak VRAM,
-or on CPU, where there is no device memory, s/step per model and method.
+or on CPU, where there is no device memory, s/step per model and method. -o must be a .md file
+that is none of the inputs. --sweep renders schedule sweeps (scripts/sweep.py) instead.
 """
 
 
@@ -44,16 +45,20 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from poros.preflight import check_reference, check_report_paths
     from poros.report import latest, load_results, results_table, write_report
 
+    reference = reference_path(args.reference)
+    check_report_paths(args.results, args.output, reference)  # never over its own input
     if args.sweep:
         from poros.sweep_report import write_sweep_report
 
         out = write_sweep_report(args.results, args.output, title=args.title)
         print(f"wrote {out} and {out.with_suffix('.png')}")
         return 0
-
-    out = write_report(args.results, args.output, reference_csv=reference_path(args.reference), title=args.title)
+    if reference:
+        check_reference(reference)
+    out = write_report(args.results, args.output, reference_csv=reference, title=args.title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     df = latest(load_results(args.results))
     for hw, g in df.groupby("hardware", sort=False):

@@ -5,6 +5,10 @@ from __future__ import annotations
 EPILOG = """examples:
   poros validate matrices/h200.yaml
   poros validate matrices/*.yaml
+
+Checks each file's settings and, against each model's config (a checkpoint folder's config.json
+included), that seq_len is within the model's max_position_embeddings and that Poros supports its
+layers. The device is not checked here: a file may be meant for another machine.
 """
 
 
@@ -15,13 +19,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from poros import preflight
     from poros.errors import ConfigError
-    from poros.matrix import load_matrix
 
     bad = 0
     for f in args.files:
         try:
-            m = load_matrix(f)
+            m = preflight.load_matrix(f)
+            preflight.check_matrix(m)
         except ConfigError as e:
             bad += 1
             print(f"FAIL {e.source}:")

@@ -1,0 +1,303 @@
+"""Results files and output folders: nothing lost, nothing mixed.
+
+An output folder is owned by one run at a time (`OutputLock`); the files of an earlier run are
+moved into `OUT/earlier/N/` before a new run starts (`keep_earlier`), never overwritten; rows are
+appended one whole line per write and synced (`ResultsWriter`), and a line torn by a killed run is
+set aside, with a warning, before anything is appended after it (`ResultsWriter.repair`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from poros.errors import PorosError
+
+LOCK_NAME = ".poros.lock"
+EARLIER = "earlier"
+# what one `poros bench matrix` run writes into its output folder
+RUN_FILES = ("results.jsonl", "results.jsonl.torn", "benchmark.json", "bench.log", "report.md", "report.png")
+
+
+class OutputInUse(PorosError):
+    """Another run owns the output folder."""
+
+
+class ResultsFileError(PorosError):
+    """A results file cannot be read or appended to as it is."""
+
+
+def _describe(holder: dict) -> str:
+    cmd = f" ({holder['command']})" if holder.get("command") else ""
+    return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since "
+            f"{holder.get('started', '?')}{cmd}")
+
+
+class OutputLock:
+    """Exclusive ownership of an output folder for the lifetime of one run.
+
+    The lock is `OUT/.poros.lock`, held with flock (released by the kernel when its process dies,
+    so a killed run leaves a stale file, not a held lock) and naming its holder: pid, host, start
+    time and command. Re-entrant within a process: `poros bench` takes it, then its suites do.
+
+    Raises (from `acquire`):
+        OutputInUse: naming the run that holds it.
+        PorosError: the folder cannot be created or written.
+    """
+
+    _held: dict[Path, "OutputLock"] = {}
+
+    def __init__(self, folder, command: str | None = None):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.command = command if command is not None else _invocation()
+        self.stale: dict | None = None  # the holder a killed run left behind, once taken over
+        self._fd: int | None = None
+        self._depth = 0
+        self._outer: OutputLock | None = None  # the lock this process already holds on the folder
+
+    def _key(self) -> Path:
+        return self.folder.resolve()
+
+    def acquire(self) -> "OutputLock":
+        held = OutputLock._held.get(self._key())
+        if held is not None:
+            held._depth += 1
+            self._outer = held
+            return self
+        ensure_folder(self.folder, "output folder")
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise PorosError(f"output folder {self.folder}: cannot create {LOCK_NAME} ({e.strerror}); "
+                                 f"pass a writable folder") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise PorosError(f"output folder {self.folder}: cannot lock {LOCK_NAME} ({e.strerror})") from None
+                raise OutputInUse(f"output folder {self.folder} is in use by another run: "
+                                  f"{_describe(self._read())}; wait for it to end or pass another -o") from None
+            try:  # the locked file must still be the one at the path (a releasing run unlinks it)
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = _parse_holder(os.pread(fd, 4096, 0))
+        if previous and previous.get("host") != socket.gethostname():
+            os.close(fd)  # its liveness cannot be told from here
+            raise OutputInUse(f"output folder {self.folder} is locked by {_describe(previous)}, another host; "
+                              f"if that run has ended, delete {self.path}")
+        self.stale = previous  # flock was free: the run that wrote it is gone
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "command": self.command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd, self._depth = fd, 1
+        OutputLock._held[self._key()] = self
+        return self
+
+    def _read(self) -> dict:
+        try:
+            return _parse_holder(self.path.read_bytes()) or {}
+        except OSError:
+            return {}
+
+    def release(self) -> None:
+        if self._outer is not None:
+            self._outer.release()
+            self._outer = None
+            return
+        if self._fd is None:
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        OutputLock._held.pop(self._key(), None)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def stale_warning(self) -> str | None:
+        if self.stale is None:
+            return None
+        return (f"warning: {self.path} was left by {_describe(self.stale)}, which is no longer running; "
+                f"taking the folder over")
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _invocation() -> str:
+    """This process's command line, as typed (`python -m pytest suites/ ...`)."""
+    prog = Path(sys.argv[0]).name
+    if prog == "__main__.py":
+        prog = f"python -m {Path(sys.argv[0]).parent.name}"
+    return " ".join([prog, *sys.argv[1:]])
+
+
+def _parse_holder(raw: bytes) -> dict | None:
+    try:
+        holder = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def ensure_folder(folder, what: str = "output folder") -> Path:
+    """Create `folder` (and its parents) or say in one line why it cannot be.
+
+    Raises:
+        PorosError: it is a file, lies under a file, or cannot be created.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise PorosError(f"{what} {folder} is a file, expected a folder; pass a folder path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PorosError(f"{what} {folder}: cannot create it ({e.strerror}); pass a writable folder") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PorosError(f"{what} {folder} is not writable; pass a writable folder")
+    return folder
+
+
+def keep_earlier(folder, names=RUN_FILES) -> tuple[Path | None, list[str]]:
+    """Move the files among `names` that exist in `folder` into a new `folder/earlier/N/`.
+
+    Returns:
+        The new folder and the names moved (None and [] when there was nothing to keep).
+    """
+    folder = Path(folder)
+    present = [n for n in names if (folder / n).exists()]
+    if not present:
+        return None, []
+    base = folder / EARLIER
+    if base.exists() and not base.is_dir():
+        raise PorosError(f"{base} is a file: it is where earlier runs' files are kept; move it away")
+    base.mkdir(exist_ok=True)
+    numbers = [int(p.name) for p in base.iterdir() if p.name.isdigit()]
+    n = max(numbers, default=0) + 1
+    while True:
+        target = base / str(n)
+        try:
+            target.mkdir()  # exclusive: never reuses (or writes into) an earlier run's folder
+            break
+        except FileExistsError:
+            n += 1
+    for name in present:
+        os.replace(folder / name, target / name)
+    return target, present
+
+
+class ResultsWriter:
+    """Appends one JSON object per cell, each as one write of a whole line, synced, so a killed
+    run keeps every finished cell."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.last: dict | None = None  # the row most recently appended by this writer
+
+    def _text(self) -> str:
+        try:
+            return self.path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ResultsFileError(f"{self.path}: not a results file (byte {e.start} is not UTF-8 text); "
+                                   f"pass the results.jsonl a poros run wrote, or another -o") from None
+        except IsADirectoryError:
+            raise ResultsFileError(f"{self.path} is a folder, expected a results file (JSON Lines)") from None
+
+    def _parse(self, text: str) -> tuple[list[dict], int | None]:
+        """The complete rows, and the index of a torn last line (None when there is none).
+
+        Raises:
+            ResultsFileError: a line other than the last is not a JSON object.
+        """
+        lines = text.split("\n")
+        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+        rows = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            row = _row(line)
+            if row is None:
+                if i == last:
+                    return rows, i
+                raise ResultsFileError(f"{self.path}:{i + 1}: not a results row (JSON object); the file was "
+                                       f"edited or mixed with another: fix or delete that line, or pass another -o")
+            rows.append(row)
+        return rows, None
+
+    def rows(self) -> list[dict]:
+        """Every complete row (a torn last line is left out; `repair` sets it aside)."""
+        if not self.path.is_file():
+            return []
+        return self._parse(self._text())[0]
+
+    def repair(self) -> str | None:
+        """Before appending to an existing file: move a torn last line into `<file>.torn` and end
+        the file on a newline. Returns the warning to show, or None when nothing was torn.
+
+        Raises:
+            ResultsFileError: the file is not UTF-8 text or has a malformed line before the last.
+        """
+        if not self.path.exists():
+            return None
+        text = self._text()
+        rows, torn = self._parse(text)
+        if torn is None:
+            if text and not text.endswith("\n"):  # a whole last row whose newline was cut off
+                self._write_raw(b"\n")
+            return None
+        lines = text.split("\n")
+        side = self.path.with_name(self.path.name + ".torn")
+        with side.open("ab") as f:
+            f.write(lines[torn].encode() + b"\n")
+        kept = "\n".join(lines[:torn])
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes((kept + "\n" if kept else "").encode())
+        os.replace(tmp, self.path)
+        return (f"warning: {self.path}:{torn + 1} is a partial row (a run was cut off while writing it): kept "
+                f"the {len(rows)} complete rows and moved the partial line to {side}")
+
+    def done(self, matrix: str) -> dict[tuple, dict]:
+        return {(r.get("model"), r.get("stack_name"), r.get("method")): r for r in self.rows()
+                if r.get("matrix") == matrix and r.get("status") == "ok"}
+
+    def _write_raw(self, data: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def append(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_raw((json.dumps(row) + "\n").encode())
+        self.last = row
+
+
+def _row(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
