@@ -38,7 +38,7 @@ def plan_for(store, cfg, **kw):
                         seq_len=cfg.seq_len, **kw)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
        order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
        overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans())
@@ -77,17 +77,20 @@ def test_budgets_keep_parity_and_fit(stores, model, budget):
 
 @pytest.mark.parametrize("accum", [2, 3, 8], ids=lambda g: f"accum={g}")
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
-def test_layer_major_accumulation_is_exact_and_copies_once(stores, model, accum):
+def test_layer_major_accumulation_is_exact(stores, model, accum):
     cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=accum, lr=1e-2)
-    store = stores(model)
-    result, _ = gate(store, cfg)
+    result, _ = gate(stores(model), cfg, steps=1)
     assert result.ok, result.first_mismatch
+
+
+def test_layer_major_accumulation_copies_each_block_once_per_step(stores):
+    store = stores("tiny-gemma3")
     copied = {}
-    for g in (1, accum):
-        trainer = PorosTrainer(store, cfg.replace(grad_accum=g))
+    for g in (1, 3):
+        trainer = PorosTrainer(store, TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2, grad_accum=g))
         copied[g] = [trainer.step().counters["bytes_h2d"] for _ in range(2)]
         trainer.close()
-    assert copied[accum] == copied[1], "layer-major copies each block once per step, whatever grad_accum"
+    assert copied[3] == copied[1], "layer-major copies each block once per step, whatever grad_accum"
 
 
 def test_reversed_micro_batch_order_fails_the_gate(stores):
