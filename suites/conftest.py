@@ -25,6 +25,11 @@ def pytest_configure(config):
 
 def pytest_sessionstart(session):
     config = session.config
+    if _matrix(config)[1].deterministic:
+        # first, before any CUDA work: cuBLAS reads its workspace configuration once per process
+        from poros.train import enable_determinism
+
+        enable_determinism()
     tw = config.get_terminal_writer()
     capman = config.pluginmanager.getplugin("capturemanager")
 
@@ -37,11 +42,6 @@ def pytest_sessionstart(session):
         tw.flush()
 
     set_progress_writer(line)
-    if _matrix(config)[1].deterministic:
-        # before any CUDA work: cuBLAS reads its workspace configuration once per process
-        from poros.train import enable_determinism
-
-        enable_determinism()
 
 
 def pytest_generate_tests(metafunc):

@@ -30,9 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def wants_determinism(args) -> bool:
+    """Whether the command will train with `deterministic`: its flag, or the matrix file it runs."""
+    if getattr(args, "deterministic", None):
+        return True
+    if args.command == "bench" and getattr(args, "file", None):
+        from poros.matrix import load_matrix
+
+        return bool(load_matrix(args.file).deterministic)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if wants_determinism(args):
+            # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
+            from poros.train import set_cublas_workspace
+
+            set_cublas_workspace()
         return int(args.run(args) or 0)
     except PorosError as e:
         print(f"poros {args.command}: error: {e}", file=sys.stderr)
