@@ -223,6 +223,11 @@ def build_store(
         The host-resident store and the build's time and peak device memory.
     """
     src = resolve(source) if isinstance(source, str) else source
+    if src.checkpoint is not None:
+        from poros.nf4_checkpoint import is_bnb_checkpoint, load_nf4_store
+
+        if is_bnb_checkpoint(src.checkpoint):  # already quantized: read, do not build
+            return load_nf4_store(src, device=device, progress=progress, on_layer=on_layer)
     device = torch.device(device)
     t0 = time.perf_counter()
     if device.type == "cuda":

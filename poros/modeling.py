@@ -111,7 +111,7 @@ class QLoRAModel:
             bind_nf4(self.linear4bit[slot.name], packed, absmax, self.code, slot.shape)
 
     def add_lora(self) -> nn.Module:
-        """Wrap with peft LoRA and initialise adapters from the seed, independent of device."""
+        """Wrap with peft LoRA and initialise adapters from cfg.seed, independent of device."""
         from peft import LoraConfig, get_peft_model
 
         lcfg = LoraConfig(

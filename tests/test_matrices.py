@@ -89,13 +89,12 @@ MALFORMED = {
     "name": "broken",
     "steps": "many",  # wrong type
     "passes": 3,
-    # seq_len: missing
+    # dataset: missing
     "batch_size": 1,
     "grad_accum": 1,
     "lora_rank": 16,
     "lora_alpha": 32,
     "block_size": 4,
-    "dataset": "synthetic",
     "methods": ["poros", "teleport"],  # unknown method
     "models": ["tiny-qwen2", "gpt-17"],  # unknown model
     "stacks": ["current", {"name": "old", "torch": "2.10.0"}],  # bad stack: missing keys
@@ -103,7 +102,7 @@ MALFORMED = {
 }
 EXPECTED = {
     "unknown key": ("colour",),
-    "missing key": ("seq_len",),
+    "missing key": ("dataset",),  # settings (seq_len, ...) take the settings table's defaults
     "wrong type": ("steps", "'many'"),
     "unknown model": ("models", "gpt-17"),
     "unknown method": ("methods", "teleport"),

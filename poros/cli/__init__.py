@@ -8,7 +8,7 @@ import sys
 
 from poros.errors import PorosError
 
-SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build")
+SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train")
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,0 +1,113 @@
+"""What a `poros train` run shows and keeps as it goes: the progress line, log.csv, loss.png, and
+the Ctrl-C request that stops it at a step boundary."""
+
+from __future__ import annotations
+
+import csv
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+LOG_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "peak_memory_gb", "eval_loss")
+
+
+class RunLog:
+    """log.csv, one row per step; on resume rows after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, keep_through: int):
+        self.path = path
+        rows = []
+        if keep_through and path.is_file():
+            with path.open(newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= keep_through]
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, LOG_COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+
+    def append(self, row: dict) -> None:
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, LOG_COLUMNS).writerow({k: "" if row.get(k) is None else row[k] for k in LOG_COLUMNS})
+
+    def rows(self) -> list[dict]:
+        with self.path.open(newline="") as f:
+            return list(csv.DictReader(f))
+
+
+def plot_loss(log: RunLog, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = log.rows()
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label="train loss", lw=1)
+    ev = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=100)
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """A one-line bar on a terminal (step, loss, tokens/s, time left); plain lines otherwise."""
+
+    def __init__(self, total: int, start: int, stream=None, tty: bool | None = None):
+        self.total, self.start, self.stream = total, start, stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.every = max(1, (total - start) // 50)
+        self.t0 = None
+        self._bar_drawn = False  # the terminal's line holds the bar: a message starts a new line
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        now = time.perf_counter()
+        if self.t0 is None:  # time left from the steps after the first (which carries the warm-up)
+            self.t0, self.first = now, step
+        rate = (now - self.t0) / (step - self.first) if step > self.first else None
+        left = "--:--" if rate is None else _duration(rate * (self.total - step))
+        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left"
+        if self.tty:
+            done = int(20 * step / self.total)
+            print(f"\r[{'#' * done}{'.' * (20 - done)}] {text}  ", end="", file=self.stream, flush=True)
+            self._bar_drawn = True
+        elif step == self.total or (step - self.start) % self.every == 0 or step == self.start + 1:
+            print(text, file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        print(("\n" if self._bar_drawn else "") + text, file=self.stream, flush=True)
+        self._bar_drawn = False
+
+
+class StopRequest:
+    """The first Ctrl-C asks the loop to save a checkpoint and stop after the current step; a
+    second aborts at once. Only the main thread receives signals; elsewhere nothing is installed."""
+
+    def __init__(self, say):
+        self.requested, self.say, self.previous = False, say, None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.say("Ctrl-C: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
