@@ -4,11 +4,11 @@
         --variant cuda_graphs=true --variant cuda_graphs=true,vram_budget=24GB \
         --grad-accum 1,8 [--steps 6 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
     python3 scripts/sweep.py qwen2.5-72b --reference resident_gc --resident --seq-len 32768 \
-        --attention flash --deterministic --variant cuda_graphs=true,offload_inputs=true
+        --attention flash --deterministic --loss-chunk 4096 --variant cuda_graphs=true,offload_inputs=true
 
 A variant is a comma-separated list of schedule settings (poros/settings.py: block_size, vram_budget,
 overlap_backward, cuda_graphs, accumulation); what is computed (--seq-len, --grad-accum, --attention,
---deterministic) is the sweep's. Per value of --grad-accum, the reference (resident QLoRA, or with
+--deterministic, --loss-chunk) is the sweep's. Per value of --grad-accum, the reference (resident QLoRA, or with
 `--reference resident_gc` resident QLoRA with gradient checkpointing, where plain resident does not fit)
 runs the gate's steps first and its states are recorded in host memory (so a schedule is gated even when
 it and the reference would not fit the device together), then each variant is gated against them and
@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--attention", default="math")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--loss-chunk", type=int, help="tokens per chunk of the head (default: the model's own loss)")
     p.add_argument("--grad-accum", default="1", help="comma-separated values, each with its own reference")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path)
@@ -106,7 +107,7 @@ def main() -> None:
     prov = provenance()  # once: commit, versions, GPU name/UUID (which machine a figure came from)
 
     def emit(row: dict) -> None:
-        row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len,
+        row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len, "loss_chunk": args.loss_chunk,
                "build_s": round(stats.seconds, 1), **row, "provenance": prov}
         print(json.dumps(row), flush=True)
         if args.out:
@@ -116,7 +117,7 @@ def main() -> None:
 
     for accum in (int(g) for g in args.grad_accum.split(",")):
         base = TrainConfig(model=args.model, seq_len=args.seq_len, grad_accum=accum, device=args.device,
-                           attention=args.attention, deterministic=args.deterministic)
+                           attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
         resident = make_trainer(Method(args.reference), store, base)
         reference = RecordedReference(resident, args.gate_steps)
         if args.resident:
