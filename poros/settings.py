@@ -194,9 +194,9 @@ SETTINGS: tuple[Setting, ...] = (
             "strict torch.use_deterministic_algorithms for every method (repeatable attention backward; an op "
             "without a deterministic kernel is an error)", "Deterministic algorithms"),
     Setting("loss_chunk", None, COMPUTED, optional_positive_int,
-            "tokens per chunk of the head: the logits and loss of one chunk at a time, recomputed in backward, "
-            "never the whole sequence's; sums the loss in another order than the model's own loss, for every "
-            "method alike (default: none, the model's own loss)", "Loss chunk (tokens)", metavar="TOKENS"),
+            "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
+            "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike) "
+            "(none: the model's own head)", "Loss chunk (tokens)", metavar="TOKENS"),
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,
