@@ -15,7 +15,7 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.matrix import Matrix, Stack
-from poros.methods import METHODS, gated
+from poros.methods import gate_of, gated
 from poros.results import ResultsWriter  # noqa: F401  (re-exported: the suites and tests import it here)
 
 
@@ -221,7 +221,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
     from poros.provenance import provenance
 
     steps = m.steps
-    gate_applies = cell.method is None or METHODS[cell.method].gated
+    pair = gate_of(m.methods)  # (reference, method) of this matrix's gate
+    gate_applies = pair is not None and (cell.method is None or cell.method in pair)
     per_step = [t / steps for t in meas.per_pass_s] if meas else []
     row = {
         "matrix": m.name,
@@ -241,6 +242,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "peak_vram_gb": meas.peak_vram_gb if meas else None,
         "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
+        "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
         "parity_max_abs_diff": None if not gate_applies or parity is None else parity.max_abs_diff,
         "parity_steps": None if parity is None else parity.steps,
         "parity_first_mismatch": None if parity is None else parity.first_mismatch,

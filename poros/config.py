@@ -15,6 +15,7 @@ class Method(str, enum.Enum):
 
     POROS = "poros"  # NF4 store in host memory, streamed onto the device by a plan
     RESIDENT = "resident"  # ordinary QLoRA: the whole NF4 model on the device
+    RESIDENT_GC = "resident_gc"  # resident QLoRA with gradient checkpointing per decoder layer (long context)
     UNSLOTH = "unsloth"  # Unsloth's FastLanguageModel, as users run it (GPU only)
 
 

@@ -1,5 +1,5 @@
 """The methods a matrix compares, as one registry: how each is made, whether it can run here, and
-whether the parity gate holds it to resident QLoRA."""
+how the parity gate holds it to resident QLoRA."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class MethodSpec:
     gated: bool  # held to bitwise parity with resident QLoRA
     in_process: bool  # a Trainer in this process (False: measured in a child process)
     unavailable: Callable[[str], str | None]  # why it cannot run on a device (None when it can)
+    reference: bool = False  # a gate may compare the others with it (resident QLoRA, or its checkpointed form)
 
 
 def _always(device: str) -> str | None:
@@ -30,7 +31,11 @@ def _unsloth_unavailable(device: str) -> str | None:
 
 METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
     MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, in_process=True, unavailable=_always),
-    MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, in_process=True, unavailable=_always),
+    MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, in_process=True, unavailable=_always,
+               reference=True),
+    # bitwise equal to resident (tests/test_resident_gc.py): the reference where resident does not fit
+    MethodSpec(Method.RESIDENT_GC, "resident + gradient checkpointing", gated=True, in_process=True,
+               unavailable=_always, reference=True),
     MethodSpec(Method.UNSLOTH, "unsloth", gated=False, in_process=False, unavailable=_unsloth_unavailable),
 )}
 
@@ -45,6 +50,10 @@ def make_trainer(method: Method, store, cfg: TrainConfig):
         from poros.train import ResidentTrainer
 
         return ResidentTrainer(store, cfg)
+    if method is Method.RESIDENT_GC:
+        from poros.train import ResidentGCTrainer
+
+        return ResidentGCTrainer(store, cfg)
     raise ValueError(f"{method.value} runs in a child process (poros.unsloth_method.measure_unsloth)")
 
 
@@ -53,6 +62,21 @@ def method_unavailable(method: Method, device: str) -> str | None:
     return METHODS[method].unavailable(device)
 
 
+def gate_of(methods) -> tuple[Method, Method] | None:
+    """The parity gate a set of methods gets, as (reference, method): the reference is resident QLoRA
+    where the set has it, else resident with gradient checkpointing (a long-context matrix, where plain
+    resident does not fit); the method is poros where the set has it, else another gated method. None
+    when the set has no reference and a gated method besides it."""
+    references = [m for m in METHODS if METHODS[m].reference and m in methods]
+    if not references:
+        return None
+    reference = references[0]
+    others = [m for m in methods if METHODS[m].gated and m is not reference]
+    if not others:
+        return None
+    return reference, Method.POROS if Method.POROS in others else others[0]
+
+
 def gated(methods) -> bool:
-    """Whether a set of methods gets a parity gate cell (resident and a gated method besides it)."""
-    return Method.RESIDENT in methods and any(METHODS[m].gated and m is not Method.RESIDENT for m in methods)
+    """Whether a set of methods gets a parity gate cell (`gate_of`)."""
+    return gate_of(methods) is not None

@@ -101,6 +101,10 @@ class QLoRAModel:
                 if buf is not None and not buf.is_meta:
                     module._buffers[bname] = buf.to(self.device)
         self.code = store.code.to(self.device)
+        if cfg.loss_chunk is not None:  # before the LoRA wrapper, which calls the model's forward
+            from poros.head import use_chunked_loss
+
+            use_chunked_loss(model, cfg.loss_chunk)
         self.hf = model
 
     def materialize_resident(self) -> None:

@@ -1,4 +1,5 @@
-"""The bitwise parity gate: resident and poros from one initial state, compared with torch.equal."""
+"""The bitwise parity gate: a reference (resident QLoRA, or resident with gradient checkpointing where
+resident does not fit) and a method (poros) from one initial state, compared with torch.equal."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Callable
 import torch
 
 from poros.build import build_store
-from poros.config import TrainConfig
+from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
 from poros.store import absmax_view, weight_view
-from poros.train import ResidentTrainer, Trainer
+from poros.train import Trainer, deterministic_kernels
 
 
 @dataclass
@@ -30,7 +31,9 @@ class ParityResult:
     grad_accum: int = 1
     accumulation: str = "layer"
     resident_layers: int = 0  # layers the plan kept on the device for the whole step
-    gate: str = "resident"  # what poros was compared with: resident QLoRA, or resident again (--control)
+    gate: str = "resident"  # the reference `method` was compared with: resident, resident_gc, or "control"
+    # (the reference against a second run of itself); "(recorded)" when its states were recorded first
+    method: str = "poros"  # the method compared with the reference
     losses: list = field(default_factory=list)
 
     @property
@@ -107,7 +110,8 @@ def take_step(trainer: Trainer, step: int, to_host: bool = False) -> StepState:
     optimizer step, the LoRA weights and AdamW state after it (copied to host memory with `to_host`)."""
     keep = (lambda d: {k: None if v is None else v.detach().to("cpu", copy=True) for k, v in d.items()}) \
         if to_host else (lambda d: d)
-    losses = trainer.accumulate(trainer.batches(step))
+    with deterministic_kernels():
+        losses = trainer.accumulate(trainer.batches(step))
     grads = keep(trainer.lora_grads())
     trainer.optimizer_step()
     return StepState([x.detach().to("cpu") if to_host else x for x in losses], grads, keep(trainer.lora_state()),
@@ -115,11 +119,12 @@ def take_step(trainer: Trainer, step: int, to_host: bool = False) -> StepState:
 
 
 class RecordedReference:
-    """Resident QLoRA's states for `steps` steps, recorded in host memory: a gate for a trainer that cannot
-    share the device with resident (both would not fit), at the cost of host memory for the states."""
+    """A reference's states (resident QLoRA's, or resident_gc's) for `steps` steps, recorded in host memory:
+    a gate for a trainer that cannot share the device with the reference (both would not fit), at the cost
+    of host memory for the states."""
 
     def __init__(self, trainer: Trainer, steps: int):
-        self.cfg = trainer.cfg
+        self.cfg, self.method = trainer.cfg, trainer.method
         self.init = {k: v.detach().to("cpu", copy=True) for k, v in trainer.lora_state().items()}
         self.states = [take_step(trainer, s, to_host=True) for s in range(steps)]
 
@@ -130,7 +135,7 @@ def _result(poros: Trainer, gate: str) -> ParityResult:
     return ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
                         block_size=plan.block_size if plan else cfg.block_size, seq_len=cfg.seq_len,
                         grad_accum=cfg.grad_accum, accumulation=cfg.accumulation.value,
-                        resident_layers=len(plan.resident_layers) if plan else 0, gate=gate)
+                        resident_layers=len(plan.resident_layers) if plan else 0, gate=gate, method=poros.method)
 
 
 def _compare(cmp: Comparator, result: ParityResult, reference: Callable[[int], StepState], poros: Trainer,
@@ -166,15 +171,18 @@ def run_gate(
 ) -> ParityResult:
     """Train both for `steps` optimizer steps on the same data, comparing after every step.
 
-    Compared: the initial NF4 weights and LoRA weights; then per step the loss of every
-    micro-batch, every LoRA gradient before the optimizer step, every LoRA weight and AdamW
-    state tensor after it. Stops after the first step with a mismatch.
+    `resident` is the reference (resident QLoRA or resident_gc), `poros` the method held to it (poros,
+    resident_gc, or the reference's own method: a control). Compared: the initial LoRA weights (and,
+    for poros, the NF4 bytes it streams from); then per step the loss of every micro-batch, every LoRA
+    gradient before the optimizer step, every LoRA weight and AdamW state tensor after it. Stops after
+    the first step with a mismatch.
     """
     cmp = Comparator()
-    result = _result(poros, "resident" if isinstance(poros, PorosTrainer) else "control")
+    result = _result(poros, "control" if poros.method == resident.method else resident.method)
     ok = True
-    if verify_initial and isinstance(poros, PorosTrainer):
-        ok &= compare_base_weights(cmp, resident, poros)
+    if verify_initial:
+        if isinstance(poros, PorosTrainer):
+            ok &= compare_base_weights(cmp, resident, poros)
         ok &= cmp.all_equal("init:", resident.lora_state(), poros.lora_state())
     return _compare(cmp, result, lambda s: take_step(resident, s), poros, steps, ok, on_step)
 
@@ -183,7 +191,7 @@ def run_gate_recorded(reference: RecordedReference, poros: Trainer, steps: int |
     """The gate against resident states recorded earlier (`RecordedReference`), step by step."""
     steps = len(reference.states) if steps is None else min(steps, len(reference.states))
     cmp = Comparator()
-    result = _result(poros, "resident (recorded)")
+    result = _result(poros, f"{reference.method} (recorded)")
     ok = cmp.all_equal("init:", reference.init, poros.lora_state())
     return _compare(cmp, result, lambda s: reference.states[s], poros, steps, ok)
 
@@ -193,22 +201,42 @@ def parity(
     steps: int = 3,
     *,
     store=None,
-    mutate: Callable[[Trainer, PorosTrainer], None] | None = None,
+    mutate: Callable[[Trainer, Trainer], None] | None = None,
     verify_initial: bool = True,
     progress: bool | None = None,
     control: bool = False,
+    method: Method = Method.POROS,
+    reference: Method = Method.RESIDENT,
+    sequential: bool = False,
 ) -> ParityResult:
-    """Build the model once, set up resident and poros from it, and run the gate.
+    """Build the model once, set up `reference` and `method` from it, and run the gate.
 
-    `mutate(resident, poros)` runs after setup (negative controls use it to corrupt one side).
-    `control=True` compares resident with a second resident instead: a FAIL there means the
+    `mutate(reference, method)` runs after setup (negative controls use it to corrupt one side).
+    `control=True` compares the reference with a second run of itself: a FAIL there means the
     kernels themselves (e.g. an attention backward) are not run-to-run repeatable here.
+    `sequential=True` runs the reference first, records its states in host memory and releases it
+    before the method is set up (`RecordedReference`): the gate for settings where the two do not fit
+    the device together (long context).
     """
+    from poros.methods import make_trainer
+
     if store is None:
         store, _ = build_store(cfg.model, seed=cfg.seed, device=cfg.device.value, progress=progress)
-    resident = ResidentTrainer(store, cfg)
-    poros = ResidentTrainer(store, cfg) if control else PorosTrainer(store, cfg)
+    method = reference if control else method
+    if sequential:
+        if mutate is not None:
+            raise ValueError("mutate needs both trainers at once: not with sequential=True")
+        ref = make_trainer(reference, store, cfg)
+        recorded = RecordedReference(ref, steps)
+        ref.close()
+        del ref
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        result = run_gate_recorded(recorded, make_trainer(method, store, cfg), steps)
+        if control:
+            result.gate = "control (recorded)"
+        return result
+    ref, mine = make_trainer(reference, store, cfg), make_trainer(method, store, cfg)
     if mutate is not None:
-        mutate(resident, poros)
-    return run_gate(resident, poros, steps, verify_initial=verify_initial)
-
+        mutate(ref, mine)
+    return run_gate(ref, mine, steps, verify_initial=verify_initial)

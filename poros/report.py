@@ -17,7 +17,8 @@ REQUIRED = KEY + (
     "peak_vram_gb", "parity", "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share",
     "tokens_per_s", "config", "provenance",
 )
-METHODS = {"poros": "poros (blockwise residency)", "resident": "resident (full QLoRA)", "unsloth": "unsloth"}
+METHODS = {"poros": "poros (blockwise residency)", "resident": "resident (full QLoRA)",
+           "resident_gc": "resident + gradient checkpointing", "unsloth": "unsloth"}
 STATUSES = ("ok", "failed", "skipped")
 RESULTS_COLUMNS = (
     "Model", "Arch", "Stack", "Bitwise parity", "poros s/step (median±std)", "resident s/step (median±std)",
@@ -162,9 +163,11 @@ def _parity(row) -> str:
     if row is None or _text(row["parity"]) is None:
         return DASH
     diff = _num(row["parity_max_abs_diff"])
+    gate = _text(row.get("gate"))
+    against = "" if gate in (None, "resident") else f" vs {gate}"  # rows say which reference the gate ran
     if row["parity"] == "PASS":
-        return "PASS" if diff is None else f"PASS ({diff:.2e})"
-    return "FAIL" if diff is None else f"FAIL (max |diff| {diff:.2e})"
+        return f"PASS{against}" if diff is None else f"PASS{against} ({diff:.2e})"
+    return f"FAIL{against}" if diff is None else f"FAIL{against} (max |diff| {diff:.2e})"
 
 
 def _cells(df: pd.DataFrame) -> dict:
@@ -338,7 +341,7 @@ def figure(df: pd.DataFrame):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     many_stacks, many_hw = df["stack"].nunique() > 1, df["hardware"].nunique() > 1
-    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green")))
+    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:red", "tab:green")))
     if title == "s/step vs peak VRAM":
         ok = measured[measured["peak_vram_gb"].notna()]
         for method, colour in colours.items():

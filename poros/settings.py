@@ -130,6 +130,16 @@ def optional_size(v):
     return None if v is None or v == "none" else parse_size(v)
 
 
+def optional_positive_int(v):
+    if v is None or v == "none":
+        return None
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"expected an integer > 0 or none, got {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Setting:
     """One training setting: its name (config field, matrix key, results key), default, kind, checker,
@@ -155,6 +165,8 @@ class Setting:
 
     def show(self, v) -> str:
         """How a value reads in a report."""
+        if v is None:
+            return "none"
         if isinstance(v, enum.Enum):
             return v.value
         if isinstance(v, bool):
@@ -179,8 +191,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient or flash", "Attention"),
     Setting("deterministic", False, COMPUTED, flag,
-            "torch.use_deterministic_algorithms for every method (repeatable attention backward)",
-            "Deterministic algorithms"),
+            "strict torch.use_deterministic_algorithms for every method (repeatable attention backward; an op "
+            "without a deterministic kernel is an error)", "Deterministic algorithms"),
+    Setting("loss_chunk", None, COMPUTED, optional_positive_int,
+            "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
+            "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike) "
+            "(none: the model's own head)", "Loss chunk (tokens)", metavar="TOKENS"),
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,

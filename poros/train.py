@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +14,7 @@ import torch
 from poros.build import check_seq_len
 from poros.config import Attention, TrainConfig
 from poros.data import Batch, synthetic_step
+from poros.errors import CapabilityError
 from poros.modeling import QLoRAModel
 from poros.store import NF4Store
 
@@ -30,24 +34,66 @@ def sdpa_context(attention: Attention):
     return sdpa_kernel([backend])
 
 
-def enable_determinism() -> None:
-    """Ask every kernel for its run-to-run repeatable variant (process-wide).
+CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: repeatable matmuls (strict mode refuses others)
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # PyTorch's refusal in strict mode
 
-    On the H200, the default SDPA backward (flash / cuDNN) accumulates dQ with atomics, so its
-    bits change with timing: resident against resident differed for qwen3-32b, and poros's
-    concurrent host->device copies perturb timing further. cuBLAS needs a fixed workspace
-    configuration for repeatability (set before its first handle is created).
+
+def set_cublas_workspace() -> None:
+    """Set CUBLAS_WORKSPACE_CONFIG unless the environment already does.
+
+    PyTorch and cuBLAS read it once, at the process's first cuBLAS work: call this before anything
+    touches CUDA (the CLI does when a command asks for `deterministic`, the matrix suites at session
+    start). Called later, it still sets the variable but warns that matmuls may not be repeatable.
     """
-    import os
-    import warnings
+    if "CUBLAS_WORKSPACE_CONFIG" in os.environ:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        warnings.warn("deterministic mode enabled after CUDA was initialized: cuBLAS may already have chosen "
+                      "its workspace, so matmuls may not be repeatable in this process; set "
+                      f"CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE} before starting it", RuntimeWarning, stacklevel=2)
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
 
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            warnings.warn("deterministic mode enabled after CUDA was initialized: cuBLAS may already have chosen "
-                          "its workspace, so matmuls may not be repeatable in this process; set "
-                          "CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting it", RuntimeWarning, stacklevel=2)
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True, warn_only=True)
+
+def enable_determinism() -> None:
+    """Strict deterministic algorithms, process-wide, for every method alike.
+
+    Strict (not `warn_only`): PyTorch then runs the deterministic variants of the flash and
+    memory-efficient attention backward (without it they accumulate dQ with atomics, so their bits
+    change with timing), leaves cuDNN attention out of SDPA's selection, and refuses an op that has no
+    deterministic implementation instead of running it with a warning; `deterministic_kernels` turns
+    that refusal into one line.
+    """
+    set_cublas_workspace()
+    torch.use_deterministic_algorithms(True)
+
+
+def kernel_refusal(error: BaseException) -> CapabilityError | None:
+    """The one-line error for strict mode's refusal of a kernel (None for any other error)."""
+    text = str(error)
+    if NO_DETERMINISTIC_KERNEL in text:
+        m = re.search(r"(\S+) " + NO_DETERMINISTIC_KERNEL, text)
+        op = m.group(1) if m else "an operation"
+        return CapabilityError(f"{op} has no deterministic implementation on this stack and `deterministic` asks "
+                               "for one: drop deterministic (--deterministic, `deterministic: true`) or pick another "
+                               "attention backend (--attention, `attention:`)")
+    if "CUBLAS_WORKSPACE_CONFIG" in text:
+        return CapabilityError("cuBLAS is not configured for repeatable matmuls and `deterministic` asks for them: "
+                               f"set CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE} in the environment before the process "
+                               "starts, or drop deterministic")
+    return None
+
+
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Training work under strict mode: a kernel it refuses ends in one CapabilityError naming the op
+    (not a traceback, and not a silent fallback to the nondeterministic kernel)."""
+    try:
+        yield
+    except RuntimeError as e:
+        refusal = kernel_refusal(e)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 @dataclass
@@ -115,9 +161,10 @@ class Trainer:
         batches = batches if batches is not None else self.batches(self.steps_done)
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
-        for micro in self.accumulate(batches):
-            loss = loss + micro.float()
-        self.optimizer_step()
+        with deterministic_kernels():
+            for micro in self.accumulate(batches):
+                loss = loss + micro.float()
+            self.optimizer_step()
         value = float(loss)
         return StepResult(value, time.perf_counter() - t0, self.counters())
 
@@ -150,3 +197,26 @@ class ResidentTrainer(Trainer):
     """Ordinary QLoRA: the whole NF4 model on the device."""
 
     method = "resident"
+
+
+class ResidentGCTrainer(ResidentTrainer):
+    """Resident QLoRA with the Hugging Face model's gradient checkpointing, as users run long context:
+    non-reentrant `torch.utils.checkpoint` around every decoder layer, so a layer keeps only its input
+    and recomputes its activations in backward. The same kernels compute the same values in the same
+    order as plain resident QLoRA, so its bits are resident's (tests/test_resident_gc.py gates that)."""
+
+    method = "resident_gc"
+
+    def _make_model(self) -> QLoRAModel:
+        model = super()._make_model()
+        checkpointing = {"use_reentrant": False}
+        hf = model.hf
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.24; the older name is deprecated
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        return model
+
+    def checkpointed_layers(self) -> int:
+        """Decoder layers whose forward runs under gradient checkpointing."""
+        return sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in self.qlora.layers)

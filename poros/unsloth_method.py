@@ -96,14 +96,27 @@ def _child(argv: list[str]) -> int:
         os.environ.setdefault(k, v)
     from unsloth import FastLanguageModel  # must precede transformers and peft
 
-    import torch
-
-    from poros.nvml import NvmlPeak
     from poros.config import TrainConfig
-    from poros.data import synthetic_step
-    from poros.train import sdpa_context
+    from poros.errors import PorosError
+    from poros.train import deterministic_kernels, enable_determinism, sdpa_context
 
     cfg = TrainConfig(**json.loads(args.config))
+    if cfg.deterministic:  # strict, as for every method (the parent passes CUBLAS_WORKSPACE_CONFIG on)
+        enable_determinism()
+    try:
+        with deterministic_kernels():
+            return _train(args, cfg, FastLanguageModel, sdpa_context)
+    except PorosError as e:  # one line for the parent's error, not a traceback
+        print(f"  unsloth: error: {e}", flush=True)
+        return 3
+
+
+def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
+    import torch
+
+    from poros.data import synthetic_step
+    from poros.nvml import NvmlPeak
+
     torch.cuda.reset_peak_memory_stats()
     t_load = time.perf_counter()
     with NvmlPeak() as nvml:

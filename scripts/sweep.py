@@ -3,13 +3,17 @@
     python3 scripts/sweep.py qwen2.5-72b --resident \
         --variant cuda_graphs=true --variant cuda_graphs=true,vram_budget=24GB \
         --grad-accum 1,8 [--steps 6 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
+    python3 scripts/sweep.py qwen2.5-72b --reference resident_gc --resident --seq-len 32768 \
+        --attention flash --deterministic --loss-chunk 4096 --variant cuda_graphs=true,offload_inputs=true
 
 A variant is a comma-separated list of schedule settings (poros/settings.py: block_size, vram_budget,
 overlap_backward, cuda_graphs, accumulation); what is computed (--seq-len, --grad-accum, --attention,
---deterministic) is the sweep's. Per value of --grad-accum, resident QLoRA runs the gate's steps first
-and its states are recorded in host memory (so a schedule is gated even when it and resident would not
-fit the device together), then each variant is gated against them and timed alone: one warm-up pass
-and --passes passes of --steps steps. One JSON line per variant (and per resident with --resident),
+--deterministic, --loss-chunk) is the sweep's. Per value of --grad-accum, the reference (resident QLoRA, or with
+`--reference resident_gc` resident QLoRA with gradient checkpointing, where plain resident does not fit)
+runs the gate's steps first and its states are recorded in host memory (so a schedule is gated even when
+it and the reference would not fit the device together), then each variant is gated against them and
+timed alone: one warm-up pass and --passes passes of --steps steps. One JSON line per variant (and per
+reference with --resident),
 appended to DIR/sweep.jsonl with --out. `--previous DIR` also times the engine of another checkout
 (a folder holding its `poros` package, imported as `poros_previous`) on the same store, for
 same-GPU speed comparisons across versions. The official figures come from `poros bench matrix`.
@@ -28,11 +32,12 @@ import torch
 
 from poros.bench import copy_summary, free_device_memory, measure
 from poros.build import build_store
-from poros.config import TrainConfig
+from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
+from poros.methods import make_trainer
 from poros.parity import RecordedReference, run_gate_recorded
 from poros.settings import SCHEDULE_NAMES, check_values
-from poros.train import ResidentTrainer, enable_determinism
+from poros.train import enable_determinism
 
 
 def parse_variant(text: str) -> dict:
@@ -76,7 +81,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--variant", action="append", default=[], help="schedule settings, e.g. cuda_graphs=true,vram_budget=24GB")
-    p.add_argument("--resident", action="store_true", help="also time resident QLoRA")
+    p.add_argument("--resident", action="store_true", help="also time the reference")
+    p.add_argument("--reference", default="resident", choices=("resident", "resident_gc"),
+                   help="the gate's reference: resident QLoRA, or resident_gc (with gradient checkpointing: long "
+                        "context, where plain resident does not fit)")
     p.add_argument("--previous", type=Path, help="folder holding poros_previous/ (another checkout's engine)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--passes", type=int, default=2)
@@ -84,6 +92,7 @@ def main() -> None:
     p.add_argument("--attention", default="math")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--loss-chunk", type=int, help="tokens per chunk of the head (default: the model's own loss)")
     p.add_argument("--grad-accum", default="1", help="comma-separated values, each with its own reference")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path)
@@ -98,7 +107,7 @@ def main() -> None:
     prov = provenance()  # once: commit, versions, GPU name/UUID (which machine a figure came from)
 
     def emit(row: dict) -> None:
-        row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len,
+        row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len, "loss_chunk": args.loss_chunk,
                "build_s": round(stats.seconds, 1), **row, "provenance": prov}
         print(json.dumps(row), flush=True)
         if args.out:
@@ -108,13 +117,13 @@ def main() -> None:
 
     for accum in (int(g) for g in args.grad_accum.split(",")):
         base = TrainConfig(model=args.model, seq_len=args.seq_len, grad_accum=accum, device=args.device,
-                           attention=args.attention, deterministic=args.deterministic)
-        resident = ResidentTrainer(store, base)
+                           attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
+        resident = make_trainer(Method(args.reference), store, base)
         reference = RecordedReference(resident, args.gate_steps)
         if args.resident:
             resident.close()
-            resident = ResidentTrainer(store, base)  # timed from a fresh start, like every variant
-            emit({"method": "resident", "grad_accum": accum, **timed(resident, base, args.steps, args.passes)})
+            resident = make_trainer(Method(args.reference), store, base)  # timed from a fresh start, like every variant
+            emit({"method": args.reference, "grad_accum": accum, **timed(resident, base, args.steps, args.passes)})
         resident.close()
         del resident
         free_device_memory()

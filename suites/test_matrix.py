@@ -1,5 +1,9 @@
 """The matrix suite: per model × stack the parity gate, then per method the timed passes.
 
+The gate compares the matrix's method (poros) with its reference (`poros.methods.gate_of`): resident
+QLoRA, or resident with gradient checkpointing in a matrix without plain resident (long context, where
+the two are run one after the other, the reference's states recorded in host memory).
+
 Run: pytest suites/ --matrix=cpu   (or b300, a100, h200, a path; --steps/--passes for quick runs)
 """
 
@@ -8,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from poros.bench import free_device_memory, measure, model_unavailable, progress, record, train_config
-from poros.methods import METHODS, gated, make_trainer, method_unavailable
+from poros.config import Method
+from poros.methods import METHODS, gate_of, make_trainer, method_unavailable
 
 pytestmark = pytest.mark.bench
 
@@ -36,8 +41,11 @@ def _gate(session, cell):
         from poros.parity import parity
 
         cfg = train_config(session.matrix, cell.model)
+        reference, method = gate_of(session.matrix.methods)
         try:
-            session.gates[key] = parity(cfg, steps=session.parity_steps, store=session.stores.get(cell.model))
+            session.gates[key] = parity(cfg, steps=session.parity_steps, store=session.stores.get(cell.model),
+                                        method=method, reference=reference,
+                                        sequential=reference is Method.RESIDENT_GC)
         except Exception as e:
             session.gates[key] = e
         free_device_memory()
@@ -51,7 +59,7 @@ def test_parity(session, cell):
     _announce(session, cell)
     _skip_if_not_runnable(session, cell)
     done = session.writer.done(session.matrix.name) if session.resume else {}
-    prior = [done.get((cell.model, cell.stack.name, m)) for m in ("poros", "resident")]
+    prior = [done.get((cell.model, cell.stack.name, m.value)) for m in gate_of(session.matrix.methods)]
     if all(prior):
         pytest.skip("already in results (--resume)")
     try:
@@ -59,8 +67,8 @@ def test_parity(session, cell):
     except Exception as e:
         progress(f"  parity gate FAILED to run: {type(e).__name__}: {str(e)[:200]}")
         raise
-    progress(f"  parity {result.parity}: {result.tensors_compared} tensors, {result.steps} steps, "
-             f"first mismatch {result.first_mismatch}")
+    progress(f"  parity {result.parity} ({result.method} vs {result.gate}): {result.tensors_compared} tensors, "
+             f"{result.steps} steps, first mismatch {result.first_mismatch}")
     assert result.ok, f"parity FAIL: first mismatching tensor {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
 
 
@@ -87,7 +95,8 @@ def test_step(session, cell, benchmark):
 
 def _measure_cell(session, cell, cfg, benchmark):
     m = session.matrix
-    gate = _gate(session, cell) if METHODS[cell.method].gated and gated(m.methods) else None
+    pair = gate_of(m.methods)
+    gate = _gate(session, cell) if pair is not None and cell.method in pair else None
     store = session.stores.get(cell.model)
     free_device_memory()
     if cfg.device.value == "cuda":

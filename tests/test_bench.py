@@ -83,7 +83,7 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}  # unsloth: skipped without a GPU
     for r in rows:
-        assert r["parity"] == "PASS" and r["parity_max_abs_diff"] == 0.0
+        assert r["parity"] == "PASS" and r["parity_max_abs_diff"] == 0.0 and r["gate"] == "resident"
         assert len(r["per_pass_s"]) == 2 and r["s_per_step_median"] > 0
         assert r["provenance"]["versions"]["torch"] and "commit" in r["provenance"]["git"]
     poros_row = next(r for r in rows if r["method"] == "poros")
@@ -93,6 +93,21 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     assert again.returncode == 0
     assert len(results.read_text().splitlines()) == len(rows)  # nothing re-measured
     assert "already in results (--resume)" in again.stdout
+
+
+def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
+    """Long-context matrices run poros and resident_gc (plain resident does not fit): the gate compares
+    them, and both rows say which reference it ran against."""
+    matrix = {**TINY, "methods": ["poros", "resident_gc"], "models": ["tiny-gemma3"]}
+    assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [
+        "model=tiny-gemma3-stack=current-gate=parity", "model=tiny-gemma3-stack=current-method=poros",
+        "model=tiny-gemma3-stack=current-method=resident_gc"]
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "parity PASS (poros vs resident_gc (recorded))" in proc.stdout, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident_gc"}
+    assert all(r["parity"] == "PASS" and r["gate"] == "resident_gc" for r in rows), rows
 
 
 def _plugin(tmp_path, name: str, make_model_source: str) -> dict:

@@ -368,3 +368,18 @@ def test_sweep_report_renders_plans_with_ratios_on_the_same_gpu(tmp_path):
     assert "| m | 1 | poros, every layer streamed | — | 2.0000 | — |" in md
     assert "not run: too small" in md
     assert (tmp_path / "plans.png").is_file()
+
+
+def test_resident_gc_rows_are_labelled_and_name_their_gate(tmp_path):
+    """A long-context matrix: poros gated against resident_gc; the parity cell names that reference."""
+    rows = [fixture_row(gate="resident_gc"), {**fixture_row(method="resident", gate="resident_gc"),
+                                              "method": "resident_gc"}, fixture_row(method="unsloth", gate=None)]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen2.5-32b")
+    assert cells[3] == "PASS vs resident_gc (0.00e+00)"
+    assert cells[5] == "—"  # no plain resident in this matrix
+    assert "| Methods | poros (blockwise residency), resident + gradient checkpointing, unsloth |" in md
+    (ax,) = figure(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).axes
+    assert {c.get_label() for c in ax.collections if len(c.get_offsets())} == {"poros", "resident_gc", "unsloth"}
+    plain = render_markdown(load_results(write_jsonl(tmp_path / "p.jsonl", [fixture_row(gate="resident")])))
+    assert table_rows(plain, "qwen2.5-32b")[0][3] == "PASS (0.00e+00)"  # the usual reference goes unnamed

@@ -78,10 +78,26 @@ def preflight(args) -> None:
             raise PorosError("; ".join(problems))
 
 
+def wants_determinism(args) -> bool:
+    """Whether the command will train with `deterministic`: its flag, or the matrix file it runs."""
+    if getattr(args, "deterministic", None):
+        return True
+    if args.command == "bench" and getattr(args, "file", None):
+        from poros.matrix import load_matrix
+
+        return bool(load_matrix(args.file).deterministic)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet()
     try:
+        if wants_determinism(args):
+            # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
+            from poros.train import set_cublas_workspace
+
+            set_cublas_workspace()
         preflight(args)
         return int(args.run(args) or 0)
     except PorosError as e:

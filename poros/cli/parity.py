@@ -1,4 +1,5 @@
-"""`poros parity`: train resident and poros side by side, compare every tensor with torch.equal."""
+"""`poros parity`: train a reference (resident QLoRA) and poros side by side, compare every tensor with
+torch.equal."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ EPILOG = """examples:
   poros parity --model qwen2.5-72b --device cuda --seq-len 512 --steps 2 --vram-budget 24GB
   poros parity --model qwen3-32b --device cuda --attention math --cuda-graphs
   poros parity --model qwen3-32b --device cuda --control   # resident vs resident: is this stack repeatable?
+  poros parity --model qwen3-32b --device cuda --attention flash --deterministic --control
+  poros parity --model qwen3-32b --device cuda --attention flash --deterministic --method resident_gc
+  poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \
+      --gate resident_gc --sequential --vram-budget 24GB --offload-inputs --cuda-graphs --steps 2
   poros parity --model ./my-checkpoint --device cuda --attention math --grad-accum 2
 
 Prints one JSON line; exits 0 only on PASS (1 on FAIL, 2 on bad input).
@@ -38,11 +43,24 @@ def train_config(args):
 
 
 def add_parser(sub) -> None:
+    from poros.methods import METHODS
+
+    held = [m.value for m, s in METHODS.items() if s.gated and s.in_process]
+    references = [m.value for m, s in METHODS.items() if s.reference]
     p = sub.add_parser("parity", help="bitwise parity gate: resident vs poros", epilog=EPILOG)
     add_train_args(p)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    p.add_argument("--method", default="poros", choices=held,
+                   help="the method held to the reference (default poros; resident_gc: is gradient checkpointing "
+                        "exact here?)")
+    p.add_argument("--gate", default="resident", choices=references,
+                   help="the reference: resident QLoRA (default) or resident_gc, resident with gradient "
+                        "checkpointing, where resident does not fit (long context)")
     p.add_argument("--control", action="store_true",
-                   help="compare resident with a second resident run: is this stack repeatable at all?")
+                   help="compare the reference with a second run of itself: is this stack repeatable at all?")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the reference first and record its states in host memory, then the method: for "
+                        "settings where the two do not fit the device together")
     p.set_defaults(run=run)
 
 
@@ -52,7 +70,10 @@ def run(args) -> int:
 
     if args.steps <= 0:
         raise ConfigError([f"steps: expected an integer > 0, got {args.steps}"], "poros parity")
+    from poros.config import Method
+
     cfg = train_config(args)
-    result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty(), control=args.control)
+    result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty(), control=args.control,
+                    method=Method(args.method), reference=Method(args.gate), sequential=args.sequential)
     print(result.json(), flush=True)
     return 0 if result.ok else 1
