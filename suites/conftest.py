@@ -57,11 +57,11 @@ def pytest_sessionstart(session):
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
     if _matrix(config)[1].deterministic:
-        # before any CUDA work (the checks above touch none): cuBLAS reads its workspace configuration once per process
+        # before any CUDA work (the checks above touch none): cuBLAS reads its workspace configuration
+        # once per process
         from poros.train import enable_determinism
 
         enable_determinism()
-
 
 
 def _preflight(config) -> None:
