@@ -182,12 +182,14 @@ def template_bytes(geo: Geometry, seq_len: int, batch: int, rank: int) -> int:
     return 3 * lora_layer + 5 * seq_len * batch * geo.hidden * 2
 
 
-def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: str, overlap: bool) -> tuple[int, int]:
-    """(head, layers): peak bytes the head and the layer backward hold beyond what persists."""
+def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: str, overlap: bool,
+                    loss_chunk: int = 0) -> tuple[int, int]:
+    """(head, layers): peak bytes the head and the layer backward hold beyond what persists (the head's
+    logits `loss_chunk` tokens at a time when it is set)."""
     tokens = seq_len * batch
     layer = (tokens * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + 2 * geo.max_linear
              + (ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention == "math" else 0))
-    head = tokens * HEAD_LOGITS * geo.vocab
+    head = (min(tokens, loss_chunk * batch) if loss_chunk else tokens) * HEAD_LOGITS * geo.vocab
     return head, layer * (2 if overlap else 1)
 
 
@@ -331,7 +333,8 @@ def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumu
 def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulation: Accumulation = Accumulation.LAYER,
                resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
                lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
-               offload_inputs: bool = False, budget: int | None = None, notes: tuple[str, ...] = ()) -> Plan:
+               offload_inputs: bool = False, loss_chunk: int = 0, budget: int | None = None,
+               notes: tuple[str, ...] = ()) -> Plan:
     """The plan keeping the last `resident_layers` layers (and, with `head_resident`, the lm_head) on the
     device for good and streaming the rest in groups of `block_size` through two rotating buffers."""
     n = geo.n_layers
@@ -369,7 +372,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     one_input = seq_len * batch_size * geo.hidden * 2
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap)
+    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk)
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,

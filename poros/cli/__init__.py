@@ -69,7 +69,9 @@ def preflight(args) -> None:
     from poros import preflight as checks
 
     device = getattr(args, "device", None)
-    if device is not None:
+    # a plan is made from shapes alone, for any device; only `--vram-budget auto` reads the device
+    planning = args.command == "plan" and getattr(args, "vram_budget", None) != "auto"
+    if device is not None and not planning:
         checks.check_device(device, "--device")
     model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)
     if model and isinstance(seq_len, int) and seq_len > 0:
