@@ -145,7 +145,8 @@ def _outcome(item, report) -> str:
     if cell.method is None:
         gate = session.gates.get((cell.model, cell.stack.name)) if session is not None else None
         if gate is not None and not isinstance(gate, Exception):
-            detail = f"{gate.tensors_compared} tensors, {gate.steps} step{'s' if gate.steps != 1 else ''}"
+            detail = (f"{gate.method} vs {gate.gate}: {gate.tensors_compared} tensors, "
+                      f"{gate.steps} step{'s' if gate.steps != 1 else ''}")
             if not gate.ok:
                 detail += f", first mismatch {gate.first_mismatch}, max |diff| {gate.max_abs_diff:.3e}"
             return f"parity {gate.parity} ({detail}){took}"

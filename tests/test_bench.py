@@ -104,7 +104,7 @@ def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
         "model=tiny-gemma3-stack=current-method=resident_gc"]
     proc, results = _suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    assert "parity PASS (poros vs resident_gc (recorded))" in proc.stdout, proc.stdout[-2000:]
+    assert "parity PASS (poros vs resident_gc (recorded): " in proc.stdout, proc.stdout[-2000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident_gc"}
     assert all(r["parity"] == "PASS" and r["gate"] == "resident_gc" for r in rows), rows
