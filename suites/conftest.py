@@ -37,6 +37,15 @@ def pytest_configure(config):
 
 def pytest_sessionstart(session):
     config = session.config
+    try:
+        deterministic = _matrix(config)[1].deterministic
+    except PorosError:  # the checks below refuse the matrix in one line
+        deterministic = False
+    if deterministic:
+        # first, before any CUDA work: cuBLAS reads its workspace configuration once per process
+        from poros.train import enable_determinism
+
+        enable_determinism()
     tw = config.get_terminal_writer()
     capman = config.pluginmanager.getplugin("capturemanager")
 
@@ -56,12 +65,6 @@ def pytest_sessionstart(session):
         _preflight(config)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
-    if _matrix(config)[1].deterministic:
-        # before any CUDA work (the checks above touch none): cuBLAS reads its workspace configuration
-        # once per process
-        from poros.train import enable_determinism
-
-        enable_determinism()
 
 
 def _preflight(config) -> None:

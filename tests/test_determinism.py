@@ -201,6 +201,8 @@ def test_matrix_suites_turn_strict_mode_on_first(tmp_path, mode):
 
     try:
         conftest.pytest_sessionstart(SimpleNamespace(config=config))
+    except AttributeError:  # what follows needs a real pytest config; only what ran first matters here
+        pass
     finally:
         set_progress_writer(None)
     assert first == [((True, False), CUBLAS_WORKSPACE)]
