@@ -335,6 +335,24 @@ def check_host_memory(name: str, need: HostNeed, available: int | None = None) -
                      f"available: free memory or use a larger machine ({SKIP_MEMORY_CHECK}=1 tries anyway)")
 
 
+class LayerProgress:
+    """`\rWHAT: layer i/n` on stderr (a terminal by default) and `on_layer(i, n)`, layer by layer."""
+
+    def __init__(self, what: str, n: int, show: bool | None, on_layer: Callable[[int, int], None] | None = None):
+        self.what, self.n, self.on_layer = what, n, on_layer
+        self.show = sys.stderr.isatty() if show is None else show
+
+    def __call__(self, i: int) -> None:
+        if self.on_layer:
+            self.on_layer(i, self.n)
+        if self.show:
+            print(f"\r{self.what}: layer {i}/{self.n}", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.show:
+            print(file=sys.stderr)
+
+
 # --- the build -------------------------------------------------------------------------------
 
 
@@ -414,7 +432,7 @@ def build_store(
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     code = None
-    show = sys.stderr.isatty() if progress is None else progress
+    report = LayerProgress(f"building {src.name}", len(layers), progress, on_layer)
     for i, (layer, prefix, layout) in enumerate(zip(layers, prefixes, layouts)):
         _fill(layer, model, prefix, device, seed * LAYER_SEED_STRIDE + i, reader)
         linears = dict(layer.named_modules())
@@ -430,12 +448,8 @@ def build_store(
         for name, b in persistent_buffers(layer):
             buffers[f"{prefix}.{name}"] = b.detach().to("cpu", copy=True)
         layer.to("meta")
-        if on_layer:
-            on_layer(i + 1, len(layers))
-        if show:
-            print(f"\rbuilding {src.name}: layer {i + 1}/{len(layers)}", end="", file=sys.stderr, flush=True)
-    if show:
-        print(file=sys.stderr)
+        report(i + 1)
+    report.done()
     in_layers = {id(p) for p in layers.parameters()}
     tied = getattr(src.config, "tie_word_embeddings", False)
     for k, (mname, module) in enumerate(model.named_modules()):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -82,7 +81,7 @@ def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=
         CheckpointError: 8-bit or fp4 quantization, another blocksize, a missing tensor or quant state,
             or shapes that do not match the config.
     """
-    from poros.build import (BuildStats, CheckpointReader, _quantize, decoder_layers, layer_linears,
+    from poros.build import (BuildStats, CheckpointReader, LayerProgress, _quantize, decoder_layers, layer_linears,
                              persistent_buffers, skeleton)
 
     path = Path(src.checkpoint)
@@ -100,7 +99,7 @@ def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     code = None
-    show = sys.stderr.isatty() if progress is None else progress
+    report = LayerProgress(f"loading {src.name}", len(layers), progress, on_layer)
     for i, (layer, prefix, layout) in enumerate(zip(layers, prefixes, layouts)):
         linear_weights = {f"{n}.weight" for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
         for slot in layout.slots:
@@ -130,12 +129,8 @@ def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=
         for name, b in persistent_buffers(layer):
             full = f"{prefix}.{name}"
             buffers[full] = (reader.get(full) if reader.has(full) else b).to("cpu", b.dtype, copy=True)
-        if on_layer:
-            on_layer(i + 1, len(layers))
-        if show:
-            print(f"\rloading {src.name}: layer {i + 1}/{len(layers)}", end="", file=sys.stderr, flush=True)
-    if show:
-        print(file=sys.stderr)
+        report(i + 1)
+    report.done()
     in_layers = {id(p) for p in layers.parameters()}
     tied = getattr(config, "tie_word_embeddings", False)
     for mname, module in model.named_modules():
