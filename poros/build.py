@@ -402,8 +402,12 @@ def build_store(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     on_layer: Callable[[int, int], None] | None = None,
+    allocate: Callable[[int], torch.Tensor] = host_buffer,
 ) -> tuple[NF4Store, BuildStats]:
     """Build the NF4 store of `source` layer by layer on `device`.
+
+    `allocate(nbytes)` gives the zeroed host bytes of the arena (by default private memory;
+    `poros.distributed` passes memory the ranks of a host share).
 
     Returns:
         The host-resident store and the build's time and peak device memory.
@@ -413,7 +417,7 @@ def build_store(
         from poros.nf4_checkpoint import is_bnb_checkpoint, load_nf4_store
 
         if is_bnb_checkpoint(src.checkpoint):  # already quantized: read, do not build
-            return load_nf4_store(src, device=device, progress=progress, on_layer=on_layer)
+            return load_nf4_store(src, device=device, progress=progress, on_layer=on_layer, allocate=allocate)
     device = torch.device(device)
     t0 = time.perf_counter()
     model = skeleton(src.config)
@@ -428,7 +432,7 @@ def build_store(
     reader = CheckpointReader(src.checkpoint) if src.checkpoint else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    arena = host_buffer(total)
+    arena = allocate(total)
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     code = None

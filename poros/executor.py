@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from poros import plan as P
+from poros.distributed import SINGLE, GradReducer, World
 from poros.errors import CapabilityError
 from poros.graphs import LayerTemplates
 from poros.modeling import QLoRAModel, bind_nf4
@@ -266,9 +267,15 @@ class PorosTrainer(Trainer):
 
     method = "poros"
 
-    def __init__(self, store, cfg, plan: P.Plan | None = None, check_plan: bool = True):
+    def __init__(self, store, cfg, plan: P.Plan | None = None, check_plan: bool = True, world: World = SINGLE):
         self._given_plan, self._check_plan = plan, check_plan
-        super().__init__(store, cfg)
+        self.reducer: GradReducer | None = None
+        super().__init__(store, cfg, world)
+
+    def _distribute(self) -> None:
+        """Each layer's LoRA gradients all-reduced once the backward of its last micro-batch is enqueued."""
+        self.reducer = GradReducer([[p for p in layer.parameters() if p.requires_grad] for layer in self.qlora.layers],
+                                   self.world)
 
     def _make_model(self) -> QLoRAModel:
         store, cfg = self.store, self.cfg
@@ -303,6 +310,8 @@ class PorosTrainer(Trainer):
         self._templates = LayerTemplates(capture=True) if cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
+        last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
+        self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
         self._patch(model)
         for op in self.plan.setup:
             (self.buffers.load_head if op.kind == P.LOAD_HEAD else self.buffers.load)(op)
@@ -395,6 +404,8 @@ class PorosTrainer(Trainer):
             for op in self.plan.step:
                 handlers[op.kind](op)
             self._resolve()
+        if self.reducer is not None:
+            self.reducer.finish()
         self._batches = None
         assert not len(self.saved) and not self._calls, "every saved input is consumed by its backward"
         return self._losses
@@ -402,9 +413,15 @@ class PorosTrainer(Trainer):
     def _resolve(self) -> None:
         """Wait for the backward in flight (its kernels enqueued) and take the gradient it produced."""
         if self._pending is not None:
-            future, m = self._pending
+            future, m, i, k = self._pending
             self._pending = None
             self._grads[m] = future.result()
+            self._layer_grads_done(i, k)
+
+    def _layer_grads_done(self, i: int, k: int) -> None:
+        """Backward number `k` (of layer i) is enqueued: after a layer's last, its gradients are whole."""
+        if self.reducer is not None and k in self._layer_final:
+            self.reducer.layer_done(i)
 
     def _release(self, op: P.Op) -> None:
         self._resolve()  # the free event must follow every kernel that reads the buffer
@@ -467,6 +484,7 @@ class PorosTrainer(Trainer):
                 self.saved.take((i, m))
                 del self._calls[(i, m)]
                 self._grads[m] = out
+                self._layer_grads_done(i, k)
                 return
             x, h = self._recompute(i, m)  # this layer's template declined: eagerly
         grad = self._grads.pop(m)
@@ -475,7 +493,7 @@ class PorosTrainer(Trainer):
             torch.autograd.backward(h, grad)
             return x.grad
 
-        self._pending = (_Done(run()) if self._worker is None else self._worker.submit(run), m)
+        self._pending = (_Done(run()) if self._worker is None else self._worker.submit(run), m, i, k)
 
     # --- bookkeeping --------------------------------------------------------------------------
     def step(self, batches=None):
@@ -489,6 +507,9 @@ class PorosTrainer(Trainer):
             out.update(input_bytes_d2h=self.saved.bytes_d2h, input_bytes_h2d=self.saved.bytes_h2d)
             out["bytes_h2d"] += self.saved.bytes_h2d
         out["peak_blocks_resident"] = sum(not b.resident for b in self.plan.buffers)
+        if self.reducer is not None:
+            out["allreduce_bytes"] = self.reducer.bytes
+            self.reducer.bytes = 0
         if self._templates is not None:
             out.update(self._templates.counters())
         return out

@@ -40,20 +40,24 @@ METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
 )}
 
 
-def make_trainer(method: Method, store, cfg: TrainConfig):
-    """An in-process trainer of `method` on `store`."""
+def make_trainer(method: Method, store, cfg: TrainConfig, world=None):
+    """An in-process trainer of `method` on `store`; with a `world` of several ranks, data-parallel
+    (poros.distributed)."""
+    from poros.distributed import SINGLE
+
+    world = world or SINGLE
     if method is Method.POROS:
         from poros.executor import PorosTrainer
 
-        return PorosTrainer(store, cfg)
+        return PorosTrainer(store, cfg, world=world)
     if method is Method.RESIDENT:
         from poros.train import ResidentTrainer
 
-        return ResidentTrainer(store, cfg)
+        return ResidentTrainer(store, cfg, world)
     if method is Method.RESIDENT_GC:
         from poros.train import ResidentGCTrainer
 
-        return ResidentGCTrainer(store, cfg)
+        return ResidentGCTrainer(store, cfg, world)
     raise ValueError(f"{method.value} runs in a child process (poros.unsloth_method.measure_unsloth)")
 
 

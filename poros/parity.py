@@ -34,6 +34,8 @@ class ParityResult:
     gate: str = "resident"  # the reference `method` was compared with: resident, resident_gc, or "control"
     # (the reference against a second run of itself); "(recorded)" when its states were recorded first
     method: str = "poros"  # the method compared with the reference
+    world_size: int = 1  # ranks, each gating its own states (poros.distributed); PASS only if every rank's is
+    ranks: list = field(default_factory=list)  # each rank's verdict when world_size > 1
     losses: list = field(default_factory=list)
 
     @property
@@ -135,7 +137,8 @@ def _result(poros: Trainer, gate: str) -> ParityResult:
     return ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
                         block_size=plan.block_size if plan else cfg.block_size, seq_len=cfg.seq_len,
                         grad_accum=cfg.grad_accum, accumulation=cfg.accumulation.value,
-                        resident_layers=len(plan.resident_layers) if plan else 0, gate=gate, method=poros.method)
+                        resident_layers=len(plan.resident_layers) if plan else 0, gate=gate, method=poros.method,
+                        world_size=poros.world.size)
 
 
 def _compare(cmp: Comparator, result: ParityResult, reference: Callable[[int], StepState], poros: Trainer,
@@ -208,6 +211,7 @@ def parity(
     method: Method = Method.POROS,
     reference: Method = Method.RESIDENT,
     sequential: bool = False,
+    world=None,
 ) -> ParityResult:
     """Build the model once, set up `reference` and `method` from it, and run the gate.
 
@@ -217,26 +221,31 @@ def parity(
     `sequential=True` runs the reference first, records its states in host memory and releases it
     before the method is set up (`RecordedReference`): the gate for settings where the two do not fit
     the device together (long context).
+    With a `world` of several ranks (poros.distributed) both sides are data-parallel (the reference under
+    DistributedDataParallel), every rank gates its own states, and the result is PASS only if every
+    rank's is.
     """
+    from poros.distributed import SINGLE, agree, share_store
     from poros.methods import make_trainer
 
+    world = world or SINGLE
     if store is None:
-        store, _ = build_store(cfg.model, seed=cfg.seed, device=cfg.device.value, progress=progress)
+        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world, progress=progress)
     method = reference if control else method
     if sequential:
         if mutate is not None:
             raise ValueError("mutate needs both trainers at once: not with sequential=True")
-        ref = make_trainer(reference, store, cfg)
+        ref = make_trainer(reference, store, cfg, world)
         recorded = RecordedReference(ref, steps)
         ref.close()
         del ref
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        result = run_gate_recorded(recorded, make_trainer(method, store, cfg), steps)
+        result = run_gate_recorded(recorded, make_trainer(method, store, cfg, world), steps)
         if control:
             result.gate = "control (recorded)"
-        return result
-    ref, mine = make_trainer(reference, store, cfg), make_trainer(method, store, cfg)
+        return agree(result, world)
+    ref, mine = make_trainer(reference, store, cfg, world), make_trainer(method, store, cfg, world)
     if mutate is not None:
         mutate(ref, mine)
-    return run_gate(ref, mine, steps, verify_initial=verify_initial)
+    return agree(run_gate(ref, mine, steps, verify_initial=verify_initial), world)

@@ -14,6 +14,7 @@ import torch
 from poros.build import check_seq_len
 from poros.config import Attention, TrainConfig
 from poros.data import Batch, synthetic_step
+from poros.distributed import SINGLE, World, reduce_mean
 from poros.errors import CapabilityError
 from poros.modeling import QLoRAModel
 from poros.store import NF4Store
@@ -98,7 +99,7 @@ def deterministic_kernels():
 
 @dataclass
 class StepResult:
-    loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step
+    loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step (over every rank's)
     seconds: float
     counters: dict = field(default_factory=dict)
 
@@ -111,12 +112,13 @@ class Trainer:
 
     method = "resident"
 
-    def __init__(self, store: NF4Store, cfg: TrainConfig):
+    def __init__(self, store: NF4Store, cfg: TrainConfig, world: World = SINGLE):
         check_seq_len(store.config, cfg.seq_len)
         if cfg.deterministic:
             enable_determinism()
-        self.store, self.cfg = store, cfg
+        self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
+        self.ddp = None
         self.qlora = self._make_model()
         self.model = self.qlora.add_lora()
         self.params = self.qlora.lora_parameters()
@@ -124,6 +126,21 @@ class Trainer:
         # default, adamw_torch_fused); the same optimizer for every method, so parity holds
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=cfg.lr, weight_decay=0.0, fused=True)
         self.steps_done = 0
+        if world.distributed:
+            self._distribute()
+
+    def _distribute(self) -> None:
+        """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
+        backward (the others run under `no_sync`). Frozen weights and buffers are left out of its bucketing
+        and broadcasts: every rank builds them from the same store."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self.model, frozen + [n for n, _ in self.model.named_buffers()])
+        ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
 
     def _make_model(self) -> QLoRAModel:
         model = QLoRAModel(self.store, self.cfg, self.device)
@@ -133,20 +150,28 @@ class Trainer:
     def batches(self, step: int) -> list[Batch]:
         c = self.cfg
         vocab = self.store.config.vocab_size
-        return [b.to(self.device) for b in synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum, seed=c.data_seed, step=step)]
+        w = self.world  # every rank draws the step's world.size * grad_accum micro-batches and takes its share
+        step_batches = synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum * w.size, seed=c.data_seed, step=step)
+        return [b.to(self.device) for b in w.share(step_batches)]
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
         with sdpa_context(self.cfg.attention):
-            out = self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            out = (self.ddp or self.model)(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
             loss = out.loss / self.cfg.grad_accum
             loss.backward()
         return loss.detach()
 
     def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
         """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
-        `.grad`s in micro-batch order."""
-        return [self.forward_backward(b) for b in batches]
+        `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
+        if self.ddp is None:
+            return [self.forward_backward(b) for b in batches]
+        losses = []
+        for k, b in enumerate(batches):
+            with self.ddp.no_sync() if k < len(batches) - 1 else contextlib.nullcontext():
+                losses.append(self.forward_backward(b))
+        return losses
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -165,7 +190,7 @@ class Trainer:
             for micro in self.accumulate(batches):
                 loss = loss + micro.float()
             self.optimizer_step()
-        value = float(loss)
+        value = reduce_mean(float(loss), self.world, self.device)
         return StepResult(value, time.perf_counter() - t0, self.counters())
 
     # --- state for the parity gate --------------------------------------------------------
@@ -189,7 +214,7 @@ class Trainer:
         self.optimizer.state.clear()
         for _, p in self.params:
             p.grad = None
-        del self.model, self.qlora, self.params, self.optimizer
+        del self.model, self.qlora, self.params, self.optimizer, self.ddp
         gc.collect()
 
 

@@ -17,6 +17,8 @@ EPILOG = """examples:
   poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \
       --gate resident_gc --sequential --vram-budget 24GB --offload-inputs --cuda-graphs --steps 2
   poros parity --model ./my-checkpoint --device cuda --attention math --grad-accum 2
+  torchrun --nproc-per-node 2 -m poros parity --model qwen3-32b --device cuda --cuda-graphs --grad-accum 4
+      # data-parallel: poros against resident QLoRA under DistributedDataParallel, every rank gated
 
 Prints one JSON line; exits 0 only on PASS (1 on FAIL, 2 on bad input).
 """
@@ -72,8 +74,16 @@ def run(args) -> int:
         raise ConfigError([f"steps: expected an integer > 0, got {args.steps}"], "poros parity")
     from poros.config import Method
 
+    from poros.distributed import close_world, init_world
+
     cfg = train_config(args)
-    result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty(), control=args.control,
-                    method=Method(args.method), reference=Method(args.gate), sequential=args.sequential)
-    print(result.json(), flush=True)
+    world = init_world(cfg.device.value)
+    try:
+        result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty() and world.main, control=args.control,
+                        method=Method(args.method), reference=Method(args.gate), sequential=args.sequential,
+                        world=world)
+    finally:
+        close_world()
+    if world.main:
+        print(result.json(), flush=True)
     return 0 if result.ok else 1

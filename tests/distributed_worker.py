@@ -1,0 +1,45 @@
+"""One rank of the data-parallel checks (tests/test_distributed.py runs it under torchrun on the CPU, gloo):
+poros against resident QLoRA under DistributedDataParallel, a negative control that leaves one layer's
+gradients unreduced, and the host's shared store. Rank 0 writes one JSON object to the path given."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from poros.config import TrainConfig
+from poros.distributed import close_world, init_world, share_store
+from poros.parity import parity
+
+
+def main(out: Path, model: str) -> None:
+    world = init_world("cpu")
+    store, _ = share_store(model, seed=0, device="cpu", world=world)
+    maps = Path("/proc/self/maps").read_text()
+    checksum = torch.tensor([int(store.arena[::4096].sum()), int(store.arena.sum())], dtype=torch.int64)
+    sums = [torch.zeros_like(checksum) for _ in range(world.size)]
+    dist.all_gather(sums, checksum)
+    cfg = TrainConfig(model=model, seq_len=64, grad_accum=2, block_size=2, device="cpu")
+    gate = parity(cfg, steps=2, store=store, world=world)
+    losses = [None] * world.size  # each rank's own micro-batch losses: its share of the step's data
+    dist.all_gather_object(losses, gate.losses)
+    micro = parity(cfg.replace(accumulation="micro"), steps=1, store=store, world=world)
+
+    def unreduced(ref, mine):  # negative control: layer 0's gradients stay this rank's own
+        mine.reducer.skip = frozenset({0})
+
+    control = parity(cfg, steps=1, store=store, world=world, mutate=unreduced)
+    if world.main:
+        out.write_text(json.dumps({
+            "world_size": world.size, "gate": gate.__dict__, "micro": micro.__dict__, "control": control.__dict__,
+            "arena_shared": "poros-store-arena" in maps, "dense_shared": "poros-store-dense" in maps,
+            "checksums_equal": all(torch.equal(s, sums[0]) for s in sums), "losses": losses}))
+    close_world()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,90 @@
+"""Data parallelism on the CPU (gloo): two ranks under torchrun, poros against resident QLoRA under
+DistributedDataParallel, with a negative control; the ranks of a host share one store."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poros.distributed import SINGLE, GradReducer, World, init_world
+from poros.errors import CapabilityError, PorosError
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "ranks.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(WORKER), str(out), "tiny-qwen3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_poros_matches_resident_ddp_on_every_rank(two_ranks):
+    gate = two_ranks["gate"]
+    assert two_ranks["world_size"] == 2 and gate["world_size"] == 2
+    assert gate["parity"] == "PASS" and gate["ranks"] == ["PASS", "PASS"], gate["first_mismatch"]
+    assert gate["steps"] == 2 and gate["tensors_compared"] > 1000
+    micro = two_ranks["micro"]  # the micro-batch-major order reduces each layer after the last micro-batch too
+    assert micro["accumulation"] == "micro" and micro["parity"] == "PASS" and micro["ranks"] == ["PASS", "PASS"]
+
+
+def test_ranks_train_on_their_own_share(two_ranks):
+    rank0, rank1 = two_ranks["losses"]
+    assert len(rank0) == len(rank1) == 4 and rank0 != rank1
+
+
+def test_unreduced_layer_fails_the_gate(two_ranks):
+    control = two_ranks["control"]
+    assert control["parity"] == "FAIL" and control["ranks"] == ["FAIL", "FAIL"]
+    assert "layers.0." in control["first_mismatch"] and ".grad:" in control["first_mismatch"]
+
+
+def test_one_store_per_host(two_ranks):
+    assert two_ranks["arena_shared"] and two_ranks["dense_shared"]  # both ranks map the memfd
+    assert two_ranks["checksums_equal"]
+
+
+def test_share_splits_a_step_by_rank():
+    items = list(range(6))
+    assert [World(r, 3, r, 3).share(items) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert SINGLE.share(items) == items
+    with pytest.raises(CapabilityError, match="do not split over 4 ranks"):
+        World(0, 4, 0, 4).share(items)
+
+
+def test_launch_without_rendezvous_is_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(PorosError, match="torchrun --nproc-per-node"):
+        init_world("cpu")
+
+
+def test_reducer_refuses_a_layer_twice():
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    r = GradReducer([[p]], World(0, 2, 0, 2), skip=frozenset({0}))
+    r.layer_done(0)
+    with pytest.raises(CapabilityError, match="reduced twice"):
+        r.layer_done(0)
+    r.finish()
+    with pytest.raises(CapabilityError, match="without their gradients reduced"):
+        r.finish()
