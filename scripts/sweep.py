@@ -5,6 +5,8 @@
         --grad-accum 1,8 [--steps 6 --passes 2 --gate-steps 2] [--attention math] [--out DIR]
     python3 scripts/sweep.py qwen2.5-72b --reference resident_gc --resident --seq-len 32768 \
         --attention flash --deterministic --loss-chunk 4096 --variant cuda_graphs=true,offload_inputs=true
+    python3 scripts/sweep.py qwen2.5-72b --resident --unsloth --variant cuda_graphs=true,vram_budget=49GB
+    torchrun --nproc-per-node 2 scripts/sweep.py qwen3-32b --resident --variant cuda_graphs=true
 
 A variant is a comma-separated list of schedule settings (poros/settings.py: block_size, vram_budget,
 overlap_backward, cuda_graphs, accumulation); what is computed (--seq-len, --grad-accum, --attention,
@@ -16,7 +18,12 @@ timed alone: one warm-up pass and --passes passes of --steps steps. One JSON lin
 reference with --resident),
 appended to DIR/sweep.jsonl with --out. `--previous DIR` also times the engine of another checkout
 (a folder holding its `poros` package, imported as `poros_previous`) on the same store, for
-same-GPU speed comparisons across versions. The official figures come from `poros bench matrix`.
+same-GPU speed comparisons across versions. `--unsloth` also times Unsloth on the same store (exported
+as a bitsandbytes checkpoint, run in a child process; not gated: its arithmetic differs). `--control` runs
+the reference a second time against its own recorded states: is this stack repeatable at all?
+Under torchrun every method is data-parallel (poros.distributed; the reference under
+DistributedDataParallel), each rank gates its own states, rows record `world_size` and count the tokens
+of every rank, and the peak is the largest rank's. The official figures come from `poros bench matrix`.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 import torch
 
 from poros.bench import copy_summary, free_device_memory, measure
-from poros.build import build_store
+from poros.distributed import SINGLE, World, agree, close_world, init_world, share_store
 from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
 from poros.methods import make_trainer
@@ -53,16 +60,26 @@ def parse_variant(text: str) -> dict:
     return values
 
 
-def timed(trainer, cfg: TrainConfig, steps: int, passes: int) -> dict:
+def largest(value: float | None, world: World) -> float | None:
+    """The largest rank's `value` (a peak)."""
+    if value is None or not world.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SINGLE) -> dict:
     free_device_memory()
     if cfg.device.value == "cuda":
         torch.cuda.reset_peak_memory_stats()
     meas = measure(trainer, cfg, steps, passes, warmup=1, label=getattr(trainer, "method", "poros"))
     per_step = [t / steps for t in meas.per_pass_s]
     med = statistics.median(per_step)
+    peak = largest(meas.peak_vram_gb, world)
     out = {"s_per_step_median": round(med, 4), "per_step_by_pass": [round(t, 4) for t in per_step],
-           "tokens_per_s": round(cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1),
-           "peak_vram_gb": None if meas.peak_vram_gb is None else round(meas.peak_vram_gb, 3)}
+           "tokens_per_s": round(world.size * cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1),
+           "peak_vram_gb": None if peak is None else round(peak, 3)}
     out.update(copy_summary(meas.counters))
     return out
 
@@ -86,6 +103,9 @@ def main() -> None:
                    help="the gate's reference: resident QLoRA, or resident_gc (with gradient checkpointing: long "
                         "context, where plain resident does not fit)")
     p.add_argument("--previous", type=Path, help="folder holding poros_previous/ (another checkout's engine)")
+    p.add_argument("--unsloth", action="store_true", help="also time Unsloth on the same store (a child process)")
+    p.add_argument("--control", action="store_true",
+                   help="also gate a second run of the reference against its recorded states (repeatability)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--gate-steps", type=int, default=2)
@@ -100,7 +120,10 @@ def main() -> None:
     if args.deterministic:
         enable_determinism()
     variants = [parse_variant(v) for v in args.variant]
-    store, stats = build_store(args.model, device=args.device, progress=None)
+    world = init_world(args.device)
+    if world.distributed and (args.previous or args.unsloth):
+        raise SystemExit("--previous and --unsloth time one process: run them without torchrun")
+    store, stats = share_store(args.model, seed=0, device=args.device, world=world, progress=None)
 
     from poros.provenance import provenance
 
@@ -108,7 +131,9 @@ def main() -> None:
 
     def emit(row: dict) -> None:
         row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len, "loss_chunk": args.loss_chunk,
-               "build_s": round(stats.seconds, 1), **row, "provenance": prov}
+               "world_size": world.size, "build_s": round(stats.seconds, 1), **row, "provenance": prov}
+        if not world.main:
+            return
         print(json.dumps(row), flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -118,15 +143,34 @@ def main() -> None:
     for accum in (int(g) for g in args.grad_accum.split(",")):
         base = TrainConfig(model=args.model, seq_len=args.seq_len, grad_accum=accum, device=args.device,
                            attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
-        resident = make_trainer(Method(args.reference), store, base)
+        resident = make_trainer(Method(args.reference), store, base, world)
         reference = RecordedReference(resident, args.gate_steps)
+        if args.control:
+            resident.close()
+            resident = make_trainer(Method(args.reference), store, base, world)
+            gate = agree(run_gate_recorded(reference, resident), world)
+            emit({"method": f"{args.reference} (control)", "grad_accum": accum, "parity": gate.parity,
+                  "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
+                  "first_mismatch": gate.first_mismatch, "gate": "control (recorded)"})
         if args.resident:
             resident.close()
-            resident = make_trainer(Method(args.reference), store, base)  # timed from a fresh start, like every variant
-            emit({"method": args.reference, "grad_accum": accum, **timed(resident, base, args.steps, args.passes)})
+            resident = make_trainer(Method(args.reference), store, base, world)  # timed from a fresh start
+            emit({"method": args.reference, "grad_accum": accum, **timed(resident, base, args.steps, args.passes, world)})
         resident.close()
         del resident
         free_device_memory()
+        if args.unsloth:
+            from poros.unsloth_method import measure_unsloth
+
+            try:
+                rec = measure_unsloth(store, base, args.steps, args.passes, warmup=1, log=lambda m: print(m, file=sys.stderr))
+                emit({"method": "unsloth", "grad_accum": accum, "s_per_step_median": round(rec["s_per_step_median"], 4),
+                      "per_step_by_pass": [round(t / args.steps, 4) for t in rec["per_pass_s"]],
+                      "tokens_per_s": round(args.seq_len * accum / rec["s_per_step_median"], 1),
+                      "peak_vram_gb": round(rec["peak_vram_gb"], 3), "unsloth_version": rec.get("unsloth_version")})
+            except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
+                emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})
+            free_device_memory()
         if args.previous:
             cfg = base.replace(cuda_graphs=base.device.value == "cuda")
             trainer = previous_trainer(args.previous, store, cfg)
@@ -140,12 +184,12 @@ def main() -> None:
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                poros = PorosTrainer(store, cfg)
+                poros = PorosTrainer(store, cfg, world=world)
             except Exception as e:  # e.g. a budget below the smallest plan: say so and go on
                 emit({"method": "poros", "grad_accum": accum, **{k: str(x) for k, x in v.items()},
                       "error": f"{type(e).__name__}: {e}"})
                 continue
-            gate = run_gate_recorded(reference, poros)  # then timed after a discarded warm-up pass
+            gate = agree(run_gate_recorded(reference, poros), world)  # then timed after a discarded warm-up pass
             plan = poros.plan.summary()
             row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
                    "parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
@@ -154,13 +198,15 @@ def main() -> None:
                    "head_resident": plan["head_resident"], "predicted_h2d_bytes_per_step": plan["h2d_bytes_per_step"],
                    "predicted_peak_vram_gb": round(plan["peak_vram_bytes"] / 1e9, 3),
                    "predicted_memory_gb": {k: round(x / 1e9, 3) for k, x in plan["memory"].items()}}
-            row.update(timed(poros, cfg, args.steps, args.passes))
+            row.update(timed(poros, cfg, args.steps, args.passes, world))
             row["engine_counters"] = {k: x for k, x in poros.counters().items() if k in (
-                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
+                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors",
+                "allreduce_bytes")}
             emit(row)
             poros.close()
             del poros
             free_device_memory()
+    close_world()
 
 
 if __name__ == "__main__":
