@@ -1,6 +1,8 @@
 """One rank of the data-parallel checks (tests/test_distributed.py runs it under torchrun on the CPU, gloo):
 poros against resident QLoRA under DistributedDataParallel, a negative control that leaves one layer's
-gradients unreduced, and the host's shared store. Rank 0 writes one JSON object to the path given."""
+gradients unreduced, and the host's shared store. Rank 0 writes one JSON object to the path given.
+
+    torchrun --nproc-per-node 2 tests/distributed_worker.py OUT.json tiny-qwen3 [cpu|cuda]"""
 
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ from poros.distributed import close_world, init_world, share_store
 from poros.parity import parity
 
 
-def main(out: Path, model: str) -> None:
-    world = init_world("cpu")
-    store, _ = share_store(model, seed=0, device="cpu", world=world)
+def main(out: Path, model: str, device: str) -> None:
+    world = init_world(device)
+    store, _ = share_store(model, seed=0, device=device, world=world)
     maps = Path("/proc/self/maps").read_text()
-    checksum = torch.tensor([int(store.arena[::4096].sum()), int(store.arena.sum())], dtype=torch.int64)
+    checksum = torch.tensor([int(store.arena[::4096].sum()), int(store.arena.sum())], dtype=torch.int64,
+                            device=device)
     sums = [torch.zeros_like(checksum) for _ in range(world.size)]
     dist.all_gather(sums, checksum)
-    cfg = TrainConfig(model=model, seq_len=64, grad_accum=2, block_size=2, device="cpu")
+    # math attention: the same kernels run to run on CUDA too (seq 64: bitsandbytes' CPU kernels need >= 64 tokens)
+    cfg = TrainConfig(model=model, seq_len=64, grad_accum=2, block_size=2, device=device, attention="math")
     gate = parity(cfg, steps=2, store=store, world=world)
     losses = [None] * world.size  # each rank's own micro-batch losses: its share of the step's data
     dist.all_gather_object(losses, gate.losses)
@@ -37,9 +41,10 @@ def main(out: Path, model: str) -> None:
         out.write_text(json.dumps({
             "world_size": world.size, "gate": gate.__dict__, "micro": micro.__dict__, "control": control.__dict__,
             "arena_shared": "poros-store-arena" in maps, "dense_shared": "poros-store-dense" in maps,
-            "checksums_equal": all(torch.equal(s, sums[0]) for s in sums), "losses": losses}))
+            "checksums_equal": all(torch.equal(s, sums[0]) for s in sums), "losses": losses,
+            "pinned": device == "cuda" and store.pinned}))
     close_world()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "cpu")

@@ -24,15 +24,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "ranks.json"
+def launch(out: Path, model: str, device: str, nproc: int = 2) -> dict:
+    """Run tests/distributed_worker.py under torchrun; rank 0's report."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(WORKER), str(out), "tiny-qwen3"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(WORKER), str(out), model, device]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("ddp") / "ranks.json", "tiny-qwen3", "cpu")
+
+
+def check_two_ranks(report: dict) -> None:
+    """What two ranks must show on any device: the gate PASSes on both, the control FAILs on both, one
+    shared store, each rank its own data."""
+    test_poros_matches_resident_ddp_on_every_rank(report)
+    test_ranks_train_on_their_own_share(report)
+    test_unreduced_layer_fails_the_gate(report)
+    test_one_store_per_host(report)
 
 
 def test_poros_matches_resident_ddp_on_every_rank(two_ranks):

@@ -86,8 +86,8 @@ def test_sequential_parity_fails_for_other_arithmetic(stores, monkeypatch):
 
     real = poros.methods.make_trainer
 
-    def other_lr(method, store, cfg):
-        return real(method, store, cfg.replace(lr=2e-2) if method is Method.POROS else cfg)
+    def other_lr(method, store, cfg, world=None):
+        return real(method, store, cfg.replace(lr=2e-2) if method is Method.POROS else cfg, world)
 
     monkeypatch.setattr(poros.methods, "make_trainer", other_lr)
     result = parity(_cfg("tiny-qwen3"), steps=2, store=stores("tiny-qwen3"), reference=Method.RESIDENT_GC,
