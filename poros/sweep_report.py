@@ -1,5 +1,7 @@
-"""Schedule sweeps (scripts/sweep.py rows) as a Markdown page and a plot: per model and gradient
-accumulation, resident QLoRA and every poros plan measured in one run on one GPU, each plan gated."""
+"""Schedule sweeps (scripts/sweep.py rows) as a Markdown page and its plots: per model, sequence length,
+gradient accumulation and number of GPUs, the reference (resident QLoRA), every poros plan and Unsloth
+measured in one run, each poros plan gated against the reference; data-parallel scaling where a sweep
+ran both on one GPU and under torchrun on the same machine."""
 
 from __future__ import annotations
 
@@ -9,8 +11,13 @@ from pathlib import Path
 from poros.errors import PorosError
 
 DASH = "—"
-COLUMNS = ("Model", "Grad-accum", "Method / plan", "Parity (gate)", "s/step", "vs resident", "Tokens/s",
-           "Peak VRAM", "Predicted peak", "Host→device per step", "Copy hidden", "Resident layers", "Block")
+REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
+DEFAULTS = {"grad_accum": 1, "world_size": 1}  # rows written before these keys existed
+COLUMNS = ("Model", "GPUs", "Seq", "Grad-accum", "Method / plan", "Parity (gate)", "s/step", "vs resident",
+           "Tokens/s", "Peak VRAM", "Predicted peak", "Host→device per step", "Copy hidden", "Resident layers",
+           "Block")
+SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs", "Tokens/s", "Tokens/s on 1 GPU",
+                   "Speed-up", "Per-GPU efficiency")
 
 
 def load_sweeps(paths) -> list[dict]:
@@ -30,15 +37,62 @@ def load_sweeps(paths) -> list[dict]:
     return rows
 
 
-def _plan_name(r: dict) -> str:
+def field(r: dict, name: str):
+    """A row's value of `name`, with the default of rows that predate the key."""
+    return r.get(name, DEFAULTS.get(name))
+
+
+def is_control(r: dict) -> bool:
+    return r["method"].endswith("(control)")
+
+
+def is_timed(r: dict) -> bool:
+    """A row with a timing: not a failed run, not a control (parity only)."""
+    return "error" not in r and not is_control(r) and r.get("s_per_step_median") is not None
+
+
+def computed(r: dict) -> tuple:
+    """What a row computes: rows agreeing on it did the same work, so their timings compare."""
+    return r["model"], r.get("seq_len"), field(r, "grad_accum"), r.get("attention"), r.get("loss_chunk")
+
+
+def _gpus(r: dict) -> list[dict]:
+    return r["provenance"].get("gpus") or []
+
+
+def gpu_uuid(r: dict) -> str:
+    """The first GPU of the row's machine (a data-parallel run's NVML list starts with it), or cpu."""
+    gpus = _gpus(r)
+    return gpus[0]["uuid"] if gpus else "cpu"
+
+
+def same_machine(one: dict, many: dict) -> bool:
+    """Whether a one-GPU row ran on a GPU of the machine of a data-parallel row (same host, and the
+    one-GPU row's GPU among the other's)."""
+    if one["provenance"].get("host") != many["provenance"].get("host"):
+        return False
+    if not _gpus(one) or not _gpus(many):
+        return not _gpus(one) and not _gpus(many)
+    return gpu_uuid(one) in {g["uuid"] for g in _gpus(many)}
+
+
+def plan_name(r: dict) -> str:
     if r["method"] != "poros":
         return r["method"]
-    parts = []
-    budget = r.get("vram_budget")
-    parts.append(f"budget {int(budget) / 1e9:g} GB" if budget else "every layer streamed")
-    if r.get("offload_inputs"):
+    budget = r.get("vram_budget")  # bytes; a string in a failed row's echo of its variant, or `auto`
+    if budget in (None, "None"):
+        parts = ["every layer streamed"]
+    elif isinstance(budget, (int, float)) or str(budget).isdigit():
+        parts = [f"budget {float(budget) / 1e9:g} GB"]
+    else:
+        parts = [f"budget {budget}"]
+    if r.get("offload_inputs") in (True, "True"):
         parts.append("inputs in host memory")
-    if r.get("cuda_graphs"):
+    if r.get("overlap_backward") in (False, "False"):
+        parts.append("serial backward")
+    if r.get("accumulation") not in (None, "layer"):
+        parts.append(f"{r['accumulation']}-major accumulation")
+    if r.get("cuda_graphs") in (True, "True"):
         parts.append("CUDA graphs")
     return "poros, " + ", ".join(parts)
 
@@ -47,77 +101,116 @@ def _gb(v) -> str:
     return DASH if v is None else f"{v:.2f} GB"
 
 
-def sweep_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    resident = {(r["model"], r.get("grad_accum", 1), r["provenance"]["gpus"][0]["uuid"] if r["provenance"].get("gpus")
-                 else "cpu"): r["s_per_step_median"] for r in rows if r["method"] == "resident"}
+def _num(v, fmt: str = "{}") -> str:
+    return DASH if v is None else fmt.format(v)
+
+
+def _baselines(rows: list[dict]) -> dict[tuple, float]:
+    """s/step of the reference per (computed, GPUs, first GPU): later rows win, plain resident over resident_gc."""
+    best: dict[tuple, dict] = {}
     for r in rows:
-        gpu = r["provenance"]["gpus"][0]["uuid"] if r["provenance"].get("gpus") else "cpu"
-        base = resident.get((r["model"], r.get("grad_accum", 1), gpu))
-        s = r.get("s_per_step_median")
-        if "error" in r:
-            cells = [r["model"], str(r.get("grad_accum", 1)), _plan_name(r), "not run: " + r["error"].split(":", 1)[-1]
-                     .strip().replace("|", "/")] + [DASH] * (len(COLUMNS) - 4)
-        else:
-            parity = DASH if r.get("parity") is None else f"{r['parity']} ({r.get('parity_steps')} steps, {r.get('gate')})"
-            h2d = r.get("bytes_h2d_per_step")
-            hidden = r.get("copy_hidden_share")
-            cells = [r["model"], str(r.get("grad_accum", 1)), _plan_name(r), parity,
-                     DASH if s is None else f"{s:.4f}", DASH if s is None or not base else f"{s / base:.2f}×",
-                     DASH if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}",
-                     _gb(r.get("peak_vram_gb")), _gb(r.get("predicted_peak_vram_gb")),
-                     DASH if h2d is None else f"{h2d / 1e9:.2f} GB", DASH if hidden is None else f"{hidden * 100:.0f}%",
-                     DASH if r.get("resident_layers") is None else str(r["resident_layers"]),
-                     DASH if r.get("block_size") is None else str(r["block_size"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        if r["method"] in REFERENCES and is_timed(r):
+            key = (computed(r), field(r, "world_size"), gpu_uuid(r))
+            if key not in best or REFERENCES.index(r["method"]) <= REFERENCES.index(best[key]["method"]):
+                best[key] = r
+    return {k: r["s_per_step_median"] for k, r in best.items()}
+
+
+def _cells(r: dict, base: float | None) -> list[str]:
+    head = [r["model"], str(field(r, "world_size")), _num(r.get("seq_len")), str(field(r, "grad_accum")), plan_name(r)]
+    rest = len(COLUMNS) - len(head) - 1
+    if "error" in r:
+        reason = r["error"].split(":", 1)[-1].strip().replace("|", "/").replace("\n", " ")
+        return head + ["not run: " + reason] + [DASH] * rest
+    if is_control(r):
+        parity = f"{r.get('parity')} (control: reference vs itself, {r.get('parity_steps')} steps)"
+        return head + [parity] + [DASH] * rest
+    if r["method"] == "unsloth":
+        parity = "not gated (other arithmetic)"
+    else:
+        parity = DASH if r.get("parity") is None else f"{r['parity']} ({r.get('parity_steps')} steps, {r.get('gate')})"
+    s, h2d, hidden = r.get("s_per_step_median"), r.get("bytes_h2d_per_step"), r.get("copy_hidden_share")
+    return head + [parity, _num(s, "{:.4f}"), DASH if s is None or not base else f"{s / base:.2f}×",
+                   _num(r.get("tokens_per_s"), "{:.0f}"), _gb(r.get("peak_vram_gb")),
+                   _gb(r.get("predicted_peak_vram_gb")), DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
+                   DASH if hidden is None else f"{hidden * 100:.0f}%", _num(r.get("resident_layers")),
+                   _num(r.get("block_size"))]
+
+
+def _table(columns, rows_of_cells) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows_of_cells])
+
+
+def sweep_table(rows: list[dict]) -> str:
+    base = _baselines(rows)
+    return _table(COLUMNS, (_cells(r, base.get((computed(r), field(r, "world_size"), gpu_uuid(r)))) for r in rows))
+
+
+def scaling_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(one-GPU row, data-parallel row) of the same work and method/plan on the same machine, the latest
+    one-GPU row for each data-parallel row."""
+    timed = [r for r in rows if is_timed(r) and r.get("tokens_per_s") is not None]
+    pairs = []
+    for many in (r for r in timed if field(r, "world_size") > 1):
+        ones = [r for r in timed if field(r, "world_size") == 1 and computed(r) == computed(many)
+                and plan_name(r) == plan_name(many) and same_machine(r, many)]
+        if ones:
+            pairs.append((ones[-1], many))
+    return pairs
+
+
+def scaling_table(rows: list[dict]) -> str | None:
+    """Tokens/s of each data-parallel row against the same run on one GPU; None when there is no pair."""
+    out = []
+    for one, many in scaling_pairs(rows):
+        world, ratio = field(many, "world_size"), many["tokens_per_s"] / one["tokens_per_s"]
+        gpu = _gpus(many)[0]["name"] if _gpus(many) else "cpu"
+        out.append([many["model"], plan_name(many), _num(many.get("seq_len")), str(field(many, "grad_accum")), gpu,
+                    str(world), f"{many['tokens_per_s']:.0f}", f"{one['tokens_per_s']:.0f}", f"{ratio:.2f}×",
+                    f"{ratio / world * 100:.0f}%"])
+    return _table(SCALING_COLUMNS, out) if out else None
 
 
 def _provenance(rows: list[dict]) -> str:
-    gpus = sorted({f"{g['name']} (UUID {g['uuid']})" for r in rows for g in r["provenance"].get("gpus") or []})
+    gpus = sorted({f"{g['name']} (UUID {g['uuid']})" for r in rows for g in _gpus(r)})
     commits = sorted({str(r["provenance"].get("git", {}).get("commit")) for r in rows})
     versions = rows[0]["provenance"].get("versions", {})
     return (f"Provenance: commit {', '.join(commits)}; torch {rows[0]['provenance'].get('torch')}, transformers "
-            f"{versions.get('transformers')}, bitsandbytes {versions.get('bitsandbytes')}, peft {versions.get('peft')}; "
-            f"GPU {', '.join(gpus) or 'none'}. Ratios compare rows of one file and one GPU only.")
+            f"{versions.get('transformers')}, bitsandbytes {versions.get('bitsandbytes')}, peft "
+            f"{versions.get('peft')}; "
+            f"GPU {', '.join(gpus) or 'none'}. Ratios compare rows on one GPU (a data-parallel run's first) only.")
 
 
-def plot_budgets(rows: list[dict], png: Path) -> Path:
-    """s/step against the VRAM budget per model (grad_accum 1), resident's s/step and peak as marks."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for model in dict.fromkeys(r["model"] for r in rows):
-        pts = sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in rows
-                     if r["model"] == model and r["method"] == "poros" and r.get("grad_accum", 1) == 1
-                     and r.get("s_per_step_median") is not None and r.get("peak_vram_gb") is not None)
-        if len(pts) < 2:
-            continue
-        line, = ax.plot(*zip(*pts), marker="o", label=f"{model} poros (peak at each budget)")
-        for r in rows:
-            if r["model"] == model and r["method"] == "resident" and r.get("grad_accum", 1) == 1:
-                ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], marker="*", s=120, color=line.get_color(),
-                           label=f"{model} resident QLoRA")
-    ax.set(xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)", title="s/step against VRAM")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    return png
+INTRO = ("Each poros plan first passed the parity gate against the reference's states recorded in the same run "
+         "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after a discarded "
+         "warm-up pass. `vs resident` divides by the reference's s/step (resident QLoRA, else resident_gc) with the "
+         "same model, sequence length, gradient accumulation and number of GPUs on the same GPU. Unsloth is timed on "
+         "the same store but not gated (its arithmetic differs); a control row gates the reference against its own "
+         "recorded states. Under torchrun (GPUs > 1) every rank trains its own data: tokens/s counts every rank's "
+         "tokens, the peak is the largest rank's.")
 
 
 def write_sweep_report(paths, out_md, title: str | None = None) -> Path:
+    """Render sweep files into `out_md` and its PNGs beside it (stem, stem-accum, stem-seq).
+
+    The main PNG is always written (`poros report` names it); a plot is linked only when the rows hold
+    what it needs.
+    """
+    from poros.sweep_plots import PLOTS
+
     rows = load_sweeps(paths)
     out_md = Path(out_md)
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    png = plot_budgets(rows, out_md.with_suffix(".png"))
-    parts = [f"# {title or 'Poros — plans measured'}", "Each poros plan first passed the parity gate against resident "
-             "QLoRA's states recorded in the same run (torch.equal on every loss, LoRA gradient, weight and AdamW "
-             "tensor), then was timed after a discarded warm-up pass. `vs resident` divides by resident's s/step "
-             "with the same gradient accumulation on the same GPU.", sweep_table(rows), _provenance(rows),
-             f"## s/step against VRAM\n\n![s/step against VRAM]({png.name})"]
+    parts = [f"# {title or 'Poros — plans measured'}", INTRO, sweep_table(rows)]
+    scaling = scaling_table(rows)
+    if scaling:
+        parts += ["## Data-parallel scaling\n\nTokens/s under torchrun against the same plan on one GPU of the "
+                  "same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling]
+    parts.append(_provenance(rows))
+    for suffix, heading, plot in PLOTS:
+        png = out_md.with_name(out_md.stem + suffix + ".png")
+        if plot(rows, png):
+            parts.append(f"## {heading}\n\n![{heading}]({png.name})")
     out_md.write_text("\n\n".join(parts) + "\n")
     return out_md

@@ -343,33 +343,6 @@ def test_missing_reference_is_one_line_error(tmp_path, capsys):
     assert err.strip().count("\n") == 0 and "nope.csv: no such reference file" in err
 
 
-def test_sweep_report_renders_plans_with_ratios_on_the_same_gpu(tmp_path):
-    """A sweep page: every row, ratios only against resident of the same model, accumulation and GPU."""
-    from poros.sweep_report import write_sweep_report
-
-    prov = lambda uuid: {"gpus": [{"name": "NVIDIA H200", "uuid": uuid}], "git": {"commit": "abc"},  # noqa: E731
-                         "torch": "2.11", "versions": {}}
-    rows = [
-        {"model": "m", "method": "resident", "grad_accum": 1, "s_per_step_median": 1.0, "peak_vram_gb": 80.0,
-         "provenance": prov("A")},
-        {"model": "m", "method": "poros", "grad_accum": 1, "vram_budget": 24e9, "cuda_graphs": True, "parity": "PASS",
-         "parity_steps": 2, "gate": "resident (recorded)", "s_per_step_median": 1.5, "peak_vram_gb": 23.0,
-         "predicted_peak_vram_gb": 23.5, "resident_layers": 20, "block_size": 3, "provenance": prov("A")},
-        {"model": "m", "method": "poros", "grad_accum": 1, "s_per_step_median": 2.0, "peak_vram_gb": 9.0,
-         "provenance": prov("B")},  # another GPU: no ratio
-        {"model": "m", "method": "poros", "grad_accum": 1, "vram_budget": 1e9, "error": "BudgetError: too small",
-         "provenance": prov("A")},
-    ]
-    path = tmp_path / "sweep.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    md = write_sweep_report([path], tmp_path / "plans.md").read_text()
-    assert_tables_well_formed(md)
-    assert "| m | 1 | poros, budget 24 GB, CUDA graphs | PASS (2 steps, resident (recorded)) | 1.5000 | 1.50× |" in md
-    assert "| m | 1 | poros, every layer streamed | — | 2.0000 | — |" in md
-    assert "not run: too small" in md
-    assert (tmp_path / "plans.png").is_file()
-
-
 def test_resident_gc_rows_are_labelled_and_name_their_gate(tmp_path):
     """A long-context matrix: poros gated against resident_gc; the parity cell names that reference."""
     rows = [fixture_row(gate="resident_gc"), {**fixture_row(method="resident", gate="resident_gc"),

@@ -1,0 +1,109 @@
+"""The plots of a sweep page (poros/sweep_report.py): s/step against VRAM budget, tokens/s against gradient
+accumulation, peak VRAM against sequence length. Each returns whether the rows held what it needs
+(a line of two or more points); only the first is written without one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from poros.sweep_report import REFERENCES, field, is_timed, plan_name
+
+# marks beside a budget line: (marker, label)
+MARKS = {"resident": ("*", "resident QLoRA"), "resident_gc": ("P", "resident_gc"), "unsloth": ("D", "unsloth")}
+LABELS = {"seq_len": "seq {}", "grad_accum": "grad-accum {}", "world_size": "{} GPUs"}
+
+
+def series(rows: list[dict], x: str, y: str, methods: tuple[str, ...], context: tuple[str, ...]) -> dict[str, list]:
+    """Sorted (x, y) points per model, method/plan and `context` fields, for timed rows of `methods`; only
+    lines of two or more points. A label names a context field only where the lines differ in it."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r["method"] in methods and is_timed(r) and field(r, x) is not None and r.get(y) is not None:
+            key = (r["model"], plan_name(r), *(field(r, c) for c in context))
+            groups.setdefault(key, {})[field(r, x)] = r[y]  # a repeated point: the later row
+    lines = {k: sorted(v.items()) for k, v in groups.items() if len(v) >= 2}
+    varying = [i for i, _ in enumerate(context) if len({k[2 + i] for k in lines}) > 1]
+    return {", ".join([k[0], k[1], *(LABELS[context[i]].format(k[2 + i]) for i in varying)]): pts
+            for k, pts in lines.items()}
+
+
+def _axes():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _finish(fig, ax, **labels) -> None:
+    ax.set(**labels)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+
+
+def budget_figure(rows: list[dict]):
+    """s/step against peak VRAM of every poros plan per model (one GPU, grad_accum 1), the reference's and
+    Unsloth's s/step and peak as marks. Returns the figure and whether it has a line."""
+    fig, ax = _axes()
+    drawn = False
+    for model in dict.fromkeys(r["model"] for r in rows):
+        one = [r for r in rows if r["model"] == model and is_timed(r) and r.get("peak_vram_gb") is not None
+               and field(r, "grad_accum") == 1 and field(r, "world_size") == 1]
+        pts = sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in one if r["method"] == "poros")
+        if len(pts) < 2:
+            continue
+        drawn = True
+        line, = ax.plot(*zip(*pts), marker="o", label=f"{model} poros (peak at each budget)")
+        for r in one:
+            if r["method"] in MARKS:
+                ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, color=line.get_color(),
+                           marker=MARKS[r["method"]][0], label=f"{model} {MARKS[r['method']][1]}")
+    _finish(fig, ax, xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
+            title="s/step against VRAM")
+    return fig, drawn
+
+
+def plot_budgets(rows: list[dict], png: Path) -> bool:
+    """The budget figure, always written (`poros report` names it); True when it has a line."""
+    fig, drawn = budget_figure(rows)
+    fig.savefig(png, dpi=120)
+    return drawn
+
+
+def _plot_lines(lines: dict[str, list], png: Path, log2_x: bool, **labels) -> bool:
+    if not lines:
+        return False
+    fig, ax = _axes()
+    for label, pts in lines.items():
+        ax.plot(*zip(*pts), marker="o", label=label)
+    if log2_x:  # ticks at the measured values, written plainly (8, not 2^3)
+        xs = sorted({x for pts in lines.values() for x, _ in pts})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+    _finish(fig, ax, **labels)
+    fig.savefig(png, dpi=120)
+    return True
+
+
+def plot_accumulation(rows: list[dict], png: Path) -> bool:
+    """Tokens/s against gradient accumulation (log2) per model and poros plan or reference."""
+    lines = series(rows, "grad_accum", "tokens_per_s", ("poros", *REFERENCES), ("seq_len", "world_size"))
+    return _plot_lines(lines, png, True, xlabel="gradient accumulation (micro-batches per step)",
+                       ylabel="tokens/s", title="Tokens/s against gradient accumulation")
+
+
+def plot_seq_len(rows: list[dict], png: Path) -> bool:
+    """Peak VRAM against sequence length per model and poros plan, reference or Unsloth."""
+    lines = series(rows, "seq_len", "peak_vram_gb", ("poros", *REFERENCES, "unsloth"), ("grad_accum", "world_size"))
+    return _plot_lines(lines, png, True, xlabel="sequence length (tokens)", ylabel="peak VRAM (GB)",
+                       title="Peak VRAM against sequence length")
+
+
+# (file-name suffix, heading, plot): the main PNG first
+PLOTS = (("", "s/step against VRAM", plot_budgets),
+         ("-accum", "Tokens/s against gradient accumulation", plot_accumulation),
+         ("-seq", "Peak VRAM against sequence length", plot_seq_len))

@@ -1,0 +1,211 @@
+"""Sweep pages (poros/sweep_report.py, poros/sweep_plots.py) from small synthetic scripts/sweep.py rows:
+which reference a row is compared with, the data-parallel scaling table, which plots a page links."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from poros.errors import PorosError
+from poros.sweep_plots import budget_figure, series
+from poros.sweep_report import COLUMNS, SCALING_COLUMNS, plan_name, scaling_pairs, write_sweep_report
+from tests.test_report import assert_tables_well_formed, cells
+
+
+def prov(uuids=("A",), host="h1") -> dict:
+    return {"gpus": [{"name": "NVIDIA H200", "uuid": u} for u in uuids], "host": host, "git": {"commit": "abc"},
+            "torch": "2.11", "versions": {}}
+
+
+def row(method="poros", s=1.0, world=1, seq=512, accum=1, peak=10.0, uuids=("A",), host="h1", **kw) -> dict:
+    """A timed row as scripts/sweep.py writes it; tokens/s from the arguments (batch 1)."""
+    r = {"model": "m", "method": method, "attention": "math", "seq_len": seq, "loss_chunk": None, "world_size": world,
+         "grad_accum": accum, "s_per_step_median": s, "tokens_per_s": round(world * seq * accum / s, 1),
+         "peak_vram_gb": peak, "provenance": prov(uuids, host)}
+    return {**r, **kw}
+
+
+def render(tmp_path, rows, name="plans.md") -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = write_sweep_report([path], tmp_path / name).read_text()
+    assert_tables_well_formed(md)
+    return md
+
+
+def table(md: str, columns=COLUMNS) -> list[dict]:
+    """Rows of the table with `columns` as header, each as {column: cell}."""
+    lines = md.splitlines()
+    start = lines.index("| " + " | ".join(columns) + " |")
+    out = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        out.append(dict(zip(columns, cells(line))))
+    return out
+
+
+def linked(md: str) -> list[str]:
+    """The images a page links, in order."""
+    return re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+
+
+def vs_resident(md: str) -> dict[tuple, str]:
+    """`vs resident` per (GPUs, Seq, Grad-accum, Method / plan) of the poros rows."""
+    return {(c["GPUs"], c["Seq"], c["Grad-accum"], c["Method / plan"]): c["vs resident"] for c in table(md)
+            if c["Method / plan"].startswith("poros")}
+
+
+def test_ratios_only_against_the_reference_on_the_same_gpu(tmp_path):
+    rows = [row("resident", s=1.0, peak=80.0),
+            row(s=1.5, vram_budget=24e9, cuda_graphs=True, parity="PASS", parity_steps=2, gate="resident (recorded)",
+                predicted_peak_vram_gb=23.5, resident_layers=20, block_size=3, peak=23.0),
+            row(s=2.0, uuids=("B",)),  # another GPU: no ratio
+            {**row(vram_budget="1000000000"), "error": "BudgetError: too small"}]
+    md = render(tmp_path, rows)
+    got = table(md)
+    assert [c["vs resident"] for c in got] == ["1.00×", "1.50×", "—", "—"]
+    assert got[1]["Parity (gate)"] == "PASS (2 steps, resident (recorded))"
+    assert got[1]["Method / plan"] == "poros, budget 24 GB, CUDA graphs"
+    assert got[2]["Method / plan"] == "poros, every layer streamed"
+    assert got[3]["Parity (gate)"] == "not run: too small" and got[3]["Method / plan"] == "poros, budget 1 GB"
+    assert set(list(got[3].values())[6:]) == {"—"}
+    assert (tmp_path / "plans.png").is_file()
+
+
+def test_baseline_is_keyed_by_seq_len_and_world_size(tmp_path):
+    rows = [row("resident", s=1.0), row("resident", s=4.0, seq=2048), row("resident", s=2.0, world=2),
+            row(s=1.5), row(s=6.0, seq=2048), row(s=3.0, world=2), row(s=9.0, seq=4096)]
+    assert vs_resident(render(tmp_path, rows)) == {
+        ("1", "512", "1", "poros, every layer streamed"): "1.50×",
+        ("1", "2048", "1", "poros, every layer streamed"): "1.50×",
+        ("2", "512", "1", "poros, every layer streamed"): "1.50×",
+        ("1", "4096", "1", "poros, every layer streamed"): "—",  # no reference at this length
+    }
+
+
+def test_a_data_parallel_row_is_not_compared_with_a_one_gpu_reference(tmp_path):
+    """Negative control of the key: the same rows with the world-2 reference left out give no ratio."""
+    md = render(tmp_path, [row("resident", s=1.0), row(s=3.0, world=2), row(s=2.0, accum=8)])
+    assert set(vs_resident(md).values()) == {"—"}
+
+
+def test_plain_resident_is_preferred_to_resident_gc_as_the_baseline(tmp_path):
+    rows = [row("resident_gc", s=2.0), row("resident", s=1.0), row(s=3.0),
+            row("resident_gc", s=5.0, seq=8192), row(s=10.0, seq=8192)]  # no plain resident at 8192
+    md = render(tmp_path, rows)
+    assert vs_resident(md) == {("1", "512", "1", "poros, every layer streamed"): "3.00×",
+                               ("1", "8192", "1", "poros, every layer streamed"): "2.00×"}
+
+
+def test_unsloth_and_control_rows(tmp_path):
+    rows = [row("resident", s=1.0),
+            {**row("resident (control)"), "parity": "PASS", "parity_steps": 2, "gate": "control (recorded)"},
+            row("unsloth", s=0.8, unsloth_version="2026.1"),
+            {"model": "m", "method": "unsloth", "grad_accum": 8, "seq_len": 512, "world_size": 1,
+             "error": "OutOfMemoryError: CUDA out of memory | tried 3 GB\nsee the log", "provenance": prov()}]
+    control, unsloth, failed = table(render(tmp_path, rows))[1:]
+    assert control["Parity (gate)"] == "PASS (control: reference vs itself, 2 steps)"
+    assert set(list(control.values())[6:]) == {"—"}  # parity only: no timing although the row carries a peak
+    assert unsloth["Parity (gate)"] == "not gated (other arithmetic)"
+    assert (unsloth["s/step"], unsloth["vs resident"], unsloth["Tokens/s"]) == ("0.8000", "0.80×", "640")
+    assert failed["Parity (gate)"] == "not run: CUDA out of memory / tried 3 GB see the log"
+    assert failed["Grad-accum"] == "8" and set(list(failed.values())[6:]) == {"—"}
+
+
+def test_scaling_table_ratio_and_efficiency(tmp_path):
+    rows = [row(s=1.0, uuids=("A",)), row(s=1.0, world=2, uuids=("A", "B")),
+            row(s=1.25, world=4, uuids=("A", "B", "C", "D")),
+            row("resident", s=0.5), row("resident", s=0.8, world=2, uuids=("A", "B"))]
+    md = render(tmp_path, rows)
+    assert "## Data-parallel scaling" in md
+    got = {(c["Method / plan"], c["GPUs"]): c for c in table(md, SCALING_COLUMNS)}
+    assert set(got) == {("poros, every layer streamed", "2"), ("poros, every layer streamed", "4"), ("resident", "2")}
+    plan = "poros, every layer streamed"
+    two, four, res = got[(plan, "2")], got[(plan, "4")], got[("resident", "2")]
+    assert (two["Tokens/s"], two["Tokens/s on 1 GPU"], two["Speed-up"], two["Per-GPU efficiency"]) == (
+        "1024", "512", "2.00×", "100%")
+    assert (four["Tokens/s"], four["Speed-up"], four["Per-GPU efficiency"]) == ("1638", "3.20×", "80%")
+    assert (res["Tokens/s on 1 GPU"], res["Speed-up"], res["Per-GPU efficiency"]) == ("1024", "1.25×", "62%")
+    assert two["GPU"] == "NVIDIA H200" and two["Seq"] == "512"
+
+
+@pytest.mark.parametrize("other", [
+    {"host": "h2"}, {"uuids": ("C",)}, {"seq": 1024}, {"accum": 8}, {"cuda_graphs": True}, {"method": "resident"},
+], ids=lambda o: "differs=" + ",".join(o))
+def test_scaling_pairs_only_the_same_work_on_the_same_machine(tmp_path, other):
+    """A one-GPU row that differs in machine, work or plan from the data-parallel row is no pair."""
+    many = row(s=1.0, world=2, uuids=("A", "B"))
+    assert scaling_pairs([row(s=1.0), many]) == [(row(s=1.0), many)]  # the control: the same row pairs
+    assert scaling_pairs([row(s=1.0, **other), many]) == []
+    assert "## Data-parallel scaling" not in render(tmp_path, [row(s=1.0, **other), many])
+
+
+def test_scaling_ignores_failed_and_control_rows():
+    many = row(s=1.0, world=2, uuids=("A", "B"))
+    assert scaling_pairs([{**row(s=1.0), "error": "RuntimeError: x"}, many]) == []
+    assert scaling_pairs([row(s=1.0), {**many, "method": "poros (control)"}]) == []
+
+
+def test_only_plots_with_their_data_are_linked(tmp_path):
+    budgets = [row("resident", s=1.0, peak=80.0), row("unsloth", s=0.9, peak=40.0),
+               row(s=2.0, peak=9.0), row(s=1.5, peak=24.0, vram_budget=24e9)]
+    assert linked(render(tmp_path / "a", budgets, "b.md")) == ["b.png"]
+    assert sorted(p.name for p in (tmp_path / "a").glob("*.png")) == ["b.png"]
+
+    longer = budgets + [row("resident", s=8.0, accum=8), row(s=15.0, accum=8),
+                        row(s=4.0, seq=4096, peak=20.0), row("unsloth", s=3.0, seq=4096, peak=50.0)]
+    assert linked(render(tmp_path / "b", longer, "b.md")) == ["b.png", "b-accum.png", "b-seq.png"]
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.png")) == ["b-accum.png", "b-seq.png", "b.png"]
+
+    nothing = [row(s=1.0, world=2, uuids=("A", "B"))]
+    assert linked(render(tmp_path / "c", nothing, "b.md")) == []
+    assert (tmp_path / "c" / "b.png").is_file()  # written all the same: `poros report` names it
+
+
+def test_series_points_and_labels():
+    rows = [row("resident", s=1.0), row("resident", s=4.0, accum=8), row(s=2.0), row(s=8.0, accum=8),
+            row(s=1.0, accum=4, seq=1024), row(s=4.0, accum=16, seq=1024),
+            row(s=2.0, accum=2, vram_budget=24e9)]  # one point: no line
+    got = series(rows, "grad_accum", "tokens_per_s", ("poros", "resident"), ("seq_len", "world_size"))
+    assert got == {"m, resident, seq 512": [(1, 512.0), (8, 1024.0)],
+                   "m, poros, every layer streamed, seq 512": [(1, 256.0), (8, 512.0)],
+                   "m, poros, every layer streamed, seq 1024": [(4, 4096.0), (16, 4096.0)]}
+    assert series(rows[:4], "grad_accum", "tokens_per_s", ("poros",), ("seq_len", "world_size")) == {
+        "m, poros, every layer streamed": [(1, 256.0), (8, 512.0)]}  # a context field that does not vary goes unnamed
+
+
+def test_budget_plot_marks_resident_and_unsloth():
+    rows = [row("resident", s=1.0, peak=80.0), row("unsloth", s=0.9, peak=40.0), row(s=2.0, peak=9.0),
+            row(s=1.5, peak=24.0, vram_budget=24e9), row(s=1.4, peak=30.0, world=2, uuids=("A", "B"))]
+    fig, drawn = budget_figure(rows)
+    (ax,) = fig.axes
+    assert drawn and [list(l.get_xdata()) for l in ax.lines] == [[9.0, 24.0]]  # the world-2 row is no budget point
+    assert {c.get_label(): tuple(c.get_offsets()[0]) for c in ax.collections} == {
+        "m resident QLoRA": (80.0, 1.0), "m unsloth": (40.0, 0.9)}
+    assert budget_figure(rows[:3])[1] is False  # one poros point: no line
+
+
+@pytest.mark.parametrize("kw,name", [
+    ({}, "poros, every layer streamed"),
+    ({"vram_budget": 49000000000, "cuda_graphs": True}, "poros, budget 49 GB, CUDA graphs"),
+    ({"vram_budget": "auto", "offload_inputs": True}, "poros, budget auto, inputs in host memory"),
+    ({"overlap_backward": False, "accumulation": "micro"}, "poros, every layer streamed, serial backward, "
+                                                           "micro-major accumulation"),
+    ({"accumulation": "layer", "overlap_backward": True}, "poros, every layer streamed"),
+    ({"method": "resident_gc (control)"}, "resident_gc (control)"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_plan_names(kw, name):
+    assert plan_name({"method": "poros", **kw}) == name
+
+
+def test_unreadable_sweep_files_are_one_line_errors(tmp_path):
+    with pytest.raises(PorosError, match=r"nope\.jsonl: no such sweep file"):
+        write_sweep_report([tmp_path / "nope.jsonl"], tmp_path / "x.md")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(row()) + "\n{not json\n")
+    with pytest.raises(PorosError, match=r"bad\.jsonl:2: not valid JSON"):
+        write_sweep_report([bad], tmp_path / "x.md")
