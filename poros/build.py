@@ -402,7 +402,7 @@ def build_store(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     on_layer: Callable[[int, int], None] | None = None,
-    allocate: Callable[[int], torch.Tensor] = host_buffer,
+    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[NF4Store, BuildStats]:
     """Build the NF4 store of `source` layer by layer on `device`.
 
@@ -432,7 +432,7 @@ def build_store(
     reader = CheckpointReader(src.checkpoint) if src.checkpoint else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    arena = allocate(total)
+    arena = (allocate or host_buffer)(total)
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     code = None

@@ -72,7 +72,7 @@ def _quant_state(reader, name: str, path: Path):
     return state, absmax.float()
 
 
-def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=None, allocate=host_buffer):
+def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=None, allocate=None):
     """The NF4 store of a bitsandbytes 4-bit checkpoint folder `src` (a poros.build.Source).
 
     Returns:
@@ -95,7 +95,7 @@ def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=
     list_name, layers = decoder_layers(model)
     prefixes = [f"{list_name}.{i}" for i in range(len(layers))]
     layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])
-    arena = allocate(total)
+    arena = (allocate or host_buffer)(total)
     dense: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     code = None

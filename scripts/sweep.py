@@ -29,10 +29,13 @@ of every rank, and the peak is the largest rank's. The official figures come fro
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -123,7 +126,16 @@ def main() -> None:
     world = init_world(args.device)
     if world.distributed and (args.previous or args.unsloth):
         raise SystemExit("--previous and --unsloth time one process: run them without torchrun")
+    t0 = time.perf_counter()
+
+    def stage(what: str) -> None:  # where a long sweep is, on stderr (every rank)
+        print(f"[sweep rank {world.rank}/{world.size} {time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+    if os.environ.get("POROS_STACKS_AFTER"):  # a sweep still running after this many seconds dumps every stack
+        faulthandler.dump_traceback_later(float(os.environ["POROS_STACKS_AFTER"]), exit=False)
+    stage(f"building {args.model}")
     store, stats = share_store(args.model, seed=0, device=args.device, world=world, progress=None)
+    stage(f"store ready ({stats.seconds:.1f} s build)")
 
     from poros.provenance import provenance
 
@@ -143,8 +155,11 @@ def main() -> None:
     for accum in (int(g) for g in args.grad_accum.split(",")):
         base = TrainConfig(model=args.model, seq_len=args.seq_len, grad_accum=accum, device=args.device,
                            attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
+        stage(f"grad_accum {accum}: {args.reference} set up")
         resident = make_trainer(Method(args.reference), store, base, world)
+        stage(f"{args.reference}: recording {args.gate_steps} gate steps")
         reference = RecordedReference(resident, args.gate_steps)
+        stage(f"{args.reference}: recorded")
         if args.control:
             resident.close()
             resident = make_trainer(Method(args.reference), store, base, world)
@@ -183,13 +198,16 @@ def main() -> None:
             cfg = base.replace(**v)
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            stage(f"poros {v}: set up")
             try:
                 poros = PorosTrainer(store, cfg, world=world)
             except Exception as e:  # e.g. a budget below the smallest plan: say so and go on
                 emit({"method": "poros", "grad_accum": accum, **{k: str(x) for k, x in v.items()},
                       "error": f"{type(e).__name__}: {e}"})
                 continue
+            stage(f"poros {v}: gate")
             gate = agree(run_gate_recorded(reference, poros), world)  # then timed after a discarded warm-up pass
+            stage(f"poros {v}: {gate.parity}; timing")
             plan = poros.plan.summary()
             row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
                    "parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
