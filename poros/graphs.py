@@ -11,6 +11,12 @@ and the template's LoRA gradients are accumulated into the layer's afterwards. S
 graphs is (buffers x layers per block x layer kinds), not the number of layers, and their
 activations share one memory pool (replays never overlap).
 
+The tensors a graph reads and writes at fixed addresses (the layer input, the incoming gradient,
+the other arguments; the output or the gradient at the input) are shared by every template of the
+same shape (`Statics`): a template copies its inputs in just before its replay and its result out
+just after, inside the graph, so no template keeps activation-sized tensors of its own. At 16k tokens
+of a 72B layer each is 268 MB; kept per template (16 of them) they were 10 GB.
+
 The kernels are the ones eager recompute + backward launches, in the same order, on the same
 data, so the result is bitwise the same; the parity gate checks that on the GPU. Without capture
 (`capture=False`, the CPU tests) the template runs eagerly: the same copies in and out, which is
@@ -107,11 +113,31 @@ def layer_key(layer: nn.Module) -> tuple:
     return (type(layer).__name__, tuple(addrs), params, buffers, tuple(attrs))
 
 
+class Statics:
+    """The fixed-address tensors of every template, one per (role, shape, dtype): replays never overlap,
+    and each template fills what it reads right before its replay and copies what it writes right after
+    it, so sharing them is safe. Allocated outside any graph's pool."""
+
+    def __init__(self):
+        self.tensors: dict[tuple, torch.Tensor] = {}
+
+    def get(self, role, like: torch.Tensor) -> torch.Tensor:
+        key = (role, tuple(like.shape), like.dtype, like.device)
+        if key not in self.tensors:
+            self.tensors[key] = torch.empty_like(like, requires_grad=False, memory_format=torch.contiguous_format)
+        return self.tensors[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
 class LayerTemplate:
     """A private copy of one layer sharing only its NF4 weights. With `backward`, runs (or replays)
     the layer's recompute + backward; without, its forward without autograd."""
 
-    def __init__(self, layer: nn.Module, capture: bool, pool=None, backward: bool = True):
+    def __init__(self, layer: nn.Module, capture: bool, pool=None, backward: bool = True,
+                 statics: Statics | None = None):
         shared = {}
         for p in _nf4_params(layer):
             shared[id(p)] = p
@@ -123,11 +149,12 @@ class LayerTemplate:
         self.module.__dict__.pop("forward", None)  # the streaming engine's patched forward stays on the original
         self.nf4 = {id(p) for p in _nf4_params(layer)}
         self.capture, self.pool, self.backward = capture, pool, backward
+        self.statics = statics or Statics()
         self.graph = None
         self.params = [p for p in self.module.parameters() if id(p) not in self.nf4]
         self.lora = [p for p in self.params if p.requires_grad]
         self.buffers = list(self.module.buffers())
-        self.static_x = self.static_grad = self.static_out = None
+        self.static_x = self.static_grad = self.static_out = self.static_dx = None
         self.out_rest = None  # forward: what follows the hidden state when the layer returns a tuple
         self.static_args: list[torch.Tensor] = []
         self.skeleton = None
@@ -174,7 +201,7 @@ class LayerTemplate:
         if not self.backward:
             h = self.static_out.clone()
             return h if self.out_rest is None else (h, *self.out_rest)
-        out = self.static_x.grad.clone()
+        out = self.static_dx.clone()
         self._accumulate(layer.lora)
         if not self.capture:  # eager: the next run must not accumulate onto this one
             self._clear_grads()
@@ -197,9 +224,14 @@ class LayerTemplate:
     def _setup(self, x, tensors, kw_hidden, grad, skeleton) -> None:
         self.skeleton = skeleton
         self.kw_hidden = kw_hidden
-        self.static_x = torch.empty_like(x).requires_grad_(self.backward)
-        self.static_grad = torch.empty_like(grad) if self.backward else None
-        self.static_args = [torch.empty_like(t) for t in tensors]
+        # a leaf of its own (its own .grad) over the shared input's memory
+        self.static_x = self.statics.get("input", x).detach().requires_grad_(self.backward)
+        self.static_grad = self.statics.get("grad_output", grad) if self.backward else None
+        self.static_args = [self.statics.get(("arg", k), t) for k, t in enumerate(tensors)]
+        if self.backward:
+            self.static_dx = self.statics.get("grad_input", x)
+        else:
+            self.static_out = self.statics.get("output", x)
 
     def _load(self, layer: "LayerRefs", x, tensors, grad) -> None:
         if self._dst is None:
@@ -215,10 +247,14 @@ class LayerTemplate:
         return self.module(self.static_x, *self.args, **self.kwargs)
 
     def _body(self) -> None:
+        """The layer's work and the copy of its result into the shared static tensor (both captured)."""
         if self.backward:
             with torch.enable_grad():
                 out = self._call()
                 torch.autograd.backward(out[0] if isinstance(out, tuple) else out, self.static_grad)
+            with torch.no_grad():
+                self._put(self.static_dx, self.static_x.grad)
+            self.static_x.grad = None  # the graph's own gradient buffer is free for the next capture
             return
         with torch.no_grad():
             out = self._call()
@@ -226,13 +262,18 @@ class LayerTemplate:
             if any(torch.is_tensor(o) for o in _tensors(out[1:], [])):
                 self.usable = False  # more than a hidden state comes back: not replayable as one
                 return
-            self.static_out, self.out_rest = out[0], tuple(out[1:])
-        else:
-            self.static_out = out
+            out, self.out_rest = out[0], tuple(out[1:])
+        with torch.no_grad():
+            self._put(self.static_out, out)
+
+    def _put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            self.usable = False  # a result unlike the input: not one the shared tensors can hold
+            return
+        dst.copy_(src)
 
     def _clear_grads(self) -> None:
         if self.backward:
-            self.static_x.grad = None
             for p in self.lora:
                 p.grad = None
 
@@ -267,14 +308,16 @@ class LayerRefs:
 class LayerTemplates:
     """Templates by `layer_key`, created on first use; counters for the engine's report.
 
-    All graphs share one memory pool. That is safe because replays never overlap and a template's
-    only pool-resident outputs (the gradient at its input, its LoRA gradients) are consumed right
-    after its replay; its inputs (the static tensors and its own parameters) live outside the pool.
+    All graphs share one memory pool and one set of static tensors (`Statics`). That is safe because
+    replays never overlap: a template's only pool-resident outputs (its LoRA gradients) are consumed
+    right after its replay, and its result is copied out of the static tensors before another template
+    runs; its inputs (the static tensors and its own parameters) live outside the pool.
     """
 
     def __init__(self, capture: bool):
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.statics = Statics()
         self.templates: dict[tuple, LayerTemplate] = {}  # by (backward?, layer key)
         self.refs: dict[int, LayerRefs] = {}
         self.fallbacks = 0
@@ -292,7 +335,8 @@ class LayerTemplates:
         key = (grad is not None, refs.key)
         tpl = self.templates.get(key)
         if tpl is None:
-            tpl = self.templates[key] = LayerTemplate(layer, self.capture, self.pool, backward=grad is not None)
+            tpl = self.templates[key] = LayerTemplate(layer, self.capture, self.pool, backward=grad is not None,
+                                                      statics=self.statics)
         out = tpl.run(refs, x, args, kwargs, kw_hidden, grad)
         if out is None:
             self.fallbacks += 1
@@ -302,7 +346,8 @@ class LayerTemplates:
         return {"layer_templates": sum(k[0] for k in self.templates),
                 "forward_templates": sum(not k[0] for k in self.templates), "template_fallbacks": self.fallbacks,
                 "graphs_captured": sum(t.graph is not None for t in self.templates.values()),
-                "capture_errors": sum(t.error is not None for t in self.templates.values())}
+                "capture_errors": sum(t.error is not None for t in self.templates.values()),
+                "template_static_bytes": self.statics.nbytes}
 
     def errors(self) -> list[str]:
         return sorted({t.error for t in self.templates.values() if t.error})
@@ -310,3 +355,4 @@ class LayerTemplates:
     def clear(self) -> None:
         self.templates.clear()
         self.refs.clear()
+        self.statics = Statics()

@@ -157,7 +157,7 @@ class Memory:
     dense: int  # norms, biases, rotary tables
     saved_inputs: int  # each layer's input, kept for its recompute
     transient: int  # the larger of the head and one (two, overlapped) layers' backward
-    templates: int = 0  # CUDA-graph layer templates of resident layers (their static tensors and LoRA copies)
+    templates: int = 0  # CUDA-graph layer templates: LoRA copies of resident layers' own, shared static tensors
 
     @property
     def total(self) -> int:
@@ -175,11 +175,17 @@ def lora_bytes(geo: Geometry, rank: int) -> int:
     return sum(io * rank for io in geo.lora_in_out) * 4 * 4
 
 
-def template_bytes(geo: Geometry, seq_len: int, batch: int, rank: int) -> int:
-    """One layer's forward and backward templates: three copies of its fp32 LoRA (forward and backward
-    parameters, backward gradients) and five activations (inputs, incoming gradient, outputs)."""
-    lora_layer = sum(io * rank for io in geo.lora_in_out) * 4 // geo.n_layers
-    return 3 * lora_layer + 5 * seq_len * batch * geo.hidden * 2
+def template_bytes(geo: Geometry, rank: int) -> int:
+    """One layer's own forward and backward templates: three copies of its fp32 LoRA (forward and
+    backward parameters, backward gradients). Their activation-sized tensors are shared
+    (`template_static_bytes`)."""
+    return 3 * sum(io * rank for io in geo.lora_in_out) * 4 // geo.n_layers
+
+
+def template_static_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
+    """The static tensors every template shares (poros/graphs.py `Statics`): the layer input, the incoming
+    gradient, the gradient at the input and the output, one activation each."""
+    return 4 * seq_len * batch * geo.hidden * 2
 
 
 def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: str, overlap: bool,
@@ -379,9 +385,10 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         resident_weights=sum(b.nbytes for b in buffers if b.resident) + (geo.head_bytes if head_resident else 0),
         lora=lora_bytes(geo, lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
         transient=max(head_t, layer_t + grads_in_flight),
-        # streamed layers share 2 x block_size templates (within the measured peaks the model is fitted
-        # to); every resident layer has its own weights' addresses, so its own templates
-        templates=resident_layers * template_bytes(geo, seq_len, batch_size, lora_rank) if graphs else 0)
+        # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
+        # model is fitted to); every resident layer has its own weights' addresses, so its own templates
+        templates=(resident_layers * template_bytes(geo, lora_rank) + template_static_bytes(geo, seq_len, batch_size))
+        if graphs else 0)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes, offload_inputs,
                 one_input, window)

@@ -188,3 +188,36 @@ def test_the_capture_path_keeps_parity_with_stand_in_graphs(stores, monkeypatch)
         assert c["graphs_captured"] == len(templates) > 0
         n = len(store.layers)
         assert sum(t.graph.replays for t in templates) == 2 * n * 2 * 2  # fwd+bwd, layers, micro-batches, steps
+
+
+def test_templates_share_one_set_of_static_tensors(stores):
+    """Every template of one shape reads and writes the same static memory (a leaf of its own over it):
+    what a template keeps does not grow with the number of templates."""
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, grad_accum=2, lr=1e-2)
+    result, poros = _gate(store, cfg)
+    assert result.ok, result.first_mismatch
+    templates = list(poros._templates.templates.values())
+    backward = [t for t in templates if t.backward]
+    assert len(backward) > 1
+    assert len({id(t.static_x) for t in backward}) == len(backward)  # each its own leaf
+    assert len({t.static_x.data_ptr() for t in templates}) == 1  # over one input's memory
+    assert len({t.static_dx.data_ptr() for t in backward}) == 1
+    hidden = 64 * store.config.hidden_size * 2  # one bf16 activation of seq 64
+    statics = poros._templates.statics
+    roles = {k[0] for k in statics.tensors}
+    assert {"input", "grad_output", "grad_input", "output"} <= roles
+    assert 4 * hidden <= statics.nbytes < 4 * hidden + 4 * 64 * 64 * 4 * 8  # + the rotary/mask arguments
+    assert poros.counters()["template_static_bytes"] == statics.nbytes
+
+
+def test_a_template_that_does_not_copy_its_result_out_fails_the_gate(stores, monkeypatch):
+    """Negative control for the shared statics: a template whose result stays where the next template
+    overwrites it (nothing copied out) must FAIL."""
+    from poros.graphs import LayerTemplate
+
+    monkeypatch.setattr(LayerTemplate, "_put", lambda self, dst, src: None)
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, lr=1e-2)
+    result, _ = _gate(store, cfg, steps=1)
+    assert not result.ok
