@@ -103,6 +103,7 @@ class Measurement:
     counters: list[dict] = field(default_factory=list)
     peak_vram_gb: float | None = None
     peak_vram_nvml_gb: float | None = None
+    attention_backends: dict | None = None  # attention shape -> the SDPA backend it ran on
 
 
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
@@ -211,6 +212,7 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, ben
         out.peak_vram_nvml_gb = nvml.peak / 1e9
     if cfg.device.value == "cuda":
         out.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
+    out.attention_backends = getattr(trainer, "attention_backends", None) or None
     return out
 
 
@@ -241,6 +243,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "tokens_per_s": (cfg.seq_len * cfg.batch_size * cfg.grad_accum / statistics.median(per_step)) if per_step else None,
         "peak_vram_gb": meas.peak_vram_gb if meas else None,
         "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
+        "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
         "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
         "parity_max_abs_diff": None if not gate_applies or parity is None else parity.max_abs_diff,

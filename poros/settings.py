@@ -30,6 +30,7 @@ class Attention(str, enum.Enum):
     CUDNN = "cudnn"
     EFFICIENT = "efficient"
     FLASH = "flash"
+    FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/attention.py)
 
 
 class Device(str, enum.Enum):
@@ -189,7 +190,8 @@ SETTINGS: tuple[Setting, ...] = (
             cli=False),
     Setting("lr", 1e-4, COMPUTED, positive_number, "AdamW learning rate", "Learning rate"),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
-            "SDPA backend for every method: default, math, cudnn, efficient or flash", "Attention"),
+            "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
+            "shape allows, else memory-efficient, else math)", "Attention"),
     Setting("deterministic", False, COMPUTED, flag,
             "strict torch.use_deterministic_algorithms for every method (repeatable attention backward; an op "
             "without a deterministic kernel is an error)", "Deterministic algorithms"),

@@ -11,28 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from poros.attention import BackendLog, sdpa_context
 from poros.build import check_seq_len
-from poros.config import Attention, TrainConfig
+from poros.config import TrainConfig
 from poros.data import Batch, synthetic_step
 from poros.distributed import SINGLE, World, reduce_mean
 from poros.errors import CapabilityError
 from poros.modeling import QLoRAModel
 from poros.store import NF4Store
-
-
-def sdpa_context(attention: Attention):
-    """Pin the SDPA backend for both methods alike (`default`: torch's own choice)."""
-    if attention is Attention.DEFAULT:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {
-        Attention.MATH: SDPBackend.MATH,
-        Attention.CUDNN: SDPBackend.CUDNN_ATTENTION,
-        Attention.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
-        Attention.FLASH: SDPBackend.FLASH_ATTENTION,
-    }[attention]
-    return sdpa_kernel([backend])
 
 
 CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: repeatable matmuls (strict mode refuses others)
@@ -119,6 +105,7 @@ class Trainer:
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None
+        self.attention_backends: dict[str, str] = {}  # attention shape -> SDPA backend, from the first step
         self.qlora = self._make_model()
         self.model = self.qlora.add_lora()
         self.params = self.qlora.lora_parameters()
@@ -186,10 +173,13 @@ class Trainer:
         batches = batches if batches is not None else self.batches(self.steps_done)
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
-        with deterministic_kernels():
+        log = BackendLog() if not self.attention_backends else contextlib.nullcontext()
+        with deterministic_kernels(), log:
             for micro in self.accumulate(batches):
                 loss = loss + micro.float()
             self.optimizer_step()
+        if isinstance(log, BackendLog):
+            self.attention_backends = log.seen
         value = reduce_mean(float(loss), self.world, self.device)
         return StepResult(value, time.perf_counter() - t0, self.counters())
 

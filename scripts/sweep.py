@@ -82,7 +82,7 @@ def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SIN
     peak = largest(meas.peak_vram_gb, world)
     out = {"s_per_step_median": round(med, 4), "per_step_by_pass": [round(t, 4) for t in per_step],
            "tokens_per_s": round(world.size * cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1),
-           "peak_vram_gb": None if peak is None else round(peak, 3)}
+           "peak_vram_gb": None if peak is None else round(peak, 3), "attention_backends": meas.attention_backends}
     out.update(copy_summary(meas.counters))
     return out
 

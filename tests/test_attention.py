@@ -1,0 +1,45 @@
+"""Attention backends (poros/attention.py): `fast` is one more backend list for every method alike, and
+each row records which backend every attention shape ran on."""
+
+from __future__ import annotations
+
+import pytest
+
+from poros.attention import BackendLog, shape_label
+from poros.config import Method, TrainConfig
+from poros.methods import make_trainer
+from poros.parity import run_gate
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3"])
+def test_fast_keeps_parity_and_both_methods_record_the_same_backends(stores, model):
+    store = stores(model)
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, attention="fast", lr=1e-2)
+    resident, poros = make_trainer(Method.RESIDENT, store, cfg), make_trainer(Method.POROS, store, cfg)
+    assert run_gate(resident, poros, 1).ok
+    resident.step(), poros.step()
+    assert resident.attention_backends and resident.attention_backends == poros.attention_backends
+    # on the CPU torch's flash kernel serves every shape the list reaches first
+    assert set(resident.attention_backends.values()) == {"flash"}
+
+
+def test_math_records_math_for_every_shape(stores):
+    store = stores("tiny-gemma3")  # sliding-window (masked) and full layers: two shapes
+    trainer = make_trainer(Method.RESIDENT, store, TrainConfig(model="tiny-gemma3", seq_len=64, attention="math"))
+    trainer.step()
+    assert len(trainer.attention_backends) == 2 and set(trainer.attention_backends.values()) == {"math"}
+    assert any(k.endswith(", mask") for k in trainer.attention_backends)
+
+
+def test_the_log_restores_sdpa_and_labels_calls():
+    import torch
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+    q = torch.randn(1, 4, 8, 16)
+    with BackendLog() as log:
+        assert F.scaled_dot_product_attention is not real
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert F.scaled_dot_product_attention is real
+    assert torch.equal(out, real(q, q, q, is_causal=True))
+    assert list(log.seen) == [shape_label(q, q, None, True)] == ["head_dim 16, heads 4/4, causal"]
