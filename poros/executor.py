@@ -35,7 +35,8 @@ from poros.errors import CapabilityError
 from poros.graphs import LayerTemplates
 from poros.modeling import QLoRAModel, bind_nf4
 from poros.store import absmax_view, weight_view
-from poros.train import Trainer, sdpa_context
+from poros.attention import sdpa_context
+from poros.train import Trainer
 
 
 class _Captured(Exception):

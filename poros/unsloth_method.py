@@ -98,7 +98,8 @@ def _child(argv: list[str]) -> int:
 
     from poros.config import TrainConfig
     from poros.errors import PorosError
-    from poros.train import deterministic_kernels, enable_determinism, sdpa_context
+    from poros.attention import sdpa_context
+    from poros.train import deterministic_kernels, enable_determinism
 
     cfg = TrainConfig(**json.loads(args.config))
     if cfg.deterministic:  # strict, as for every method (the parent passes CUBLAS_WORKSPACE_CONFIG on)
