@@ -116,6 +116,10 @@ def _baselines(rows: list[dict]) -> dict[tuple, float]:
     return {k: r["s_per_step_median"] for k, r in best.items()}
 
 
+def _steps(n) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def _cells(r: dict, base: float | None) -> list[str]:
     head = [r["model"], str(field(r, "world_size")), _num(r.get("seq_len")), str(field(r, "grad_accum")), plan_name(r)]
     rest = len(COLUMNS) - len(head) - 1
@@ -123,12 +127,12 @@ def _cells(r: dict, base: float | None) -> list[str]:
         reason = r["error"].split(":", 1)[-1].strip().replace("|", "/").replace("\n", " ")
         return head + ["not run: " + reason] + [DASH] * rest
     if is_control(r):
-        parity = f"{r.get('parity')} (control: reference vs itself, {r.get('parity_steps')} steps)"
+        parity = f"{r.get('parity')} (control: reference vs itself, {_steps(r.get('parity_steps'))})"
         return head + [parity] + [DASH] * rest
     if r["method"] == "unsloth":
         parity = "not gated (other arithmetic)"
     else:
-        parity = DASH if r.get("parity") is None else f"{r['parity']} ({r.get('parity_steps')} steps, {r.get('gate')})"
+        parity = DASH if r.get("parity") is None else f"{r['parity']} ({_steps(r.get('parity_steps'))}, {r.get('gate')})"
     s, h2d, hidden = r.get("s_per_step_median"), r.get("bytes_h2d_per_step"), r.get("copy_hidden_share")
     return head + [parity, _num(s, "{:.4f}"), DASH if s is None or not base else f"{s / base:.2f}×",
                    _num(r.get("tokens_per_s"), "{:.0f}"), _gb(r.get("peak_vram_gb")),
