@@ -240,7 +240,9 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "s_per_step_median": statistics.median(per_step) if per_step else None,
         "s_per_step_std": statistics.stdev(per_step) if len(per_step) > 1 else (0.0 if per_step else None),
         "per_pass_s": meas.per_pass_s if meas else [],
-        "tokens_per_s": (cfg.seq_len * cfg.batch_size * cfg.grad_accum / statistics.median(per_step)) if per_step else None,
+        "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
+        "tokens_per_s": (cfg.gpus * cfg.seq_len * cfg.batch_size * cfg.grad_accum / statistics.median(per_step))
+        if per_step else None,
         "peak_vram_gb": meas.peak_vram_gb if meas else None,
         "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
         "attention_backends": meas.attention_backends if meas else None,

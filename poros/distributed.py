@@ -274,6 +274,15 @@ class GradReducer:
             raise CapabilityError(f"{missing} layer(s) finished the step without their gradients reduced")
 
 
+def largest(value: float | None, world: World) -> float | None:
+    """The largest rank's `value` (a peak), on every rank."""
+    if value is None or not world.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def reduce_mean(value: float, world: World, device) -> float:
     """The mean of `value` over the ranks (a step's loss as every rank reports it)."""
     if not world.distributed:

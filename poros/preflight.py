@@ -225,3 +225,17 @@ def check_runnable(m, device: str) -> None:
     models = [model_unavailable(x, device) for x in m.models]
     if all(models):
         raise CapabilityError(f"{m.source}: no cell can run here: {models[0]}")
+    check_ranks(m.settings.get("gpus", 1), device, f"{m.source}: gpus")
+
+
+def check_ranks(gpus: int, device: str, where: str) -> None:
+    """`gpus` data-parallel ranks need as many CUDA devices on this host (on the CPU they are processes).
+
+    Raises:
+        CapabilityError: naming how many the host has.
+    """
+    import torch
+
+    if gpus > 1 and device.startswith("cuda") and gpus > torch.cuda.device_count():
+        raise CapabilityError(f"{where}: {gpus} data-parallel ranks need {gpus} CUDA GPUs; this host has "
+                              f"{torch.cuda.device_count()}: set gpus to {max(torch.cuda.device_count(), 1)} or less")

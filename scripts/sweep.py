@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from poros.bench import copy_summary, free_device_memory, measure
-from poros.distributed import SINGLE, World, agree, close_world, init_world, share_store
+from poros.distributed import SINGLE, World, agree, close_world, init_world, largest, share_store
 from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
 from poros.methods import make_trainer
@@ -61,15 +61,6 @@ def parse_variant(text: str) -> dict:
     if problems:
         raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
     return values
-
-
-def largest(value: float | None, world: World) -> float | None:
-    """The largest rank's `value` (a peak)."""
-    if value is None or not world.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t)
 
 
 def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SINGLE) -> dict:

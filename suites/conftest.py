@@ -75,6 +75,7 @@ def _preflight(config) -> None:
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
+    preflight.check_ranks(m.settings.get("gpus", 1), bench.matrix_device(m), f"{m.source}: gpus")
     results = Path(config.getoption("--results"))
     lock = OutputLock(results.parent).acquire()
     config.add_cleanup(lock.release)

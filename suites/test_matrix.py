@@ -31,6 +31,9 @@ def _skip_if_not_runnable(session, cell):
         why = method_unavailable(cell.method, session.device)
         if why:
             pytest.skip(why)
+        gpus = session.matrix.settings_for(cell.model).get("gpus", 1)
+        if gpus > 1 and not METHODS[cell.method].in_process:
+            pytest.skip(f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods")
 
 
 def _gate(session, cell):
@@ -42,10 +45,18 @@ def _gate(session, cell):
 
         cfg = train_config(session.matrix, cell.model)
         reference, method = gate_of(session.matrix.methods)
+        sequential = reference is Method.RESIDENT_GC
         try:
-            session.gates[key] = parity(cfg, steps=session.parity_steps, store=session.stores.get(cell.model),
-                                        method=method, reference=reference,
-                                        sequential=reference is Method.RESIDENT_GC)
+            if cfg.gpus > 1:  # data-parallel ranks, started with torchrun; each gates its own states
+                from poros.parity import ParityResult
+                from poros.ranks import run_ranks
+
+                spec = {"kind": "gate", "config": cfg.as_dict(), "method": method.value, "reference": reference.value,
+                        "steps": session.parity_steps, "sequential": sequential}
+                session.gates[key] = ParityResult(**run_ranks(spec, cfg.gpus, log=progress))
+            else:
+                session.gates[key] = parity(cfg, steps=session.parity_steps, store=session.stores.get(cell.model),
+                                            method=method, reference=reference, sequential=sequential)
         except Exception as e:
             session.gates[key] = e
         free_device_memory()
@@ -97,6 +108,9 @@ def _measure_cell(session, cell, cfg, benchmark):
     m = session.matrix
     pair = gate_of(m.methods)
     gate = _gate(session, cell) if pair is not None and cell.method in pair else None
+    if cfg.gpus > 1:
+        _measure_ranks(session, cell, cfg, benchmark, gate)
+        return
     store = session.stores.get(cell.model)
     free_device_memory()
     if cfg.device.value == "cuda":
@@ -105,13 +119,7 @@ def _measure_cell(session, cell, cfg, benchmark):
         torch.cuda.reset_peak_memory_stats()
 
     def write(meas, plan=None) -> None:
-        row = record(m, cell, cfg, meas, gate, reduced=session.reduced, arch=store.config.model_type, plan=plan)
-        session.writer.append(row)
-        benchmark.extra_info.update({k: row[k] for k in (
-            "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
-            "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share")})
-        progress(f"  {cell.method.value}: {row['s_per_step_median']:.4f} s/step, peak "
-                 f"{row['peak_vram_gb'] if row['peak_vram_gb'] is not None else '—'} GB")
+        _write(session, cell, cfg, benchmark, gate, meas, plan, store.config.model_type)
 
     if not METHODS[cell.method].in_process:  # Unsloth patches libraries globally: a child process
         from poros.bench import Measurement
@@ -131,5 +139,31 @@ def _measure_cell(session, cell, cfg, benchmark):
             del trainer
             free_device_memory()
         write(meas, plan)
+    if gate is not None:
+        assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
+
+
+def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str) -> None:
+    row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan)
+    session.writer.append(row)
+    benchmark.extra_info.update({k: row[k] for k in (
+        "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
+        "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share")})
+    progress(f"  {cell.method.value}: {row['s_per_step_median']:.4f} s/step, peak "
+             f"{row['peak_vram_gb'] if row['peak_vram_gb'] is not None else '—'} GB")
+
+
+def _measure_ranks(session, cell, cfg, benchmark, gate) -> None:
+    """A data-parallel cell: the ranks time it (poros.ranks) and rank 0's measurement is the row (as for
+    Unsloth's child process, pytest-benchmark times nothing here)."""
+    from poros.bench import Measurement
+    from poros.ranks import run_ranks
+
+    m = session.matrix
+    spec = {"kind": "measure", "config": cfg.as_dict(), "method": cell.method.value, "steps": m.steps,
+            "passes": m.passes, "warmup": m.warmup_passes}
+    report = run_ranks(spec, cfg.gpus, log=progress)
+    meas = Measurement(**report["measurement"])
+    _write(session, cell, cfg, benchmark, gate, meas, report["plan"], report["arch"])
     if gate is not None:
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from poros.bench import ResultsWriter, matrix_cells, model_unavailable
 from poros.matrix import load_matrix, parse_matrix
@@ -232,3 +233,32 @@ def test_bad_model_overrides_are_refused_with_every_problem():
                    "model_overrides.tiny-qwen2.seq_len: not overridable", "cuda_graphs: expected true or false",
                    "vram_budget: expected a size such as 24GB"):
         assert needle in text, text
+
+
+def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
+    """`gpus: 2` (two gloo processes on the CPU): the gate and each method run under torchrun; rows
+    record world_size and count both ranks' tokens; Unsloth, one process, is skipped with its reason."""
+    matrix = {**TINY, "steps": 1, "passes": 1, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
+              "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident"}
+    for r in rows:
+        assert r["world_size"] == 2 and r["config"]["gpus"] == 2 and r["parity"] == "PASS"
+        tokens = 2 * 64 * 2  # ranks x seq x grad_accum
+        assert abs(r["tokens_per_s"] - tokens / r["s_per_step_median"]) < 1e-6 * r["tokens_per_s"]
+    assert next(r for r in rows if r["method"] == "poros")["bytes_h2d_per_step"] > 0
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from poros.errors import CapabilityError
+    from poros.preflight import check_ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(CapabilityError, match="2 data-parallel ranks need 2 CUDA GPUs; this host has 1"):
+        check_ranks(2, "cuda", "m.yaml: gpus")
+    check_ranks(2, "cpu", "m.yaml: gpus")  # processes on the CPU
+    check_ranks(1, "cuda", "m.yaml: gpus")

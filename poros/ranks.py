@@ -1,0 +1,97 @@
+"""A matrix cell on several data-parallel ranks (`gpus: N`): `poros bench` starts N processes with torchrun
+(`run_ranks`), each runs this module's `main` on its share of every step (poros.distributed), and rank 0
+reports the gate's result or the measurement as one JSON file the bench turns into a results row."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from poros.distributed import MULTICAST_OFF
+from poros.errors import CapabilityError
+
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(spec: dict, ranks: int, log=print) -> dict:
+    """Run `spec` (kind "gate" or "measure", the config, the methods, steps) on `ranks` processes of this
+    host; returns rank 0's report. Every line the ranks print goes to `log` as it comes.
+
+    Raises:
+        CapabilityError: the ranks failed, with the last lines they printed.
+    """
+    with tempfile.TemporaryDirectory(prefix="poros-ranks-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port()), "-m", "poros.ranks", json.dumps(spec), str(out)]
+        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+        env.update({k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()})
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-30:]
+            log("  ranks| " + line.rstrip())
+        if proc.wait() != 0 or not out.is_file():
+            errors = [t for t in tail if "Error" in t] or tail
+            raise CapabilityError(f"{ranks} data-parallel ranks failed (exit {proc.returncode}): "
+                                  + " | ".join(errors[-4:]))
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str]) -> int:
+    spec, out = json.loads(argv[0]), Path(argv[1])
+    from poros.config import Method, TrainConfig
+    from poros.train import set_cublas_workspace
+
+    values = dict(spec["config"])
+    cfg = TrainConfig.from_settings(values, model=values.pop("model"))
+    if cfg.deterministic:
+        set_cublas_workspace()  # before CUDA starts
+    import torch
+
+    from poros.bench import measure
+    from poros.distributed import close_world, init_world, largest, share_store
+    from poros.methods import make_trainer
+    from poros.parity import parity
+
+    world = init_world(cfg.device.value)
+    if world.size != cfg.gpus:
+        raise CapabilityError(f"gpus: {cfg.gpus} but {world.size} ranks were started")
+    try:
+        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world)
+        if spec["kind"] == "gate":
+            result = parity(cfg, steps=spec["steps"], store=store, method=Method(spec["method"]),
+                            reference=Method(spec["reference"]), sequential=spec["sequential"], world=world)
+            report = asdict(result)
+        else:
+            trainer = make_trainer(Method(spec["method"]), store, cfg, world)
+            plan = trainer.plan.summary() if hasattr(trainer, "plan") else None
+            if cfg.device.value == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])
+            meas.peak_vram_gb = largest(meas.peak_vram_gb, world)
+            meas.peak_vram_nvml_gb = largest(meas.peak_vram_nvml_gb, world)
+            report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type}
+            trainer.close()
+        if world.main:
+            out.write_text(json.dumps(report, default=str))
+    finally:
+        close_world()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
