@@ -168,6 +168,17 @@ class Trainer:
     def counters(self) -> dict:
         return {}
 
+    def reset_to(self, lora: dict[str, torch.Tensor]) -> None:
+        """Back to the start of training from the LoRA weights `lora` (e.g. `RecordedReference.init`):
+        weights copied in, gradients and AdamW state dropped, the step count at 0. A trainer reset this way
+        trains as a fresh one does (the sweep's control gates exactly that), without building it again."""
+        with torch.no_grad():
+            for name, p in self.params:
+                p.copy_(lora[name])
+                p.grad = None
+        self.optimizer.state.clear()
+        self.steps_done = 0
+
     def step(self, batches: list[Batch] | None = None) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches of the synthetic data."""
         batches = batches if batches is not None else self.batches(self.steps_done)

@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--gate-steps", type=int, default=2)
     p.add_argument("--attention", default="math")
     p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", default="512", help="comma-separated values, one store build for them all")
     p.add_argument("--loss-chunk", type=int, help="tokens per chunk of the head (default: the model's own loss)")
     p.add_argument("--grad-accum", default="1", help="comma-separated values, each with its own reference")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -133,7 +133,7 @@ def main() -> None:
     prov = provenance()  # once: commit, versions, GPU name/UUID (which machine a figure came from)
 
     def emit(row: dict) -> None:
-        row = {"model": args.model, "attention": args.attention, "seq_len": args.seq_len, "loss_chunk": args.loss_chunk,
+        row = {"model": args.model, "attention": args.attention, "seq_len": current["seq_len"], "loss_chunk": args.loss_chunk,
                "world_size": world.size, "build_s": round(stats.seconds, 1), **row, "provenance": prov}
         if not world.main:
             return
@@ -143,24 +143,24 @@ def main() -> None:
             with (args.out / "sweep.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    for accum in (int(g) for g in args.grad_accum.split(",")):
-        base = TrainConfig(model=args.model, seq_len=args.seq_len, grad_accum=accum, device=args.device,
+    current = {}
+    for seq, accum in [(int(s), int(g)) for s in args.seq_len.split(",") for g in args.grad_accum.split(",")]:
+        current["seq_len"] = seq
+        base = TrainConfig(model=args.model, seq_len=seq, grad_accum=accum, device=args.device,
                            attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
         stage(f"grad_accum {accum}: {args.reference} set up")
         resident = make_trainer(Method(args.reference), store, base, world)
         stage(f"{args.reference}: recording {args.gate_steps} gate steps")
         reference = RecordedReference(resident, args.gate_steps)
         stage(f"{args.reference}: recorded")
-        if args.control:
-            resident.close()
-            resident = make_trainer(Method(args.reference), store, base, world)
+        if args.control:  # the same trainer from its initial weights: building it again costs more than its steps
+            resident.reset_to(reference.init)
             gate = agree(run_gate_recorded(reference, resident), world)
             emit({"method": f"{args.reference} (control)", "grad_accum": accum, "parity": gate.parity,
                   "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
                   "first_mismatch": gate.first_mismatch, "gate": "control (recorded)"})
         if args.resident:
-            resident.close()
-            resident = make_trainer(Method(args.reference), store, base, world)  # timed from a fresh start
+            resident.reset_to(reference.init)
             emit({"method": args.reference, "grad_accum": accum, **timed(resident, base, args.steps, args.passes, world)})
         resident.close()
         del resident
@@ -172,7 +172,7 @@ def main() -> None:
                 rec = measure_unsloth(store, base, args.steps, args.passes, warmup=1, log=lambda m: print(m, file=sys.stderr))
                 emit({"method": "unsloth", "grad_accum": accum, "s_per_step_median": round(rec["s_per_step_median"], 4),
                       "per_step_by_pass": [round(t / args.steps, 4) for t in rec["per_pass_s"]],
-                      "tokens_per_s": round(args.seq_len * accum / rec["s_per_step_median"], 1),
+                      "tokens_per_s": round(seq * accum / rec["s_per_step_median"], 1),
                       "peak_vram_gb": round(rec["peak_vram_gb"], 3), "unsloth_version": rec.get("unsloth_version")})
             except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
                 emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})

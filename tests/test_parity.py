@@ -87,3 +87,21 @@ def test_recorded_reference_gate_passes_for_any_schedule_and_fails_for_other_ari
         assert result.ok and result.steps == 2 and result.gate == "resident (recorded)", (schedule, result.first_mismatch)
     other = run_gate_recorded(reference, PorosTrainer(store, cfg.replace(lr=2e-2)))
     assert other.parity == "FAIL" and other.first_mismatch.startswith("step0.weight:"), other.first_mismatch
+
+
+def test_a_reset_trainer_trains_as_a_fresh_one(stores):
+    """`Trainer.reset_to(init)` (the sweep's control and timing reuse the reference's trainer): after two
+    steps and a reset, the gate against the recorded fresh run PASSes; reset to other weights, it FAILs."""
+    from poros.config import Method
+    from poros.methods import make_trainer
+    from poros.parity import RecordedReference, run_gate_recorded
+
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, lr=1e-2)
+    trainer = make_trainer(Method.RESIDENT, store, cfg)
+    reference = RecordedReference(trainer, 2)
+    trainer.reset_to(reference.init)
+    assert run_gate_recorded(reference, trainer).ok
+    trainer.reset_to({k: v + 1e-3 if "lora_A" in k else v for k, v in reference.init.items()})
+    result = run_gate_recorded(reference, trainer)
+    assert not result.ok and result.first_mismatch.startswith("init:")

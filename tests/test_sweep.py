@@ -1,0 +1,56 @@
+"""scripts/sweep.py end to end on the CPU: the reference recorded, its control, each plan gated then
+timed, several sequence lengths on one store build; and the same under torchrun on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_distributed import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+SWEEP = ["scripts/sweep.py", "tiny-qwen3", "--resident", "--control", "--variant", "block_size=2", "--steps", "1",
+         "--passes", "1", "--gate-steps", "1", "--device", "cpu"]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+
+
+def _run(cmd, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _rows(tmp_path), proc.stderr
+
+
+def test_one_build_serves_every_length_and_each_plan_is_gated(tmp_path):
+    rows, log = _run([sys.executable] + SWEEP + ["--seq-len", "64,128"], tmp_path)
+    assert log.count("store ready") == 1
+    assert [(r["method"], r["seq_len"]) for r in rows] == [
+        ("resident (control)", 64), ("resident", 64), ("poros", 64),
+        ("resident (control)", 128), ("resident", 128), ("poros", 128)]
+    for r in rows:
+        assert r["world_size"] == 1
+        if r["method"] != "resident":
+            assert r["parity"] == "PASS", r
+        if "control" not in r["method"]:
+            assert r["s_per_step_median"] > 0 and r["attention_backends"]
+
+
+def test_under_torchrun_every_rank_is_gated_and_tokens_count_both(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port())] + SWEEP + ["--seq-len", "64"]
+    rows, log = _run(cmd, tmp_path)
+    assert len(rows) == 3  # rank 0 writes; rank 1 only logs its stages
+    assert "[sweep rank 1/2" in log
+    for r in rows:
+        assert r["world_size"] == 2
+        if r["method"] != "resident":
+            assert r["parity"] == "PASS", r
+    timed = next(r for r in rows if r["method"] == "poros")
+    assert abs(timed["tokens_per_s"] - 2 * 64 / timed["s_per_step_median"]) < 0.1 + 1e-3 * timed["tokens_per_s"]
