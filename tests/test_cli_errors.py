@@ -294,3 +294,16 @@ def test_the_suites_refuse_zero_counts_when_run_directly(tmp_path):
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "--parity-steps: expected an integer >= 1, got 0" in proc.stderr
     assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+def test_one_process_commands_refuse_to_run_under_torchrun(monkeypatch, capsys):
+    """Under torchrun every rank would train the same data into one output folder: only `parity` runs
+    as a rank; the others stop with one line naming what does run data-parallel."""
+    from poros.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["plan", "--model", "tiny-qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("poros plan: error: runs as one process, not under torchrun") and "gpus: N" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc-per-node 1: one process after all
+    assert main(["plan", "--model", "tiny-qwen3"]) == 0

@@ -94,10 +94,18 @@ def wants_determinism(args) -> bool:
     return False
 
 
+RANKED = ("parity",)  # commands that run as one rank of several under torchrun
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet()
     try:
+        from poros.distributed import launched
+
+        if launched() and args.command not in RANKED:
+            raise PorosError(f"runs as one process, not under torchrun: data-parallel runs are `torchrun ... poros "
+                             f"{' / '.join(RANKED)}`, `scripts/sweep.py` under torchrun, or a matrix's `gpus: N`")
         if wants_determinism(args):
             # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
             from poros.train import set_cublas_workspace
