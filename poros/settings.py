@@ -198,7 +198,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpus", 1, COMPUTED, positive_int,
             "data-parallel ranks on this host, one per GPU (on the CPU: processes); `poros bench` starts them with "
             "torchrun; each trains its share of every step (world_size x grad_accum micro-batches a step)",
-            "GPUs (data-parallel ranks)", cli=False),
+            "Data-parallel ranks", cli=False),
     Setting("loss_chunk", None, COMPUTED, optional_positive_int,
             "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
             "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike) "
