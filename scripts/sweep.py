@@ -127,6 +127,9 @@ def main() -> None:
     stage(f"building {args.model}")
     store, stats = share_store(args.model, seed=0, device=args.device, world=world, progress=None)
     stage(f"store ready ({stats.seconds:.1f} s build)")
+    if args.device == "cuda":  # once, for every trainer: resident's set-up then copies at pinned speed too
+        store.pin()
+        stage("store pinned")
 
     from poros.provenance import provenance
 
