@@ -66,8 +66,7 @@ class BackendLog:
 
         def recorded(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
             label = shape_label(query, key, attn_mask, is_causal)
-            capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # a graph records kernels only
-            if label not in self.seen and not capturing:
+            if label not in self.seen:  # SDPA makes this same query itself, on every call (during a capture too)
                 try:
                     choice = torch._fused_sdp_choice(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                      is_causal=is_causal, scale=scale,

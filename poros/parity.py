@@ -113,7 +113,7 @@ def take_step(trainer: Trainer, step: int, to_host: bool = False) -> StepState:
     keep = (lambda d: {k: None if v is None else v.detach().to("cpu", copy=True) for k, v in d.items()}) \
         if to_host else (lambda d: d)
     with deterministic_kernels():
-        losses = trainer.accumulate(trainer.batches(step))
+        losses = trainer.accumulate_step(trainer.batches(step))
     grads = keep(trainer.lora_grads())
     trainer.optimizer_step()
     return StepState([x.detach().to("cpu") if to_host else x for x in losses], grads, keep(trainer.lora_state()),

@@ -160,6 +160,16 @@ class Trainer:
                 losses.append(self.forward_backward(b))
         return losses
 
+    def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
+        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python)."""
+        if self.attention_backends:
+            return self.accumulate(batches)
+        with BackendLog() as log:
+            losses = self.accumulate(batches)
+        self.attention_backends = log.seen
+        return losses
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,13 +194,10 @@ class Trainer:
         batches = batches if batches is not None else self.batches(self.steps_done)
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
-        log = BackendLog() if not self.attention_backends else contextlib.nullcontext()
-        with deterministic_kernels(), log:
-            for micro in self.accumulate(batches):
+        with deterministic_kernels():
+            for micro in self.accumulate_step(batches):
                 loss = loss + micro.float()
             self.optimizer_step()
-        if isinstance(log, BackendLog):
-            self.attention_backends = log.seen
         value = reduce_mean(float(loss), self.world, self.device)
         return StepResult(value, time.perf_counter() - t0, self.counters())
 

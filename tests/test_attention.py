@@ -43,3 +43,16 @@ def test_the_log_restores_sdpa_and_labels_calls():
     assert F.scaled_dot_product_attention is real
     assert torch.equal(out, real(q, q, q, is_causal=True))
     assert list(log.seen) == [shape_label(q, q, None, True)] == ["head_dim 16, heads 4/4, causal"]
+
+
+def test_layers_replayed_from_templates_still_record_their_backends(stores):
+    """With layer templates (CUDA graphs on a GPU) Python runs attention only on the first call, the
+    gate's: that call records the backends, and later steps keep them."""
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, attention="math")
+    resident, poros = make_trainer(Method.RESIDENT, store, cfg), make_trainer(Method.POROS, store, cfg)
+    poros.use_layer_templates(capture=False)
+    assert run_gate(resident, poros, 1).ok
+    assert poros.attention_backends == resident.attention_backends == {"head_dim 32, heads 4/2, causal": "math"}
+    poros.step()
+    assert poros.attention_backends == resident.attention_backends
