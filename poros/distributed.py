@@ -152,8 +152,8 @@ def _host_group(world: World):
     return mine
 
 
-def share_store(model: str, *, seed: int, device: str, world: World, progress: bool | None = None):
-    """The NF4 store of `model`, one copy per host: built (or read) by the host's first rank into shared
+def share_store(model, *, seed: int, device: str, world: World, progress: bool | None = None):
+    """The NF4 store of `model` (a name, folder or poros.build.Source), one copy per host: built (or read) by the host's first rank into shared
     memory and mapped by the others. Without several ranks, `build_store` itself.
 
     Returns:

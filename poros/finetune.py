@@ -8,11 +8,17 @@ Exactness: the batches of step s are a function of (data, seed, s) alone (poros.
 adapter starts from --seed, and a checkpoint holds every tensor the next step reads, so a resumed
 run ends torch.equal to an uninterrupted one, and poros and resident (the same arithmetic) end
 torch.equal to each other. Settings that would change that arithmetic are refused on --resume.
+
+Under `torchrun --nproc-per-node N -m poros train ...` the run is data-parallel (poros.distributed):
+each step takes N x batch x grad_accum sequences, every rank trains its contiguous share, and rank 0
+alone writes the run folder. The number of ranks is part of the arithmetic (`gpus` in config.json):
+--resume refuses another.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -278,13 +284,19 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     Raises:
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
-    from poros.build import build_store, check_seq_len, resolve
+    from poros.build import check_seq_len, resolve
     from poros.methods import make_trainer
     from poros.provenance import provenance
     from poros.textdata import file_sha256, load_data, load_tokenizer
 
+    from poros.distributed import init_world, share_store
+
+    world = init_world(fc.train.device.value)
+    if world.distributed:
+        fc = dataclasses.replace(fc, train=fc.train.replace(gpus=world.size))
     cfg, out = fc.train, fc.out
     before = _prepare_out(out, resume, fc.steps)
+    _barrier(world)  # every rank has checked the folder before rank 0 writes into it
     src = resolve(cfg.model)
     if src.checkpoint is None:
         raise ConfigError([f"{cfg.model} is a registered shape, with no tokenizer or trained weights; pass a "
@@ -306,33 +318,70 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         _check_resume(before, record)
     base_model = record["settings"]["model"]
     start = before["checkpoint"]["step"] if before is not None else 0
-    bar = Progress(fc.steps, start, tty=progress)
+    bar = Progress(fc.steps, start, tty=progress) if world.main else _Quiet()
     bar.message(f"poros train: {data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records; "
                 f"loading {src.name} on {cfg.device.value}")
-    out.mkdir(parents=True, exist_ok=True)
-    store, stats = build_store(src, seed=cfg.seed, device=cfg.device.value, progress=progress)
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+    store, stats = share_store(src, seed=cfg.seed, device=cfg.device.value, world=world,
+                               progress=progress if world.main else False)
     if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
         torch.cuda.reset_peak_memory_stats()
-    trainer = make_trainer(fc.method, store, cfg)
+    trainer = make_trainer(fc.method, store, cfg, world)
     try:
         if before is not None:
             state = load_checkpoint(trainer, out / "checkpoint")
-            if (state["step"], state["position"]) != (start, start * cfg.batch_size * cfg.grad_accum):
+            if (state["step"], state["position"]) != (start, start * _sequences_per_step(cfg)):
                 raise CheckpointError(f"{out}/checkpoint: step {state['step']} and data position "
                                       f"{state['position']} do not match (expected step {start})")
             trainer.steps_done = start
         record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
                                                             "provenance": provenance()}]
-        (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
-        return _loop(fc, trainer, data, evals, start, RunLog(out / "log.csv", start), base_model, bar,
-                     resume_command, on_step, stats)
+        if world.main:
+            (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
+        log = RunLog(out / "log.csv", start) if world.main else None
+        return _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
     finally:
         trainer.close()
+        _barrier(world)  # rank 0 has written the run folder
+
+
+def _sequences_per_step(cfg) -> int:
+    """Sequences one optimizer step takes from the data, over every data-parallel rank."""
+    return cfg.gpus * cfg.batch_size * cfg.grad_accum
+
+
+def _barrier(world) -> None:
+    if world.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _any_rank(flag: bool, world) -> bool:
+    """Whether `flag` is set on some rank (a Ctrl-C reaches the ranks at different steps; all stop together)."""
+    if not world.distributed:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
+
+
+class _Quiet:
+    """The progress of a rank other than 0: nothing printed."""
+
+    def message(self, text: str) -> None:
+        pass
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        pass
 
 
 def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats) -> RunSummary:
-    cfg, out = fc.train, fc.out
-    per_step = cfg.batch_size * cfg.grad_accum
+    cfg, out, world = fc.train, fc.out, trainer.world
+    per_step = _sequences_per_step(cfg)
     tokens = per_step * cfg.seq_len
     bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({_size(stats.store_bytes)} NF4), "
                 f"steps {start + 1}-{fc.steps}")
@@ -341,7 +390,8 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     with StopRequest(bar.message) as stop:
         for step in range(start, fc.steps):
             t0 = time.perf_counter()
-            batches = [b.to(trainer.device) for b in data.batches_at(step * per_step, cfg.batch_size, cfg.grad_accum)]
+            batches = data.batches_at(step * per_step, cfg.batch_size, cfg.grad_accum * world.size)
+            batches = [b.to(trainer.device) for b in world.share(batches)]
             result = trainer.step(batches)
             speeds.append(tokens / (time.perf_counter() - t0))
             done = summary.step = step + 1
@@ -355,18 +405,20 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
             if on_step:
                 on_step(done)
             last = done == fc.steps
-            if last or stop.requested or (fc.save_every and done % fc.save_every == 0):
-                if evals is not None:
+            stopping = _any_rank(stop.requested, world)
+            if last or stopping or (fc.save_every and done % fc.save_every == 0):
+                if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
                     summary.eval_loss = eval_loss(trainer, evals)
                     row["eval_loss"] = f"{summary.eval_loss:.6f}"
                     bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
-                save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
-                                base_model)
+                if world.main:
+                    save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
+                                    base_model)
+                    log.append(row)
+                    plot_loss(log, out / "loss.png")
+            elif world.main:
                 log.append(row)
-                plot_loss(log, out / "loss.png")
-            else:
-                log.append(row)
-            if stop.requested and not last:
+            if stopping and not last:
                 summary.interrupted = True
                 again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
                 bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
@@ -375,7 +427,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     timed = sorted(speeds[1:] or speeds)  # the first step carries the warm-up
     summary.tokens_per_s = timed[len(timed) // 2] if timed else None
     summary.peak_memory_gb = _peak_memory_gb(cfg.device.value)
-    if not summary.interrupted:
+    if not summary.interrupted and world.main:
         summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
         bar.message(f"done: adapter in {summary.adapter} (PeftModel.from_pretrained(base_model, "
                     f"{summary.adapter!r}))")

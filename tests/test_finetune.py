@@ -395,8 +395,8 @@ def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
 
     real = poros.methods.make_trainer
 
-    def diverging(method, store, cfg):
-        trainer = real(method, store, cfg)
+    def diverging(method, store, cfg, world=None):
+        trainer = real(method, store, cfg, world)
         step = trainer.step
         trainer.step = lambda batches: dataclasses.replace(step(batches), loss=float("nan"))
         return trainer
@@ -411,3 +411,56 @@ def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
 def test_bad_schedule_settings_are_listed_at_once(files, tmp_path, capsys):
     code = train(files, tmp_path / "run", "--save-every", "-1", steps=0)
     _refused(capsys, code, "steps: expected an integer > 0, got 0", "save_every: expected an integer >= 0")
+
+
+def train_ranks(files, out, *extra, steps=STEPS, ranks=2) -> dict:
+    """`torchrun --nproc-per-node RANKS -m poros train ...` (gloo on the CPU); rank 0's summary line."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_distributed import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "poros", "train", "--model", str(files["ckpt"]), "--data",
+           str(files["data"]), "--out", str(out), "--steps", str(steps), *RUN_ARGS, *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # rank 0 alone reports
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(files):
+    """A poros run on two ranks (its folder's parent holds the other two-rank runs)."""
+    root = files["root"] / "ranks"
+    summary = train_ranks(files, root / "poros")
+    assert summary["step"] == STEPS and summary["adapter"]
+    return root
+
+
+def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, two_ranks):
+    """Two ranks: poros and resident (under DistributedDataParallel) end equal; stopped at step 2 and
+    resumed on two ranks, equal to the uninterrupted run; the run records its ranks. Negative control:
+    two ranks (twice the data a step, gradients averaged) end unlike the one-process reference."""
+    root = two_ranks
+    train_ranks(files, root / "resident", "--method", "resident")
+    assert_all_equal("poros vs resident on two ranks", run_state(root / "poros"), run_state(root / "resident"))
+    train_ranks(files, root / "resumed", steps=2)
+    train_ranks(files, root / "resumed", "--resume")
+    assert_all_equal("resumed vs uninterrupted on two ranks", run_state(root / "poros"), run_state(root / "resumed"))
+    config = json.loads((root / "poros" / "config.json").read_text())
+    assert config["settings"]["train"]["gpus"] == 2
+    state = json.loads((root / "poros" / "checkpoint" / "state.json").read_text())
+    assert state["position"] == STEPS * 2 * 2  # steps x ranks x grad_accum sequences
+    assert_differs("two ranks vs one process", run_state(reference), run_state(root / "poros"))
+    assert len(log_rows(root / "poros")) == STEPS  # one writer: no row twice
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
+    out = two_ranks / "poros"
+    assert train(files, out, "--resume", steps=STEPS + 2) == 2
+    err = capsys.readouterr().err
+    assert "would change its result" in err and "gpus 2 (now 1)" in err

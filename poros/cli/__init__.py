@@ -94,7 +94,7 @@ def wants_determinism(args) -> bool:
     return False
 
 
-RANKED = ("parity",)  # commands that run as one rank of several under torchrun
+RANKED = ("parity", "train")  # commands that run as one rank of several under torchrun
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,8 +54,15 @@ def resume_command(args, device: str) -> str:
     """The command that continues this run: its own flags, the device spelled out, plus --resume."""
     from poros.settings import BY_NAME, from_arguments
 
+    from poros.distributed import launched
+
     as_module = sys.argv and Path(sys.argv[0]).parent.name == "poros" and Path(sys.argv[0]).name == "__main__.py"
     argv = ["python", "-m", "poros"] if as_module else ["poros"]
+    if launched():  # the same ranks again
+        import os
+
+        argv = ["torchrun", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]), "-m",
+                "poros"]
     argv += ["train", "--model", args.model, "--data", args.data, "--out", args.out, "--steps", str(args.steps),
              "--method", args.method, "--save-every", str(args.save_every)]
     if args.eval_data is not None:
@@ -74,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
     from poros.finetune import finetune
 
     fc = finetune_config(args)
-    summary = finetune(fc, resume=args.resume, resume_command=resume_command(args, fc.train.device.value))
-    print(summary.json(), flush=True)
+    from poros.distributed import close_world, init_world
+
+    world = init_world(fc.train.device.value)
+    try:
+        summary = finetune(fc, resume=args.resume, resume_command=resume_command(args, fc.train.device.value))
+    finally:
+        close_world()
+    if world.main:
+        print(summary.json(), flush=True)
     return 130 if summary.interrupted else 0
