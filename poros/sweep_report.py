@@ -125,6 +125,9 @@ def _cells(r: dict, base: float | None) -> list[str]:
     rest = len(COLUMNS) - len(head) - 1
     if "error" in r:
         reason = r["error"].split(":", 1)[-1].strip().replace("|", "/").replace("\n", " ")
+        if r.get("parity"):  # gated, then stopped or failed while timed
+            return head + [f"{r['parity']} ({_steps(r.get('parity_steps'))}, {r.get('gate')}); not timed: {reason}"] \
+                + [DASH] * rest
         return head + ["not run: " + reason] + [DASH] * rest
     if is_control(r):
         parity = f"{r.get('parity')} (control: reference vs itself, {_steps(r.get('parity_steps'))})"

@@ -33,6 +33,7 @@ import faulthandler
 import importlib
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -61,6 +62,14 @@ def parse_variant(text: str) -> dict:
     if problems:
         raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
     return values
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived (a `timeout`, a scheduler): the sweep writes what it reached, then ends."""
+
+
+def _stopped(signum, frame):
+    raise Stopped(f"stopped by signal {signum}")
 
 
 def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SINGLE) -> dict:
@@ -122,6 +131,7 @@ def main() -> None:
     def stage(what: str) -> None:  # where a long sweep is, on stderr (every rank)
         print(f"[sweep rank {world.rank}/{world.size} {time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
 
+    signal.signal(signal.SIGTERM, _stopped)  # `timeout` and schedulers send it: the row in hand is written first
     if os.environ.get("POROS_STACKS_AFTER"):  # a sweep still running after this many seconds dumps every stack
         faulthandler.dump_traceback_later(float(os.environ["POROS_STACKS_AFTER"]), exit=False)
     stage(f"building {args.model}")
@@ -152,9 +162,15 @@ def main() -> None:
         base = TrainConfig(model=args.model, seq_len=seq, grad_accum=accum, device=args.device,
                            attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
         stage(f"grad_accum {accum}: {args.reference} set up")
-        resident = make_trainer(Method(args.reference), store, base, world)
-        stage(f"{args.reference}: recording {args.gate_steps} gate steps")
-        reference = RecordedReference(resident, args.gate_steps)
+        try:
+            resident = make_trainer(Method(args.reference), store, base, world)
+            stage(f"{args.reference}: recording {args.gate_steps} gate steps")
+            reference = RecordedReference(resident, args.gate_steps)
+        except Exception as e:  # e.g. out of memory at this length: a row, then the next length
+            emit({"method": args.reference, "grad_accum": accum, "error": f"{type(e).__name__}: {e}"[:500]})
+            resident = None  # what it holds on the device goes before the next length
+            free_device_memory()
+            continue
         stage(f"{args.reference}: recorded")
         if args.control:  # the same trainer from its initial weights: building it again costs more than its steps
             resident.reset_to(reference.init)
@@ -199,18 +215,28 @@ def main() -> None:
                 emit({"method": "poros", "grad_accum": accum, **{k: str(x) for k, x in v.items()},
                       "error": f"{type(e).__name__}: {e}"})
                 continue
-            stage(f"poros {v}: gate")
-            gate = agree(run_gate_recorded(reference, poros), world)  # then timed after a discarded warm-up pass
-            stage(f"poros {v}: {gate.parity}; timing")
             plan = poros.plan.summary()
             row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
-                   "parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
-                   "first_mismatch": gate.first_mismatch, "gate": gate.gate,
                    "block_size": plan["block_size"], "resident_layers": len(plan["resident_layers"]),
                    "head_resident": plan["head_resident"], "predicted_h2d_bytes_per_step": plan["h2d_bytes_per_step"],
                    "predicted_peak_vram_gb": round(plan["peak_vram_bytes"] / 1e9, 3),
                    "predicted_memory_gb": {k: round(x / 1e9, 3) for k, x in plan["memory"].items()}}
-            row.update(timed(poros, cfg, args.steps, args.passes, world))
+            try:
+                stage(f"poros {v}: gate")
+                gate = agree(run_gate_recorded(reference, poros), world)  # then timed after a discarded warm-up pass
+                row.update({"parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
+                            "first_mismatch": gate.first_mismatch, "gate": gate.gate})
+                stage(f"poros {v}: {gate.parity}; timing")
+                row.update(timed(poros, cfg, args.steps, args.passes, world))
+            except BaseException as e:  # out of memory, or stopped (SIGTERM, Ctrl-C): what was reached is a row
+                row["error"] = f"{type(e).__name__}: {e}"[:500] + (" (during timing)" if "parity" in row else "")
+                emit(row)
+                if not isinstance(e, Exception):
+                    raise
+                poros.close()
+                del poros
+                free_device_memory()
+                continue
             row["engine_counters"] = {k: x for k, x in poros.counters().items() if k in (
                 "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors",
                 "allreduce_bytes")}

@@ -54,3 +54,23 @@ def test_under_torchrun_every_rank_is_gated_and_tokens_count_both(tmp_path):
             assert r["parity"] == "PASS", r
     timed = next(r for r in rows if r["method"] == "poros")
     assert abs(timed["tokens_per_s"] - 2 * 64 / timed["s_per_step_median"]) < 0.1 + 1e-3 * timed["tokens_per_s"]
+
+
+def test_a_sweep_stopped_while_timing_writes_what_it_reached(tmp_path):
+    """SIGTERM (what `timeout` sends) during a plan's timing: the row keeps the gate's verdict and says it
+    was stopped; the sweep ends."""
+    import signal
+
+    cmd = [sys.executable, "scripts/sweep.py", "tiny-qwen3", "--variant", "block_size=2", "--steps", "500", "--passes",
+           "1", "--gate-steps", "1", "--device", "cpu", "--seq-len", "64", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:
+        if "PASS; timing" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.stderr.read()
+    assert proc.wait(timeout=120) != 0
+    (row,) = _rows(tmp_path)
+    assert row["method"] == "poros" and row["parity"] == "PASS"
+    assert row["error"].startswith("Stopped: stopped by signal") and row["error"].endswith("(during timing)")

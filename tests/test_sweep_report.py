@@ -209,3 +209,13 @@ def test_unreadable_sweep_files_are_one_line_errors(tmp_path):
     bad.write_text(json.dumps(row()) + "\n{not json\n")
     with pytest.raises(PorosError, match=r"bad\.jsonl:2: not valid JSON"):
         write_sweep_report([bad], tmp_path / "x.md")
+
+
+def test_a_row_gated_then_stopped_keeps_its_verdict(tmp_path):
+    from poros.sweep_report import sweep_table
+
+    row = {"model": "m", "method": "poros", "grad_accum": 8, "seq_len": 512, "parity": "PASS", "parity_steps": 1,
+           "gate": "resident (recorded)", "error": "Stopped: stopped by signal 15 (during timing)",
+           "provenance": {"gpus": [{"name": "G", "uuid": "u"}]}}
+    line = next(x for x in sweep_table([row]).splitlines() if x.startswith("| m "))
+    assert "PASS (1 step, resident (recorded)); not timed: stopped by signal 15 (during timing)" in line
