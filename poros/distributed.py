@@ -118,7 +118,8 @@ class SharedBytes:
             os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # reserve now: a full host fails here, not later
         except OSError as e:
             os.close(self.fd)
-            raise PorosError(f"cannot reserve {nbytes / 1e9:.1f} GB of shared host memory for the store ({e.strerror}): "
+            raise PorosError(f"cannot reserve {nbytes / 1e9:.1f} GB of shared host memory for the store "
+                             f"({e.strerror}): "
                              "the host cannot hold one copy of it; free memory or use a larger machine") from None
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.tensor = map_shared(self.path, nbytes)
@@ -153,8 +154,9 @@ def _host_group(world: World):
 
 
 def share_store(model, *, seed: int, device: str, world: World, progress: bool | None = None):
-    """The NF4 store of `model` (a name, folder or poros.build.Source), one copy per host: built (or read) by the host's first rank into shared
-    memory and mapped by the others. Without several ranks, `build_store` itself.
+    """The NF4 store of `model` (a name, folder or poros.build.Source), one copy per host: built (or read)
+    by the host's first rank into shared memory and mapped by the others. Without several ranks,
+    `build_store` itself.
 
     Returns:
         (NF4Store, BuildStats); the other ranks' stats carry the build time of the first.

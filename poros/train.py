@@ -138,7 +138,8 @@ class Trainer:
         c = self.cfg
         vocab = self.store.config.vocab_size
         w = self.world  # every rank draws the step's world.size * grad_accum micro-batches and takes its share
-        step_batches = synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum * w.size, seed=c.data_seed, step=step)
+        step_batches = synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum * w.size, seed=c.data_seed,
+                                      step=step)
         return [b.to(self.device) for b in w.share(step_batches)]
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:

@@ -47,7 +47,8 @@ def main() -> None:
         t = torch.ones(mb * 2**20 // 4, device="cuda")
         dist.all_reduce(t)
         s = timed(lambda: dist.all_reduce(t), 5)
-        emit({"probe": "all_reduce", "mb": mb, "seconds": s, "bus_gbps": 2 * (world.size - 1) / world.size * t.nbytes / s / 1e9})
+        bus = 2 * (world.size - 1) / world.size * t.nbytes / s / 1e9  # NCCL's bus bandwidth convention
+        emit({"probe": "all_reduce", "mb": mb, "seconds": s, "bus_gbps": bus})
     n = int(args.gb * 1e9)
     host = torch.empty(n, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
