@@ -39,6 +39,8 @@ def run_ranks(spec: dict, ranks: int, log=print) -> dict:
                "127.0.0.1", "--master-port", str(_free_port()), "-m", "poros.ranks", json.dumps(spec), str(out)]
         env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
         env.update({k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()})
+        # torchrun would give each rank one CPU thread; the host's cores shared out serve the CPU-side work
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail: list[str] = []
         for line in proc.stdout:
