@@ -285,11 +285,10 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
     from poros.build import check_seq_len, resolve
+    from poros.distributed import init_world, share_store
     from poros.methods import make_trainer
     from poros.provenance import provenance
     from poros.textdata import file_sha256, load_data, load_tokenizer
-
-    from poros.distributed import init_world, share_store
 
     world = init_world(fc.train.device.value)
     if world.distributed:
@@ -340,10 +339,11 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         if world.main:
             (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
         log = RunLog(out / "log.csv", start) if world.main else None
-        return _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
+        summary = _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
+        _barrier(world)  # rank 0 has written the run folder
+        return summary
     finally:
         trainer.close()
-        _barrier(world)  # rank 0 has written the run folder
 
 
 def _sequences_per_step(cfg) -> int:
