@@ -63,7 +63,7 @@ def make_plan(geo: P.Geometry, cfg, free_bytes: int | None = None) -> P.Plan:
     kw = dict(grad_accum=cfg.grad_accum, accumulation=cfg.accumulation, seq_len=cfg.seq_len,
               batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, attention=cfg.attention.value,
               overlap=cfg.overlap_backward and not cfg.cuda_graphs, graphs=cfg.cuda_graphs,
-              loss_chunk=getattr(cfg, "loss_chunk", 0) or 0)
+              loss_chunk=getattr(cfg, "loss_chunk", 0) or 0, keep_activations=cfg.keep_activations)
     budget = cfg.vram_budget
     if budget == "auto":
         if free_bytes is None:
@@ -310,6 +310,8 @@ class PorosTrainer(Trainer):
                         if cfg.overlap_backward and not cfg.cuda_graphs else None)
         self._templates = LayerTemplates(capture=True) if cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
+        self._kept_layers = set(self.plan.kept_layers)
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, micro) -> (input, output)
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
         self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
@@ -408,7 +410,8 @@ class PorosTrainer(Trainer):
         if self.reducer is not None:
             self.reducer.finish()
         self._batches = None
-        assert not len(self.saved) and not self._calls, "every saved input is consumed by its backward"
+        assert not len(self.saved) and not self._calls and not self._kept, \
+            "every saved input and kept activation is consumed by its backward"
         return self._losses
 
     def _resolve(self) -> None:
@@ -437,6 +440,16 @@ class PorosTrainer(Trainer):
             self._run_model("capture", self._batches[m])
         self.buffers.acquire(self.plan.groups[op.group].buffer)
         x = self._hidden[m]
+        if i in self._kept_layers:  # resident QLoRA's forward: with autograd, its activations kept for backward
+            rest, kwargs, kw_hidden = self._calls.pop((i, m))
+            leaf = x.detach().requires_grad_(True)
+            layer = self.qlora.layers[i]
+            with torch.enable_grad():
+                out = layer(*rest, hidden_states=leaf, **kwargs) if kw_hidden else layer(leaf, *rest, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+            self._kept[(i, m)] = (leaf, h)
+            self._hidden[m] = h.detach()
+            return
         self.saved.put((i, m), x)
         rest, kwargs, kw_hidden = self._calls[(i, m)]
         out = None
@@ -474,10 +487,13 @@ class PorosTrainer(Trainer):
         k = self._backward_done = self._backward_done + 1
         for key in self._backward_keys[k: k + self.saved.window]:  # offloaded inputs, a window ahead
             self.saved.prefetch(key)
-        if self._templates is None:
+        kept = self._kept.pop((i, m), None)
+        if kept is not None:
+            x, h = kept  # the forward's own activations: nothing to recompute
+        elif self._templates is None:
             x, h = self._recompute(i, m)  # enqueued while the backward in flight runs (overlap_backward)
         self._resolve()
-        if self._templates is not None:
+        if kept is None and self._templates is not None:
             rest, kwargs, kw_hidden = self._calls[(i, m)]
             out = self._templates.run(i, self.qlora.layers[i], self.saved.peek((i, m)), rest, kwargs, kw_hidden,
                                       self._grads[m])
@@ -522,6 +538,7 @@ class PorosTrainer(Trainer):
         for m in (self.qlora.hf.get_input_embeddings(), self.qlora.hf.get_output_embeddings()):
             m.__dict__.pop("forward", None)
         self.saved.clear()
+        self._kept.clear()
         self._calls.clear()
         self._hidden.clear()
         self._grads.clear()

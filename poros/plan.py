@@ -158,16 +158,17 @@ class Memory:
     saved_inputs: int  # each layer's input, kept for its recompute
     transient: int  # the larger of the head and one (two, overlapped) layers' backward
     templates: int = 0  # CUDA-graph layer templates: LoRA copies of resident layers' own, shared static tensors
+    kept_activations: int = 0  # activations resident layers keep from forward to backward (keep_activations)
 
     @property
     def total(self) -> int:
         return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
-                + self.transient + self.templates)
+                + self.transient + self.templates + self.kept_activations)
 
     def parts(self) -> dict:
         return {"weight_buffers": self.weight_buffers, "resident_weights": self.resident_weights, "lora": self.lora,
                 "dense": self.dense, "saved_inputs": self.saved_inputs, "transient": self.transient,
-                "templates": self.templates}
+                "templates": self.templates, "kept_activations": self.kept_activations}
 
 
 def lora_bytes(geo: Geometry, rank: int) -> int:
@@ -225,6 +226,9 @@ class Plan:
     offload_inputs: bool = False
     input_bytes: int = 0  # one saved input (one layer, one micro-batch)
     input_window: int = 0
+    # resident layers that keep their activations from forward to backward: no recompute, resident
+    # QLoRA's own forward with autograd and its backward from the kept output
+    kept_layers: tuple[int, ...] = ()
 
     @property
     def resident_layers(self) -> list[int]:
@@ -264,6 +268,7 @@ class Plan:
             "model": self.model, "block_size": self.block_size, "grad_accum": self.grad_accum,
             "accumulation": self.accumulation.value, "n_layers": self.n_layers,
             "resident_layers": self.resident_layers, "streamed_layers": self.streamed_layers,
+            "kept_layers": list(self.kept_layers),
             "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
             "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.total,
@@ -340,9 +345,10 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
                resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
                lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
                offload_inputs: bool = False, loss_chunk: int = 0, budget: int | None = None,
-               notes: tuple[str, ...] = ()) -> Plan:
+               keep_activations: bool = False, notes: tuple[str, ...] = ()) -> Plan:
     """The plan keeping the last `resident_layers` layers (and, with `head_resident`, the lm_head) on the
-    device for good and streaming the rest in groups of `block_size` through two rotating buffers."""
+    device for good and streaming the rest in groups of `block_size` through two rotating buffers; with
+    `keep_activations` the resident layers keep their activations instead of recomputing them."""
     n = geo.n_layers
     if not 0 <= resident_layers <= n:
         raise ValueError(f"resident_layers: expected 0..{n}, got {resident_layers}")
@@ -379,6 +385,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk)
+    kept = tuple(range(streamed, n)) if keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
@@ -387,24 +394,30 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         transient=max(head_t, layer_t + grads_in_flight),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
         # model is fitted to); every resident layer has its own weights' addresses, so its own templates
-        templates=(resident_layers * template_bytes(geo, lora_rank) + template_static_bytes(geo, seq_len, batch_size))
-        if graphs else 0)
+        # kept layers run eagerly: no templates of their own
+        templates=((resident_layers - len(kept)) * template_bytes(geo, lora_rank)
+                   + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
+        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention))
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes, offload_inputs,
-                one_input, window)
+                one_input, window, kept)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
     return plan
 
 
+def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: str) -> int:
+    """What one layer's forward with autograd keeps for its backward, one micro-batch."""
+    return seq_len * batch * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + (
+        ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention == "math" else 0)
+
+
 def resident_memory(geo: Geometry, *, seq_len: int, batch_size: int, grad_accum: int, lora_rank: int,
                     attention: str) -> int:
     """Predicted peak of resident QLoRA (every weight on the device, every activation kept)."""
-    tokens = seq_len * batch_size
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap=False)
-    per_layer = tokens * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + (
-        ATTN_SCORES * batch_size * geo.heads * seq_len * seq_len if attention == "math" else 0)
+    per_layer = layer_activation_bytes(geo, seq_len, batch_size, attention)
     return (geo.layer_ends[-1] + 2 * geo.head_bytes + lora_bytes(geo, lora_rank) + geo.dense_device_bytes
             + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
 
@@ -521,6 +534,11 @@ def check(plan: Plan) -> list[str]:
             seen_head.add(op.micro)
         else:
             problems.append(f"{where}: unknown operation")
+    resident = set(plan.resident_layers)
+    for i in plan.kept_layers:
+        if i not in resident:
+            problems.append(f"layer {i} keeps its activations but is streamed: its buffer is refilled before its "
+                            "backward reads the packed weight its autograd context holds")
     want = {(i, m) for i in range(plan.n_layers) for m in range(plan.grad_accum)}
     if seen_fwd != want or seen_bwd != want:
         missing = sorted(want - seen_fwd) + sorted(want - seen_bwd)
@@ -539,7 +557,7 @@ def describe(plan: Plan) -> str:
         f"plan for {plan.model}: {plan.n_layers} layers, block size {plan.block_size}, grad_accum {plan.grad_accum}"
         + (f" ({plan.accumulation.value}-major)" if plan.grad_accum > 1 else ""),
         f"  streamed layers:  {span(st)}",
-        f"  resident layers:  {span(res)}",
+        f"  resident layers:  {span(res)}" + (" (activations kept: no recompute)" if plan.kept_layers else ""),
         f"  lm_head:          {'resident' if plan.head_resident else f'streamed into buffer {plan.head_buffer}'}",
         f"  host->device per optimizer step: {gb(plan.h2d_bytes_per_step)} ({plan.loads_per_step} group loads"
         + (f", saved inputs back: {gb(plan.d2h_bytes_per_step)})" if plan.offload_inputs else ")"),

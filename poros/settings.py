@@ -217,6 +217,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("offload_inputs", False, SCHEDULE, flag,
             "poros: keep each layer's saved input in host memory (device->host in forward, back ahead of its "
             "backward); with a VRAM budget the planner turns it on where it needs to", "Saved inputs in host memory"),
+    Setting("keep_activations", False, SCHEDULE, flag,
+            "poros: resident layers keep their activations from forward to backward instead of recomputing them "
+            "(resident QLoRA's own arithmetic, run eagerly; the plan counts their memory)",
+            "Kept activations (resident layers)"),
     Setting("accumulation", Accumulation.LAYER, SCHEDULE, one_of(Accumulation),
             "poros, grad_accum > 1: layer (each block loaded once for all micro-batches) or micro "
             "(each micro-batch through the whole model)", "Accumulation order"),

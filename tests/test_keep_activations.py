@@ -1,0 +1,82 @@
+"""`keep_activations`: resident layers keep their forward's activations for their backward instead of
+recomputing them (resident QLoRA's own arithmetic). Exact for every order of accumulation, with and
+without layer templates; a plan that keeps a streamed layer's activations is refused; mixing up kept
+activations FAILs the gate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from poros import plan as P
+from poros.config import TrainConfig
+from poros.errors import CapabilityError
+from poros.executor import PorosTrainer, geometry_of_store
+from poros.parity import run_gate
+from poros.train import ResidentTrainer
+
+
+def _plan(store, cfg, resident_layers=2):
+    return P.build_plan(geometry_of_store(store, cfg), block_size=cfg.block_size, grad_accum=cfg.grad_accum,
+                        accumulation=cfg.accumulation, resident_layers=resident_layers, keep_activations=True,
+                        seq_len=cfg.seq_len)
+
+
+@pytest.mark.parametrize("grad_accum,accumulation", [(1, "layer"), (2, "layer"), (2, "micro")])
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"])
+def test_kept_activations_keep_parity(stores, model, grad_accum, accumulation):
+    store = stores(model)
+    cfg = TrainConfig(model=model, seq_len=64, grad_accum=grad_accum, accumulation=accumulation, block_size=2,
+                      lr=1e-2, keep_activations=True)
+    plan = _plan(store, cfg)
+    assert plan.kept_layers == tuple(plan.resident_layers) and len(plan.kept_layers) == 2
+    result = run_gate(ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=plan), 2)
+    assert result.ok, result.first_mismatch
+
+
+def test_kept_layers_run_eagerly_beside_templates(stores):
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True)
+    poros = PorosTrainer(store, cfg, plan=_plan(store, cfg))
+    poros.use_layer_templates(capture=False)
+    assert run_gate(ResidentTrainer(store, cfg), poros, 2).ok
+    replays = sum(t.replays for t in poros._templates.templates.values())
+    streamed = len(poros.plan.streamed_layers)
+    assert replays == 2 * streamed * 2 * 2  # forward and backward of the streamed layers only
+    assert poros.counters()["template_fallbacks"] == 0
+
+
+def test_a_budget_counts_the_kept_activations(stores):
+    store = stores("tiny-qwen3")
+    base = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, vram_budget="30MB")
+    plain, kept = PorosTrainer(store, base).plan, PorosTrainer(store, base.replace(keep_activations=True)).plan
+    assert plain.kept_layers == () and plain.memory.kept_activations == 0
+    assert kept.kept_layers == tuple(kept.resident_layers) and kept.memory.kept_activations > 0
+    assert kept.memory.total <= 30_000_000 and len(kept.resident_layers) <= len(plain.resident_layers)
+    assert "activations kept" in P.describe(kept) and kept.summary()["kept_layers"] == list(kept.kept_layers)
+
+
+def test_keeping_a_streamed_layers_activations_is_refused(stores):
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2)
+    plan = replace(_plan(store, cfg), kept_layers=(0,))
+    assert any("layer 0 keeps its activations but is streamed" in p for p in P.check(plan))
+    with pytest.raises(CapabilityError, match="refusing an unsafe plan"):
+        PorosTrainer(store, cfg, plan=plan)
+
+
+def test_mixed_up_kept_activations_fail_the_gate(stores):
+    """Negative control: each kept layer's backward runs from the other micro-batch's activations."""
+
+    class Swapped(PorosTrainer):
+        def _backward(self, op):
+            a, b = (op.layer, 0), (op.layer, 1)
+            if op.micro == 0 and a in self._kept and b in self._kept:
+                self._kept[a], self._kept[b] = self._kept[b], self._kept[a]
+            super()._backward(op)
+
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True)
+    result = run_gate(ResidentTrainer(store, cfg), Swapped(store, cfg, plan=_plan(store, cfg)), 1)
+    assert not result.ok
