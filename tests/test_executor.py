@@ -41,10 +41,11 @@ def plan_for(store, cfg, **kw):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
        order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
-       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans())
-def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload):
+       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans())
+def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
-    (0, some, all) and the lm_head's place: every plan trains bitwise like resident QLoRA."""
+    (0, some, all), the lm_head's place, saved inputs' place and kept activations: every plan trains
+    bitwise like resident QLoRA."""
     config = get_shape(family).config()
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
@@ -52,10 +53,11 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     store, _ = build_store(Source(family, config), seed=layers, device="cpu", progress=False)
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
                       overlap_backward=overlap)
-    plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload)
+    plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
+                    keep_activations=keep)
     result, _ = gate(store, cfg, plan)
     assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident} head={head} "
-                       f"overlap={overlap} offload={offload}: {result.first_mismatch}")
+                       f"overlap={overlap} offload={offload} keep={keep}: {result.first_mismatch}")
 
 
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")

@@ -96,11 +96,12 @@ def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
 
 @settings(max_examples=30, deadline=None)
 @given(resident=st.integers(0, 5), block=st.integers(1, 6), accum=st.integers(1, 4),
-       order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]))
-def test_every_plan_keeps_the_rules(resident, block, accum, order, head):
+       order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]), keep=st.booleans())
+def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep):
     plan = P.build_plan(geometry("tiny-gemma3"), block_size=block, grad_accum=accum, accumulation=order,
-                        resident_layers=resident, head_resident=head)
+                        resident_layers=resident, head_resident=head, keep_activations=keep)
     assert P.check(plan) == []
+    assert plan.kept_layers == (tuple(plan.resident_layers) if keep else ())
     assert plan.resident_layers + plan.streamed_layers == list(range(5)) or \
         sorted(plan.resident_layers + plan.streamed_layers) == list(range(5))
 
