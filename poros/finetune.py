@@ -285,7 +285,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
     from poros.build import check_seq_len, resolve
-    from poros.distributed import init_world, share_store
+    from poros.distributed import barrier, init_world, share_store
     from poros.methods import make_trainer
     from poros.provenance import provenance
     from poros.textdata import file_sha256, load_data, load_tokenizer
@@ -295,7 +295,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         fc = dataclasses.replace(fc, train=fc.train.replace(gpus=world.size))
     cfg, out = fc.train, fc.out
     before = _prepare_out(out, resume, fc.steps)
-    _barrier(world)  # every rank has checked the folder before rank 0 writes into it
+    barrier(world)  # every rank has checked the folder before rank 0 writes into it
     src = resolve(cfg.model)
     if src.checkpoint is None:
         raise ConfigError([f"{cfg.model} is a registered shape, with no tokenizer or trained weights; pass a "
@@ -340,7 +340,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
             (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
         log = RunLog(out / "log.csv", start) if world.main else None
         summary = _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
-        _barrier(world)  # rank 0 has written the run folder
+        barrier(world)  # rank 0 has written the run folder
         return summary
     finally:
         trainer.close()
@@ -349,24 +349,6 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
 def _sequences_per_step(cfg) -> int:
     """Sequences one optimizer step takes from the data, over every data-parallel rank."""
     return cfg.gpus * cfg.batch_size * cfg.grad_accum
-
-
-def _barrier(world) -> None:
-    if world.distributed:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _any_rank(flag: bool, world) -> bool:
-    """Whether `flag` is set on some rank (a Ctrl-C reaches the ranks at different steps; all stop together)."""
-    if not world.distributed:
-        return flag
-    import torch.distributed as dist
-
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t)
 
 
 class _Quiet:
@@ -380,6 +362,8 @@ class _Quiet:
 
 
 def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats) -> RunSummary:
+    from poros.distributed import any_rank
+
     cfg, out, world = fc.train, fc.out, trainer.world
     per_step = _sequences_per_step(cfg)
     tokens = per_step * cfg.seq_len
@@ -405,7 +389,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
             if on_step:
                 on_step(done)
             last = done == fc.steps
-            stopping = _any_rank(stop.requested, world)
+            stopping = any_rank(stop.requested, world)
             if last or stopping or (fc.save_every and done % fc.save_every == 0):
                 if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
                     summary.eval_loss = eval_loss(trainer, evals)

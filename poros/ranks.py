@@ -20,10 +20,25 @@ RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
             "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(ranks: int) -> list[str]:
+    """The command that starts `ranks` processes of this host (what follows is the program and its arguments)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port())]
+
+
+def launch_env(ranks: int) -> dict[str, str]:
+    """This process's environment for ranks it starts: no rank variables of its own, NVLink multicast off,
+    the host's CPU threads shared out (torchrun would give each rank one)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    env.update({k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()})
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    return env
 
 
 def run_ranks(spec: dict, ranks: int, log=print) -> dict:
@@ -35,13 +50,8 @@ def run_ranks(spec: dict, ranks: int, log=print) -> dict:
     """
     with tempfile.TemporaryDirectory(prefix="poros-ranks-") as tmp:
         out = Path(tmp) / "rank0.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", "poros.ranks", json.dumps(spec), str(out)]
-        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
-        env.update({k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()})
-        # torchrun would give each rank one CPU thread; the host's cores shared out serve the CPU-side work
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = torchrun(ranks) + ["-m", "poros.ranks", json.dumps(spec), str(out)]
+        proc = subprocess.Popen(cmd, env=launch_env(ranks), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail: list[str] = []
         for line in proc.stdout:
             tail = (tail + [line.rstrip()])[-30:]

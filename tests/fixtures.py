@@ -96,3 +96,16 @@ def tiny_checkpoint(folder: str | Path, model: str = "tiny-qwen2", texts: list[s
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     hf.save_pretrained(str(folder))
     return folder
+
+
+def one_line_refusal(capsys, code: int, *named: str) -> str:
+    """A command refused bad input as the CLI promises: exit 2, one line on stderr naming every part of
+    `named`, no traceback, nothing on stdout. Returns the line."""
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit {code}; stderr: {err[-2000:]}"
+    assert len(lines) == 1 and "Traceback" not in err, f"expected one line on stderr, got {lines}"
+    for part in named:
+        assert part in lines[0], f"{part!r} not in {lines[0]!r}"
+    assert out == ""
+    return lines[0]

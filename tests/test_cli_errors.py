@@ -19,6 +19,7 @@ import yaml
 
 from poros.cli import main
 from poros.results import LOCK_NAME
+from tests.fixtures import one_line_refusal
 from tests.test_report import fixture_row, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,15 +35,7 @@ def _matrix(tmp_path, **changes) -> str:
 
 
 def _refused(capsys, argv, *named) -> str:
-    code = main(argv)
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert code == 2, f"exit {code}; stderr: {err[-2000:]}"
-    assert len(lines) == 1 and "Traceback" not in err, f"expected one line on stderr, got {lines}"
-    for part in named:
-        assert part in lines[0], f"{part!r} not in {lines[0]!r}"
-    assert out == ""
-    return lines[0]
+    return one_line_refusal(capsys, main(argv), *named)
 
 
 @pytest.fixture

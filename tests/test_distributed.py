@@ -4,32 +4,22 @@ DistributedDataParallel, with a negative control; the ranks of a host share one 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from poros.distributed import SINGLE, GradReducer, World, init_world
 from poros.errors import CapabilityError, PorosError
+from poros.ranks import launch_env, torchrun
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out: Path, model: str, device: str, nproc: int = 2) -> dict:
     """Run tests/distributed_worker.py under torchrun; rank 0's report."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(WORKER), str(out), model, device]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd = torchrun(nproc) + [str(WORKER), str(out), model, device]
+    proc = subprocess.run(cmd, env=launch_env(nproc), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -20,7 +20,8 @@ import poros.finetune
 import poros.textdata
 from poros.cli import build_parser, main
 from tests.capabilities import requires_bitsandbytes
-from tests.fixtures import generated_chats, generated_texts, tiny_checkpoint, train_tokenizer, write_jsonl
+from tests.fixtures import (generated_chats, generated_texts, one_line_refusal, tiny_checkpoint, train_tokenizer,
+                            write_jsonl)
 from tests.test_build import assert_all_equal
 
 pytestmark = requires_bitsandbytes
@@ -301,15 +302,7 @@ def test_training_from_a_double_quantized_transformers_checkpoint(files):
 # --- bad input: one line each, exit 2 ------------------------------------------------------------
 
 
-def _refused(capsys, code: int, *named: str) -> str:
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert code == 2, f"exit {code}; stderr: {err!r}"
-    assert len(lines) == 1 and "Traceback" not in err, f"expected one line, got {lines}"
-    for n in named:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
-    assert out == ""
-    return lines[0]
+_refused = one_line_refusal
 
 
 @pytest.mark.parametrize(
@@ -415,17 +408,13 @@ def test_bad_schedule_settings_are_listed_at_once(files, tmp_path, capsys):
 
 def train_ranks(files, out, *extra, steps=STEPS, ranks=2) -> dict:
     """`torchrun --nproc-per-node RANKS -m poros train ...` (gloo on the CPU); rank 0's summary line."""
-    import os
     import subprocess
-    import sys
 
-    from tests.test_distributed import free_port
+    from poros.ranks import launch_env, torchrun
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "poros", "train", "--model", str(files["ckpt"]), "--data",
-           str(files["data"]), "--out", str(out), "--steps", str(steps), *RUN_ARGS, *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = torchrun(ranks) + ["-m", "poros", "train", "--model", str(files["ckpt"]), "--data", str(files["data"]),
+                             "--out", str(out), "--steps", str(steps), *RUN_ARGS, *extra]
+    proc = subprocess.run(cmd, env=launch_env(ranks), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout  # rank 0 alone reports

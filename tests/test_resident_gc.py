@@ -41,23 +41,16 @@ def test_every_layer_is_recomputed_in_backward(stores, model):
     plain.close()
 
 
+@pytest.mark.parametrize("reference,method", [(Method.RESIDENT, Method.RESIDENT_GC), (Method.RESIDENT_GC, Method.POROS)],
+                         ids=["resident_gc=resident", "poros=resident_gc"])
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
-def test_resident_gc_is_bitwise_resident(stores, model):
+def test_gated_bitwise(stores, model, reference, method):
+    """resident_gc is bitwise resident QLoRA, and poros is bitwise resident_gc (the long-context gate)."""
     cfg = _cfg(model)
-    result = run_gate(make_trainer(Method.RESIDENT, stores(model), cfg),
-                      make_trainer(Method.RESIDENT_GC, stores(model), cfg), steps=2)
+    result = run_gate(make_trainer(reference, stores(model), cfg), make_trainer(method, stores(model), cfg), steps=2)
     assert result.ok, f"first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
-    assert (result.gate, result.method) == ("resident", "resident_gc")
+    assert (result.gate, result.method) == (reference.value, method.value)
     assert result.steps == 2 and result.tensors_compared > 2 * (2 + 5 * 2 * 7 * 2)
-
-
-@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
-def test_poros_is_bitwise_resident_gc(stores, model):
-    cfg = _cfg(model)
-    result = run_gate(make_trainer(Method.RESIDENT_GC, stores(model), cfg),
-                      make_trainer(Method.POROS, stores(model), cfg), steps=2)
-    assert result.ok, f"first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
-    assert (result.gate, result.method) == ("resident_gc", "poros")
 
 
 def test_resident_gc_with_another_lr_fails(stores):

@@ -4,12 +4,11 @@ timed, several sequence lengths on one store build; and the same under torchrun 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_distributed import free_port
+from poros.ranks import launch_env, torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["scripts/sweep.py", "tiny-qwen3", "--resident", "--control", "--variant", "block_size=2", "--steps", "1",
@@ -21,9 +20,8 @@ def _rows(out: Path) -> list[dict]:
 
 
 def _run(cmd, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=env)
+                          env=launch_env(2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _rows(tmp_path), proc.stderr
 
@@ -43,8 +41,7 @@ def test_one_build_serves_every_length_and_each_plan_is_gated(tmp_path):
 
 
 def test_under_torchrun_every_rank_is_gated_and_tokens_count_both(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port())] + SWEEP + ["--seq-len", "64"]
+    cmd = torchrun(2) + SWEEP + ["--seq-len", "64"]
     rows, log = _run(cmd, tmp_path)
     assert len(rows) == 3  # rank 0 writes; rank 1 only logs its stages
     assert "[sweep rank 1/2" in log
@@ -63,8 +60,7 @@ def test_a_sweep_stopped_while_timing_writes_what_it_reached(tmp_path):
 
     cmd = [sys.executable, "scripts/sweep.py", "tiny-qwen3", "--variant", "block_size=2", "--steps", "500", "--passes",
            "1", "--gate-steps", "1", "--device", "cpu", "--seq-len", "64", "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     for line in proc.stderr:
         if "PASS; timing" in line:
             proc.send_signal(signal.SIGTERM)
