@@ -276,7 +276,7 @@ class GradReducer:
             raise CapabilityError(f"{missing} layer(s) finished the step without their gradients reduced")
 
 
-def _maximum(value: float, world: World) -> float:
+def _maximum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
@@ -286,13 +286,13 @@ def largest(value: float | None, world: World) -> float | None:
     """The largest rank's `value` (a peak), on every rank."""
     if value is None or not world.distributed:
         return value
-    return _maximum(value, world)
+    return _maximum(value)
 
 
 def any_rank(flag: bool, world: World) -> bool:
     """Whether `flag` is set on some rank, on every rank (e.g. a Ctrl-C that reached the ranks at different
     steps: all stop together)."""
-    return bool(_maximum(float(flag), world)) if world.distributed else flag
+    return bool(_maximum(float(flag))) if world.distributed else flag
 
 
 def barrier(world: World) -> None:

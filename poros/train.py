@@ -105,7 +105,7 @@ class Trainer:
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None
-        self.attention_backends: dict[str, str] = {}  # attention shape -> SDPA backend, from the first step
+        self.attention_backends: dict[str, str] | None = None  # attention shape -> SDPA backend, once recorded
         self.qlora = self._make_model()
         self.model = self.qlora.add_lora()
         self.params = self.qlora.lora_parameters()
@@ -164,7 +164,7 @@ class Trainer:
     def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
         """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
         (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python)."""
-        if self.attention_backends:
+        if self.attention_backends is not None:
             return self.accumulate(batches)
         with BackendLog() as log:
             losses = self.accumulate(batches)
