@@ -278,6 +278,12 @@ class PorosTrainer(Trainer):
         self.reducer = GradReducer([[p for p in layer.parameters() if p.requires_grad] for layer in self.qlora.layers],
                                    self.world)
 
+    def _collective(self):
+        return self.reducer
+
+    def _set_collective(self, reducer) -> None:
+        self.reducer = reducer
+
     def _make_model(self) -> QLoRAModel:
         store, cfg = self.store, self.cfg
         if getattr(store.config, "num_kv_shared_layers", 0):

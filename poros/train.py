@@ -190,6 +190,26 @@ class Trainer:
         self.optimizer.state.clear()
         self.steps_done = 0
 
+    @contextlib.contextmanager
+    def alone(self):
+        """This rank trains by itself while inside: `grad_accum` micro-batches of its own a step and no
+        collective, on the set-up it already has (a data-parallel run's one-GPU figure, same process, same
+        schedule, no second build). Its weights then differ from the other ranks': time with it last."""
+        held = self.world, self.ddp, self._collective()
+        self.world, self.ddp = SINGLE, None
+        self._set_collective(None)
+        try:
+            yield self
+        finally:
+            self.world, self.ddp = held[0], held[1]
+            self._set_collective(held[2])
+
+    def _collective(self):  # what reduces gradients across ranks besides DDP (PorosTrainer's GradReducer)
+        return None
+
+    def _set_collective(self, reducer) -> None:
+        pass
+
     def step(self, batches: list[Batch] | None = None) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches of the synthetic data."""
         batches = batches if batches is not None else self.batches(self.steps_done)

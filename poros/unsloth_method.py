@@ -55,6 +55,7 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         raise CapabilityError(why)
     root = Path(workdir or os.environ.get("POROS_WORKDIR") or tempfile.gettempdir())
     folder = Path(tempfile.mkdtemp(prefix="poros-unsloth-", dir=root))
+    proc = None
     try:
         t0 = time.perf_counter()
         export_bnb4bit(store, folder)
@@ -81,6 +82,9 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
             on_record(record)
         return record
     finally:
+        if proc is not None and proc.poll() is None:  # stopped or failed here: the child's GPU memory goes too
+            proc.kill()
+            proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 

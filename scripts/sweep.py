@@ -19,7 +19,8 @@ reference with --resident),
 appended to DIR/sweep.jsonl with --out. `--previous DIR` also times the engine of another checkout
 (a folder holding its `poros` package, imported as `poros_previous`) on the same store, for
 same-GPU speed comparisons across versions. `--unsloth` also times Unsloth on the same store (exported
-as a bitsandbytes checkpoint, run in a child process; not gated: its arithmetic differs). `--control` runs
+as a bitsandbytes checkpoint, run in a child process; not gated: its arithmetic differs, so it runs without
+strict determinism, as its users run it). `--control` runs
 the reference a second time against its own recorded states: is this stack repeatable at all?
 Under torchrun every method is data-parallel (poros.distributed; the reference under
 DistributedDataParallel), each rank gates its own states, rows record `world_size` and count the tokens
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from poros.bench import copy_summary, free_device_memory, measure
-from poros.distributed import SINGLE, World, agree, close_world, init_world, largest, share_store
+from poros.distributed import SINGLE, World, agree, barrier, close_world, init_world, largest, share_store
 from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
 from poros.methods import make_trainer
@@ -107,6 +108,10 @@ def main() -> None:
                         "context, where plain resident does not fit)")
     p.add_argument("--previous", type=Path, help="folder holding poros_previous/ (another checkout's engine)")
     p.add_argument("--unsloth", action="store_true", help="also time Unsloth on the same store (a child process)")
+    p.add_argument("--alone", action="store_true",
+                   help="under torchrun, after each poros plan's timing, rank 0 times the same trainer by itself "
+                        "(its own micro-batches, no all-reduce) while the other ranks wait: the one-GPU figure "
+                        "of the scaling table, from the same process and set-up")
     p.add_argument("--control", action="store_true",
                    help="also gate a second run of the reference against its recorded states (repeatability)")
     p.add_argument("--steps", type=int, default=6)
@@ -184,18 +189,6 @@ def main() -> None:
         resident.close()
         del resident
         free_device_memory()
-        if args.unsloth:
-            from poros.unsloth_method import measure_unsloth
-
-            try:
-                rec = measure_unsloth(store, base, args.steps, args.passes, warmup=1, log=lambda m: print(m, file=sys.stderr))
-                emit({"method": "unsloth", "grad_accum": accum, "s_per_step_median": round(rec["s_per_step_median"], 4),
-                      "per_step_by_pass": [round(t / args.steps, 4) for t in rec["per_pass_s"]],
-                      "tokens_per_s": round(seq * accum / rec["s_per_step_median"], 1),
-                      "peak_vram_gb": round(rec["peak_vram_gb"], 3), "unsloth_version": rec.get("unsloth_version")})
-            except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
-                emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})
-            free_device_memory()
         if args.previous:
             cfg = base.replace(cuda_graphs=base.device.value == "cuda")
             trainer = previous_trainer(args.previous, store, cfg)
@@ -241,8 +234,36 @@ def main() -> None:
                 "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors",
                 "allreduce_bytes")}
             emit(row)
+            if args.alone and world.distributed:
+                stage(f"poros {v}: rank 0 alone" if world.main else f"poros {v}: waiting for rank 0 alone")
+                if world.main:
+                    try:
+                        with poros.alone():
+                            solo = timed(poros, cfg, args.steps, args.passes)
+                        emit({**{k: x for k, x in row.items() if k not in ("ranks", "engine_counters")}, **solo,
+                              "world_size": 1, "alone_of": world.size,
+                              "gate": f"{row.get('gate')} (under {world.size} ranks)"})
+                    except Exception as e:
+                        emit({"method": "poros", "grad_accum": accum, "world_size": 1, "alone_of": world.size,
+                              "error": f"{type(e).__name__}: {e}"[:500]})
+                barrier(world)
             poros.close()
             del poros
+            free_device_memory()
+        if args.unsloth:  # last: a child process, the plans' rows already written if it is cut off
+            from poros.unsloth_method import measure_unsloth
+
+            try:
+                # as Unsloth's users run it: not gated, so not held to strict determinism (nor slowed by it)
+                rec = measure_unsloth(store, base.replace(deterministic=False), args.steps, args.passes, warmup=1,
+                                      log=lambda m: print(m, file=sys.stderr))
+                emit({"method": "unsloth", "grad_accum": accum, "deterministic": False,
+                      "s_per_step_median": round(rec["s_per_step_median"], 4),
+                      "per_step_by_pass": [round(t / args.steps, 4) for t in rec["per_pass_s"]],
+                      "tokens_per_s": round(seq * accum / rec["s_per_step_median"], 1),
+                      "peak_vram_gb": round(rec["peak_vram_gb"], 3), "unsloth_version": rec.get("unsloth_version")})
+            except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
+                emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})
             free_device_memory()
     close_world()
 

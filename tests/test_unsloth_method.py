@@ -19,10 +19,20 @@ RECORD = {"per_pass_s": [2.0, 2.1], "s_per_step_median": 0.41, "peak_vram_gb": 2
 class FakeChild:
     def __init__(self, lines: list[str], code: int = 0):
         self.stdout = io.StringIO("".join(line + "\n" for line in lines))
-        self.returncode = code
+        self.returncode, self.killed = code, False
+        CHILDREN.append(self)
+
+    def poll(self):
+        return self.returncode if self.stdout.tell() == len(self.stdout.getvalue()) or self.killed else None
+
+    def kill(self) -> None:
+        self.killed = True
 
     def wait(self) -> int:
         return self.returncode
+
+
+CHILDREN: list[FakeChild] = []
 
 
 @pytest.fixture
@@ -65,3 +75,17 @@ def test_a_failing_child_raises_with_its_last_words(fake, tmp_path):
                            log=lambda line: None, on_record=seen.append)
     assert seen == []
     assert not list(tmp_path.glob("poros-unsloth-*")), "the export is removed after a failure too"
+
+
+def test_a_parent_stopped_mid_run_kills_the_child(fake, tmp_path):
+    """SIGTERM (a `timeout`) while the child trains: the child goes too, its GPU memory with it."""
+    fake(["Unsloth: banner", "  unsloth pass 1/2: 5 steps in 2.00 s", "  unsloth pass 2/2: 5 steps in 2.00 s"])
+
+    def log(line):
+        if "pass 1/2" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        um.measure_unsloth(None, TrainConfig(model="tiny-qwen3", device="cuda"), 5, 2, 1, workdir=str(tmp_path), log=log)
+    assert CHILDREN[-1].killed
+    assert not list(tmp_path.glob("poros-unsloth-*"))
