@@ -286,4 +286,7 @@ def copy_summary(step_counters: list[dict]) -> dict:
         "copy_hidden_share": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
         "copy_wait_s_per_step": wait_s / n,
     }
+    reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
+    if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
+        out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata as md
+import os
 import platform
 import socket
 import subprocess
@@ -50,8 +51,25 @@ def git_info() -> dict:
     return {"commit": commit, "dirty": None if dirty is None else bool(dirty)}
 
 
+def visible(gpus: list[dict], spec: str | None) -> list[dict]:
+    """The GPUs a process sees, in CUDA's order: NVML lists every GPU of the machine whatever
+    CUDA_VISIBLE_DEVICES says (`spec`: indices or UUIDs, comma-separated), so a row's first GPU is the one
+    it ran on only once filtered. An entry that matches no GPU ends the list, as it does for CUDA."""
+    if spec is None:
+        return gpus
+    out = []
+    for token in filter(None, (t.strip() for t in spec.split(","))):
+        match = [g for g in gpus if (token.isdigit() and g["index"] == int(token)) or
+                 (not token.isdigit() and g["uuid"].startswith(token))]
+        if len(match) != 1:
+            break
+        out.append(match[0])
+    return out
+
+
 def gpu_info() -> list[dict]:
-    """Name, UUID, driver and memory of every GPU, via NVML when it is present."""
+    """Name, UUID, driver and memory of every GPU this process can see (CUDA_VISIBLE_DEVICES), via NVML
+    when it is present."""
     try:
         import pynvml
 
@@ -72,7 +90,7 @@ def gpu_info() -> list[dict]:
                     "memory_gb": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 1e9, 1),
                 }
             )
-        return out
+        return visible(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
     finally:
         pynvml.nvmlShutdown()
 

@@ -36,34 +36,58 @@ def _axes():
     return fig, fig.add_subplot()
 
 
-def _finish(fig, ax, **labels) -> None:
+def _finish(fig, ax, legend_loc: str = "best", **labels) -> None:
     ax.set(**labels)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc=legend_loc)
     fig.tight_layout()
 
 
+def _kept(r: dict) -> bool:
+    return r.get("keep_activations") in (True, "True")
+
+
 def budget_figure(rows: list[dict]):
-    """s/step against peak VRAM of every poros plan per model (one GPU, grad_accum 1), the reference's and
-    Unsloth's s/step and peak as marks. Returns the figure and whether it has a line."""
-    fig, ax = _axes()
-    drawn = False
-    for model in dict.fromkeys(r["model"] for r in rows):
-        one = [r for r in rows if r["model"] == model and is_timed(r) and r.get("peak_vram_gb") is not None
-               and field(r, "grad_accum") == 1 and field(r, "world_size") == 1]
-        pts = sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in one if r["method"] == "poros")
-        if len(pts) < 2:
-            continue
-        drawn = True
-        line, = ax.plot(*zip(*pts), marker="o", label=f"{model} poros (peak at each budget)")
-        for r in one:
-            if r["method"] in MARKS:
-                ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, color=line.get_color(),
-                           marker=MARKS[r["method"]][0], label=f"{model} {MARKS[r['method']][1]}")
-    _finish(fig, ax, xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
-            title="s/step against VRAM")
-    return fig, drawn
+    """s/step against peak VRAM of every poros plan per model (one GPU, grad_accum 1), a panel per sequence
+    length: one line for plans that recompute, one for plans whose resident layers keep their activations;
+    the reference's and Unsloth's s/step and peak as marks. Returns the figure and whether it has a line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def one(model, seq):
+        return [r for r in rows if (r["model"], r.get("seq_len")) == (model, seq) and is_timed(r)
+                and r.get("peak_vram_gb") is not None and field(r, "grad_accum") == 1 and field(r, "world_size") == 1]
+
+    def points(rs, kept):
+        return sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in rs if r["method"] == "poros" and _kept(r) == kept)
+
+    groups = [g for g in dict.fromkeys((r["model"], r.get("seq_len")) for r in rows)
+              if any(len(points(one(*g), k)) >= 2 for k in (False, True))]
+    seqs = sorted({seq for _, seq in groups}, key=lambda s: s or 0)
+    fig = Figure(figsize=(8 if len(seqs) < 2 else 6 * len(seqs), 5))
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, max(1, len(seqs)), i + 1) for i in range(max(1, len(seqs)))]
+    for ax, seq in zip(axes, seqs):
+        for model, _ in (g for g in groups if g[1] == seq):
+            rs, color = one(model, seq), None
+            for kept, how in ((False, "recompute"), (True, "resident layers keep activations")):
+                pts = points(rs, kept)
+                if len(pts) < 2:
+                    continue
+                line, = ax.plot(*zip(*pts), marker="o", color=color, linestyle="--" if kept else "-",
+                                label=f"{model} poros, {how}")
+                color = line.get_color()
+            for r in rs:
+                if r["method"] in MARKS:
+                    ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, color=color,
+                               marker=MARKS[r["method"]][0], label=f"{model} {MARKS[r['method']][1]}")
+        _finish(fig, ax, "upper right", xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
+                title=f"s/step against VRAM, seq {seq}" if len(seqs) > 1 else "s/step against VRAM")
+    if not seqs:
+        _finish(fig, axes[0], xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
+                title="s/step against VRAM")
+    return fig, bool(groups)
 
 
 def plot_budgets(rows: list[dict], png: Path) -> bool:

@@ -92,6 +92,8 @@ def plan_name(r: dict) -> str:
         parts.append("serial backward")
     if r.get("accumulation") not in (None, "layer"):
         parts.append(f"{r['accumulation']}-major accumulation")
+    if r.get("keep_activations") in (True, "True"):
+        parts.append("activations kept")
     if r.get("cuda_graphs") in (True, "True"):
         parts.append("CUDA graphs")
     return "poros, " + ", ".join(parts)
@@ -198,6 +200,18 @@ INTRO = ("Each poros plan first passed the parity gate against the reference's s
          "tokens, the peak is the largest rank's.")
 
 
+def backends_table(rows: list[dict]) -> str | None:
+    """Which SDPA backend ran for which attention shape, per model and method (as the timed rows recorded)."""
+    seen: dict[tuple, set] = {}
+    for r in rows:
+        for shape, backend in (r.get("attention_backends") or {}).items():
+            seen.setdefault((r["model"], r.get("attention"), shape, backend), set()).add(r["method"])
+    if not seen:
+        return None
+    return _table(("Model", "Attention setting", "Layer shape", "Backend", "Methods"),
+                  ([m, str(a), shape, b, ", ".join(sorted(ms))] for (m, a, shape, b), ms in seen.items()))
+
+
 def write_sweep_report(paths, out_md, title: str | None = None) -> Path:
     """Render sweep files into `out_md` and its PNGs beside it (stem, stem-accum, stem-seq).
 
@@ -214,6 +228,10 @@ def write_sweep_report(paths, out_md, title: str | None = None) -> Path:
     if scaling:
         parts += ["## Data-parallel scaling\n\nTokens/s under torchrun against the same plan on one GPU of the "
                   "same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling]
+    backends = backends_table(rows)
+    if backends:
+        parts += ["## Attention backends\n\nThe SDPA backend each attention shape ran on, as recorded on the first "
+                  "step of each timed row.", backends]
     parts.append(_provenance(rows))
     for suffix, heading, plot in PLOTS:
         png = out_md.with_name(out_md.stem + suffix + ".png")

@@ -231,8 +231,7 @@ def main() -> None:
                 free_device_memory()
                 continue
             row["engine_counters"] = {k: x for k, x in poros.counters().items() if k in (
-                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors",
-                "allreduce_bytes")}
+                "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
             emit(row)
             if args.alone and world.distributed:
                 stage(f"poros {v}: rank 0 alone" if world.main else f"poros {v}: waiting for rank 0 alone")
@@ -240,7 +239,8 @@ def main() -> None:
                     try:
                         with poros.alone():
                             solo = timed(poros, cfg, args.steps, args.passes)
-                        emit({**{k: x for k, x in row.items() if k not in ("ranks", "engine_counters")}, **solo,
+                        emit({**{k: x for k, x in row.items() if k not in ("ranks", "engine_counters", "allreduce_bytes_per_step")},
+                              **solo,
                               "world_size": 1, "alone_of": world.size,
                               "gate": f"{row.get('gate')} (under {world.size} ranks)"})
                     except Exception as e:

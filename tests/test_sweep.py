@@ -58,6 +58,7 @@ def test_under_torchrun_every_rank_is_gated_and_tokens_count_both(tmp_path):
             assert r["parity"] == "PASS", r
     timed = next(r for r in ranked if r["method"] == "poros")
     assert _tokens_agree(timed, 2 * 64)
+    assert timed["allreduce_bytes_per_step"] > 0 and "allreduce_bytes_per_step" not in alone
     # the one-GPU figure: rank 0's own micro-batch a step, same plan, same process
     assert (alone["method"], alone["world_size"], alone["alone_of"]) == ("poros", 1, 2)
     assert alone["gate"].endswith("(under 2 ranks)") and "ranks" not in alone

@@ -189,6 +189,33 @@ def test_budget_plot_marks_resident_and_unsloth():
     assert budget_figure(rows[:3])[1] is False  # one poros point: no line
 
 
+def test_budget_plot_a_panel_per_length_and_a_line_for_kept_activations():
+    rows = [row(s=2.0, peak=9.0), row(s=1.5, peak=24.0, vram_budget=24e9),
+            row(s=1.2, peak=40.0, vram_budget=40e9, keep_activations=True),
+            row(s=1.1, peak=60.0, vram_budget=60e9, keep_activations=True),
+            row(s=30.0, peak=20.0, seq=16384, vram_budget=24e9), row(s=29.0, peak=36.0, seq=16384, vram_budget=40e9),
+            row(s=99.0, peak=50.0, seq=32768, vram_budget=40e9)]  # a length with one point: no panel
+    fig, drawn = budget_figure(rows)
+    short, long = fig.axes
+    assert drawn and [ax.get_title() for ax in fig.axes] == ["s/step against VRAM, seq 512",
+                                                             "s/step against VRAM, seq 16384"]
+    assert [(l.get_label(), list(l.get_xdata())) for l in short.lines] == [
+        ("m poros, recompute", [9.0, 24.0]), ("m poros, resident layers keep activations", [40.0, 60.0])]
+    assert [list(l.get_xdata()) for l in long.lines] == [[20.0, 36.0]]
+
+
+def test_attention_backends_section(tmp_path):
+    flash = {"head_dim 128, heads 8/2, causal": "flash"}
+    md = render(tmp_path, [row("resident", attention_backends=flash),
+                           row(attention_backends={**flash, "head_dim 512, heads 8/8, causal": "efficient"}),
+                           row("unsloth")])
+    got = table(md, ("Model", "Attention setting", "Layer shape", "Backend", "Methods"))
+    assert [(c["Layer shape"], c["Backend"], c["Methods"]) for c in got] == [
+        ("head_dim 128, heads 8/2, causal", "flash", "poros, resident"),
+        ("head_dim 512, heads 8/8, causal", "efficient", "poros")]
+    assert "## Attention backends" not in render(tmp_path / "none", [row("resident"), row()])
+
+
 @pytest.mark.parametrize("kw,name", [
     ({}, "poros, every layer streamed"),
     ({"vram_budget": 49000000000, "cuda_graphs": True}, "poros, budget 49 GB, CUDA graphs"),
@@ -197,6 +224,8 @@ def test_budget_plot_marks_resident_and_unsloth():
                                                            "micro-major accumulation"),
     ({"accumulation": "layer", "overlap_backward": True}, "poros, every layer streamed"),
     ({"method": "resident_gc (control)"}, "resident_gc (control)"),
+    ({"vram_budget": 49000000000, "keep_activations": True, "cuda_graphs": True},
+     "poros, budget 49 GB, activations kept, CUDA graphs"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_plan_names(kw, name):
     assert plan_name({"method": "poros", **kw}) == name
