@@ -32,6 +32,8 @@ def main(out: Path, model: str, device: str) -> None:
     losses = [None] * world.size  # each rank's own micro-batch losses: its share of the step's data
     dist.all_gather_object(losses, gate.losses)
     micro = parity(cfg.replace(accumulation="micro"), steps=1, store=store, world=world)
+    # a VRAM budget that keeps some layers resident and streams the rest (3 of tiny-qwen3's 5 at seq 64)
+    budget = parity(cfg.replace(vram_budget="3.45MB"), steps=1, store=store, world=world)
 
     def unreduced(ref, mine):  # negative control: layer 0's gradients stay this rank's own
         mine.reducer.skip = frozenset({0})
@@ -39,7 +41,8 @@ def main(out: Path, model: str, device: str) -> None:
     control = parity(cfg, steps=1, store=store, world=world, mutate=unreduced)
     if world.main:
         out.write_text(json.dumps({
-            "world_size": world.size, "gate": gate.__dict__, "micro": micro.__dict__, "control": control.__dict__,
+            "world_size": world.size, "gate": gate.__dict__, "micro": micro.__dict__, "budget": budget.__dict__,
+            "control": control.__dict__,
             "arena_shared": "poros-store-arena" in maps, "dense_shared": "poros-store-dense" in maps,
             "checksums_equal": all(torch.equal(s, sums[0]) for s in sums), "losses": losses,
             "pinned": device == "cuda" and store.pinned}))

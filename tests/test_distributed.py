@@ -45,6 +45,9 @@ def test_poros_matches_resident_ddp_on_every_rank(two_ranks):
     assert gate["steps"] == 2 and gate["tensors_compared"] > 1000
     micro = two_ranks["micro"]  # the micro-batch-major order reduces each layer after the last micro-batch too
     assert micro["accumulation"] == "micro" and micro["parity"] == "PASS" and micro["ranks"] == ["PASS", "PASS"]
+    budget = two_ranks["budget"]  # some layers resident, the rest streamed, layer-major
+    assert budget["parity"] == "PASS" and budget["ranks"] == ["PASS", "PASS"], budget["first_mismatch"]
+    assert 0 < budget["resident_layers"] < 5
 
 
 def test_ranks_train_on_their_own_share(two_ranks):
