@@ -6,7 +6,8 @@ import enum
 from dataclasses import field, fields, make_dataclass
 
 from poros.settings import (  # noqa: F401  (re-exported: the config's vocabulary)
-    BY_NAME, COMPUTED_NAMES, LORA_TARGETS, SCHEDULE_NAMES, SETTINGS, Accumulation, Attention, Device, check_values,
+    BY_NAME, COMPUTED_NAMES, LORA_TARGETS, SCHEDULE_NAMES, SETTINGS, Accumulation, Attention, Device, Placement,
+    check_values,
 )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from poros.settings import Accumulation, format_size
+from poros.settings import Accumulation, Placement, format_size
 from poros.store import align, plan_layout
 
 LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (
@@ -277,30 +277,49 @@ class Plan:
         }
 
 
-def _groups(geo: Geometry, streamed: int, block: int, n_stream_buffers: int) -> list[Group]:
-    """Streamed layers 0..streamed-1 in groups of `block` over the rotating buffers, then the resident
-    tail as one group in its own buffer."""
-    out = []
-    for first in range(0, streamed, block):
-        stop = min(first + block, streamed)
-        idx = len(out)
-        out.append(Group(idx, first, stop, geo.layer_starts[first], geo.layer_ends[stop - 1],
-                         idx % n_stream_buffers, False))
-    if streamed < geo.n_layers:
-        out.append(Group(len(out), streamed, geo.n_layers, geo.layer_starts[streamed], geo.layer_ends[-1],
-                         n_stream_buffers, True))
+def resident_set(n_layers: int, resident: int, placement: Placement) -> tuple[int, ...]:
+    """Which `resident` of `n_layers` layers stay on the device: the last ones (tail: they are used at the
+    turn from forward to backward) or all but `n_layers - resident` streamed layers spread evenly from layer 0
+    (spread: between two streamed layers sit resident ones, whose forward the next copy runs behind)."""
+    if not 0 <= resident <= n_layers:
+        raise ValueError(f"resident_layers: expected 0..{n_layers}, got {resident}")
+    streamed = n_layers - resident
+    if placement is Placement.TAIL or streamed in (0, n_layers):
+        return tuple(range(streamed, n_layers))
+    out = {j * n_layers // streamed for j in range(streamed)}
+    return tuple(i for i in range(n_layers) if i not in out)
+
+
+def _groups(geo: Geometry, resident: frozenset, block: int, n_stream_buffers: int) -> list[Group]:
+    """The layers in order as groups: each run of consecutive streamed layers in groups of `block`, taking
+    turns over the rotating buffers; each run of resident layers one group in a buffer of its own (after
+    the rotating ones)."""
+    out, runs, streamed_groups, resident_groups = [], [], 0, 0
+    for i in range(geo.n_layers):
+        if runs and runs[-1][2] == (i in resident):
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1, i in resident])
+    for first, stop, is_resident in runs:
+        chunks = [(first, stop)] if is_resident else [(f, min(f + block, stop)) for f in range(first, stop, block)]
+        for f, e in chunks:
+            if is_resident:
+                buffer, resident_groups = n_stream_buffers + resident_groups, resident_groups + 1
+            else:
+                buffer, streamed_groups = streamed_groups % n_stream_buffers, streamed_groups + 1
+            out.append(Group(len(out), f, e, geo.layer_starts[f], geo.layer_ends[e - 1], buffer, is_resident))
     return out
 
 
 def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumulation, head_buffer: int | None,
               head_resident: bool, holds: dict[int, int]) -> tuple[list[Op], dict[int, int]]:
     """One optimizer step from buffer state `holds` (buffer -> group or HEAD_SLOT); returns the ops and
-    the state they leave. Loads are enqueued as early as the rules allow: right after the release of
-    the buffer's previous contents (the copy runs while the compute stream works on the other one)."""
+    the state they leave. A streamed group's load is enqueued when the streamed group before it in the
+    pass starts (right after the release of the buffer's previous contents), so the copy runs while the
+    compute stream works on that group and on any resident layers between the two."""
     holds = dict(holds)
     ops: list[Op] = []
     stream = [g for g in groups if not g.resident]
-    resident = [g for g in groups if g.resident]
 
     def load(g: Group) -> None:
         if holds.get(g.buffer) != g.index:
@@ -308,15 +327,17 @@ def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumu
             holds[g.buffer] = g.index
 
     def passes(micros, forward: bool) -> None:
-        seq = stream + resident if forward else list(reversed(resident)) + list(reversed(stream))
-        for k, g in enumerate(seq):
-            if k == 0:
-                load(g)
-            nxt = seq[k + 1] if k + 1 < len(seq) else None
-            if nxt is not None and nxt.buffer != g.buffer and not nxt.resident:
-                load(nxt)  # prefetch into the other buffer, released by the group before this one
+        seq = groups if forward else groups[::-1]
+        streamed = [g for g in seq if not g.resident]
+        after = {g.index: nxt for g, nxt in zip(streamed, streamed[1:])}
+        for g in seq:
+            if not g.resident:
+                load(g)  # already there when prefetched, or left by the previous pass
+                nxt = after.get(g.index)
+                if nxt is not None and nxt.buffer != g.buffer:
+                    load(nxt)  # prefetch into the other buffer, released by the streamed group before this one
             if forward and head_buffer is not None and not head_resident and g is stream[-1]:
-                ops.append(Op(LOAD_HEAD, buffer=head_buffer))  # the buffer of the group before the last
+                ops.append(Op(LOAD_HEAD, buffer=head_buffer))  # the buffer of the streamed group before the last
                 holds[head_buffer] = HEAD_SLOT
             layers = g.layers if forward else reversed(g.layers)
             for i in layers:
@@ -345,18 +366,19 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
                resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
                lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
                offload_inputs: bool = False, loss_chunk: int = 0, budget: int | None = None,
-               keep_activations: bool = False, notes: tuple[str, ...] = ()) -> Plan:
-    """The plan keeping the last `resident_layers` layers (and, with `head_resident`, the lm_head) on the
-    device for good and streaming the rest in groups of `block_size` through two rotating buffers; with
-    `keep_activations` the resident layers keep their activations instead of recomputing them."""
+               keep_activations: bool = False, placement: Placement = Placement.TAIL,
+               notes: tuple[str, ...] = ()) -> Plan:
+    """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
+    spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
+    rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
+    layers keep their activations instead of recomputing them."""
     n = geo.n_layers
-    if not 0 <= resident_layers <= n:
-        raise ValueError(f"resident_layers: expected 0..{n}, got {resident_layers}")
+    resident = frozenset(resident_set(n, resident_layers, Placement(placement)))
     streamed = n - resident_layers
     block = max(1, min(block_size, streamed)) if streamed else block_size
-    n_groups = -(-streamed // block) if streamed else 0
+    n_groups = sum(not g.resident for g in _groups(geo, resident, block, 1))  # streamed groups
     n_stream = min(2, n_groups)
-    groups = _groups(geo, streamed, block, max(n_stream, 1))
+    groups = _groups(geo, resident, block, max(n_stream, 1))
     stream_size = align(max((g.nbytes for g in groups if not g.resident), default=0))
     # the lm_head borrows the idle buffer during the head when two rotate; else it is resident
     if head_resident is None:
@@ -368,12 +390,10 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         head_resident = True  # a region of its own would be held all step: keep the lm_head there
     head_pad = align(max(0, geo.head_bytes - stream_size)) if head_buffer is not None else 0
     buffers = [Buffer(b, stream_size, False) for b in range(n_stream)]
-    if resident_layers:
-        res = groups[-1]
-        buffers.append(Buffer(len(buffers), align(res.nbytes), True))
-        groups[-1] = Group(res.index, res.first, res.stop, res.start, res.end, len(buffers) - 1, True)
-    if n_stream == 1:
-        groups = [g if g.resident else Group(g.index, g.first, g.stop, g.start, g.end, 0, False) for g in groups]
+    # resident groups' buffers follow the rotating ones (whose count may be 0 or 1 rather than 2)
+    groups = [Group(g.index, g.first, g.stop, g.start, g.end, g.buffer - max(n_stream, 1) + n_stream, True)
+              if g.resident else g for g in groups]
+    buffers += [Buffer(g.buffer, align(g.nbytes), True) for g in groups if g.resident]
     # steady state: run one step from empty buffers, then plan every step from where it ends
     _, end = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, {})
     step, after = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, end)
@@ -385,7 +405,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk)
-    kept = tuple(range(streamed, n)) if keep_activations else ()
+    kept = tuple(sorted(resident)) if keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
@@ -424,8 +444,8 @@ def resident_memory(geo: Geometry, *, seq_len: int, batch_size: int, grad_accum:
 
 def plan_for_budget(geo: Geometry, budget: int, *, block_size: int, **kw) -> Plan:
     """The plan that copies the fewest bytes per step and whose predicted peak fits `budget`: the lm_head
-    resident first (it saves its own copy and a reload), then layers from the last one down, with the
-    largest block size up to `block_size` that fits.
+    resident first (it saves its own copy and a reload), then as many layers as fit (placed as `placement`
+    says: from the last one down, or spread), with the largest block size up to `block_size` that fits.
 
     Raises:
         BudgetError: no plan fits; names the smallest budget that would.
@@ -548,11 +568,22 @@ def check(plan: Plan) -> list[str]:
     return problems
 
 
+def _ranges(xs: list[int]) -> str:
+    """Sorted layer indices as runs: `0-23`, or `0, 4-5, 9` for a spread placement."""
+    runs: list[list[int]] = []
+    for x in xs:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def describe(plan: Plan) -> str:
     """`poros plan`'s text: residency, bytes per step and the predicted peak by part."""
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
     res, st = plan.resident_layers, plan.streamed_layers
-    span = lambda xs: "none" if not xs else f"{xs[0]}-{xs[-1]} ({len(xs)})"  # noqa: E731
+    span = lambda xs: "none" if not xs else f"{_ranges(xs)} ({len(xs)})"  # noqa: E731
     lines = [
         f"plan for {plan.model}: {plan.n_layers} layers, block size {plan.block_size}, grad_accum {plan.grad_accum}"
         + (f" ({plan.accumulation.value}-major)" if plan.grad_accum > 1 else ""),

@@ -45,6 +45,13 @@ class Accumulation(str, enum.Enum):
     MICRO = "micro"  # each micro-batch through the whole model in turn (every block loaded per micro-batch)
 
 
+class Placement(str, enum.Enum):
+    """Which layers a plan with resident layers keeps on the device (poros/plan.py)."""
+
+    TAIL = "tail"  # the last layers: used at the turn from forward to backward, never copied
+    SPREAD = "spread"  # streamed layers spread among resident ones: each copy also runs behind resident forwards
+
+
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -221,6 +228,10 @@ SETTINGS: tuple[Setting, ...] = (
             "poros: resident layers keep their activations from forward to backward instead of recomputing them "
             "(resident QLoRA's own arithmetic, run eagerly; the plan counts their memory)",
             "Kept activations (resident layers)"),
+    Setting("placement", Placement.TAIL, SCHEDULE, one_of(Placement),
+            "poros, with resident layers: tail (the last layers stay) or spread (the streamed layers spread among "
+            "the resident ones, so a copy runs behind resident layers' forward as well as their backward)",
+            "Resident layer placement"),
     Setting("accumulation", Accumulation.LAYER, SCHEDULE, one_of(Accumulation),
             "poros, grad_accum > 1: layer (each block loaded once for all micro-batches) or micro "
             "(each micro-batch through the whole model)", "Accumulation order"),

@@ -86,6 +86,8 @@ def plan_name(r: dict) -> str:
         parts = [f"budget {float(budget) / 1e9:g} GB"]
     else:
         parts = [f"budget {budget}"]
+    if r.get("placement") == "spread":
+        parts.append("spread")
     if r.get("offload_inputs") in (True, "True"):
         parts.append("inputs in host memory")
     if r.get("overlap_backward") in (False, "False"):

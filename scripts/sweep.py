@@ -9,7 +9,7 @@
     torchrun --nproc-per-node 2 scripts/sweep.py qwen3-32b --resident --variant cuda_graphs=true
 
 A variant is a comma-separated list of schedule settings (poros/settings.py: block_size, vram_budget,
-overlap_backward, cuda_graphs, accumulation); what is computed (--seq-len, --grad-accum, --attention,
+overlap_backward, cuda_graphs, offload_inputs, keep_activations, placement, accumulation); what is computed (--seq-len, --grad-accum, --attention,
 --deterministic, --loss-chunk) is the sweep's. Per value of --grad-accum, the reference (resident QLoRA, or with
 `--reference resident_gc` resident QLoRA with gradient checkpointing, where plain resident does not fit)
 runs the gate's steps first and its states are recorded in host memory (so a schedule is gated even when

@@ -41,11 +41,13 @@ def plan_for(store, cfg, **kw):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
        order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
-       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans())
-def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep):
+       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans(),
+       placement=st.sampled_from(["tail", "spread"]))
+def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep,
+                               placement):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
-    (0, some, all), the lm_head's place, saved inputs' place and kept activations: every plan trains
-    bitwise like resident QLoRA."""
+    (0, some, all) and placement, the lm_head's place, saved inputs' place and kept activations: every plan
+    trains bitwise like resident QLoRA."""
     config = get_shape(family).config()
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
@@ -54,10 +56,27 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
                       overlap_backward=overlap)
     plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
-                    keep_activations=keep)
+                    keep_activations=keep, placement=P.Placement(placement))
     result, _ = gate(store, cfg, plan)
-    assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident} head={head} "
-                       f"overlap={overlap} offload={offload} keep={keep}: {result.first_mismatch}")
+    assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
+                       f"head={head} overlap={overlap} offload={offload} keep={keep}: {result.first_mismatch}")
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("accum,keep", [(1, False), (3, True)], ids=["G=1", "G=3,kept"])
+def test_spread_placement_keeps_parity(stores, model, accum, keep):
+    """Streamed layers between resident ones (tiny models: 5 layers, 3 resident, streamed 0 and 2), the
+    next streamed layer's copy enqueued across the resident layer between; with kept activations the
+    resident layers are not contiguous either."""
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=accum, lr=1e-2, placement="spread")
+    store = stores(model)
+    plan = plan_for(store, cfg, resident_layers=3, keep_activations=keep, placement=P.Placement.SPREAD)
+    assert plan.streamed_layers == [0, 2] and plan.resident_layers == [1, 3, 4]
+    result, _ = gate(store, cfg, plan)
+    assert result.ok, result.first_mismatch
+    if accum > 1:  # negative control (G >= 3: two gradients sum alike in either order): micro-batches reversed FAIL
+        broken, _ = gate(store, cfg, reverse_micro_batches_in_backward(plan), check_plan=False, steps=1)
+        assert not broken.ok
 
 
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")

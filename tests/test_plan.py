@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from poros import plan as P
 from poros.build import resolve
 from poros.errors import BudgetError
-from poros.settings import LORA_TARGETS, Accumulation
+from poros.settings import LORA_TARGETS, Accumulation, Placement
 from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
 
 
@@ -94,13 +94,15 @@ def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
         P.plan_for_budget(q72, 2 * 10**9, block_size=4)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(resident=st.integers(0, 5), block=st.integers(1, 6), accum=st.integers(1, 4),
-       order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]), keep=st.booleans())
-def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep):
+       order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]), keep=st.booleans(),
+       placement=st.sampled_from(list(Placement)))
+def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep, placement):
     plan = P.build_plan(geometry("tiny-gemma3"), block_size=block, grad_accum=accum, accumulation=order,
-                        resident_layers=resident, head_resident=head, keep_activations=keep)
+                        resident_layers=resident, head_resident=head, keep_activations=keep, placement=placement)
     assert P.check(plan) == []
+    assert plan.resident_layers == list(P.resident_set(5, resident, placement))
     assert plan.kept_layers == (tuple(plan.resident_layers) if keep else ())
     assert plan.resident_layers + plan.streamed_layers == list(range(5)) or \
         sorted(plan.resident_layers + plan.streamed_layers) == list(range(5))
@@ -164,3 +166,45 @@ def test_rule_steady_state_loads_in_setup(tiny):
     plan = P.build_plan(tiny, block_size=1)
     problems = P.check(replace(plan, setup=()))  # nothing loaded before the first step
     assert any("weights are not present" in p for p in problems), problems
+
+
+# --- resident placement --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,resident,placement,want", [
+    (10, 4, Placement.TAIL, (6, 7, 8, 9)),
+    (10, 6, Placement.SPREAD, (1, 3, 4, 6, 8, 9)),  # streamed 0, 2, 5, 7
+    (10, 0, Placement.SPREAD, ()),
+    (10, 10, Placement.SPREAD, tuple(range(10))),
+    (80, 60, Placement.SPREAD, tuple(i for i in range(80) if i % 4)),
+])
+def test_resident_set(n, resident, placement, want):
+    assert P.resident_set(n, resident, placement) == want
+
+
+def test_a_spread_plan_copies_what_a_tail_plan_does_and_prefetches_across_resident_layers(q72):
+    """The same resident count either way: the same bytes cross per step (each streamed layer once per
+    pass, less what stays across the turn); in a spread plan's forward a streamed group's load is enqueued
+    when the streamed group before it starts, so resident layers run between the load and the forward
+    that waits for it."""
+    tail = P.build_plan(q72, block_size=1, resident_layers=60, head_resident=True)
+    spread = P.build_plan(q72, block_size=1, resident_layers=60, head_resident=True, placement=Placement.SPREAD)
+    assert spread.streamed_layers == list(range(0, 80, 4)) and len(spread.buffers) == 2 + 20
+    assert spread.h2d_bytes_per_step == tail.h2d_bytes_per_step
+    step = spread.step
+    load8 = next(k for k, op in enumerate(step) if op.kind == P.LOAD and spread.groups[op.group].first == 8)
+    fwd4 = next(k for k, op in enumerate(step) if op.kind == P.FORWARD and op.layer == 4)
+    fwd8 = next(k for k, op in enumerate(step) if op.kind == P.FORWARD and op.layer == 8)
+    assert load8 < fwd4 < fwd8
+    assert [op.layer for op in step[fwd4:fwd8] if op.kind == P.FORWARD] == [4, 5, 6, 7]
+
+
+def test_a_spread_budget_plan_fits_and_keeps_more_layers(q72):
+    """Spread streamed runs are one layer long, so the rotating buffers shrink to one layer each and the
+    budget keeps more layers resident than the tail placement's larger blocks leave room for. (Bytes per
+    step need not be fewer: a tail plan's first and last groups, whole blocks, stay across the step's
+    boundary and the turn, a spread plan's single layers.)"""
+    tail = P.plan_for_budget(q72, 40 * 10**9, block_size=4, graphs=True)
+    spread = P.plan_for_budget(q72, 40 * 10**9, block_size=4, graphs=True, placement=Placement.SPREAD)
+    assert spread.memory.total <= 40 * 10**9 and P.check(spread) == []
+    assert len(spread.resident_layers) > len(tail.resident_layers)
+    assert max(len(g.layers) for g in spread.groups if not g.resident) == 1

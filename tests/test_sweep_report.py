@@ -226,6 +226,9 @@ def test_attention_backends_section(tmp_path):
     ({"method": "resident_gc (control)"}, "resident_gc (control)"),
     ({"vram_budget": 49000000000, "keep_activations": True, "cuda_graphs": True},
      "poros, budget 49 GB, activations kept, CUDA graphs"),
+    ({"vram_budget": 40000000000, "placement": "spread", "cuda_graphs": True},
+     "poros, budget 40 GB, spread, CUDA graphs"),
+    ({"vram_budget": 40000000000, "placement": "tail"}, "poros, budget 40 GB"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_plan_names(kw, name):
     assert plan_name({"method": "poros", **kw}) == name
