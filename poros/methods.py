@@ -61,6 +61,12 @@ def make_trainer(method: Method, store, cfg: TrainConfig, world=None):
     raise ValueError(f"{method.value} runs in a child process (poros.unsloth_method.measure_unsloth)")
 
 
+def config_for(method: Method, cfg: TrainConfig) -> TrainConfig:
+    """The settings `method` runs with: a method the gate does not hold to resident's bits (Unsloth) runs
+    as its users run it, without strict determinism (which would only slow it or refuse its kernels)."""
+    return cfg if METHODS[method].gated or not cfg.deterministic else cfg.replace(deterministic=False)
+
+
 def method_unavailable(method: Method, device: str) -> str | None:
     """Declared capability gate of `method` on `device` (None when it can run)."""
     return METHODS[method].unavailable(device)

@@ -46,7 +46,7 @@ from poros.bench import copy_summary, free_device_memory, measure
 from poros.distributed import SINGLE, World, agree, barrier, close_world, init_world, largest, share_store
 from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
-from poros.methods import make_trainer
+from poros.methods import config_for, make_trainer
 from poros.parity import RecordedReference, run_gate_recorded
 from poros.settings import SCHEDULE_NAMES, check_values
 from poros.train import enable_determinism
@@ -117,7 +117,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--gate-steps", type=int, default=2)
-    p.add_argument("--attention", default="math")
+    p.add_argument("--attention", default="math",
+                   help="comma-separated values (e.g. math,fast: both on one store build and one GPU)")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seq-len", default="512", help="comma-separated values, one store build for them all")
     p.add_argument("--loss-chunk", type=int, help="tokens per chunk of the head (default: the model's own loss)")
@@ -151,7 +152,7 @@ def main() -> None:
     prov = provenance()  # once: commit, versions, GPU name/UUID (which machine a figure came from)
 
     def emit(row: dict) -> None:
-        row = {"model": args.model, "attention": args.attention, "seq_len": current["seq_len"], "loss_chunk": args.loss_chunk,
+        row = {"model": args.model, "attention": current["attention"], "seq_len": current["seq_len"], "loss_chunk": args.loss_chunk,
                "world_size": world.size, "build_s": round(stats.seconds, 1), **row, "provenance": prov}
         if not world.main:
             return
@@ -162,11 +163,12 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
 
     current = {}
-    for seq, accum in [(int(s), int(g)) for s in args.seq_len.split(",") for g in args.grad_accum.split(",")]:
-        current["seq_len"] = seq
+    for attention, seq, accum in [(a, int(s), int(g)) for a in args.attention.split(",") for s in args.seq_len.split(",")
+                                  for g in args.grad_accum.split(",")]:
+        current.update(seq_len=seq, attention=attention)
         base = TrainConfig(model=args.model, seq_len=seq, grad_accum=accum, device=args.device,
-                           attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
-        stage(f"grad_accum {accum}: {args.reference} set up")
+                           attention=attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
+        stage(f"attention {attention}, seq {seq}, grad_accum {accum}: {args.reference} set up")
         try:
             resident = make_trainer(Method(args.reference), store, base, world)
             stage(f"{args.reference}: recording {args.gate_steps} gate steps")
@@ -254,10 +256,10 @@ def main() -> None:
             from poros.unsloth_method import measure_unsloth
 
             try:
-                # as Unsloth's users run it: not gated, so not held to strict determinism (nor slowed by it)
-                rec = measure_unsloth(store, base.replace(deterministic=False), args.steps, args.passes, warmup=1,
+                cfg = config_for(Method.UNSLOTH, base)  # not gated: as its users run it
+                rec = measure_unsloth(store, cfg, args.steps, args.passes, warmup=1,
                                       log=lambda m: print(m, file=sys.stderr))
-                emit({"method": "unsloth", "grad_accum": accum, "deterministic": False,
+                emit({"method": "unsloth", "grad_accum": accum, "deterministic": cfg.deterministic,
                       "s_per_step_median": round(rec["s_per_step_median"], 4),
                       "per_step_by_pass": [round(t / args.steps, 4) for t in rec["per_pass_s"]],
                       "tokens_per_s": round(seq * accum / rec["s_per_step_median"], 1),

@@ -13,7 +13,7 @@ import pytest
 
 from poros.bench import free_device_memory, measure, model_unavailable, progress, record, train_config
 from poros.config import Method
-from poros.methods import METHODS, gate_of, make_trainer, method_unavailable
+from poros.methods import METHODS, config_for, gate_of, make_trainer, method_unavailable
 
 pytestmark = pytest.mark.bench
 
@@ -124,6 +124,8 @@ def _measure_cell(session, cell, cfg, benchmark):
     if not METHODS[cell.method].in_process:  # Unsloth patches libraries globally: a child process
         from poros.bench import Measurement
         from poros.unsloth_method import measure_unsloth
+
+        cfg = config_for(cell.method, cfg)  # the row records what it ran with
 
         # the row is written when the child reports, before the export is removed
         measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress, on_record=lambda child: write(

@@ -26,12 +26,11 @@ def _run(cmd, tmp_path):
     return _rows(tmp_path), proc.stderr
 
 
-def test_one_build_serves_every_length_and_each_plan_is_gated(tmp_path):
-    rows, log = _run([sys.executable] + SWEEP + ["--seq-len", "64,128"], tmp_path)
+def test_one_build_serves_every_length_and_attention_and_each_plan_is_gated(tmp_path):
+    rows, log = _run([sys.executable] + SWEEP + ["--seq-len", "64,128", "--attention", "math,fast"], tmp_path)
     assert log.count("store ready") == 1
-    assert [(r["method"], r["seq_len"]) for r in rows] == [
-        ("resident (control)", 64), ("resident", 64), ("poros", 64),
-        ("resident (control)", 128), ("resident", 128), ("poros", 128)]
+    assert [(r["method"], r["attention"], r["seq_len"]) for r in rows] == [
+        (m, a, s) for a in ("math", "fast") for s in (64, 128) for m in ("resident (control)", "resident", "poros")]
     for r in rows:
         assert r["world_size"] == 1
         if r["method"] != "resident":

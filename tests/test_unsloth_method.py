@@ -89,3 +89,12 @@ def test_a_parent_stopped_mid_run_kills_the_child(fake, tmp_path):
         um.measure_unsloth(None, TrainConfig(model="tiny-qwen3", device="cuda"), 5, 2, 1, workdir=str(tmp_path), log=log)
     assert CHILDREN[-1].killed
     assert not list(tmp_path.glob("poros-unsloth-*"))
+
+
+def test_unsloth_runs_without_strict_determinism_and_gated_methods_keep_it():
+    from poros.config import Method
+    from poros.methods import config_for
+
+    strict = TrainConfig(model="tiny-qwen3", device="cuda", deterministic=True)
+    assert config_for(Method.UNSLOTH, strict).deterministic is False
+    assert all(config_for(m, strict) is strict for m in (Method.POROS, Method.RESIDENT, Method.RESIDENT_GC))
