@@ -81,6 +81,7 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     store, _ = build_store(model, device="cuda")
     from poros.executor import geometry_of_store
     from poros.plan import build_plan
+    from poros.settings import Placement
     from tests.faults import refill_before_backward
 
     bad = refill_before_backward(build_plan(geometry_of_store(store, cfg), block_size=2, seq_len=SEQ))
@@ -97,12 +98,15 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
 @requires_gpu(1)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
 @pytest.mark.parametrize("schedule", [{"vram_budget": True}, {"grad_accum": 3}, {"grad_accum": 3, "vram_budget": True},
-                                      {"grad_accum": 3, "offload_inputs": True}],
-                         ids=["resident-layers", "layer-major", "both", "inputs-on-host"])
+                                      {"grad_accum": 3, "offload_inputs": True},
+                                      {"grad_accum": 3, "vram_budget": True, "placement": "spread"},
+                                      {"vram_budget": True, "placement": "spread", "keep_activations": True}],
+                         ids=["resident-layers", "layer-major", "both", "inputs-on-host", "spread", "spread-kept"])
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
 def test_gpu_plans_keep_parity(model, schedule, graphs):
-    """Plans other than full streaming on the device: resident layers from a budget, layer-major
-    accumulation, and both, eager and replayed from CUDA graphs."""
+    """Plans other than full streaming on the device: resident layers from a budget (the last ones, or
+    spread among streamed ones, with or without kept activations), layer-major accumulation, and both,
+    eager and replayed from CUDA graphs."""
     from poros.build import build_store
     from poros.config import TrainConfig
     from poros.executor import PorosTrainer
@@ -116,9 +120,11 @@ def test_gpu_plans_keep_parity(model, schedule, graphs):
                       grad_accum=schedule.get("grad_accum", 1), offload_inputs=schedule.get("offload_inputs", False))
     store, _ = build_store(model, device="cuda")
     plan = None
-    if schedule.get("vram_budget"):  # what a budget buys: the last layers and the lm_head resident
-        plan = build_plan(geometry_of_store(store, cfg), block_size=2, resident_layers=2, head_resident=True,
-                          grad_accum=cfg.grad_accum, seq_len=SEQ, attention=ATTN, graphs=graphs)
+    if schedule.get("vram_budget"):  # what a budget buys: layers (the last ones, or spread) and the lm_head resident
+        plan = build_plan(geometry_of_store(store, cfg), block_size=2, resident_layers=3 if "placement" in schedule else 2,
+                          head_resident=True, grad_accum=cfg.grad_accum, seq_len=SEQ, attention=ATTN, graphs=graphs,
+                          placement=Placement(schedule.get("placement", "tail")),
+                          keep_activations=schedule.get("keep_activations", False))
     resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=plan)
     result = run_gate(resident, poros, 2)
     print(result.json(), f"resident layers {len(poros.plan.resident_layers)}")
