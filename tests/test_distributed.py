@@ -94,3 +94,27 @@ def test_reducer_refuses_a_layer_twice():
     r.finish()
     with pytest.raises(CapabilityError, match="without their gradients reduced"):
         r.finish()
+
+
+def test_alone_trains_by_itself_and_gives_back_its_collectives(stores):
+    """`Trainer.alone()`: inside, this rank's own micro-batches and no reducer; after, the world and the
+    reducer it had (also when the block raises)."""
+    from poros.config import TrainConfig
+    from poros.executor import PorosTrainer
+
+    trainer = PorosTrainer(stores("tiny-qwen3"), TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2))
+    world, reducer = World(1, 2, 1, 2), object()
+    trainer.world, trainer.reducer = world, reducer  # as a data-parallel rank holds them
+    import torch
+
+    share = trainer.batches(0)  # rank 1's share of the step's 2 x 2 micro-batches: the last two
+    with trainer.alone():
+        assert trainer.world is SINGLE and trainer.reducer is None
+        own = trainer.batches(0)  # a step of its own: 2 micro-batches, the step's first two
+        assert len(share) == len(own) == 2 and not torch.equal(share[0].input_ids, own[0].input_ids)
+        assert trainer.step().loss > 0  # no collective to wait on
+    assert trainer.world is world and trainer.reducer is reducer
+    with pytest.raises(RuntimeError), trainer.alone():
+        raise RuntimeError("a step failed")
+    assert trainer.world is world and trainer.reducer is reducer
+    trainer.close()
