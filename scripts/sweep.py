@@ -22,6 +22,7 @@ same-GPU speed comparisons across versions. `--unsloth` also times Unsloth on th
 as a bitsandbytes checkpoint, run in a child process; not gated: its arithmetic differs, so it runs without
 strict determinism, as its users run it). `--control` runs
 the reference a second time against its own recorded states: is this stack repeatable at all?
+`POROS_PROFILE_SETUP=N` prints the N costliest functions of each trainer's set-up (cProfile) to stderr.
 Under torchrun every method is data-parallel (poros.distributed; the reference under
 DistributedDataParallel), each rank gates its own states, rows record `world_size` and count the tokens
 of every rank, and the peak is the largest rank's. The official figures come from `poros bench matrix`.
@@ -85,6 +86,23 @@ def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SIN
            "tokens_per_s": round(world.size * cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1),
            "peak_vram_gb": None if peak is None else round(peak, 3), "attention_backends": meas.attention_backends}
     out.update(copy_summary(meas.counters))
+    return out
+
+
+def constructed(make, what: str):
+    """`make()`; with POROS_PROFILE_SETUP set, its profile's top functions (cumulative time) on stderr, to
+    find where a set-up's seconds go."""
+    if not os.environ.get("POROS_PROFILE_SETUP"):
+        return make()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(make)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(int(os.environ["POROS_PROFILE_SETUP"]))
+    print(f"set-up profile of {what}:\n{text.getvalue()}", file=sys.stderr, flush=True)
     return out
 
 
@@ -170,7 +188,7 @@ def main() -> None:
                            attention=attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
         stage(f"attention {attention}, seq {seq}, grad_accum {accum}: {args.reference} set up")
         try:
-            resident = make_trainer(Method(args.reference), store, base, world)
+            resident = constructed(lambda: make_trainer(Method(args.reference), store, base, world), args.reference)
             stage(f"{args.reference}: recording {args.gate_steps} gate steps")
             reference = RecordedReference(resident, args.gate_steps)
         except Exception as e:  # e.g. out of memory at this length: a row, then the next length
@@ -205,7 +223,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             stage(f"poros {v}: set up")
             try:
-                poros = PorosTrainer(store, cfg, world=world)
+                poros = constructed(lambda: PorosTrainer(store, cfg, world=world), f"poros {v}")
             except Exception as e:  # e.g. a budget below the smallest plan: say so and go on
                 emit({"method": "poros", "grad_accum": accum, **{k: str(x) for k, x in v.items()},
                       "error": f"{type(e).__name__}: {e}"})
