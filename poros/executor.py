@@ -271,19 +271,12 @@ class PorosTrainer(Trainer):
 
     def __init__(self, store, cfg, plan: P.Plan | None = None, check_plan: bool = True, world: World = SINGLE):
         self._given_plan, self._check_plan = plan, check_plan
-        self.reducer: GradReducer | None = None
         super().__init__(store, cfg, world)
 
     def _distribute(self) -> None:
         """Each layer's LoRA gradients all-reduced once the backward of its last micro-batch is enqueued."""
         self.reducer = GradReducer([[p for p in layer.parameters() if p.requires_grad] for layer in self.qlora.layers],
                                    self.world)
-
-    def _collective(self):
-        return self.reducer
-
-    def _set_collective(self, reducer) -> None:
-        self.reducer = reducer
 
     def _make_model(self) -> QLoRAModel:
         store, cfg = self.store, self.cfg

@@ -290,11 +290,11 @@ def resident_set(n_layers: int, resident: int, placement: Placement) -> tuple[in
     return tuple(i for i in range(n_layers) if i not in out)
 
 
-def _groups(geo: Geometry, resident: frozenset, block: int, n_stream_buffers: int) -> list[Group]:
-    """The layers in order as groups: each run of consecutive streamed layers in groups of `block`, taking
-    turns over the rotating buffers; each run of resident layers one group in a buffer of its own (after
-    the rotating ones)."""
-    out, runs, streamed_groups, resident_groups = [], [], 0, 0
+def _groups(geo: Geometry, resident: frozenset, block: int) -> list[Group]:
+    """The layers in order as groups: each run of consecutive streamed layers in groups of `block`, each run
+    of resident layers one group. Buffers are numbered in order of first use, streamed and resident apart
+    (`_place` maps them onto the rotating buffers and the resident regions)."""
+    out, runs, count = [], [], {False: 0, True: 0}
     for i in range(geo.n_layers):
         if runs and runs[-1][2] == (i in resident):
             runs[-1][1] = i + 1
@@ -303,12 +303,16 @@ def _groups(geo: Geometry, resident: frozenset, block: int, n_stream_buffers: in
     for first, stop, is_resident in runs:
         chunks = [(first, stop)] if is_resident else [(f, min(f + block, stop)) for f in range(first, stop, block)]
         for f, e in chunks:
-            if is_resident:
-                buffer, resident_groups = n_stream_buffers + resident_groups, resident_groups + 1
-            else:
-                buffer, streamed_groups = streamed_groups % n_stream_buffers, streamed_groups + 1
-            out.append(Group(len(out), f, e, geo.layer_starts[f], geo.layer_ends[e - 1], buffer, is_resident))
+            out.append(Group(len(out), f, e, geo.layer_starts[f], geo.layer_ends[e - 1], count[is_resident],
+                             is_resident))
+            count[is_resident] += 1
     return out
+
+
+def _place(groups: list[Group], n_stream: int) -> list[Group]:
+    """Streamed group k into rotating buffer k mod n_stream; resident group j into region n_stream + j."""
+    return [Group(g.index, g.first, g.stop, g.start, g.end,
+                  n_stream + g.buffer if g.resident else g.buffer % n_stream, g.resident) for g in groups]
 
 
 def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumulation, head_buffer: int | None,
@@ -376,9 +380,10 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     resident = frozenset(resident_set(n, resident_layers, Placement(placement)))
     streamed = n - resident_layers
     block = max(1, min(block_size, streamed)) if streamed else block_size
-    n_groups = sum(not g.resident for g in _groups(geo, resident, block, 1))  # streamed groups
+    groups = _groups(geo, resident, block)
+    n_groups = sum(not g.resident for g in groups)  # streamed groups
     n_stream = min(2, n_groups)
-    groups = _groups(geo, resident, block, max(n_stream, 1))
+    groups = _place(groups, n_stream)
     stream_size = align(max((g.nbytes for g in groups if not g.resident), default=0))
     # the lm_head borrows the idle buffer during the head when two rotate; else it is resident
     if head_resident is None:
@@ -390,9 +395,6 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         head_resident = True  # a region of its own would be held all step: keep the lm_head there
     head_pad = align(max(0, geo.head_bytes - stream_size)) if head_buffer is not None else 0
     buffers = [Buffer(b, stream_size, False) for b in range(n_stream)]
-    # resident groups' buffers follow the rotating ones (whose count may be 0 or 1 rather than 2)
-    groups = [Group(g.index, g.first, g.stop, g.start, g.end, g.buffer - max(n_stream, 1) + n_stream, True)
-              if g.resident else g for g in groups]
     buffers += [Buffer(g.buffer, align(g.nbytes), True) for g in groups if g.resident]
     # steady state: run one step from empty buffers, then plan every step from where it ends
     _, end = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, {})

@@ -13,11 +13,10 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from poros.distributed import MULTICAST_OFF
+from poros.distributed import LAUNCH_ENV, MULTICAST_OFF
 from poros.errors import CapabilityError
 
-RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+RANK_ENV = (*LAUNCH_ENV, "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # what a launcher sets for its ranks
 
 
 def free_port() -> int:

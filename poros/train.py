@@ -104,7 +104,8 @@ class Trainer:
             enable_determinism()
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
-        self.ddp = None
+        self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
+        self.reducer = None  # or poros's own per-layer all-reduce (its `_distribute`)
         self.attention_backends: dict[str, str] | None = None  # attention shape -> SDPA backend, once recorded
         self.qlora = self._make_model()
         self.model = self.qlora.add_lora()
@@ -195,20 +196,12 @@ class Trainer:
         """This rank trains by itself while inside: `grad_accum` micro-batches of its own a step and no
         collective, on the set-up it already has (a data-parallel run's one-GPU figure, same process, same
         schedule, no second build). Its weights then differ from the other ranks': time with it last."""
-        held = self.world, self.ddp, self._collective()
-        self.world, self.ddp = SINGLE, None
-        self._set_collective(None)
+        held = self.world, self.ddp, self.reducer
+        self.world, self.ddp, self.reducer = SINGLE, None, None
         try:
             yield self
         finally:
-            self.world, self.ddp = held[0], held[1]
-            self._set_collective(held[2])
-
-    def _collective(self):  # what reduces gradients across ranks besides DDP (PorosTrainer's GradReducer)
-        return None
-
-    def _set_collective(self, reducer) -> None:
-        pass
+            self.world, self.ddp, self.reducer = held
 
     def step(self, batches: list[Batch] | None = None) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches of the synthetic data."""

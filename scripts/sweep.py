@@ -79,14 +79,19 @@ def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SIN
     if cfg.device.value == "cuda":
         torch.cuda.reset_peak_memory_stats()
     meas = measure(trainer, cfg, steps, passes, warmup=1, label=getattr(trainer, "method", "poros"))
-    per_step = [t / steps for t in meas.per_pass_s]
-    med = statistics.median(per_step)
     peak = largest(meas.peak_vram_gb, world)
-    out = {"s_per_step_median": round(med, 4), "per_step_by_pass": [round(t, 4) for t in per_step],
-           "tokens_per_s": round(world.size * cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1),
+    out = {**speed(meas.per_pass_s, steps, cfg, world.size),
            "peak_vram_gb": None if peak is None else round(peak, 3), "attention_backends": meas.attention_backends}
     out.update(copy_summary(meas.counters))
     return out
+
+
+def speed(per_pass_s: list[float], steps: int, cfg: TrainConfig, ranks: int = 1) -> dict:
+    """s/step (median over passes, and per pass) and tokens/s counting every rank's tokens."""
+    per_step = [t / steps for t in per_pass_s]
+    med = statistics.median(per_step)
+    return {"s_per_step_median": round(med, 4), "per_step_by_pass": [round(t, 4) for t in per_step],
+            "tokens_per_s": round(ranks * cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1)}
 
 
 def constructed(make, what: str):
@@ -229,16 +234,18 @@ def main() -> None:
                       "error": f"{type(e).__name__}: {e}"})
                 continue
             plan = poros.plan.summary()
-            row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
+            plan_row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
                    "block_size": plan["block_size"], "resident_layers": len(plan["resident_layers"]),
                    "head_resident": plan["head_resident"], "predicted_h2d_bytes_per_step": plan["h2d_bytes_per_step"],
                    "predicted_peak_vram_gb": round(plan["peak_vram_bytes"] / 1e9, 3),
                    "predicted_memory_gb": {k: round(x / 1e9, 3) for k, x in plan["memory"].items()}}
+            row, verdict = dict(plan_row), {}
             try:
                 stage(f"poros {v}: gate")
                 gate = agree(run_gate_recorded(reference, poros), world)  # then timed after a discarded warm-up pass
-                row.update({"parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
-                            "first_mismatch": gate.first_mismatch, "gate": gate.gate})
+                verdict = {"parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
+                           "first_mismatch": gate.first_mismatch, "gate": gate.gate}
+                row.update(verdict)
                 stage(f"poros {v}: {gate.parity}; timing")
                 row.update(timed(poros, cfg, args.steps, args.passes, world))
             except BaseException as e:  # out of memory, or stopped (SIGTERM, Ctrl-C): what was reached is a row
@@ -259,10 +266,8 @@ def main() -> None:
                     try:
                         with poros.alone():
                             solo = timed(poros, cfg, args.steps, args.passes)
-                        emit({**{k: x for k, x in row.items() if k not in ("ranks", "engine_counters", "allreduce_bytes_per_step")},
-                              **solo,
-                              "world_size": 1, "alone_of": world.size,
-                              "gate": f"{row.get('gate')} (under {world.size} ranks)"})
+                        emit({**plan_row, **verdict, **solo, "world_size": 1, "alone_of": world.size,
+                              "gate": f"{verdict['gate']} (under {world.size} ranks)"})
                     except Exception as e:
                         emit({"method": "poros", "grad_accum": accum, "world_size": 1, "alone_of": world.size,
                               "error": f"{type(e).__name__}: {e}"[:500]})
@@ -278,9 +283,7 @@ def main() -> None:
                 rec = measure_unsloth(store, cfg, args.steps, args.passes, warmup=1,
                                       log=lambda m: print(m, file=sys.stderr))
                 emit({"method": "unsloth", "grad_accum": accum, "deterministic": cfg.deterministic,
-                      "s_per_step_median": round(rec["s_per_step_median"], 4),
-                      "per_step_by_pass": [round(t / args.steps, 4) for t in rec["per_pass_s"]],
-                      "tokens_per_s": round(seq * accum / rec["s_per_step_median"], 1),
+                      **speed(rec["per_pass_s"], args.steps, cfg),
                       "peak_vram_gb": round(rec["peak_vram_gb"], 3), "unsloth_version": rec.get("unsloth_version")})
             except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
                 emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})
