@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from poros.sweep_report import REFERENCES, field, is_timed, plan_name
+from poros.sweep_report import REFERENCES, field, gpu_label, is_timed, plan_name, run_of
 
 # marks beside a budget line: (marker, label)
 MARKS = {"resident": ("*", "resident QLoRA"), "resident_gc": ("P", "resident_gc"), "unsloth": ("D", "unsloth")}
+# the budget plot's lines of poros plans: (activations kept, placement) -> (line style, label)
+LINES = {(False, "tail"): ("-", "recompute"), (False, "spread"): ("-.", "recompute, spread placement"),
+         (True, "tail"): ("--", "resident layers keep activations"),
+         (True, "spread"): (":", "resident layers keep activations, spread placement")}
 LABELS = {"seq_len": "seq {}", "grad_accum": "grad-accum {}", "world_size": "{} GPUs"}
 
 
@@ -49,39 +53,46 @@ def _kept(r: dict) -> bool:
 
 
 def budget_figure(rows: list[dict]):
-    """s/step against peak VRAM of every poros plan per model (one GPU, grad_accum 1), a panel per sequence
-    length: one line for plans that recompute, one for plans whose resident layers keep their activations;
-    the reference's and Unsloth's s/step and peak as marks. Returns the figure and whether it has a line."""
+    """s/step against peak VRAM of every poros plan per model, attention setting and run (one GPU,
+    grad_accum 1), a panel per sequence length: a line per placement for plans that recompute and for plans
+    whose resident layers keep their activations; the reference's and Unsloth's s/step and peak of the same
+    run as marks. A label names the attention setting or the GPU only where lines differ in it. Returns the
+    figure and whether it has a line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    def one(model, seq):
-        return [r for r in rows if (r["model"], r.get("seq_len")) == (model, seq) and is_timed(r)
-                and r.get("peak_vram_gb") is not None and field(r, "grad_accum") == 1 and field(r, "world_size") == 1]
+    def group(r):
+        return r["model"], r.get("seq_len"), r.get("attention"), run_of(r)
 
-    def points(rs, kept):
-        return sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in rs if r["method"] == "poros" and _kept(r) == kept)
+    def one(g):
+        return [r for r in rows if group(r) == g and is_timed(r) and r.get("peak_vram_gb") is not None
+                and field(r, "grad_accum") == 1 and field(r, "world_size") == 1]
 
-    groups = [g for g in dict.fromkeys((r["model"], r.get("seq_len")) for r in rows)
-              if any(len(points(one(*g), k)) >= 2 for k in (False, True))]
-    seqs = sorted({seq for _, seq in groups}, key=lambda s: s or 0)
+    def points(rs, kept, placement):
+        return sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in rs
+                      if r["method"] == "poros" and _kept(r) == kept and (r.get("placement") or "tail") == placement)
+
+    groups = [g for g in dict.fromkeys(map(group, rows)) if any(len(points(one(g), *line)) >= 2 for line in LINES)]
+    seqs = sorted({g[1] for g in groups}, key=lambda s: s or 0)
     fig = Figure(figsize=(8 if len(seqs) < 2 else 6 * len(seqs), 5))
     FigureCanvasAgg(fig)
     axes = [fig.add_subplot(1, max(1, len(seqs)), i + 1) for i in range(max(1, len(seqs)))]
     for ax, seq in zip(axes, seqs):
-        for model, _ in (g for g in groups if g[1] == seq):
-            rs, color = one(model, seq), None
-            for kept, how in ((False, "recompute"), (True, "resident layers keep activations")):
-                pts = points(rs, kept)
+        panel = [g for g in groups if g[1] == seq]
+        for g in panel:
+            rs, color = one(g), None
+            name = " ".join([g[0], *([f"({g[2]})"] if len({h[2] for h in panel}) > 1 else []),
+                             *([f"[{gpu_label(rs[0])}]"] if len({h[3] for h in panel if h[0] == g[0]}) > 1 else [])])
+            for (kept, placement), (style, how) in LINES.items():
+                pts = points(rs, kept, placement)
                 if len(pts) < 2:
                     continue
-                line, = ax.plot(*zip(*pts), marker="o", color=color, linestyle="--" if kept else "-",
-                                label=f"{model} poros, {how}")
+                line, = ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=f"{name} poros, {how}")
                 color = line.get_color()
             for r in rs:
                 if r["method"] in MARKS:
                     ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, color=color,
-                               marker=MARKS[r["method"]][0], label=f"{model} {MARKS[r['method']][1]}")
+                               marker=MARKS[r["method"]][0], label=f"{name} {MARKS[r['method']][1]}")
         _finish(fig, ax, "upper right", xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
                 title=f"s/step against VRAM, seq {seq}" if len(seqs) > 1 else "s/step against VRAM")
     if not seqs:

@@ -13,11 +13,13 @@ from poros.errors import PorosError
 DASH = "—"
 REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
 DEFAULTS = {"grad_accum": 1, "world_size": 1}  # rows written before these keys existed
-COLUMNS = ("Model", "GPUs", "Seq", "Grad-accum", "Method / plan", "Parity (gate)", "s/step", "vs resident",
+COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Parity (gate)", "s/step", "vs resident",
            "Tokens/s", "Peak VRAM", "Predicted peak", "Host→device per step", "Copy hidden", "Resident layers",
            "Block")
 SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs", "Tokens/s", "Tokens/s on 1 GPU",
                    "Speed-up", "Per-GPU efficiency")
+ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
+                     "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
 
 
 def load_sweeps(paths) -> list[dict]:
@@ -66,6 +68,17 @@ def gpu_uuid(r: dict) -> str:
     return gpus[0]["uuid"] if gpus else "cpu"
 
 
+def run_of(r: dict) -> tuple:
+    """The sweep a row came from (its host and start time): timings compare within one run only."""
+    return r["provenance"].get("host"), r["provenance"].get("time")
+
+
+def gpu_label(r: dict) -> str:
+    """A short name for the row's (first) GPU: the first 8 hex digits of its UUID, or cpu."""
+    uuid = gpu_uuid(r)
+    return uuid.removeprefix("GPU-")[:8] if uuid != "cpu" else uuid
+
+
 def same_machine(one: dict, many: dict) -> bool:
     """Whether a one-GPU row ran on a GPU of the machine of a data-parallel row (same host, and the
     one-GPU row's GPU among the other's)."""
@@ -109,12 +122,17 @@ def _num(v, fmt: str = "{}") -> str:
     return DASH if v is None else fmt.format(v)
 
 
+def _baseline_key(r: dict) -> tuple:
+    return computed(r), field(r, "world_size"), gpu_uuid(r), run_of(r)
+
+
 def _baselines(rows: list[dict]) -> dict[tuple, float]:
-    """s/step of the reference per (computed, GPUs, first GPU): later rows win, plain resident over resident_gc."""
+    """s/step of the reference per (computed, GPUs, first GPU, run): later rows win, plain resident over
+    resident_gc."""
     best: dict[tuple, dict] = {}
     for r in rows:
         if r["method"] in REFERENCES and is_timed(r):
-            key = (computed(r), field(r, "world_size"), gpu_uuid(r))
+            key = _baseline_key(r)
             if key not in best or REFERENCES.index(r["method"]) <= REFERENCES.index(best[key]["method"]):
                 best[key] = r
     return {k: r["s_per_step_median"] for k, r in best.items()}
@@ -125,7 +143,8 @@ def _steps(n) -> str:
 
 
 def _cells(r: dict, base: float | None) -> list[str]:
-    head = [r["model"], str(field(r, "world_size")), _num(r.get("seq_len")), str(field(r, "grad_accum")), plan_name(r)]
+    head = [r["model"], str(field(r, "world_size")), gpu_label(r), _num(r.get("seq_len")), _num(r.get("attention")),
+            str(field(r, "grad_accum")), plan_name(r)]
     rest = len(COLUMNS) - len(head) - 1
     if "error" in r:
         reason = r["error"].split(":", 1)[-1].strip().replace("|", "/").replace("\n", " ")
@@ -155,7 +174,7 @@ def _table(columns, rows_of_cells) -> str:
 
 def sweep_table(rows: list[dict]) -> str:
     base = _baselines(rows)
-    return _table(COLUMNS, (_cells(r, base.get((computed(r), field(r, "world_size"), gpu_uuid(r)))) for r in rows))
+    return _table(COLUMNS, (_cells(r, base.get(_baseline_key(r))) for r in rows))
 
 
 def scaling_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
@@ -183,6 +202,34 @@ def scaling_table(rows: list[dict]) -> str | None:
     return _table(SCALING_COLUMNS, out) if out else None
 
 
+def attention_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(row, the same run on math) for timed rows of another attention setting: the same model, sequence
+    length, gradient accumulation, loss chunking, method/plan and number of GPUs on the same GPU in the
+    same sweep; the latest math row for each."""
+    timed = [r for r in rows if is_timed(r)]
+
+    def work(r):  # what a row computes and runs, but for its attention setting
+        model, seq, accum, _, chunk = computed(r)
+        return model, seq, accum, chunk, plan_name(r), field(r, "world_size"), gpu_uuid(r), run_of(r)
+
+    pairs = []
+    for r in (r for r in timed if r.get("attention") not in (None, "math")):
+        maths = [m for m in timed if m.get("attention") == "math" and work(m) == work(r)]
+        if maths:
+            pairs.append((r, maths[-1]))
+    return pairs
+
+
+def attention_table(rows: list[dict]) -> str | None:
+    """Each row of another attention setting against the same run on math; None when there is no pair."""
+    out = [[r["model"], plan_name(r), _num(r.get("seq_len")), gpu_label(r), str(r["attention"]),
+            f"{r['s_per_step_median']:.4f}", f"{m['s_per_step_median']:.4f}",
+            f"{r['s_per_step_median'] / m['s_per_step_median']:.2f}×", _num(r.get("tokens_per_s"), "{:.0f}"),
+            _num(m.get("tokens_per_s"), "{:.0f}"), _gb(r.get("peak_vram_gb")), _gb(m.get("peak_vram_gb"))]
+           for r, m in attention_pairs(rows)]
+    return _table(ATTENTION_COLUMNS, out) if out else None
+
+
 def _provenance(rows: list[dict]) -> str:
     gpus = sorted({f"{g['name']} (UUID {g['uuid']})" for r in rows for g in _gpus(r)})
     commits = sorted({str(r["provenance"].get("git", {}).get("commit")) for r in rows})
@@ -190,14 +237,15 @@ def _provenance(rows: list[dict]) -> str:
     return (f"Provenance: commit {', '.join(commits)}; torch {rows[0]['provenance'].get('torch')}, transformers "
             f"{versions.get('transformers')}, bitsandbytes {versions.get('bitsandbytes')}, peft "
             f"{versions.get('peft')}; "
-            f"GPU {', '.join(gpus) or 'none'}. Ratios compare rows on one GPU (a data-parallel run's first) only.")
+            f"GPU {', '.join(gpus) or 'none'}. Ratios compare rows on one GPU (a data-parallel run's first) only; the GPU column "
+            f"names it by its UUID's first 8 hex digits.")
 
 
 INTRO = ("Each poros plan first passed the parity gate against the reference's states recorded in the same run "
          "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after a discarded "
          "warm-up pass. `vs resident` divides by the reference's s/step (resident QLoRA, else resident_gc) with the "
-         "same model, sequence length, gradient accumulation and number of GPUs on the same GPU. Unsloth is timed on "
-         "the same store but not gated (its arithmetic differs); a control row gates the reference against its own "
+         "same model, sequence length, gradient accumulation and number of GPUs on the same GPU in the same run. "
+         "Unsloth is timed on the same store but not gated (its arithmetic differs); a control row gates the reference against its own "
          "recorded states. Under torchrun (GPUs > 1) every rank trains its own data: tokens/s counts every rank's "
          "tokens, the peak is the largest rank's.")
 
@@ -230,6 +278,11 @@ def write_sweep_report(paths, out_md, title: str | None = None) -> Path:
     if scaling:
         parts += ["## Data-parallel scaling\n\nTokens/s under torchrun against the same plan on one GPU of the "
                   "same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling]
+    against_math = attention_table(rows)
+    if against_math:
+        parts += ["## Attention: math against the fast path\n\nEach method or plan on another attention setting "
+                  "against the same run on math (same store, same GPU, one process); `vs math` divides the "
+                  "s/step.", against_math]
     backends = backends_table(rows)
     if backends:
         parts += ["## Attention backends\n\nThe SDPA backend each attention shape ran on, as recorded on the first "

@@ -66,6 +66,11 @@ def parse_variant(text: str) -> dict:
     return values
 
 
+def echo(variant: dict) -> dict:
+    """A variant's settings as rows and the log write them (enums by their value)."""
+    return {k: getattr(x, "value", x) for k, x in variant.items()}
+
+
 class Stopped(BaseException):
     """SIGTERM arrived (a `timeout`, a scheduler): the sweep writes what it reached, then ends."""
 
@@ -226,27 +231,27 @@ def main() -> None:
             cfg = base.replace(**v)
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            stage(f"poros {v}: set up")
+            stage(f"poros {echo(v)}: set up")
             try:
-                poros = constructed(lambda: PorosTrainer(store, cfg, world=world), f"poros {v}")
+                poros = constructed(lambda: PorosTrainer(store, cfg, world=world), f"poros {echo(v)}")
             except Exception as e:  # e.g. a budget below the smallest plan: say so and go on
-                emit({"method": "poros", "grad_accum": accum, **{k: str(x) for k, x in v.items()},
+                emit({"method": "poros", "grad_accum": accum, **echo(v),
                       "error": f"{type(e).__name__}: {e}"})
                 continue
             plan = poros.plan.summary()
-            plan_row = {"method": "poros", "grad_accum": accum, **{k: getattr(x, "value", x) for k, x in v.items()},
+            plan_row = {"method": "poros", "grad_accum": accum, **echo(v),
                    "block_size": plan["block_size"], "resident_layers": len(plan["resident_layers"]),
                    "head_resident": plan["head_resident"], "predicted_h2d_bytes_per_step": plan["h2d_bytes_per_step"],
                    "predicted_peak_vram_gb": round(plan["peak_vram_bytes"] / 1e9, 3),
                    "predicted_memory_gb": {k: round(x / 1e9, 3) for k, x in plan["memory"].items()}}
             row, verdict = dict(plan_row), {}
             try:
-                stage(f"poros {v}: gate")
+                stage(f"poros {echo(v)}: gate")
                 gate = agree(run_gate_recorded(reference, poros), world)  # then timed after a discarded warm-up pass
                 verdict = {"parity": gate.parity, "parity_steps": gate.steps, "tensors_compared": gate.tensors_compared,
                            "first_mismatch": gate.first_mismatch, "gate": gate.gate}
                 row.update(verdict)
-                stage(f"poros {v}: {gate.parity}; timing")
+                stage(f"poros {echo(v)}: {gate.parity}; timing")
                 row.update(timed(poros, cfg, args.steps, args.passes, world))
             except BaseException as e:  # out of memory, or stopped (SIGTERM, Ctrl-C): what was reached is a row
                 row["error"] = f"{type(e).__name__}: {e}"[:500] + (" (during timing)" if "parity" in row else "")
@@ -261,7 +266,7 @@ def main() -> None:
                 "layer_templates", "forward_templates", "template_fallbacks", "graphs_captured", "capture_errors")}
             emit(row)
             if args.alone and world.distributed:
-                stage(f"poros {v}: rank 0 alone" if world.main else f"poros {v}: waiting for rank 0 alone")
+                stage(f"poros {echo(v)}: rank 0 alone" if world.main else f"poros {echo(v)}: waiting for rank 0 alone")
                 if world.main:
                     try:
                         with poros.alone():

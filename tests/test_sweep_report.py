@@ -10,20 +10,22 @@ import pytest
 
 from poros.errors import PorosError
 from poros.sweep_plots import budget_figure, series
-from poros.sweep_report import COLUMNS, SCALING_COLUMNS, plan_name, scaling_pairs, write_sweep_report
+from poros.sweep_report import (ATTENTION_COLUMNS, COLUMNS, SCALING_COLUMNS, attention_pairs, plan_name, scaling_pairs,
+                                 write_sweep_report)
 from tests.test_report import assert_tables_well_formed, cells
 
 
-def prov(uuids=("A",), host="h1") -> dict:
+def prov(uuids=("A",), host="h1", time="t1") -> dict:
     return {"gpus": [{"name": "NVIDIA H200", "uuid": u} for u in uuids], "host": host, "git": {"commit": "abc"},
-            "torch": "2.11", "versions": {}}
+            "torch": "2.11", "versions": {}, "time": time}
 
 
-def row(method="poros", s=1.0, world=1, seq=512, accum=1, peak=10.0, uuids=("A",), host="h1", **kw) -> dict:
+def row(method="poros", s=1.0, world=1, seq=512, accum=1, peak=10.0, uuids=("A",), host="h1", time="t1",
+        **kw) -> dict:
     """A timed row as scripts/sweep.py writes it; tokens/s from the arguments (batch 1)."""
     r = {"model": "m", "method": method, "attention": "math", "seq_len": seq, "loss_chunk": None, "world_size": world,
          "grad_accum": accum, "s_per_step_median": s, "tokens_per_s": round(world * seq * accum / s, 1),
-         "peak_vram_gb": peak, "provenance": prov(uuids, host)}
+         "peak_vram_gb": peak, "provenance": prov(uuids, host, time)}
     return {**r, **kw}
 
 
@@ -72,8 +74,16 @@ def test_ratios_only_against_the_reference_on_the_same_gpu(tmp_path):
     assert got[1]["Method / plan"] == "poros, budget 24 GB, CUDA graphs"
     assert got[2]["Method / plan"] == "poros, every layer streamed"
     assert got[3]["Parity (gate)"] == "not run: too small" and got[3]["Method / plan"] == "poros, budget 1 GB"
-    assert set(list(got[3].values())[6:]) == {"—"}
+    assert set(list(got[3].values())[8:]) == {"—"}
+    assert [(c["GPU"], c["Attention"]) for c in got] == [("A", "math"), ("A", "math"), ("B", "math"), ("A", "math")]
     assert (tmp_path / "plans.png").is_file()
+
+
+def test_ratios_only_against_the_reference_of_the_same_run(tmp_path):
+    """Two sweeps on one GPU: each plan meets its own sweep's reference, never the other's."""
+    rows = [row("resident", s=1.0), row(s=0.9), row("resident", s=2.0, time="t2"), row(s=1.0, time="t2"),
+            row(s=1.0, time="t3")]  # a sweep without a reference: no ratio
+    assert [c["vs resident"] for c in table(render(tmp_path, rows))] == ["1.00×", "0.90×", "1.00×", "0.50×", "—"]
 
 
 def test_baseline_is_keyed_by_seq_len_and_world_size(tmp_path):
@@ -109,11 +119,11 @@ def test_unsloth_and_control_rows(tmp_path):
              "error": "OutOfMemoryError: CUDA out of memory | tried 3 GB\nsee the log", "provenance": prov()}]
     control, unsloth, failed = table(render(tmp_path, rows))[1:]
     assert control["Parity (gate)"] == "PASS (control: reference vs itself, 2 steps)"
-    assert set(list(control.values())[6:]) == {"—"}  # parity only: no timing although the row carries a peak
+    assert set(list(control.values())[8:]) == {"—"}  # parity only: no timing although the row carries a peak
     assert unsloth["Parity (gate)"] == "not gated (other arithmetic)"
     assert (unsloth["s/step"], unsloth["vs resident"], unsloth["Tokens/s"]) == ("0.8000", "0.80×", "640")
     assert failed["Parity (gate)"] == "not run: CUDA out of memory / tried 3 GB see the log"
-    assert failed["Grad-accum"] == "8" and set(list(failed.values())[6:]) == {"—"}
+    assert failed["Grad-accum"] == "8" and set(list(failed.values())[8:]) == {"—"}
 
 
 def test_scaling_table_ratio_and_efficiency(tmp_path):
@@ -204,6 +214,16 @@ def test_budget_plot_a_panel_per_length_and_a_line_for_kept_activations():
     assert [list(l.get_xdata()) for l in long.lines] == [[20.0, 36.0]]
 
 
+def test_budget_plot_a_line_per_placement():
+    rows = [row(s=1.3, peak=24.0, vram_budget=24e9), row(s=1.1, peak=40.0, vram_budget=40e9),
+            row(s=1.2, peak=24.0, vram_budget=24e9, placement="spread"),
+            row(s=1.0, peak=40.0, vram_budget=40e9, placement="spread"),
+            row(s=0.9, peak=60.0, vram_budget=60e9, placement="tail")]
+    (ax,) = budget_figure(rows)[0].axes
+    assert [(l.get_label(), list(l.get_xdata()), l.get_linestyle()) for l in ax.lines] == [
+        ("m poros, recompute", [24.0, 40.0, 60.0], "-"), ("m poros, recompute, spread placement", [24.0, 40.0], "-.")]
+
+
 def test_attention_backends_section(tmp_path):
     flash = {"head_dim 128, heads 8/2, causal": "flash"}
     md = render(tmp_path, [row("resident", attention_backends=flash),
@@ -214,6 +234,38 @@ def test_attention_backends_section(tmp_path):
         ("head_dim 128, heads 8/2, causal", "flash", "poros, resident"),
         ("head_dim 512, heads 8/8, causal", "efficient", "poros")]
     assert "## Attention backends" not in render(tmp_path / "none", [row("resident"), row()])
+
+
+def test_budget_plot_a_line_per_attention_setting_and_run():
+    """Points of another attention setting or another sweep never join a line; labels say which."""
+    rows = [row("resident", s=1.0, peak=80.0), row(s=2.0, peak=9.0), row(s=1.5, peak=24.0, vram_budget=24e9),
+            row(s=1.9, peak=9.1, attention="fast"), row(s=1.4, peak=24.1, vram_budget=24e9, attention="fast"),
+            row(s=1.8, peak=9.2, attention="fast", time="t2"), row("resident", s=0.9, peak=70.0, attention="fast",
+                                                                   time="t2"),
+            row(s=1.3, peak=9.3, uuids=("B",), time="t3")]  # alone in its run: no line
+    (ax,) = budget_figure(rows)[0].axes
+    assert [(l.get_label(), list(l.get_xdata())) for l in ax.lines] == [
+        ("m (math) poros, recompute", [9.0, 24.0]), ("m (fast) poros, recompute", [9.1, 24.1])]
+    assert [c.get_label() for c in ax.collections] == ["m (math) resident QLoRA"]
+
+
+def test_math_against_the_fast_path(tmp_path):
+    """Each row of another attention setting meets the same run on math: same plan, work and GPU."""
+    rows = [row("resident", s=1.2, peak=80.0), row(s=1.0, peak=9.0, cuda_graphs=True),
+            row("resident", s=1.1, peak=72.0, attention="fast"), row(s=0.8, peak=9.1, cuda_graphs=True, attention="fast"),
+            row(s=0.7, attention="fast"),  # no math row of this plan
+            row(s=0.7, attention="fast", cuda_graphs=True, uuids=("B",)),  # math ran on another GPU
+            row(s=0.7, attention="fast", cuda_graphs=True, seq=1024),  # other work
+            row(s=0.7, attention="fast", cuda_graphs=True, time="t2")]  # another sweep
+    md = render(tmp_path, rows)
+    got = table(md, ATTENTION_COLUMNS)
+    assert [(c["Method / plan"], c["Attention"], c["s/step"], c["s/step on math"], c["vs math"], c["Tokens/s"],
+             c["Tokens/s on math"], c["Peak VRAM"], c["Peak VRAM on math"]) for c in got] == [
+        ("resident", "fast", "1.1000", "1.2000", "0.92×", "466", "427", "72.00 GB", "80.00 GB"),
+        ("poros, every layer streamed, CUDA graphs", "fast", "0.8000", "1.0000", "0.80×", "640", "512", "9.10 GB",
+         "9.00 GB")]
+    assert len(attention_pairs(rows)) == 2
+    assert "## Attention: math against the fast path" not in render(tmp_path / "none", rows[2:])
 
 
 @pytest.mark.parametrize("kw,name", [
