@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from poros.attention import BackendLog, shape_label
+from poros.attention import BackendLog, sdpa_context, shape_label
 from poros.config import Method, TrainConfig
+from poros.errors import CapabilityError
+from poros.settings import Attention
 from poros.methods import make_trainer
 from poros.parity import run_gate
 
@@ -56,3 +58,25 @@ def test_layers_replayed_from_templates_still_record_their_backends(stores):
     assert poros.attention_backends == resident.attention_backends == {"head_dim 32, heads 4/2, causal": "math"}
     poros.step()
     assert poros.attention_backends == resident.attention_backends
+
+
+def test_a_shape_no_backend_of_the_setting_serves_is_a_clear_error():
+    """On the CPU torch has no memory-efficient kernel: `efficient` alone serves nothing, and the first call
+    says which shape and what to do instead of SDPA's bare error; `fast` serves the same call."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 4, 64, 16)
+    with BackendLog() as log, sdpa_context(Attention.EFFICIENT):
+        with pytest.raises(CapabilityError, match=r"serves head_dim 16, heads 4/4, causal: .*--attention fast"):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with BackendLog() as log, sdpa_context(Attention.FAST):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert log.seen == {"head_dim 16, heads 4/4, causal": "flash"}
+
+
+def test_a_trainer_on_a_setting_without_a_kernel_stops_with_the_clear_error(stores):
+    trainer = make_trainer(Method.RESIDENT, stores("tiny-qwen3"), TrainConfig(model="tiny-qwen3", seq_len=64,
+                                                                                 attention="efficient"))
+    with pytest.raises(CapabilityError, match=r"no attention kernel of the chosen setting serves head_dim 32"):
+        trainer.step()
