@@ -6,6 +6,7 @@ build device, its linears quantized to NF4 straight into the host arena, then fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -29,6 +30,28 @@ def _quantize(w: torch.Tensor):
     return bnbf.quantize_4bit(w, blocksize=NF4_BLOCKSIZE, compress_statistics=False, quant_type="nf4")
 
 
+@contextlib.contextmanager
+def _meta_weights():
+    """nn.Linear and nn.Embedding (and their subclasses) made straight on the meta device.
+    `init_empty_weights` moves a parameter to meta only once its constructor has allocated it on the
+    CPU: for a 72B model some 145 GB of `torch.empty`, seconds of set-up with some transformers versions."""
+    originals = {cls: cls.__init__ for cls in (nn.Linear, nn.Embedding)}
+
+    def on_meta(init):
+        def made_on_meta(self, *args, **kwargs):
+            kwargs.setdefault("device", "meta")
+            init(self, *args, **kwargs)
+        return made_on_meta
+
+    for cls, init in originals.items():
+        cls.__init__ = on_meta(init)
+    try:
+        yield
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
+
+
 def skeleton(config) -> nn.Module:
     """The causal-LM module tree on the meta device (buffers such as rotary tables stay real).
 
@@ -39,7 +62,7 @@ def skeleton(config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        with init_empty_weights(include_buffers=False):
+        with init_empty_weights(include_buffers=False), _meta_weights():
             return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     except ValueError as e:
         import transformers

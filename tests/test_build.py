@@ -354,3 +354,38 @@ def test_checkpoint_buffers_are_read_used_and_exported(tmp_path):
     synthetic, _ = build_store("tiny-gemma4", progress=False)
     assert set(synthetic.buffers) == set(scalars)
     assert all(torch.equal(b, torch.ones_like(b)) for b in synthetic.buffers.values())
+
+
+def _cpu_matrices_made(make, monkeypatch) -> int:
+    """How many 2-D tensors `make()` creates in CPU memory through torch.empty."""
+    made, real = [], torch.empty
+
+    def recorded(*args, **kwargs):
+        t = real(*args, **kwargs)
+        made.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", recorded)
+    make()
+    monkeypatch.setattr(torch, "empty", real)
+    return sum(1 for t in made if t.device.type == "cpu" and t.dim() == 2)
+
+
+def test_the_skeleton_allocates_no_weight_on_the_cpu(monkeypatch):
+    """Every linear and embedding weight is made on the meta device; accelerate's init_empty_weights alone
+    (the control) allocates each on the CPU first, then moves it."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = get_shape("tiny-qwen3").config()
+    model = poros.build.skeleton(config)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {b.device.type for b in model.buffers()} == {"cpu"}  # rotary tables stay real
+    assert _cpu_matrices_made(lambda: poros.build.skeleton(config), monkeypatch) == 0
+
+    def control():
+        with init_empty_weights(include_buffers=False):
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+    assert _cpu_matrices_made(control, monkeypatch) > 0
+    assert nn.Linear(4, 4).weight.device.type == "cpu"  # the constructors are themselves again
