@@ -43,6 +43,9 @@ class _Captured(Exception):
     """Ends a prologue once the last layer's arguments are recorded."""
 
 
+IN_TEMPLATE = object()  # a kept layer's activations held by its layer template (poros/graphs.py KeptTemplate)
+
+
 class _Done:
     """An already computed result with a future's `result()` (the serial backward)."""
 
@@ -311,7 +314,8 @@ class PorosTrainer(Trainer):
         self._templates = LayerTemplates(capture=True) if cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
         self._kept_layers = set(self.plan.kept_layers)
-        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, micro) -> (input, output)
+        # (layer, micro) -> (input, output), or IN_TEMPLATE
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | object] = {}
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
         self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
@@ -442,8 +446,14 @@ class PorosTrainer(Trainer):
         x = self._hidden[m]
         if i in self._kept_layers:  # resident QLoRA's forward: with autograd, its activations kept for backward
             rest, kwargs, kw_hidden = self._calls.pop((i, m))
-            leaf = x.detach().requires_grad_(True)
             layer = self.qlora.layers[i]
+            if self._templates is not None:  # in the layer's own template (two graphs), else eagerly
+                out = self._templates.kept_forward(i, m, layer, x, rest, kwargs, kw_hidden)
+                if out is not None:
+                    self._kept[(i, m)] = IN_TEMPLATE
+                    self._hidden[m] = out[0] if isinstance(out, tuple) else out
+                    return
+            leaf = x.detach().requires_grad_(True)
             with torch.enable_grad():
                 out = layer(*rest, hidden_states=leaf, **kwargs) if kw_hidden else layer(leaf, *rest, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
@@ -488,6 +498,11 @@ class PorosTrainer(Trainer):
         for key in self._backward_keys[k: k + self.saved.window]:  # offloaded inputs, a window ahead
             self.saved.prefetch(key)
         kept = self._kept.pop((i, m), None)
+        if kept is IN_TEMPLATE:
+            self._resolve()
+            self._grads[m] = self._templates.kept_backward(i, m, self._grads[m])
+            self._layer_grads_done(i, k)
+            return
         if kept is not None:
             x, h = kept  # the forward's own activations: nothing to recompute
         elif self._templates is None:

@@ -293,6 +293,137 @@ class LayerTemplate:
         self.graph = graph
 
 
+class KeptTemplate(LayerTemplate):
+    """One kept layer's forward with autograd and, later, its backward from the activations that forward
+    kept: two graphs (`forward`, `backward`) where a recomputing template has one, so a kept layer costs
+    two launches instead of hundreds and no recompute.
+
+    Unlike a recomputing template it holds state from its forward to its backward: its input and
+    arguments (which its autograd graph may save) are its own tensors, not the shared statics, and the
+    activations its forward saves live in a memory pool that only kept templates use; the backward
+    retains the autograd graph, so those activations stay allocated and no later capture is handed their
+    memory. One template per (layer, micro-batch) whose activations are kept at once. Its output and the
+    gradient at its input still go through the shared statics, copied out right after each replay.
+    Without capture (`capture=False`) both halves run eagerly, with a new autograd graph every forward.
+    """
+
+    def __init__(self, layer: nn.Module, capture: bool, pool=None, statics: Statics | None = None):
+        super().__init__(layer, capture, pool, backward=True, statics=statics)
+        self.phase = "forward"
+        self.graphs: dict[str, object] = {}
+        self.out_h: torch.Tensor | None = None  # the forward's output, its autograd graph kept for backward
+        self.static_out = None
+
+    # --- the two halves -----------------------------------------------------------------------
+    def forward(self, layer: "LayerRefs", x: torch.Tensor, args: tuple, kwargs: dict, kw_hidden: bool):
+        """The layer's output, its activations kept in this template; None when this template cannot
+        serve this call (the caller runs the layer eagerly, as it would without templates)."""
+        skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
+        tensors = _tensors((args, kwargs), [])
+        if self.skeleton is None:
+            self._setup_kept(x, tensors, kw_hidden, skeleton)
+        elif skeleton != self.skeleton or not self.usable:
+            return None
+        self._load_kept(layer, x, tensors)
+        it = iter(self.static_args)
+        self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
+        self._run("forward")
+        if not self.usable:
+            return None
+        h = self.static_out.clone()
+        return h if self.out_rest is None else (h, *self.out_rest)
+
+    def backward_from_kept(self, layer: "LayerRefs", grad: torch.Tensor) -> torch.Tensor:
+        """The gradient at the layer's input from the incoming `grad`, LoRA gradients accumulated into
+        `layer`'s parameters. A backward capture that fails runs the same backward eagerly."""
+        with torch.no_grad():
+            self.static_grad.copy_(grad)
+        self._run("backward")
+        out = self.static_dx.clone()
+        self._accumulate(layer.lora)
+        if not self.capture or self.graphs.get("backward") is None:
+            self._clear_grads()
+        self.replays += 1
+        return out
+
+    def _run(self, phase: str) -> None:
+        self.phase = phase
+        if not self.capture:
+            self._body()
+            return
+        if phase not in self.graphs:
+            try:
+                self._clear_grads()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._body()
+                self.graphs[phase] = graph
+            except Exception as e:
+                self.error = f"{type(e).__name__}: {e}"[:300]
+                warnings.warn(f"poros: CUDA graph capture failed, running the kept layer eagerly: {self.error}",
+                              stacklevel=3)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.graphs[phase] = None
+                if phase == "forward":  # nothing kept: the layer runs as it would without templates
+                    self.usable = False
+                    return
+        if self.graphs[phase] is None:  # the backward of a captured forward, eagerly
+            self._clear_grads()
+            self._body()
+        else:
+            self.graphs[phase].replay()
+
+    def _body(self) -> None:
+        if self.phase == "forward":
+            with torch.enable_grad():
+                out = self._call()
+            if isinstance(out, tuple):
+                if any(torch.is_tensor(o) for o in _tensors(out[1:], [])):
+                    self.usable = False
+                    return
+                out, self.out_rest = out[0], tuple(out[1:])
+            self.out_h = out
+            with torch.no_grad():
+                self._put(self.static_out, out)
+            return
+        # retained under capture: the next replays of the forward refill these activations in place
+        torch.autograd.backward(self.out_h, self.static_grad, retain_graph=self.capture)
+        with torch.no_grad():
+            self._put(self.static_dx, self.static_x.grad)
+        self.static_x.grad = None
+        if not self.capture:
+            self.out_h = None
+
+    def _setup_kept(self, x, tensors, kw_hidden, skeleton) -> None:
+        self.skeleton, self.kw_hidden = skeleton, kw_hidden
+        own = lambda t: torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format)  # noqa: E731
+        self.static_x = own(x).requires_grad_(True)
+        self.static_args = [own(t) for t in tensors]
+        self.static_out = self.statics.get("output", x)
+        self.static_grad = self.statics.get("grad_output", x)
+        self.static_dx = self.statics.get("grad_input", x)
+
+    def _load_kept(self, layer: "LayerRefs", x, tensors) -> None:
+        if self._dst is None:
+            self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()] + self.static_args
+        with torch.no_grad():
+            torch._foreach_copy_(self._dst, layer.state + [x.detach()] + tensors)
+
+    @property
+    def graph(self):  # captured: both halves (the counters count templates whose graphs exist)
+        return self.graphs.get("backward") if self.graphs.get("forward") is not None else None
+
+    @graph.setter
+    def graph(self, value) -> None:  # LayerTemplate.__init__ sets it; the halves live in `graphs`
+        pass
+
+    @property
+    def nbytes_own(self) -> int:
+        """The activation-sized tensors this template keeps for itself (input and arguments)."""
+        return sum(t.numel() * t.element_size() for t in [self.static_x, *self.static_args] if t is not None)
+
+
 class LayerRefs:
     """What a template copies from one layer (its tensors other than NF4, in template order) and
     the LoRA parameters its gradients go to; the layer's key. Gathered once per layer."""
@@ -317,18 +448,43 @@ class LayerTemplates:
     def __init__(self, capture: bool):
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.kept_pool = torch.cuda.graph_pool_handle() if capture else None  # kept templates' alone
         self.statics = Statics()
         self.templates: dict[tuple, LayerTemplate] = {}  # by (backward?, layer key)
+        self.kept: dict[tuple[int, int], KeptTemplate] = {}  # by (layer, micro-batch)
         self.refs: dict[int, LayerRefs] = {}
         self.fallbacks = 0
+
+    def _refs(self, i: int, layer: nn.Module) -> "LayerRefs | None":
+        if i not in self.refs:
+            self.refs[i] = LayerRefs(layer) if templatable(layer) else None
+        return self.refs[i]
+
+    def kept_forward(self, i: int, m: int, layer: nn.Module, x, args, kwargs, kw_hidden):
+        """Kept layer i's forward for micro-batch m through its own template, its activations kept
+        there for `kept_backward`; None: run it eagerly instead (and its backward from its own graph)."""
+        refs = self._refs(i, layer)
+        if refs is None:
+            self.fallbacks += 1
+            return None
+        tpl = self.kept.get((i, m))
+        if tpl is None:
+            tpl = self.kept[(i, m)] = KeptTemplate(layer, self.capture, self.kept_pool, statics=self.statics)
+        out = tpl.forward(refs, x, args, kwargs, kw_hidden)
+        if out is None:
+            self.fallbacks += 1
+        return out
+
+    def kept_backward(self, i: int, m: int, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient at kept layer i's input for micro-batch m, from the activations its template's
+        forward kept; LoRA gradients accumulated into the layer's parameters."""
+        return self.kept[(i, m)].backward_from_kept(self.refs[i], grad)
 
     def run(self, i: int, layer: nn.Module, x, args, kwargs, kw_hidden, grad=None):
         """Layer i through its template: with `grad`, recompute + backward (returns the gradient at
         `x`); without, the forward without autograd (returns the layer's output). None: run it
         eagerly instead."""
-        if i not in self.refs:
-            self.refs[i] = LayerRefs(layer) if templatable(layer) else None
-        refs = self.refs[i]
+        refs = self._refs(i, layer)
         if refs is None:
             self.fallbacks += 1
             return None
@@ -342,17 +498,22 @@ class LayerTemplates:
             self.fallbacks += 1
         return out
 
+    def _all(self) -> list[LayerTemplate]:
+        return [*self.templates.values(), *self.kept.values()]
+
     def counters(self) -> dict:
         return {"layer_templates": sum(k[0] for k in self.templates),
-                "forward_templates": sum(not k[0] for k in self.templates), "template_fallbacks": self.fallbacks,
-                "graphs_captured": sum(t.graph is not None for t in self.templates.values()),
-                "capture_errors": sum(t.error is not None for t in self.templates.values()),
-                "template_static_bytes": self.statics.nbytes}
+                "forward_templates": sum(not k[0] for k in self.templates), "kept_templates": len(self.kept),
+                "template_fallbacks": self.fallbacks,
+                "graphs_captured": sum(t.graph is not None for t in self._all()),
+                "capture_errors": sum(t.error is not None for t in self._all()),
+                "template_static_bytes": self.statics.nbytes + sum(t.nbytes_own for t in self.kept.values())}
 
     def errors(self) -> list[str]:
-        return sorted({t.error for t in self.templates.values() if t.error})
+        return sorted({t.error for t in self._all() if t.error})
 
     def clear(self) -> None:
         self.templates.clear()
+        self.kept.clear()
         self.refs.clear()
         self.statics = Statics()

@@ -416,8 +416,9 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         transient=max(head_t, layer_t + grads_in_flight),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
         # model is fitted to); every resident layer has its own weights' addresses, so its own templates
-        # kept layers run eagerly: no templates of their own
+        # a kept layer has a template of its own per micro-batch kept at once, with its own input
         templates=((resident_layers - len(kept)) * template_bytes(geo, lora_rank)
+                   + len(kept) * live * (template_bytes(geo, lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention))
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,

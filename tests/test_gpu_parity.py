@@ -100,8 +100,11 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
 @pytest.mark.parametrize("schedule", [{"vram_budget": True}, {"grad_accum": 3}, {"grad_accum": 3, "vram_budget": True},
                                       {"grad_accum": 3, "offload_inputs": True},
                                       {"grad_accum": 3, "vram_budget": True, "placement": "spread"},
-                                      {"vram_budget": True, "placement": "spread", "keep_activations": True}],
-                         ids=["resident-layers", "layer-major", "both", "inputs-on-host", "spread", "spread-kept"])
+                                      {"vram_budget": True, "placement": "spread", "keep_activations": True},
+                                      {"grad_accum": 3, "vram_budget": True, "placement": "spread",
+                                       "keep_activations": True}],
+                         ids=["resident-layers", "layer-major", "both", "inputs-on-host", "spread", "spread-kept",
+                              "spread-kept-layer-major"])
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
 def test_gpu_plans_keep_parity(model, schedule, graphs):
     """Plans other than full streaming on the device: resident layers from a budget (the last ones, or
@@ -127,7 +130,11 @@ def test_gpu_plans_keep_parity(model, schedule, graphs):
                           keep_activations=schedule.get("keep_activations", False))
     resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=plan)
     result = run_gate(resident, poros, 2)
-    print(result.json(), f"resident layers {len(poros.plan.resident_layers)}")
+    counters = poros.counters()
+    print(result.json(), f"resident layers {len(poros.plan.resident_layers)}", counters)
+    kept = len(poros.plan.kept_layers) * cfg.grad_accum
     resident.close()
     poros.close()
     assert result.ok, f"{model} {schedule}: first mismatch {result.first_mismatch}"
+    if graphs:  # every template captured, kept layers' in templates of their own (two graphs each)
+        assert counters["capture_errors"] == 0 and counters.get("kept_templates", 0) == kept

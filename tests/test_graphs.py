@@ -157,10 +157,8 @@ class _FakeCapture:
         return False
 
 
-def test_the_capture_path_keeps_parity_with_stand_in_graphs(stores, monkeypatch):
-    """The capture-mode control flow (capture once per template, replay, outputs read from the
-    template's static tensors, no clearing between replays) run on CPU with stand-ins for the CUDA
-    graph API: parity must hold and every template must be captured exactly once."""
+def stand_in_graphs(monkeypatch) -> None:
+    """The CUDA graph API replaced by the CPU stand-ins above."""
     import contextlib
 
     import poros.graphs as g
@@ -175,6 +173,13 @@ def test_the_capture_path_keeps_parity_with_stand_in_graphs(stores, monkeypatch)
     monkeypatch.setattr(g.torch.cuda, "current_stream", lambda *a: _Stream())
     monkeypatch.setattr(g.torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(g.torch.cuda, "graph", _FakeCapture)
+
+
+def test_the_capture_path_keeps_parity_with_stand_in_graphs(stores, monkeypatch):
+    """The capture-mode control flow (capture once per template, replay, outputs read from the
+    template's static tensors, no clearing between replays) run on CPU with stand-ins for the CUDA
+    graph API: parity must hold and every template must be captured exactly once."""
+    stand_in_graphs(monkeypatch)
     for model in ("tiny-qwen3", "tiny-gemma3"):
         store = stores(model)
         cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=2, lr=1e-2)

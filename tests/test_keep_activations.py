@@ -35,16 +35,78 @@ def test_kept_activations_keep_parity(stores, model, grad_accum, accumulation):
     assert result.ok, result.first_mismatch
 
 
-def test_kept_layers_run_eagerly_beside_templates(stores):
+@pytest.mark.parametrize("grad_accum,accumulation", [(1, "layer"), (2, "layer"), (2, "micro")])
+def test_kept_layers_run_in_their_own_templates(stores, grad_accum, accumulation):
+    """With layer templates a kept layer runs its forward with autograd and, later, its backward in a
+    template of its own per micro-batch; the streamed layers keep theirs."""
     store = stores("tiny-qwen3")
-    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True)
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=grad_accum, accumulation=accumulation, block_size=2,
+                      lr=1e-2, keep_activations=True)
     poros = PorosTrainer(store, cfg, plan=_plan(store, cfg))
     poros.use_layer_templates(capture=False)
+    result = run_gate(ResidentTrainer(store, cfg), poros, 2)
+    assert result.ok, result.first_mismatch
+    kept, shared = poros._templates.kept, poros._templates.templates.values()
+    assert sorted(kept) == [(i, m) for i in poros.plan.kept_layers for m in range(grad_accum)]
+    assert sum(t.replays for t in kept.values()) == len(kept) * 2  # one backward a step, two steps
+    assert sum(t.replays for t in shared) == 2 * len(poros.plan.streamed_layers) * grad_accum * 2
+    c = poros.counters()
+    assert c["template_fallbacks"] == 0 and c["kept_templates"] == len(kept)
+
+
+def test_mixed_up_kept_templates_fail_the_gate(stores):
+    """Negative control: each kept layer's backward runs from the other micro-batch's template."""
+
+    class Swapped(PorosTrainer):
+        def _backward(self, op):
+            kept = self._templates.kept
+            a, b = (op.layer, 0), (op.layer, 1)
+            if op.micro == 0 and a in kept and b in kept:
+                kept[a], kept[b] = kept[b], kept[a]
+            super()._backward(op)
+
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True)
+    poros = Swapped(store, cfg, plan=_plan(store, cfg))
+    poros.use_layer_templates(capture=False)
+    assert not run_gate(ResidentTrainer(store, cfg), poros, 1).ok
+
+
+def test_kept_templates_on_the_capture_path(stores, monkeypatch):
+    """The capture-mode control flow with stand-ins for the CUDA graph API (tests/test_graphs.py): each
+    kept template captures its forward and its backward once and replays both every step; parity holds.
+    A backward whose capture fails runs the same backward eagerly from the captured forward's graph."""
+    from tests.test_graphs import stand_in_graphs
+
+    stand_in_graphs(monkeypatch)
+    store = stores("tiny-gemma3")
+    cfg = TrainConfig(model="tiny-gemma3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True)
+    poros = PorosTrainer(store, cfg, plan=_plan(store, cfg))
+    poros.use_layer_templates(capture=True)
     assert run_gate(ResidentTrainer(store, cfg), poros, 2).ok
-    replays = sum(t.replays for t in poros._templates.templates.values())
-    streamed = len(poros.plan.streamed_layers)
-    assert replays == 2 * streamed * 2 * 2  # forward and backward of the streamed layers only
-    assert poros.counters()["template_fallbacks"] == 0
+    kept = poros._templates.kept.values()
+    assert len(kept) == 4 and all(set(t.graphs) == {"forward", "backward"} for t in kept)
+    assert all(t.graphs["forward"].replays == 2 and t.graphs["backward"].replays == 2 for t in kept)
+    assert poros.counters()["capture_errors"] == 0
+
+    import poros.graphs as g
+
+    real = g.KeptTemplate._body
+
+    def no_backward_capture(self):
+        if self.phase == "backward" and "backward" not in self.graphs and self.capture_failing:
+            self.capture_failing = False
+            raise RuntimeError("operation not permitted when stream is capturing")
+        real(self)
+
+    monkeypatch.setattr(g.KeptTemplate, "capture_failing", True, raising=False)
+    monkeypatch.setattr(g.KeptTemplate, "_body", no_backward_capture)
+    poros = PorosTrainer(store, cfg, plan=_plan(store, cfg))
+    poros.use_layer_templates(capture=True)
+    with pytest.warns(UserWarning, match="capture failed, running the kept layer eagerly"):
+        result = run_gate(ResidentTrainer(store, cfg), poros, 2)
+    assert result.ok, result.first_mismatch
+    assert poros.counters()["capture_errors"] == 4
 
 
 def test_a_budget_counts_the_kept_activations(stores):
