@@ -104,6 +104,8 @@ class Measurement:
     peak_vram_gb: float | None = None
     peak_vram_nvml_gb: float | None = None
     attention_backends: dict | None = None  # attention shape -> the SDPA backend it ran on
+    # torch's reserved peak: CUDA graphs' private pools hold their intermediates as reserved, not allocated
+    peak_reserved_gb: float | None = None
 
 
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
@@ -212,6 +214,7 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, ben
         out.peak_vram_nvml_gb = nvml.peak / 1e9
     if cfg.device.value == "cuda":
         out.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
+        out.peak_reserved_gb = torch.cuda.max_memory_reserved() / 1e9
     out.attention_backends = getattr(trainer, "attention_backends", None) or None
     return out
 
@@ -245,11 +248,11 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         if per_step else None,
         "peak_vram_gb": meas.peak_vram_gb if meas else None,
         "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
+        "peak_reserved_gb": meas.peak_reserved_gb if meas else None,
         "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
         "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
         "parity_max_abs_diff": None if not gate_applies or parity is None else parity.max_abs_diff,
-        "parity_steps": None if parity is None else parity.steps,
         "parity_first_mismatch": None if parity is None else parity.first_mismatch,
         "parity_steps": None if cell.method is Method.UNSLOTH or parity is None else parity.steps,
         "bytes_h2d_per_step": None,

@@ -95,6 +95,7 @@ def main(argv: list[str]) -> int:
             meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])
             meas.peak_vram_gb = largest(meas.peak_vram_gb, world)
             meas.peak_vram_nvml_gb = largest(meas.peak_vram_nvml_gb, world)
+            meas.peak_reserved_gb = largest(meas.peak_reserved_gb, world)
             report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type}
             trainer.close()
         if world.main:

@@ -14,7 +14,7 @@ DASH = "—"
 REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
 DEFAULTS = {"grad_accum": 1, "world_size": 1}  # rows written before these keys existed
 COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Parity (gate)", "s/step", "vs resident",
-           "Tokens/s", "Peak VRAM", "Predicted peak", "Host→device per step", "Copy hidden", "Resident layers",
+           "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak", "Host→device per step", "Copy hidden", "Resident layers",
            "Block")
 SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs", "Tokens/s", "Tokens/s on 1 GPU",
                    "Speed-up", "Per-GPU efficiency")
@@ -161,7 +161,7 @@ def _cells(r: dict, base: float | None) -> list[str]:
         parity = DASH if r.get("parity") is None else f"{r['parity']} ({_steps(r.get('parity_steps'))}, {r.get('gate')})"
     s, h2d, hidden = r.get("s_per_step_median"), r.get("bytes_h2d_per_step"), r.get("copy_hidden_share")
     return head + [parity, _num(s, "{:.4f}"), DASH if s is None or not base else f"{s / base:.2f}×",
-                   _num(r.get("tokens_per_s"), "{:.0f}"), _gb(r.get("peak_vram_gb")),
+                   _num(r.get("tokens_per_s"), "{:.0f}"), _gb(r.get("peak_vram_gb")), _gb(r.get("peak_reserved_gb")),
                    _gb(r.get("predicted_peak_vram_gb")), DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
                    DASH if hidden is None else f"{hidden * 100:.0f}%", _num(r.get("resident_layers")),
                    _num(r.get("block_size"))]
@@ -245,9 +245,11 @@ INTRO = ("Each poros plan first passed the parity gate against the reference's s
          "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after a discarded "
          "warm-up pass. `vs resident` divides by the reference's s/step (resident QLoRA, else resident_gc) with the "
          "same model, sequence length, gradient accumulation and number of GPUs on the same GPU in the same run. "
-         "Unsloth is timed on the same store but not gated (its arithmetic differs); a control row gates the reference against its own "
-         "recorded states. Under torchrun (GPUs > 1) every rank trains its own data: tokens/s counts every rank's "
-         "tokens, the peak is the largest rank's.")
+         "Unsloth is timed on the same store but not gated (its arithmetic differs); a control row gates the "
+         "reference against its own recorded states. Peak VRAM is torch's allocated peak, Peak reserved its "
+         "reserved one (CUDA graphs keep their intermediates in private pools, reserved but not allocated; "
+         "rows from before it was recorded show —). Under torchrun (GPUs > 1) every rank trains its own data: "
+         "tokens/s counts every rank's tokens, the peak is the largest rank's.")
 
 
 def backends_table(rows: list[dict]) -> str | None:

@@ -165,6 +165,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
         "s_per_step_median": statistics.median(per_step),
         "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
         "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
         "linear4bit_modules": n4,
         "unsloth_version": _version("unsloth"),
     }), flush=True)

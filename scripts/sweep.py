@@ -84,9 +84,10 @@ def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SIN
     if cfg.device.value == "cuda":
         torch.cuda.reset_peak_memory_stats()
     meas = measure(trainer, cfg, steps, passes, warmup=1, label=getattr(trainer, "method", "poros"))
-    peak = largest(meas.peak_vram_gb, world)
+    peaks = {k: largest(getattr(meas, k), world) for k in ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")}
     out = {**speed(meas.per_pass_s, steps, cfg, world.size),
-           "peak_vram_gb": None if peak is None else round(peak, 3), "attention_backends": meas.attention_backends}
+           **{k: None if v is None else round(v, 3) for k, v in peaks.items()},
+           "attention_backends": meas.attention_backends}
     out.update(copy_summary(meas.counters))
     return out
 
@@ -289,7 +290,8 @@ def main() -> None:
                                       log=lambda m: print(m, file=sys.stderr))
                 emit({"method": "unsloth", "grad_accum": accum, "deterministic": cfg.deterministic,
                       **speed(rec["per_pass_s"], args.steps, cfg),
-                      "peak_vram_gb": round(rec["peak_vram_gb"], 3), "unsloth_version": rec.get("unsloth_version")})
+                      **{k: round(rec[k], 3) for k in ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")
+                         if rec.get(k) is not None}, "unsloth_version": rec.get("unsloth_version")})
             except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
                 emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})
             free_device_memory()

@@ -129,7 +129,8 @@ def _measure_cell(session, cell, cfg, benchmark):
 
         # the row is written when the child reports, before the export is removed
         measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress, on_record=lambda child: write(
-            Measurement(child["per_pass_s"], [], child["peak_vram_gb"], child["peak_vram_nvml_gb"])))
+            Measurement(child["per_pass_s"], [], child["peak_vram_gb"], child["peak_vram_nvml_gb"],
+                        peak_reserved_gb=child.get("peak_reserved_gb"))))
     else:
         trainer = make_trainer(cell.method, store, cfg)
         plan = trainer.plan.summary() if hasattr(trainer, "plan") else None

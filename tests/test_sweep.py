@@ -37,6 +37,9 @@ def test_one_build_serves_every_length_and_attention_and_each_plan_is_gated(tmp_
             assert r["parity"] == "PASS", r
         if "control" not in r["method"]:
             assert r["s_per_step_median"] > 0 and r["attention_backends"]
+            # device peaks: allocated, reserved (graph pools) and NVML's; none on the CPU
+            assert {k: r[k] for k in ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")} == dict.fromkeys(
+                ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb"))
 
 
 def _tokens_agree(row: dict, tokens_per_step: int) -> bool:

@@ -64,13 +64,14 @@ def vs_resident(md: str) -> dict[tuple, str]:
 def test_ratios_only_against_the_reference_on_the_same_gpu(tmp_path):
     rows = [row("resident", s=1.0, peak=80.0),
             row(s=1.5, vram_budget=24e9, cuda_graphs=True, parity="PASS", parity_steps=2, gate="resident (recorded)",
-                predicted_peak_vram_gb=23.5, resident_layers=20, block_size=3, peak=23.0),
+                predicted_peak_vram_gb=23.5, resident_layers=20, block_size=3, peak=23.0, peak_reserved_gb=26.5),
             row(s=2.0, uuids=("B",)),  # another GPU: no ratio
             {**row(vram_budget="1000000000"), "error": "BudgetError: too small"}]
     md = render(tmp_path, rows)
     got = table(md)
     assert [c["vs resident"] for c in got] == ["1.00×", "1.50×", "—", "—"]
     assert got[1]["Parity (gate)"] == "PASS (2 steps, resident (recorded))"
+    assert (got[1]["Peak VRAM"], got[1]["Peak reserved"], got[0]["Peak reserved"]) == ("23.00 GB", "26.50 GB", "—")
     assert got[1]["Method / plan"] == "poros, budget 24 GB, CUDA graphs"
     assert got[2]["Method / plan"] == "poros, every layer streamed"
     assert got[3]["Parity (gate)"] == "not run: too small" and got[3]["Method / plan"] == "poros, budget 1 GB"
