@@ -4,9 +4,9 @@ record of what torch chose for each attention shape.
 `fast` lists flash, then memory-efficient, then math, in that priority: each call gets flash where its
 shape allows (causal or no mask, head dim up to 256), memory-efficient where it does not (a mask, e.g.
 sliding-window layers; gemma4's 512-dim full-attention layers), math only where neither serves (e.g. a
-mask with `enable_gqa`: memory-efficient needs as many key/value heads as query heads). The choice depends on shapes, dtypes and the mask alone, so resident
-QLoRA and poros make it identically; under `deterministic` flash and memory-efficient run their
-deterministic backward (cuDNN is never in the list).
+mask with `enable_gqa`: memory-efficient needs as many key/value heads as query heads). The choice
+depends on shapes, dtypes and the mask alone, so resident QLoRA and poros make it identically; under
+`deterministic` flash and memory-efficient run their deterministic backward (cuDNN is never in the list).
 """
 
 from __future__ import annotations

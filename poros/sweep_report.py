@@ -13,9 +13,9 @@ from poros.errors import PorosError
 DASH = "—"
 REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
 DEFAULTS = {"grad_accum": 1, "world_size": 1}  # rows written before these keys existed
-COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Parity (gate)", "s/step", "vs resident",
-           "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak", "Host→device per step", "Copy hidden", "Resident layers",
-           "Block")
+COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Parity (gate)", "s/step",
+           "vs resident", "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak", "Host→device per step",
+           "Copy hidden", "Resident layers", "Block")
 SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs", "Tokens/s", "Tokens/s on 1 GPU",
                    "Speed-up", "Per-GPU efficiency")
 ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
@@ -237,8 +237,8 @@ def _provenance(rows: list[dict]) -> str:
     return (f"Provenance: commit {', '.join(commits)}; torch {rows[0]['provenance'].get('torch')}, transformers "
             f"{versions.get('transformers')}, bitsandbytes {versions.get('bitsandbytes')}, peft "
             f"{versions.get('peft')}; "
-            f"GPU {', '.join(gpus) or 'none'}. Ratios compare rows on one GPU (a data-parallel run's first) only; the GPU column "
-            f"names it by its UUID's first 8 hex digits.")
+            f"GPU {', '.join(gpus) or 'none'}. Ratios compare rows on one GPU (a data-parallel run's first) only; "
+            f"the GPU column names it by its UUID's first 8 hex digits.")
 
 
 INTRO = ("Each poros plan first passed the parity gate against the reference's states recorded in the same run "

@@ -253,7 +253,8 @@ def test_budget_plot_a_line_per_attention_setting_and_run():
 def test_math_against_the_fast_path(tmp_path):
     """Each row of another attention setting meets the same run on math: same plan, work and GPU."""
     rows = [row("resident", s=1.2, peak=80.0), row(s=1.0, peak=9.0, cuda_graphs=True),
-            row("resident", s=1.1, peak=72.0, attention="fast"), row(s=0.8, peak=9.1, cuda_graphs=True, attention="fast"),
+            row("resident", s=1.1, peak=72.0, attention="fast"),
+            row(s=0.8, peak=9.1, cuda_graphs=True, attention="fast"),
             row(s=0.7, attention="fast"),  # no math row of this plan
             row(s=0.7, attention="fast", cuda_graphs=True, uuids=("B",)),  # math ran on another GPU
             row(s=0.7, attention="fast", cuda_graphs=True, seq=1024),  # other work
