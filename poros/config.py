@@ -30,6 +30,9 @@ def _post_init(self) -> None:
     problems += bad
     for k, v in values.items():
         object.__setattr__(self, k, v)
+    if self.kept_layers is not None and self.keep_activations is not True:
+        problems.append(f"kept_layers: counts the resident layers that keep their activations, so it needs "
+                        f"keep_activations; got kept_layers={self.kept_layers} without it")
     if self.cuda_graphs is True and getattr(self.device, "value", self.device) != "cuda":
         problems.append(f"cuda_graphs: needs device cuda, got {getattr(self.device, 'value', self.device)!r}")
     if problems:

@@ -290,6 +290,13 @@ def resident_set(n_layers: int, resident: int, placement: Placement) -> tuple[in
     return tuple(i for i in range(n_layers) if i not in out)
 
 
+def kept_set(resident: tuple[int, ...], count: int | None) -> tuple[int, ...]:
+    """Which resident layers keep their activations: all of them, or `count` spread evenly among them."""
+    if count is None or count >= len(resident):
+        return resident
+    return tuple(resident[j * len(resident) // count] for j in range(count))
+
+
 def _groups(geo: Geometry, resident: frozenset, block: int) -> list[Group]:
     """The layers in order as groups: each run of consecutive streamed layers in groups of `block`, each run
     of resident layers one group. Buffers are numbered in order of first use, streamed and resident apart
@@ -370,12 +377,12 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
                resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
                lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
                offload_inputs: bool = False, loss_chunk: int = 0, budget: int | None = None,
-               keep_activations: bool = False, placement: Placement = Placement.TAIL,
-               notes: tuple[str, ...] = ()) -> Plan:
+               keep_activations: bool = False, kept_layers: int | None = None,
+               placement: Placement = Placement.TAIL, notes: tuple[str, ...] = ()) -> Plan:
     """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
     spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
-    layers keep their activations instead of recomputing them."""
+    layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them."""
     n = geo.n_layers
     resident = frozenset(resident_set(n, resident_layers, Placement(placement)))
     streamed = n - resident_layers
@@ -407,7 +414,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk)
-    kept = tuple(sorted(resident)) if keep_activations else ()
+    kept = kept_set(tuple(sorted(resident)), kept_layers) if keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
@@ -591,7 +598,9 @@ def describe(plan: Plan) -> str:
         f"plan for {plan.model}: {plan.n_layers} layers, block size {plan.block_size}, grad_accum {plan.grad_accum}"
         + (f" ({plan.accumulation.value}-major)" if plan.grad_accum > 1 else ""),
         f"  streamed layers:  {span(st)}",
-        f"  resident layers:  {span(res)}" + (" (activations kept: no recompute)" if plan.kept_layers else ""),
+        f"  resident layers:  {span(res)}" + (
+            "" if not plan.kept_layers else " (activations kept: no recompute)" if len(plan.kept_layers) == len(res)
+            else f" (activations kept, no recompute: {span(list(plan.kept_layers))})"),
         f"  lm_head:          {'resident' if plan.head_resident else f'streamed into buffer {plan.head_buffer}'}",
         f"  host->device per optimizer step: {gb(plan.h2d_bytes_per_step)} ({plan.loads_per_step} group loads"
         + (f", saved inputs back: {gb(plan.d2h_bytes_per_step)})" if plan.offload_inputs else ")"),

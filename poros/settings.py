@@ -226,8 +226,12 @@ SETTINGS: tuple[Setting, ...] = (
             "backward); with a VRAM budget the planner turns it on where it needs to", "Saved inputs in host memory"),
     Setting("keep_activations", False, SCHEDULE, flag,
             "poros: resident layers keep their activations from forward to backward instead of recomputing them "
-            "(resident QLoRA's own arithmetic, run eagerly; the plan counts their memory)",
-            "Kept activations (resident layers)"),
+            "(resident QLoRA's own arithmetic; with CUDA graphs in templates of their own; the plan counts their "
+            "memory)", "Kept activations (resident layers)"),
+    Setting("kept_layers", None, SCHEDULE, optional_positive_int,
+            "poros, with keep_activations: at most this many resident layers keep their activations, spread "
+            "evenly among them; the others recompute (none: every resident layer)", "Kept-activation layers",
+            metavar="N"),
     Setting("placement", Placement.TAIL, SCHEDULE, one_of(Placement),
             "poros, with resident layers: tail (the last layers stay) or spread (the streamed layers spread among "
             "the resident ones, so a copy runs behind resident layers' forward as well as their backward)",

@@ -42,9 +42,9 @@ def plan_for(store, cfg, **kw):
 @given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
        order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
        overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans(),
-       placement=st.sampled_from(["tail", "spread"]))
+       kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]))
 def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep,
-                               placement):
+                               kept, placement):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
     (0, some, all) and placement, the lm_head's place, saved inputs' place and kept activations: every plan
     trains bitwise like resident QLoRA."""
@@ -56,10 +56,10 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
                       overlap_backward=overlap)
     plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
-                    keep_activations=keep, placement=P.Placement(placement))
+                    keep_activations=keep, kept_layers=kept, placement=P.Placement(placement))
     result, _ = gate(store, cfg, plan)
     assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
-                       f"head={head} overlap={overlap} offload={offload} keep={keep}: {result.first_mismatch}")
+                       f"head={head} overlap={overlap} offload={offload} keep={keep}/{kept}: {result.first_mismatch}")
 
 
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")

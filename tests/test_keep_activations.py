@@ -11,7 +11,7 @@ import pytest
 
 from poros import plan as P
 from poros.config import TrainConfig
-from poros.errors import CapabilityError
+from poros.errors import CapabilityError, ConfigError
 from poros.executor import PorosTrainer, geometry_of_store
 from poros.parity import run_gate
 from poros.train import ResidentTrainer
@@ -142,3 +142,28 @@ def test_mixed_up_kept_activations_fail_the_gate(stores):
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True)
     result = run_gate(ResidentTrainer(store, cfg), Swapped(store, cfg, plan=_plan(store, cfg)), 1)
     assert not result.ok
+
+
+@pytest.mark.parametrize("templates", [False, True], ids=["eager", "templates"])
+def test_some_resident_layers_keep_their_activations(stores, templates):
+    """kept_layers: two of three resident layers keep their activations, the third recomputes; exact with
+    and without layer templates, the recomputing resident layer in a shared template."""
+    store = stores("tiny-gemma3")
+    cfg = TrainConfig(model="tiny-gemma3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True,
+                      kept_layers=2)
+    plan = P.build_plan(geometry_of_store(store, cfg), block_size=2, grad_accum=2, resident_layers=3,
+                        keep_activations=True, kept_layers=2, seq_len=64)
+    assert plan.resident_layers == [2, 3, 4] and plan.kept_layers == (2, 3)
+    poros = PorosTrainer(store, cfg, plan=plan)
+    if templates:
+        poros.use_layer_templates(capture=False)
+    result = run_gate(ResidentTrainer(store, cfg), poros, 2)
+    assert result.ok, result.first_mismatch
+    if templates:
+        assert sorted(poros._templates.kept) == [(i, m) for i in (2, 3) for m in (0, 1)]
+
+
+def test_kept_layers_needs_keep_activations():
+    with pytest.raises(ConfigError, match="kept_layers: .* needs keep_activations"):
+        TrainConfig(model="tiny-qwen3", kept_layers=2)
+    assert TrainConfig(model="tiny-qwen3", keep_activations=True, kept_layers="3").kept_layers == 3

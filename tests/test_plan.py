@@ -97,13 +97,16 @@ def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
 @settings(max_examples=40, deadline=None)
 @given(resident=st.integers(0, 5), block=st.integers(1, 6), accum=st.integers(1, 4),
        order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]), keep=st.booleans(),
-       placement=st.sampled_from(list(Placement)))
-def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep, placement):
+       kept=st.sampled_from([None, 1, 2, 9]), placement=st.sampled_from(list(Placement)))
+def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep, kept, placement):
     plan = P.build_plan(geometry("tiny-gemma3"), block_size=block, grad_accum=accum, accumulation=order,
-                        resident_layers=resident, head_resident=head, keep_activations=keep, placement=placement)
+                        resident_layers=resident, head_resident=head, keep_activations=keep, kept_layers=kept,
+                        placement=placement)
     assert P.check(plan) == []
     assert plan.resident_layers == list(P.resident_set(5, resident, placement))
-    assert plan.kept_layers == (tuple(plan.resident_layers) if keep else ())
+    assert plan.kept_layers == (P.kept_set(tuple(plan.resident_layers), kept) if keep else ())
+    assert set(plan.kept_layers) <= set(plan.resident_layers)
+    assert len(plan.kept_layers) == (min(resident, kept or resident) if keep else 0)
     assert plan.resident_layers + plan.streamed_layers == list(range(5)) or \
         sorted(plan.resident_layers + plan.streamed_layers) == list(range(5))
 
@@ -179,6 +182,23 @@ def test_rule_steady_state_loads_in_setup(tiny):
 ])
 def test_resident_set(n, resident, placement, want):
     assert P.resident_set(n, resident, placement) == want
+
+
+@pytest.mark.parametrize("resident,count,want", [
+    ((1, 2, 3, 4), None, (1, 2, 3, 4)), ((1, 2, 3, 4), 9, (1, 2, 3, 4)), ((1, 2, 3, 4), 2, (1, 3)),
+    ((0, 3, 5, 6, 9, 11), 3, (0, 5, 9)), ((4,), 1, (4,)), ((), 3, ())])
+def test_kept_set_spreads_the_kept_layers_among_the_resident_ones(resident, count, want):
+    assert P.kept_set(resident, count) == want
+
+
+def test_kept_layers_trade_kept_activations_for_resident_layers_under_a_budget(q72):
+    """Fewer kept layers leave room for more resident ones in the same budget."""
+    kw = dict(block_size=4, seq_len=512, graphs=True, keep_activations=True, placement=Placement.SPREAD)
+    every, some = (P.plan_for_budget(q72, 40 * 10**9, kept_layers=k, **kw) for k in (None, 20))
+    assert len(some.kept_layers) == 20 < len(every.kept_layers) == len(every.resident_layers)
+    assert len(some.resident_layers) > len(every.resident_layers)
+    assert some.memory.kept_activations < every.memory.kept_activations
+    assert max(p.memory.total for p in (every, some)) <= 40 * 10**9
 
 
 def test_a_spread_plan_copies_what_a_tail_plan_does_and_prefetches_across_resident_layers(q72):
