@@ -108,7 +108,8 @@ def plan_name(r: dict) -> str:
     if r.get("accumulation") not in (None, "layer"):
         parts.append(f"{r['accumulation']}-major accumulation")
     if r.get("keep_activations") in (True, "True"):
-        parts.append("activations kept")
+        kept = r.get("kept_layers")
+        parts.append("activations kept" + ("" if kept in (None, "None") else f" ({kept} layers)"))
     if r.get("cuda_graphs") in (True, "True"):
         parts.append("CUDA graphs")
     return "poros, " + ", ".join(parts)

@@ -280,6 +280,8 @@ def test_math_against_the_fast_path(tmp_path):
     ({"method": "resident_gc (control)"}, "resident_gc (control)"),
     ({"vram_budget": 49000000000, "keep_activations": True, "cuda_graphs": True},
      "poros, budget 49 GB, activations kept, CUDA graphs"),
+    ({"vram_budget": 40000000000, "keep_activations": True, "kept_layers": 20},
+     "poros, budget 40 GB, activations kept (20 layers)"),
     ({"vram_budget": 40000000000, "placement": "spread", "cuda_graphs": True},
      "poros, budget 40 GB, spread, CUDA graphs"),
     ({"vram_budget": 40000000000, "placement": "tail"}, "poros, budget 40 GB"),
