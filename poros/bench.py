@@ -97,6 +97,14 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+PEAKS = ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")  # the device peaks a Measurement records
+
+
+def step_tokens(cfg: TrainConfig, ranks: int = 1) -> int:
+    """Tokens one optimizer step trains, every rank's counted."""
+    return ranks * cfg.seq_len * cfg.batch_size * cfg.grad_accum
+
+
 @dataclass
 class Measurement:
     per_pass_s: list[float] = field(default_factory=list)
@@ -244,11 +252,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "s_per_step_std": statistics.stdev(per_step) if len(per_step) > 1 else (0.0 if per_step else None),
         "per_pass_s": meas.per_pass_s if meas else [],
         "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
-        "tokens_per_s": (cfg.gpus * cfg.seq_len * cfg.batch_size * cfg.grad_accum / statistics.median(per_step))
-        if per_step else None,
-        "peak_vram_gb": meas.peak_vram_gb if meas else None,
-        "peak_vram_nvml_gb": meas.peak_vram_nvml_gb if meas else None,
-        "peak_reserved_gb": meas.peak_reserved_gb if meas else None,
+        "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
+        **{k: getattr(meas, k) if meas else None for k in PEAKS},
         "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
         "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in

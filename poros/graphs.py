@@ -170,25 +170,13 @@ class LayerTemplate:
         grads accumulated into `layer`'s parameters; returns the gradient at `x`. Forward template:
         returns the layer's output. None when this call's non-tensor arguments differ from the
         captured ones, or the layer's output is not a template's to give (the caller runs it eagerly)."""
-        skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
-        tensors = _tensors((args, kwargs), [])
-        if self.skeleton is None:
-            self._setup(x, tensors, kw_hidden, grad, skeleton)
-        elif skeleton != self.skeleton or not self.usable:
+        if not self._prepare(layer, x, args, kwargs, kw_hidden, grad):
             return None
-        self._load(layer, x, tensors, grad)
-        it = iter(self.static_args)
-        self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
         if self.capture:
             if self.graph is None:
-                try:
-                    self._capture()
-                except Exception as e:  # not capturable here: this template runs eagerly from now on
-                    self.usable, self.error = False, f"{type(e).__name__}: {e}"[:300]
-                    warnings.warn(f"poros: CUDA graph capture failed, running the layer eagerly: {self.error}",
-                                  stacklevel=2)
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
+                self.graph = self._captured("layer")
+                if self.graph is None:  # not capturable here: this template runs eagerly from now on
+                    self.usable = False
                     self._clear_grads()
                 if not self.usable:
                     return None
@@ -206,6 +194,37 @@ class LayerTemplate:
         if not self.capture:  # eager: the next run must not accumulate onto this one
             self._clear_grads()
         return out
+
+    def _prepare(self, layer: "LayerRefs", x, args, kwargs, kw_hidden, grad) -> bool:
+        """This call's tensors copied into the template's static ones (set up on the first call); False
+        when its non-tensor arguments differ from the first call's, or the template is unusable."""
+        skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
+        tensors = _tensors((args, kwargs), [])
+        if self.skeleton is None:
+            self._setup(x, tensors, kw_hidden, grad, skeleton)
+        elif skeleton != self.skeleton or not self.usable:
+            return False
+        self._load(layer, x, tensors, grad)
+        it = iter(self.static_args)
+        self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
+        return True
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _captured(self, what: str):
+        """`_body` captured into a CUDA graph, or None when it cannot be here (the error recorded and
+        warned about; the caller runs `what` eagerly)."""
+        try:
+            return self._capture()
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"[:300]
+            warnings.warn(f"poros: CUDA graph capture failed, running the {what} eagerly: {self.error}",
+                          stacklevel=3)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return None
 
     def _accumulate(self, params: list[torch.Tensor]) -> None:
         """The template's LoRA gradients into `params`' .grad, as autograd's AccumulateGrad would:
@@ -236,8 +255,8 @@ class LayerTemplate:
     def _load(self, layer: "LayerRefs", x, tensors, grad) -> None:
         if self._dst is None:
             self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()]
-            self._dst += ([self.static_grad] if self.backward else []) + self.static_args
-        src = layer.state + [x.detach()] + ([grad] if self.backward else []) + tensors
+            self._dst += ([self.static_grad] if grad is not None else []) + self.static_args
+        src = layer.state + [x.detach()] + ([grad] if grad is not None else []) + tensors
         with torch.no_grad():
             torch._foreach_copy_(self._dst, src)
 
@@ -286,11 +305,11 @@ class LayerTemplate:
                 self._clear_grads()
         torch.cuda.current_stream().wait_stream(side)
         if not self.usable:
-            return
+            return None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._body()
-        self.graph = graph
+        return graph
 
 
 class KeptTemplate(LayerTemplate):
@@ -318,15 +337,8 @@ class KeptTemplate(LayerTemplate):
     def forward(self, layer: "LayerRefs", x: torch.Tensor, args: tuple, kwargs: dict, kw_hidden: bool):
         """The layer's output, its activations kept in this template; None when this template cannot
         serve this call (the caller runs the layer eagerly, as it would without templates)."""
-        skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
-        tensors = _tensors((args, kwargs), [])
-        if self.skeleton is None:
-            self._setup_kept(x, tensors, kw_hidden, skeleton)
-        elif skeleton != self.skeleton or not self.usable:
+        if not self._prepare(layer, x, args, kwargs, kw_hidden, None):
             return None
-        self._load_kept(layer, x, tensors)
-        it = iter(self.static_args)
-        self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
         self._run("forward")
         if not self.usable:
             return None
@@ -352,22 +364,11 @@ class KeptTemplate(LayerTemplate):
             self._body()
             return
         if phase not in self.graphs:
-            try:
-                self._clear_grads()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._body()
-                self.graphs[phase] = graph
-            except Exception as e:
-                self.error = f"{type(e).__name__}: {e}"[:300]
-                warnings.warn(f"poros: CUDA graph capture failed, running the kept layer eagerly: {self.error}",
-                              stacklevel=3)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.graphs[phase] = None
-                if phase == "forward":  # nothing kept: the layer runs as it would without templates
-                    self.usable = False
-                    return
+            self._clear_grads()
+            self.graphs[phase] = self._captured("kept layer")
+            if self.graphs[phase] is None and phase == "forward":  # nothing kept: the layer runs without templates
+                self.usable = False
+                return
         if self.graphs[phase] is None:  # the backward of a captured forward, eagerly
             self._clear_grads()
             self._body()
@@ -395,7 +396,7 @@ class KeptTemplate(LayerTemplate):
         if not self.capture:
             self.out_h = None
 
-    def _setup_kept(self, x, tensors, kw_hidden, skeleton) -> None:
+    def _setup(self, x, tensors, kw_hidden, grad, skeleton) -> None:
         self.skeleton, self.kw_hidden = skeleton, kw_hidden
         own = lambda t: torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format)  # noqa: E731
         self.static_x = own(x).requires_grad_(True)
@@ -404,19 +405,9 @@ class KeptTemplate(LayerTemplate):
         self.static_grad = self.statics.get("grad_output", x)
         self.static_dx = self.statics.get("grad_input", x)
 
-    def _load_kept(self, layer: "LayerRefs", x, tensors) -> None:
-        if self._dst is None:
-            self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()] + self.static_args
-        with torch.no_grad():
-            torch._foreach_copy_(self._dst, layer.state + [x.detach()] + tensors)
-
     @property
-    def graph(self):  # captured: both halves (the counters count templates whose graphs exist)
-        return self.graphs.get("backward") if self.graphs.get("forward") is not None else None
-
-    @graph.setter
-    def graph(self, value) -> None:  # LayerTemplate.__init__ sets it; the halves live in `graphs`
-        pass
+    def captured(self) -> bool:  # both halves
+        return self.graphs.get("forward") is not None and self.graphs.get("backward") is not None
 
     @property
     def nbytes_own(self) -> int:
@@ -505,7 +496,7 @@ class LayerTemplates:
         return {"layer_templates": sum(k[0] for k in self.templates),
                 "forward_templates": sum(not k[0] for k in self.templates), "kept_templates": len(self.kept),
                 "template_fallbacks": self.fallbacks,
-                "graphs_captured": sum(t.graph is not None for t in self._all()),
+                "graphs_captured": sum(t.captured for t in self._all()),
                 "capture_errors": sum(t.error is not None for t in self._all()),
                 "template_static_bytes": self.statics.nbytes + sum(t.nbytes_own for t in self.kept.values())}
 

@@ -277,6 +277,11 @@ class Plan:
         }
 
 
+def _evenly(n: int, k: int) -> list[int]:
+    """k of the positions 0..n-1, spread evenly from 0."""
+    return [j * n // k for j in range(k)]
+
+
 def resident_set(n_layers: int, resident: int, placement: Placement) -> tuple[int, ...]:
     """Which `resident` of `n_layers` layers stay on the device: the last ones (tail: they are used at the
     turn from forward to backward) or all but `n_layers - resident` streamed layers spread evenly from layer 0
@@ -286,7 +291,7 @@ def resident_set(n_layers: int, resident: int, placement: Placement) -> tuple[in
     streamed = n_layers - resident
     if placement is Placement.TAIL or streamed in (0, n_layers):
         return tuple(range(streamed, n_layers))
-    out = {j * n_layers // streamed for j in range(streamed)}
+    out = set(_evenly(n_layers, streamed))
     return tuple(i for i in range(n_layers) if i not in out)
 
 
@@ -294,7 +299,7 @@ def kept_set(resident: tuple[int, ...], count: int | None) -> tuple[int, ...]:
     """Which resident layers keep their activations: all of them, or `count` spread evenly among them."""
     if count is None or count >= len(resident):
         return resident
-    return tuple(resident[j * len(resident) // count] for j in range(count))
+    return tuple(resident[j] for j in _evenly(len(resident), count))
 
 
 def _groups(geo: Geometry, resident: frozenset, block: int) -> list[Group]:
@@ -384,7 +389,8 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
     layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them."""
     n = geo.n_layers
-    resident = frozenset(resident_set(n, resident_layers, Placement(placement)))
+    resident_order = resident_set(n, resident_layers, Placement(placement))
+    resident = frozenset(resident_order)
     streamed = n - resident_layers
     block = max(1, min(block_size, streamed)) if streamed else block_size
     groups = _groups(geo, resident, block)
@@ -414,7 +420,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk)
-    kept = kept_set(tuple(sorted(resident)), kept_layers) if keep_activations else ()
+    kept = kept_set(resident_order, kept_layers) if keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,

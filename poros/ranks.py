@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
         set_cublas_workspace()  # before CUDA starts
     import torch
 
-    from poros.bench import measure
+    from poros.bench import PEAKS, measure
     from poros.distributed import close_world, init_world, largest, share_store
     from poros.methods import make_trainer
     from poros.parity import parity
@@ -93,9 +93,8 @@ def main(argv: list[str]) -> int:
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])
-            meas.peak_vram_gb = largest(meas.peak_vram_gb, world)
-            meas.peak_vram_nvml_gb = largest(meas.peak_vram_nvml_gb, world)
-            meas.peak_reserved_gb = largest(meas.peak_reserved_gb, world)
+            for k in PEAKS:  # the largest rank's
+                setattr(meas, k, largest(getattr(meas, k), world))
             report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type}
             trainer.close()
         if world.main:

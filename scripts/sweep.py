@@ -8,9 +8,9 @@
     python3 scripts/sweep.py qwen2.5-72b --resident --unsloth --variant cuda_graphs=true,vram_budget=49GB
     torchrun --nproc-per-node 2 scripts/sweep.py qwen3-32b --resident --variant cuda_graphs=true
 
-A variant is a comma-separated list of schedule settings (poros/settings.py: block_size, vram_budget,
-overlap_backward, cuda_graphs, offload_inputs, keep_activations, placement, accumulation); what is computed (--seq-len, --grad-accum, --attention,
---deterministic, --loss-chunk) is the sweep's. Per value of --grad-accum, the reference (resident QLoRA, or with
+A variant is a comma-separated list of the schedule settings of poros/settings.py (block_size, vram_budget,
+placement, keep_activations, kept_layers, cuda_graphs, ...); what is computed (--seq-len, --grad-accum,
+--attention, --deterministic, --loss-chunk) is the sweep's. Per value of --grad-accum, the reference (resident QLoRA, or with
 `--reference resident_gc` resident QLoRA with gradient checkpointing, where plain resident does not fit)
 runs the gate's steps first and its states are recorded in host memory (so a schedule is gated even when
 it and the reference would not fit the device together), then each variant is gated against them and
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from poros.bench import copy_summary, free_device_memory, measure
+from poros.bench import PEAKS, copy_summary, free_device_memory, measure, step_tokens
 from poros.distributed import SINGLE, World, agree, barrier, close_world, init_world, largest, share_store
 from poros.config import Method, TrainConfig
 from poros.executor import PorosTrainer
@@ -84,7 +84,7 @@ def timed(trainer, cfg: TrainConfig, steps: int, passes: int, world: World = SIN
     if cfg.device.value == "cuda":
         torch.cuda.reset_peak_memory_stats()
     meas = measure(trainer, cfg, steps, passes, warmup=1, label=getattr(trainer, "method", "poros"))
-    peaks = {k: largest(getattr(meas, k), world) for k in ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")}
+    peaks = {k: largest(getattr(meas, k), world) for k in PEAKS}
     out = {**speed(meas.per_pass_s, steps, cfg, world.size),
            **{k: None if v is None else round(v, 3) for k, v in peaks.items()},
            "attention_backends": meas.attention_backends}
@@ -97,7 +97,7 @@ def speed(per_pass_s: list[float], steps: int, cfg: TrainConfig, ranks: int = 1)
     per_step = [t / steps for t in per_pass_s]
     med = statistics.median(per_step)
     return {"s_per_step_median": round(med, 4), "per_step_by_pass": [round(t, 4) for t in per_step],
-            "tokens_per_s": round(ranks * cfg.seq_len * cfg.batch_size * cfg.grad_accum / med, 1)}
+            "tokens_per_s": round(step_tokens(cfg, ranks) / med, 1)}
 
 
 def constructed(make, what: str):
@@ -290,8 +290,8 @@ def main() -> None:
                                       log=lambda m: print(m, file=sys.stderr))
                 emit({"method": "unsloth", "grad_accum": accum, "deterministic": cfg.deterministic,
                       **speed(rec["per_pass_s"], args.steps, cfg),
-                      **{k: round(rec[k], 3) for k in ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")
-                         if rec.get(k) is not None}, "unsloth_version": rec.get("unsloth_version")})
+                      **{k: round(rec[k], 3) for k in PEAKS if rec.get(k) is not None},
+                      "unsloth_version": rec.get("unsloth_version")})
             except Exception as e:  # a failed Unsloth run is a row, not the end of the sweep
                 emit({"method": "unsloth", "grad_accum": accum, "error": f"{type(e).__name__}: {e}"})
             free_device_memory()
