@@ -82,6 +82,7 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     from poros.executor import geometry_of_store
     from poros.plan import build_plan
     from poros.settings import Placement
+    from poros.settings import Placement
     from tests.faults import refill_before_backward
 
     bad = refill_before_backward(build_plan(geometry_of_store(store, cfg), block_size=2, seq_len=SEQ))
@@ -118,6 +119,7 @@ def test_gpu_plans_keep_parity(model, schedule, graphs):
 
     from poros.executor import geometry_of_store
     from poros.plan import build_plan
+    from poros.settings import Placement
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs,
                       grad_accum=schedule.get("grad_accum", 1), offload_inputs=schedule.get("offload_inputs", False))
