@@ -52,12 +52,26 @@ def _kept(r: dict) -> bool:
     return r.get("keep_activations") in (True, "True")
 
 
+def run_label(r: dict, shared_gpu: bool) -> str:
+    """A line's run: its GPU, and the run's start (hh:mm) where another run on that GPU is in the panel."""
+    if not shared_gpu:
+        return gpu_label(r)
+    start = str(run_of(r)[1])
+    return f"{gpu_label(r)} {start[11:16] if len(start) > 16 and start[10] == 'T' else start}"
+
+
+def _some_kept(r: dict) -> bool:
+    return _kept(r) and r.get("kept_layers") is not None
+
+
 def budget_figure(rows: list[dict]):
     """s/step against peak VRAM of every poros plan per model, attention setting and run (one GPU,
     grad_accum 1), a panel per sequence length: a line per placement for plans that recompute and for plans
-    whose resident layers keep their activations; the reference's and Unsloth's s/step and peak of the same
-    run as marks. A label names the attention setting or the GPU only where lines differ in it. Returns the
-    figure and whether it has a line."""
+    whose resident layers keep their activations (a lone plan as a point), plans where only some resident
+    layers keep theirs (`kept_layers`) as triangles marked with that count; the reference's and Unsloth's
+    s/step and peak of the same run as marks. A label names the attention setting or the GPU only where
+    lines differ in it. Returns the figure and whether it has a line (two plans or more of one kind in one
+    run: a page of lone plans names no plot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -70,25 +84,37 @@ def budget_figure(rows: list[dict]):
 
     def points(rs, kept, placement):
         return sorted((r["peak_vram_gb"], r["s_per_step_median"]) for r in rs
-                      if r["method"] == "poros" and _kept(r) == kept and (r.get("placement") or "tail") == placement)
+                      if r["method"] == "poros" and _kept(r) == kept and (r.get("placement") or "tail") == placement
+                      and not _some_kept(r))
 
-    groups = [g for g in dict.fromkeys(map(group, rows)) if any(len(points(one(g), *line)) >= 2 for line in LINES)]
+    groups = [g for g in dict.fromkeys(map(group, rows)) if any(r["method"] == "poros" for r in one(g))]
+    has_line = any(len(points(one(g), *line)) >= 2 for g in groups for line in LINES)
     seqs = sorted({g[1] for g in groups}, key=lambda s: s or 0)
     fig = Figure(figsize=(8 if len(seqs) < 2 else 6 * len(seqs), 5))
     FigureCanvasAgg(fig)
     axes = [fig.add_subplot(1, max(1, len(seqs)), i + 1) for i in range(max(1, len(seqs)))]
     for ax, seq in zip(axes, seqs):
         panel = [g for g in groups if g[1] == seq]
+        gpus = [(g[0], gpu_label(one(g)[0])) for g in panel]
+        shared = {g for g, k in zip(panel, gpus) if len({h[3] for h, j in zip(panel, gpus) if j == k}) > 1}
         for g in panel:
             rs, color = one(g), None
             name = " ".join([g[0], *([f"({g[2]})"] if len({h[2] for h in panel}) > 1 else []),
-                             *([f"[{gpu_label(rs[0])}]"] if len({h[3] for h in panel if h[0] == g[0]}) > 1 else [])])
+                             *([f"[{run_label(rs[0], shared_gpu=g in shared)}]"]
+                               if len({h[3] for h in panel if h[0] == g[0]}) > 1 else [])])
             for (kept, placement), (style, how) in LINES.items():
                 pts = points(rs, kept, placement)
-                if len(pts) < 2:
-                    continue
-                line, = ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=f"{name} poros, {how}")
-                color = line.get_color()
+                if pts:
+                    line, = ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=f"{name} poros, {how}")
+                    color = line.get_color()
+            some = [r for r in rs if r["method"] == "poros" and _some_kept(r)]
+            if some:
+                marks = ax.scatter([r["peak_vram_gb"] for r in some], [r["s_per_step_median"] for r in some], marker="^",
+                                   color=color, label=f"{name} poros, some resident layers keep activations")
+                color = color or marks.get_facecolor()[0]
+                for r in some:
+                    ax.annotate(f"{r['kept_layers']} kept", (r["peak_vram_gb"], r["s_per_step_median"]),
+                                textcoords="offset points", xytext=(6, -4), fontsize=8)
             for r in rs:
                 if r["method"] in MARKS:
                     ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, color=color,
@@ -98,7 +124,7 @@ def budget_figure(rows: list[dict]):
     if not seqs:
         _finish(fig, axes[0], xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
                 title="s/step against VRAM")
-    return fig, bool(groups)
+    return fig, has_line
 
 
 def plot_budgets(rows: list[dict], png: Path) -> bool:

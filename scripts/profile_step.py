@@ -101,6 +101,7 @@ def main() -> None:
     if args.deterministic:
         enable_determinism()
     variant = parse_variant(args.variant)
+    from poros.provenance import provenance
     store, _ = build_store(args.model, device=args.device)
     if args.device == "cuda":
         store.pin()
@@ -118,7 +119,8 @@ def main() -> None:
                 torch.cuda.synchronize()
         row = {"model": args.model, "method": method, "attention": args.attention, "seq_len": args.seq_len,
                "variant": echo(variant) if Method(method) is Method.POROS else {},
-               **summarize(prof, result.seconds, args.top), "counters": result.counters}
+               **summarize(prof, result.seconds, args.top), "counters": result.counters,
+               "provenance": provenance()}
         print(json.dumps(row), flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -197,7 +197,8 @@ def test_budget_plot_marks_resident_and_unsloth():
     assert drawn and [list(l.get_xdata()) for l in ax.lines] == [[9.0, 24.0]]  # the world-2 row is no budget point
     assert {c.get_label(): tuple(c.get_offsets()[0]) for c in ax.collections} == {
         "m resident QLoRA": (80.0, 1.0), "m unsloth": (40.0, 0.9)}
-    assert budget_figure(rows[:3])[1] is False  # one poros point: no line
+    fig, drawn = budget_figure(rows[:3])  # one poros plan: a point, no line, so no plot on the page
+    assert [list(l.get_xdata()) for l in fig.axes[0].lines] == [[9.0]] and drawn is False
 
 
 def test_budget_plot_a_panel_per_length_and_a_line_for_kept_activations():
@@ -205,14 +206,30 @@ def test_budget_plot_a_panel_per_length_and_a_line_for_kept_activations():
             row(s=1.2, peak=40.0, vram_budget=40e9, keep_activations=True),
             row(s=1.1, peak=60.0, vram_budget=60e9, keep_activations=True),
             row(s=30.0, peak=20.0, seq=16384, vram_budget=24e9), row(s=29.0, peak=36.0, seq=16384, vram_budget=40e9),
-            row(s=99.0, peak=50.0, seq=32768, vram_budget=40e9)]  # a length with one point: no panel
+            row(s=99.0, peak=50.0, seq=32768, vram_budget=40e9)]  # a length with one plan: a panel with a point
     fig, drawn = budget_figure(rows)
-    short, long = fig.axes
+    short, long, longest = fig.axes
     assert drawn and [ax.get_title() for ax in fig.axes] == ["s/step against VRAM, seq 512",
-                                                             "s/step against VRAM, seq 16384"]
+                                                             "s/step against VRAM, seq 16384",
+                                                             "s/step against VRAM, seq 32768"]
     assert [(l.get_label(), list(l.get_xdata())) for l in short.lines] == [
         ("m poros, recompute", [9.0, 24.0]), ("m poros, resident layers keep activations", [40.0, 60.0])]
     assert [list(l.get_xdata()) for l in long.lines] == [[20.0, 36.0]]
+    assert [list(l.get_xdata()) for l in longest.lines] == [[50.0]]
+
+
+def test_budget_plot_marks_plans_where_some_resident_layers_keep_activations():
+    """A plan keeping only some resident layers' activations is no point of the all-kept line: a triangle
+    marked with its count."""
+    rows = [row(s=1.2, peak=40.0, vram_budget=40e9, keep_activations=True),
+            row(s=1.0, peak=60.0, vram_budget=60e9, keep_activations=True),
+            row(s=1.25, peak=40.5, vram_budget=40e9, keep_activations=True, kept_layers=20)]
+    (ax,) = budget_figure(rows)[0].axes
+    assert [list(l.get_xdata()) for l in ax.lines] == [[40.0, 60.0]]
+    (marks,) = ax.collections
+    assert marks.get_label() == "m poros, some resident layers keep activations"
+    assert [tuple(o) for o in marks.get_offsets()] == [(40.5, 1.25)]
+    assert [t.get_text() for t in ax.texts] == ["20 kept"]
 
 
 def test_budget_plot_a_line_per_placement():
@@ -243,11 +260,12 @@ def test_budget_plot_a_line_per_attention_setting_and_run():
             row(s=1.9, peak=9.1, attention="fast"), row(s=1.4, peak=24.1, vram_budget=24e9, attention="fast"),
             row(s=1.8, peak=9.2, attention="fast", time="t2"), row("resident", s=0.9, peak=70.0, attention="fast",
                                                                    time="t2"),
-            row(s=1.3, peak=9.3, uuids=("B",), time="t3")]  # alone in its run: no line
+            row(s=1.3, peak=9.3, uuids=("B",), time="t3")]  # alone in its run: a point of its own
     (ax,) = budget_figure(rows)[0].axes
     assert [(l.get_label(), list(l.get_xdata())) for l in ax.lines] == [
-        ("m (math) poros, recompute", [9.0, 24.0]), ("m (fast) poros, recompute", [9.1, 24.1])]
-    assert [c.get_label() for c in ax.collections] == ["m (math) resident QLoRA"]
+        ("m (math) [A t1] poros, recompute", [9.0, 24.0]), ("m (fast) [A t1] poros, recompute", [9.1, 24.1]),
+        ("m (fast) [A t2] poros, recompute", [9.2]), ("m (math) [B] poros, recompute", [9.3])]
+    assert [c.get_label() for c in ax.collections] == ["m (math) [A t1] resident QLoRA", "m (fast) [A t2] resident QLoRA"]
 
 
 def test_math_against_the_fast_path(tmp_path):
