@@ -44,7 +44,13 @@ def _finish(fig, ax, legend_loc: str = "best", **labels) -> None:
     ax.set(**labels)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc=legend_loc)
+        if legend_loc == "below":  # many lines: the legend under the axes, never over a point
+            n = len(ax.get_legend_handles_labels()[0])
+            width, height = fig.get_size_inches()
+            fig.set_size_inches(width, max(height, 5 + 0.17 * n))
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+        else:
+            ax.legend(fontsize=8, loc=legend_loc)
     fig.tight_layout()
 
 
@@ -119,7 +125,7 @@ def budget_figure(rows: list[dict]):
                 if r["method"] in MARKS:
                     ax.scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, color=color,
                                marker=MARKS[r["method"]][0], label=f"{name} {MARKS[r['method']][1]}")
-        _finish(fig, ax, "upper right", xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
+        _finish(fig, ax, "below", xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
                 title=f"s/step against VRAM, seq {seq}" if len(seqs) > 1 else "s/step against VRAM")
     if not seqs:
         _finish(fig, axes[0], xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
