@@ -67,7 +67,7 @@ def make_plan(geo: P.Geometry, cfg, free_bytes: int | None = None) -> P.Plan:
               batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, attention=cfg.attention.value,
               overlap=cfg.overlap_backward and not cfg.cuda_graphs, graphs=cfg.cuda_graphs,
               loss_chunk=getattr(cfg, "loss_chunk", 0) or 0, keep_activations=cfg.keep_activations,
-              kept_layers=cfg.kept_layers, placement=cfg.placement)
+              kept_layers=cfg.kept_layers, placement=cfg.placement, deterministic=cfg.deterministic)
     budget = cfg.vram_budget
     if budget == "auto":
         if free_bytes is None:

@@ -90,6 +90,7 @@ class Geometry:
     vocab: int
     intermediate: int
     heads: int  # attention heads of the widest layer
+    q_width: int  # query elements per token of the widest layer (heads x head_dim)
     max_linear: int  # elements of the largest decoder linear weight
     lora_in_out: tuple[int, ...]  # per LoRA-able linear of every layer: in + out features
     dense_device_bytes: int  # norms, biases and buffers the device holds for every method
@@ -124,13 +125,14 @@ class Geometry:
                 dense += p.numel() * 2
             dense += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False) if b is not None)
         # per layer, from the modules (gemma4's layers differ in head_dim and MLP width)
-        heads = max((m.q_proj.out_features // m.head_dim for m in model.modules()
-                     if hasattr(m, "q_proj") and isinstance(getattr(m, "head_dim", None), int)), default=1)
+        attn = [m for m in model.modules() if hasattr(m, "q_proj") and isinstance(getattr(m, "head_dim", None), int)]
+        heads = max((m.q_proj.out_features // m.head_dim for m in attn), default=1)
+        q_width = max((m.q_proj.out_features for m in attn), default=config.hidden_size)
         mlp = [shape[0] for layer in linears for n, shape in layer if n.endswith(("gate_proj", "up_proj", "fc1"))]
         return cls(
             name=name, layer_starts=tuple(x.start for x in layouts), layer_ends=tuple(x.end for x in layouts),
             head_bytes=head.numel() * 2, hidden=config.hidden_size, vocab=config.vocab_size,
-            intermediate=max(mlp, default=4 * config.hidden_size), heads=heads,
+            intermediate=max(mlp, default=4 * config.hidden_size), heads=heads, q_width=q_width,
             max_linear=max(a * b for layer in linears for _, (a, b) in layer),
             lora_in_out=lora, dense_device_bytes=dense,
             max_positions=getattr(config, "max_position_embeddings", None))
@@ -145,6 +147,12 @@ ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
 ACT_INTERMEDIATE = 14  # bytes per token x intermediate
 ATTN_SCORES = 6  # bytes per token^2 x head (math attention keeps the scores and their softmax)
 HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
+# Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
+# (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
+# blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
+# the softmax's row sums (float32 per token x head). Negligible at seq 512; at 16,384 tokens of
+# qwen2.5-72b 2.15 GB, what an eager plan's measured peak exceeded the prediction by without it.
+FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
 
 
 @dataclass(frozen=True)
@@ -189,13 +197,22 @@ def template_static_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
     return 4 * seq_len * batch * geo.hidden * 2
 
 
+def fused_backward_bytes(geo: Geometry, seq_len: int, batch: int, attention: str, deterministic: bool) -> int:
+    """What fused attention's backward allocates beyond its gradients (none on the math path)."""
+    if attention == "math":
+        return 0
+    splits = -(-FUSED_BWD_SMS // (batch * geo.heads)) if deterministic else 1
+    return seq_len * batch * (geo.q_width * (4 * splits + 2 * 2) + 4 * geo.heads)
+
+
 def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: str, overlap: bool,
-                    loss_chunk: int = 0) -> tuple[int, int]:
+                    loss_chunk: int = 0, deterministic: bool = False) -> tuple[int, int]:
     """(head, layers): peak bytes the head and the layer backward hold beyond what persists (the head's
     logits `loss_chunk` tokens at a time when it is set)."""
     tokens = seq_len * batch
     layer = (tokens * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + 2 * geo.max_linear
-             + (ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention == "math" else 0))
+             + (ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention == "math" else 0)
+             + fused_backward_bytes(geo, seq_len, batch, attention, deterministic))
     head = (min(tokens, loss_chunk * batch) if loss_chunk else tokens) * HEAD_LOGITS * geo.vocab
     return head, layer * (2 if overlap else 1)
 
@@ -229,6 +246,9 @@ class Plan:
     # resident layers that keep their activations from forward to backward: no recompute, resident
     # QLoRA's own forward with autograd and its backward from the kept output
     kept_layers: tuple[int, ...] = ()
+    # under CUDA graphs the layer templates' intermediates live in the graphs' private pool: reserved, not
+    # allocated, so outside the peak a budget holds; at least one layer's recompute and backward
+    graph_pool: int = 0
 
     @property
     def resident_layers(self) -> list[int]:
@@ -272,7 +292,7 @@ class Plan:
             "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
             "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.total,
-            "memory": self.memory.parts(), "vram_budget": self.budget,
+            "memory": self.memory.parts(), "vram_budget": self.budget, "graph_pool_bytes": self.graph_pool,
             "buffers": [{"index": b.index, "bytes": b.nbytes, "resident": b.resident} for b in self.buffers],
         }
 
@@ -383,7 +403,8 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
                lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
                offload_inputs: bool = False, loss_chunk: int = 0, budget: int | None = None,
                keep_activations: bool = False, kept_layers: int | None = None,
-               placement: Placement = Placement.TAIL, notes: tuple[str, ...] = ()) -> Plan:
+               placement: Placement = Placement.TAIL, deterministic: bool = False,
+               notes: tuple[str, ...] = ()) -> Plan:
     """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
     spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
@@ -419,7 +440,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     one_input = seq_len * batch_size * geo.hidden * 2
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk)
+    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk, deterministic)
     kept = kept_set(resident_order, kept_layers) if keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
@@ -436,7 +457,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention))
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes, offload_inputs,
-                one_input, window, kept)
+                one_input, window, kept, graph_pool=layer_t if graphs else 0)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
@@ -450,9 +471,10 @@ def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: s
 
 
 def resident_memory(geo: Geometry, *, seq_len: int, batch_size: int, grad_accum: int, lora_rank: int,
-                    attention: str) -> int:
+                    attention: str, deterministic: bool = False) -> int:
     """Predicted peak of resident QLoRA (every weight on the device, every activation kept)."""
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap=False)
+    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap=False,
+                                      deterministic=deterministic)
     per_layer = layer_activation_bytes(geo, seq_len, batch_size, attention)
     return (geo.layer_ends[-1] + 2 * geo.head_bytes + lora_bytes(geo, lora_rank) + geo.dense_device_bytes
             + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
@@ -615,5 +637,8 @@ def describe(plan: Plan) -> str:
         + (f" (budget {format_size(plan.budget)})" if plan.budget else ""),
     ]
     lines += [f"    {k:17s} {gb(v)}" for k, v in plan.memory.parts().items()]
+    if plan.graph_pool:
+        lines.append(f"  CUDA-graph pool: at least {gb(plan.graph_pool)} more reserved (the layer templates' "
+                     "intermediates: held by the graphs, not allocated, so not in the peak above)")
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -47,7 +47,7 @@ def run(args) -> int:
         free = torch.cuda.mem_get_info()[0]
     plan = make_plan(geo, cfg, free)
     resident = resident_memory(geo, seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
-                               lora_rank=cfg.lora_rank, attention=cfg.attention.value)
+                               lora_rank=cfg.lora_rank, attention=cfg.attention.value, deterministic=cfg.deterministic)
     if args.json:
         print(json.dumps({**plan.summary(), "resident_qlora_peak_vram_bytes": resident}))
     else:
