@@ -268,7 +268,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
-            "peak_vram_bytes", "memory", "vram_budget", "accumulation")},
+            "peak_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes")},
         "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,
         "resident_layers": None if plan is None else len(plan["resident_layers"]),
         "provenance": provenance(),

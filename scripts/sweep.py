@@ -244,6 +244,7 @@ def main() -> None:
                    "block_size": plan["block_size"], "resident_layers": len(plan["resident_layers"]),
                    "head_resident": plan["head_resident"], "predicted_h2d_bytes_per_step": plan["h2d_bytes_per_step"],
                    "predicted_peak_vram_gb": round(plan["peak_vram_bytes"] / 1e9, 3),
+                   "predicted_graph_pool_gb": round(plan["graph_pool_bytes"] / 1e9, 3),
                    "predicted_memory_gb": {k: round(x / 1e9, 3) for k, x in plan["memory"].items()}}
             row, verdict = dict(plan_row), {}
             try:
