@@ -25,6 +25,7 @@ load into it waits for: every ordering comes from the plan, whose rules `plan.ch
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -79,6 +80,17 @@ def make_plan(geo: P.Geometry, cfg, free_bytes: int | None = None) -> P.Plan:
 
 
 AUTO_SHARE = 0.9  # `vram_budget: auto` plans for this share of the device's free memory
+GRAPH_POOL_WARN = 0.25  # a budget's share beyond which the CUDA graphs' own pool is worth a warning
+
+
+def warn_graph_pool(plan: P.Plan) -> None:
+    """A budget holds the allocated peak; CUDA graphs also reserve a pool of their own beside it. Where that
+    pool is a large share of the budget (long context), say so: the device needs both."""
+    if plan.budget and plan.graph_pool > GRAPH_POOL_WARN * plan.budget:
+        warnings.warn(f"under cuda_graphs the layer templates' pool reserves at least {plan.graph_pool / 1e9:.1f} GB "
+                      f"beyond the {plan.budget / 1e9:.1f} GB budget (it holds the allocated peak only); at this "
+                      "length graphs save little: drop cuda_graphs (and overlap_backward) to stay within the budget",
+                      RuntimeWarning, stacklevel=3)
 
 
 class DeviceBuffers:
@@ -289,6 +301,7 @@ class PorosTrainer(Trainer):
         geo = geometry_of_store(store, cfg)
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.plan = self._given_plan or make_plan(geo, cfg, free)
+        warn_graph_pool(self.plan)
         if self._check_plan:
             problems = P.check(self.plan)
             if problems:

@@ -4,6 +4,7 @@ each with a plan that breaks it (refused by `check`, and by the executor)."""
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -280,3 +281,18 @@ def test_a_graph_plan_names_its_pool(q72):
     _, layer = P.transient_bytes(q72, 16384, 1, "fast", overlap=False, deterministic=True)
     assert graphs.graph_pool == layer > 10**10 and eager.graph_pool == 0
     assert "CUDA-graph pool: at least" in P.describe(graphs) and "CUDA-graph pool" not in P.describe(eager)
+
+
+def test_a_budget_whose_graph_pool_is_large_warns(q72):
+    """At long context a graph plan's pool is a large share of its budget: the trainer warns; at seq 512 not."""
+    from poros.executor import warn_graph_pool
+
+    long = P.plan_for_budget(q72, 24 * 10**9, block_size=4, seq_len=16384, attention="fast", graphs=True,
+                             overlap=False, loss_chunk=4096, deterministic=True)
+    short = P.plan_for_budget(q72, 24 * 10**9, block_size=4, attention="fast", graphs=True, overlap=False)
+    with pytest.warns(RuntimeWarning, match="beyond the 24.0 GB budget"):
+        warn_graph_pool(long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_graph_pool(short)
+        warn_graph_pool(replace(long, graph_pool=0))  # an eager plan has no pool
