@@ -66,7 +66,7 @@ def make_plan(geo: P.Geometry, cfg, free_bytes: int | None = None) -> P.Plan:
     """The plan `cfg` asks for: every layer streamed, or the fastest that fits `cfg.vram_budget`."""
     kw = dict(grad_accum=cfg.grad_accum, accumulation=cfg.accumulation, seq_len=cfg.seq_len,
               batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, attention=cfg.attention.value,
-              overlap=cfg.overlap_backward and not cfg.cuda_graphs, graphs=cfg.cuda_graphs,
+              overlap=cfg.overlap_backward, graphs=cfg.cuda_graphs,
               loss_chunk=getattr(cfg, "loss_chunk", 0) or 0, keep_activations=cfg.keep_activations,
               kept_layers=cfg.kept_layers, placement=cfg.placement, deterministic=cfg.deterministic)
     budget = cfg.vram_budget

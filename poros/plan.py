@@ -410,6 +410,7 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
     layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them."""
     n = geo.n_layers
+    overlap = overlap and not graphs  # layer templates replay one layer's backward at a time
     resident_order = resident_set(n, resident_layers, Placement(placement))
     resident = frozenset(resident_order)
     streamed = n - resident_layers
