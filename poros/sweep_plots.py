@@ -93,18 +93,20 @@ def budget_figure(rows: list[dict]):
                       if r["method"] == "poros" and _kept(r) == kept and (r.get("placement") or "tail") == placement
                       and not _some_kept(r))
 
-    groups = [g for g in dict.fromkeys(map(group, rows)) if any(r["method"] == "poros" for r in one(g))]
-    has_line = any(len(points(one(g), *line)) >= 2 for g in groups for line in LINES)
+    timed = {g: one(g) for g in dict.fromkeys(map(group, rows))}  # each group's rows, selected once
+    timed = {g: rs for g, rs in timed.items() if any(r["method"] == "poros" for r in rs)}
+    groups = list(timed)
+    has_line = any(len(points(timed[g], *line)) >= 2 for g in groups for line in LINES)
     seqs = sorted({g[1] for g in groups}, key=lambda s: s or 0)
     fig = Figure(figsize=(8 if len(seqs) < 2 else 6 * len(seqs), 5))
     FigureCanvasAgg(fig)
     axes = [fig.add_subplot(1, max(1, len(seqs)), i + 1) for i in range(max(1, len(seqs)))]
     for ax, seq in zip(axes, seqs):
         panel = [g for g in groups if g[1] == seq]
-        gpus = [(g[0], gpu_label(one(g)[0])) for g in panel]
+        gpus = [(g[0], gpu_label(timed[g][0])) for g in panel]
         shared = {g for g, k in zip(panel, gpus) if len({h[3] for h, j in zip(panel, gpus) if j == k}) > 1}
         for g in panel:
-            rs, color = one(g), None
+            rs, color = timed[g], None
             name = " ".join([g[0], *([f"({g[2]})"] if len({h[2] for h in panel}) > 1 else []),
                              *([f"[{run_label(rs[0], shared_gpu=g in shared)}]"]
                                if len({h[3] for h in panel if h[0] == g[0]}) > 1 else [])])
