@@ -5,14 +5,23 @@ from __future__ import annotations
 import enum
 from dataclasses import field, fields, make_dataclass
 
+from poros.errors import ConfigError
 from poros.settings import (  # noqa: F401  (re-exported: the config's vocabulary)
-    BY_NAME, COMPUTED_NAMES, LORA_TARGETS, SCHEDULE_NAMES, SETTINGS, Accumulation, Attention, Device, Placement,
+    BY_NAME,
+    COMPUTED_NAMES,
+    LORA_TARGETS,
+    SCHEDULE_NAMES,
+    SETTINGS,
+    Accumulation,
+    Attention,
+    Device,
+    Placement,
     check_values,
 )
 
 
 class Method(str, enum.Enum):
-    """How the base weights are held while training (see poros/methods.py)."""
+    """How the base weights are held while training (see poros/engine/methods.py)."""
 
     POROS = "poros"  # NF4 store in host memory, streamed onto the device by a plan
     RESIDENT = "resident"  # ordinary QLoRA: the whole NF4 model on the device
@@ -21,8 +30,6 @@ class Method(str, enum.Enum):
 
 
 def _post_init(self) -> None:
-    from poros.errors import ConfigError
-
     problems: list[str] = []
     if not isinstance(self.model, str) or not self.model:
         problems.append(f"model: expected a registered name or checkpoint path, got {self.model!r}")

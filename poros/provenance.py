@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+import poros
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "unsloth", "poros")
 
@@ -34,8 +36,6 @@ def _git(*args: str) -> str | None:
 
 
 def _poros_version() -> str:
-    import poros
-
     return _version("poros") or poros.__version__
 
 

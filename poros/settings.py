@@ -30,7 +30,7 @@ class Attention(str, enum.Enum):
     CUDNN = "cudnn"
     EFFICIENT = "efficient"
     FLASH = "flash"
-    FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/attention.py)
+    FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/engine/attention.py)
 
 
 class Device(str, enum.Enum):
@@ -46,7 +46,7 @@ class Accumulation(str, enum.Enum):
 
 
 class Placement(str, enum.Enum):
-    """Which layers a plan with resident layers keeps on the device (poros/plan.py)."""
+    """Which layers a plan with resident layers keeps on the device (poros/engine/plan.py)."""
 
     TAIL = "tail"  # the last layers: used at the turn from forward to backward, never copied
     SPREAD = "spread"  # streamed layers spread among resident ones: each copy also runs behind resident forwards

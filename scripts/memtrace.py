@@ -19,9 +19,9 @@ from collections import Counter
 
 import torch
 
-from poros.build import build_store
+from poros.store.build import build_store
 from poros.config import TrainConfig
-from poros.executor import PorosTrainer
+from poros.engine.executor import PorosTrainer
 
 MAX_ENTRIES = 2_000_000
 

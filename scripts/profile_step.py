@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from poros.methods import make_trainer
-from poros.build import build_store
+from poros.engine.methods import make_trainer
+from poros.store.build import build_store
 from poros.config import Method, TrainConfig
-from poros.train import enable_determinism
+from poros.engine.trainer import enable_determinism
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sweep import echo, parse_variant  # noqa: E402  (one parser for schedule settings)

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from poros.build import build_store
+from poros.store.build import build_store
 from poros.config import TrainConfig
-from poros.executor import PorosTrainer
+from poros.engine.executor import PorosTrainer
 from poros.provenance import provenance
-from poros.train import enable_determinism
+from poros.engine.trainer import enable_determinism
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sweep import echo, parse_variant  # noqa: E402  (one parser for schedule settings)

@@ -23,7 +23,7 @@ as a bitsandbytes checkpoint, run in a child process; not gated: its arithmetic 
 strict determinism, as its users run it). `--control` runs
 the reference a second time against its own recorded states: is this stack repeatable at all?
 `POROS_PROFILE_SETUP=N` prints the N costliest functions of each trainer's set-up (cProfile) to stderr.
-Under torchrun every method is data-parallel (poros.distributed; the reference under
+Under torchrun every method is data-parallel (poros.engine.distributed; the reference under
 DistributedDataParallel), each rank gates its own states, rows record `world_size` and count the tokens
 of every rank, and the peak is the largest rank's. The official figures come from `poros bench matrix`.
 """
@@ -43,14 +43,14 @@ from pathlib import Path
 
 import torch
 
-from poros.bench import PEAKS, copy_summary, free_device_memory, measure, step_tokens
-from poros.distributed import SINGLE, World, agree, barrier, close_world, init_world, largest, share_store
+from poros.harness.bench import PEAKS, copy_summary, free_device_memory, measure, step_tokens
+from poros.engine.distributed import SINGLE, World, agree, barrier, close_world, init_world, largest, share_store
 from poros.config import Method, TrainConfig
-from poros.executor import PorosTrainer
-from poros.methods import config_for, make_trainer
-from poros.parity import RecordedReference, run_gate_recorded
+from poros.engine.executor import PorosTrainer
+from poros.engine.methods import config_for, make_trainer
+from poros.engine.parity import RecordedReference, run_gate_recorded
 from poros.settings import SCHEDULE_NAMES, check_values
-from poros.train import enable_determinism
+from poros.engine.trainer import enable_determinism
 
 
 def parse_variant(text: str) -> dict:
@@ -283,7 +283,7 @@ def main() -> None:
             del poros
             free_device_memory()
         if args.unsloth:  # last: a child process, the plans' rows already written if it is cut off
-            from poros.unsloth_method import measure_unsloth
+            from poros.engine.unsloth import measure_unsloth
 
             try:
                 cfg = config_for(Method.UNSLOTH, base)  # not gated: as its users run it

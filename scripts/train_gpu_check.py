@@ -7,7 +7,7 @@ whether the loss falls, whether the two adapters are torch.equal, and whether pe
 Each stage is skipped when its output is already in --out, so a cut-off check continues where it was:
   1. data.jsonl and eval.jsonl: generated text and arithmetic chats (tests/fixtures.py);
   2. model/: the shape built synthetically (seeded) on --device, exported as a bitsandbytes NF4
-     checkpoint (poros/export.py) with a byte-level BPE tokenizer trained on the data (ids < vocab);
+     checkpoint (poros/store/export.py) with a byte-level BPE tokenizer trained on the data (ids < vocab);
   3. run-poros/, run-resident/: `python -m poros train`, one child process per method (so each has its
      own peak memory); an unfinished run is continued with --resume;
   4. the adapters and AdamW states compared tensor by tensor, then run-poros/adapter loaded into the
@@ -80,8 +80,8 @@ def make_data(out: Path, n: int) -> list[str]:
 
 
 def make_model(out: Path, args, texts: list[str]) -> Path:
-    from poros.build import build_store
-    from poros.export import export_bnb4bit
+    from poros.store.build import build_store
+    from poros.store.export import export_bnb4bit
 
     folder = out / "model"
     if (folder / "model.safetensors.index.json").is_file() and (folder / "chat_template.jinja").is_file():
@@ -168,7 +168,7 @@ def check_peft(model_dir: Path, adapter: Path, eval_path: Path, device: str, seq
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from poros.textdata import load_data, load_tokenizer
+    from poros.finetune.data import load_data, load_tokenizer
 
     base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), device_map={"": device},
                                                              dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from poros import bench, preflight
-from poros.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, set_progress_writer
+from poros.harness import bench, preflight
+from poros.harness.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, set_progress_writer
 from poros.errors import PorosError
-from poros.results import OutputLock, ensure_folder
+from poros.harness.results import OutputLock, ensure_folder
 
 
 def _matrix(config):
@@ -43,7 +43,7 @@ def pytest_sessionstart(session):
         deterministic = False
     if deterministic:
         # first, before any CUDA work: cuBLAS reads its workspace configuration once per process
-        from poros.train import enable_determinism
+        from poros.engine.trainer import enable_determinism
 
         enable_determinism()
     tw = config.get_terminal_writer()

@@ -1,6 +1,6 @@
 """The matrix suite: per model × stack the parity gate, then per method the timed passes.
 
-The gate compares the matrix's method (poros) with its reference (`poros.methods.gate_of`): resident
+The gate compares the matrix's method (poros) with its reference (`poros.engine.methods.gate_of`): resident
 QLoRA, or resident with gradient checkpointing in a matrix without plain resident (long context, where
 the two are run one after the other, the reference's states recorded in host memory).
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from poros.bench import free_device_memory, measure, model_unavailable, progress, record, train_config
+from poros.harness.bench import free_device_memory, measure, model_unavailable, progress, record, train_config
 from poros.config import Method
-from poros.methods import METHODS, config_for, gate_of, make_trainer, method_unavailable
+from poros.engine.methods import METHODS, config_for, gate_of, make_trainer, method_unavailable
 
 pytestmark = pytest.mark.bench
 
@@ -41,15 +41,15 @@ def _gate(session, cell):
     every cell that needs it, without running again."""
     key = (cell.model, cell.stack.name)
     if key not in session.gates:
-        from poros.parity import parity
+        from poros.engine.parity import parity
 
         cfg = train_config(session.matrix, cell.model)
         reference, method = gate_of(session.matrix.methods)
         sequential = reference is Method.RESIDENT_GC
         try:
             if cfg.gpus > 1:  # data-parallel ranks, started with torchrun; each gates its own states
-                from poros.parity import ParityResult
-                from poros.ranks import run_ranks
+                from poros.engine.parity import ParityResult
+                from poros.harness.ranks import run_ranks
 
                 spec = {"kind": "gate", "config": cfg.as_dict(), "method": method.value, "reference": reference.value,
                         "steps": session.parity_steps, "sequential": sequential}
@@ -122,8 +122,8 @@ def _measure_cell(session, cell, cfg, benchmark):
         _write(session, cell, cfg, benchmark, gate, meas, plan, store.config.model_type)
 
     if not METHODS[cell.method].in_process:  # Unsloth patches libraries globally: a child process
-        from poros.bench import Measurement
-        from poros.unsloth_method import measure_unsloth
+        from poros.harness.bench import Measurement
+        from poros.engine.unsloth import measure_unsloth
 
         cfg = config_for(cell.method, cfg)  # the row records what it ran with
 
@@ -157,10 +157,10 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str) -> None:
 
 
 def _measure_ranks(session, cell, cfg, benchmark, gate) -> None:
-    """A data-parallel cell: the ranks time it (poros.ranks) and rank 0's measurement is the row (as for
+    """A data-parallel cell: the ranks time it (poros.harness.ranks) and rank 0's measurement is the row (as for
     Unsloth's child process, pytest-benchmark times nothing here)."""
-    from poros.bench import Measurement
-    from poros.ranks import run_ranks
+    from poros.harness.bench import Measurement
+    from poros.harness.ranks import run_ranks
 
     m = session.matrix
     spec = {"kind": "measure", "config": cfg.as_dict(), "method": cell.method.value, "steps": m.steps,

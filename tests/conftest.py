@@ -9,7 +9,7 @@ import pytest
 def stores():
     """`stores(model)`: the CPU build of a tiny model with seed 0, built once per session. Tests that
     corrupt a store build their own."""
-    from poros.build import build_store
+    from poros.store.build import build_store
 
     cache = {}
 

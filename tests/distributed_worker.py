@@ -1,4 +1,4 @@
-"""One rank of the data-parallel checks (tests/test_distributed.py runs it under torchrun on the CPU, gloo):
+"""One rank of the data-parallel checks (tests/engine/test_distributed.py runs it under torchrun on the CPU, gloo):
 poros against resident QLoRA under DistributedDataParallel, a negative control that leaves one layer's
 gradients unreduced, and the host's shared store. Rank 0 writes one JSON object to the path given.
 
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from poros.config import TrainConfig
-from poros.distributed import close_world, init_world, share_store
-from poros.parity import parity
+from poros.engine.distributed import close_world, init_world, share_store
+from poros.engine.parity import parity
 
 
 def main(out: Path, model: str, device: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from poros import plan as P
+from poros.engine import plan as P
 
 
 def refill_before_backward(plan: P.Plan) -> P.Plan:

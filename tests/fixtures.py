@@ -83,7 +83,7 @@ def tiny_checkpoint(folder: str | Path, model: str = "tiny-qwen2", texts: list[s
     with a tokenizer trained on `texts` (default: `generated_texts(200)`) in the same folder."""
     import transformers
 
-    from poros.registry import get_shape
+    from poros.models.shapes import get_shape
 
     folder = Path(folder)
     config = get_shape(model).config()

@@ -8,7 +8,11 @@ import logging
 import sys
 import warnings
 
+from poros.engine.distributed import launched
+from poros.engine.trainer import set_cublas_workspace
 from poros.errors import PorosError
+from poros.harness import preflight as checks
+from poros.harness.matrix import load_matrix
 
 SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train")
 
@@ -66,7 +70,6 @@ def quiet() -> None:
 def preflight(args) -> None:
     """Checks the subcommands share, made before any work: the device they name, and the model's
     limits against the sequence length they would train at."""
-    from poros import preflight as checks
 
     device = getattr(args, "device", None)
     # a plan is made from shapes alone, for any device; only `--vram-budget auto` reads the device
@@ -85,7 +88,6 @@ def wants_determinism(args) -> bool:
     if getattr(args, "deterministic", None):
         return True
     if args.command == "bench" and getattr(args, "file", None):
-        from poros.matrix import load_matrix
 
         try:
             return bool(load_matrix(args.file).deterministic)
@@ -101,14 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet()
     try:
-        from poros.distributed import launched
 
         if launched() and args.command not in RANKED:
             raise PorosError(f"runs as one process, not under torchrun: data-parallel runs are `torchrun ... poros "
                              f"{' / '.join(RANKED)}`, `scripts/sweep.py` under torchrun, or a matrix's `gpus: N`")
         if wants_determinism(args):
             # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
-            from poros.train import set_cublas_workspace
 
             set_cublas_workspace()
         preflight(args)

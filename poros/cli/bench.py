@@ -9,6 +9,17 @@ import time
 from pathlib import Path
 
 from poros.cli.report import add_reference_argument, reference_path
+from poros.errors import PorosError
+from poros.harness import preflight
+from poros.harness.bench import (
+    StatusLine,
+    matrix_device,
+    model_unavailable,
+    set_status_writer,
+)
+from poros.harness.matrix import resolve_matrix_path
+from poros.harness.report import write_report
+from poros.harness.results import OutputLock, ResultsWriter, ensure_folder, keep_earlier
 
 EPILOG = """examples:
   poros bench matrix matrices/cpu.yaml -o out/
@@ -111,9 +122,6 @@ class Tally:
 def _preflight(args):
     """Everything knowable before any work: the matrix, the counts, the device, the models, the
     selection and the reference file. Returns the matrix."""
-    from poros import preflight
-    from poros.bench import matrix_device, model_unavailable
-    from poros.errors import PorosError
 
     m = preflight.load_matrix(args.file)
     preflight.check_counts("poros bench", steps=args.steps, passes=args.passes, parity_steps=args.parity_steps)
@@ -133,8 +141,6 @@ def _preflight(args):
 
 
 def run(args) -> int:
-    from poros.results import OutputLock, ensure_folder
-
     m = _preflight(args)
     out = ensure_folder(args.out)
     with OutputLock(out, command=command_line(args, resume=False)) as lock:
@@ -149,10 +155,6 @@ def run(args) -> int:
 def _run_locked(args, m, out: Path, lock) -> int:
     import pytest
 
-    from poros import preflight
-    from poros.bench import StatusLine, set_status_writer
-    from poros.matrix import resolve_matrix_path
-    from poros.results import ResultsWriter, keep_earlier
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if lock.stale_warning():
@@ -205,7 +207,6 @@ def _run_locked(args, m, out: Path, lock) -> int:
     if not (results.exists() and ResultsWriter(results).rows()):
         say("poros bench: no cell produced a result")
         return 1
-    from poros.report import write_report
 
     md = write_report([results], out / "report.md", reference_csv=reference_path(args.reference))
     say(f"wrote {md}")

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import json
 
+from poros.errors import ConfigError
+from poros.models.shapes import SHAPES, count_params
+from poros.store.build import build_store
+from poros.store.host_memory import config_host_need
+
 EPILOG = """examples:
   poros build --list
   poros build --model tiny-gemma3
@@ -29,9 +34,6 @@ def run(args) -> int:
 
     import torch
 
-    from poros.build import build_store, config_host_need
-    from poros.errors import ConfigError
-    from poros.registry import SHAPES, count_params
 
     if args.list:
         for name, shape in SHAPES.items():

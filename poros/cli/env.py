@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from poros.provenance import env_block, provenance
+
 EPILOG = """examples:
   poros env
   poros env --json > env.json
@@ -15,8 +17,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros.provenance import env_block, provenance
-
     if args.json:
         import json
 

@@ -6,6 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from poros.config import Method, TrainConfig
+from poros.engine.distributed import close_world, init_world
+from poros.engine.methods import METHODS
+from poros.engine.parity import parity
+from poros.errors import ConfigError
+from poros.settings import COMPUTED, RUN, SCHEDULE, add_arguments, from_arguments
+
 EPILOG = """examples:
   poros parity --model tiny-qwen3 --steps 3 --block-size 2 --seq-len 128
   poros parity --model tiny-gemma3 --seq-len 128 --grad-accum 4 --vram-budget 30MB
@@ -26,7 +33,6 @@ Prints one JSON line; exits 0 only on PASS (1 on FAIL, 2 on bad input).
 
 def add_train_args(p: argparse.ArgumentParser, kinds=None) -> None:
     """--model and the settings table's flags (poros/settings.py)."""
-    from poros.settings import COMPUTED, RUN, SCHEDULE, add_arguments
 
     p.add_argument("--model", required=True, help="registered name (see `poros build --list`) or checkpoint folder")
     add_arguments(p, kinds or (COMPUTED, SCHEDULE, RUN))
@@ -36,8 +42,6 @@ def train_config(args):
     """The TrainConfig the flags ask for (unset flags take the table's defaults; device: cuda when there)."""
     import torch
 
-    from poros.config import TrainConfig
-    from poros.settings import from_arguments
 
     values = from_arguments(args)
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
@@ -45,8 +49,6 @@ def train_config(args):
 
 
 def add_parser(sub) -> None:
-    from poros.methods import METHODS
-
     held = [m.value for m, s in METHODS.items() if s.gated and s.in_process]
     references = [m.value for m, s in METHODS.items() if s.reference]
     p = sub.add_parser("parity", help="bitwise parity gate: resident vs poros", epilog=EPILOG)
@@ -67,14 +69,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros.errors import ConfigError
-    from poros.parity import parity
-
     if args.steps <= 0:
         raise ConfigError([f"steps: expected an integer > 0, got {args.steps}"], "poros parity")
-    from poros.config import Method
 
-    from poros.distributed import close_world, init_world
 
     cfg = train_config(args)
     world = init_world(cfg.device.value)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from poros.cli.parity import add_train_args, train_config
+from poros.engine.executor import make_plan
+from poros.engine.plan import Geometry, describe, resident_memory
+from poros.models.checkpoint import resolve
+from poros.models.skeleton import check_seq_len
+
 EPILOG = """examples:
   poros plan --model qwen2.5-72b
   poros plan --model qwen2.5-72b --vram-budget 24GB
@@ -16,8 +22,6 @@ A budget below the smallest plan is refused, naming the smallest budget that wou
 
 
 def add_parser(sub) -> None:
-    from poros.cli.parity import add_train_args
-
     p = sub.add_parser("plan", help="show the plan (residency, bytes per step, predicted peak) before running",
                        epilog=EPILOG)
     add_train_args(p)
@@ -29,10 +33,6 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
 
-    from poros.build import check_seq_len, resolve
-    from poros.cli.parity import train_config
-    from poros.executor import make_plan
-    from poros.plan import Geometry, describe, resident_memory
 
     if getattr(args, "device", None) is None:
         args.device = "cpu"  # a plan needs no device; `auto` budgets need one (refused on cpu)

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+from poros.harness.preflight import check_reference, check_report_paths
+from poros.harness.report import (
+    OFFICIAL_REFERENCE,
+    latest,
+    load_results,
+    results_table,
+    write_report,
+)
+from poros.harness.sweep_report import write_sweep_report
+
 EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md
   poros report out/results.jsonl -o reports/h200.md --reference        # beside the official figures
@@ -27,7 +37,6 @@ def add_reference_argument(p) -> None:
 def reference_path(value):
     """The CSV `--reference` names: None when not given, the official figures when given alone."""
     if value is True:
-        from poros.report import OFFICIAL_REFERENCE
 
         return OFFICIAL_REFERENCE
     return value
@@ -45,13 +54,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros.preflight import check_reference, check_report_paths
-    from poros.report import latest, load_results, results_table, write_report
-
     reference = reference_path(args.reference)
     check_report_paths(args.results, args.output, reference)  # never over its own input
     if args.sweep:
-        from poros.sweep_report import write_sweep_report
 
         out = write_sweep_report(args.results, args.output, title=args.title)
         print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -8,6 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from poros.cli.parity import train_config
+from poros.engine.distributed import close_world, init_world, launched
+from poros.finetune.recipe import FinetuneConfig, finetune
+from poros.settings import BY_NAME, add_arguments, from_arguments
+
 EPILOG = """examples:
   poros train --model ./Qwen3-32B --data chats.jsonl --out runs/qwen3 --steps 1000 --device cuda --attention math
   poros train --model ./Qwen3-32B --data chats.jsonl --out runs/qwen3 --steps 2000 --device cuda --attention math --resume
@@ -24,8 +29,6 @@ Prints one JSON line at the end; exit 0 when done, 130 when stopped by Ctrl-C, 2
 
 
 def add_parser(sub) -> None:
-    from poros.settings import add_arguments
-
     p = sub.add_parser("train", help="fine-tune a checkpoint on your data (LoRA adapter out)", epilog=EPILOG)
     p.add_argument("--model", required=True, help="checkpoint folder: bf16/fp16 safetensors or a bitsandbytes NF4 "
                                                   "checkpoint, with its tokenizer files")
@@ -43,8 +46,6 @@ def add_parser(sub) -> None:
 
 def finetune_config(args):
     """The validated FinetuneConfig of the parsed arguments."""
-    from poros.cli.parity import train_config
-    from poros.finetune import FinetuneConfig
 
     return FinetuneConfig(train=train_config(args), data=args.data, out=args.out, steps=args.steps,
                           method=args.method, save_every=args.save_every, eval_data=args.eval_data)
@@ -52,9 +53,7 @@ def finetune_config(args):
 
 def resume_command(args, device: str) -> str:
     """The command that continues this run: its own flags, the device spelled out, plus --resume."""
-    from poros.settings import BY_NAME, from_arguments
 
-    from poros.distributed import launched
 
     as_module = sys.argv and Path(sys.argv[0]).parent.name == "poros" and Path(sys.argv[0]).name == "__main__.py"
     argv = ["python", "-m", "poros"] if as_module else ["poros"]
@@ -78,10 +77,7 @@ def resume_command(args, device: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poros.finetune import finetune
-
     fc = finetune_config(args)
-    from poros.distributed import close_world, init_world
 
     world = init_world(fc.train.device.value)
     try:

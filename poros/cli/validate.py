@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from poros.errors import ConfigError
+from poros.harness import preflight
+
 EPILOG = """examples:
   poros validate matrices/h200.yaml
   poros validate matrices/*.yaml
@@ -19,9 +22,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros import preflight
-    from poros.errors import ConfigError
-
     bad = 0
     for f in args.files:
         try:

@@ -1,0 +1,145 @@
+"""Instantiate a trainable QLoRA model from an NF4 store: bnb Linear4bit layers + peft LoRA."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from poros.config import TrainConfig
+from poros.engine.head import use_chunked_loss
+from poros.models.skeleton import decoder_layers, skeleton
+from poros.store.arena import NF4_BLOCKSIZE, NF4Store, absmax_view, weight_view
+
+
+def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+def _to_linear4bit(model: nn.Module, list_name: str, layers: nn.ModuleList) -> dict[str, nn.Module]:
+    """Swap every nn.Linear inside the decoder layers for a (still empty) bnb Linear4bit."""
+    import bitsandbytes as bnb
+
+    swapped = {}
+    for i, layer in enumerate(layers):
+        for name, m in list(layer.named_modules()):
+            if not isinstance(m, nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(
+                m.in_features,
+                m.out_features,
+                bias=m.bias is not None,
+                compute_dtype=torch.bfloat16,
+                quant_type="nf4",
+                compress_statistics=False,
+                device="meta",
+            )
+            owner, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(owner) if owner else layer, leaf, q)
+            swapped[f"{list_name}.{i}.{name}"] = q
+    return swapped
+
+
+def bind_nf4(module: nn.Module, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape) -> None:
+    """Point a Linear4bit at NF4 bytes (a private copy for resident, a block-buffer view for poros)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState
+
+    state = QuantState(
+        absmax=absmax,
+        shape=torch.Size(shape),
+        code=code,
+        blocksize=NF4_BLOCKSIZE,
+        quant_type="nf4",
+        dtype=torch.bfloat16,
+    )
+    module.weight = bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=NF4_BLOCKSIZE,
+        compress_statistics=False,
+        quant_type="nf4",
+        module=module,
+        bnb_quantized=True,
+    )
+    module.quant_state = state
+
+
+def io_param_names(model: nn.Module) -> set[str]:
+    """Parameter names of the input embeddings and the lm_head (tied or not)."""
+    ids = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+           for p in m.parameters(recurse=False)}
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+class QLoRAModel:
+    """A peft-wrapped causal LM whose decoder linears are NF4 Linear4bit modules.
+
+    Dense weights (embeddings, norms, lm_head, biases) are placed on `device`; decoder NF4 weights
+    are bound by the caller (`materialize_resident` or the streaming engine).
+    """
+
+    def __init__(self, store: NF4Store, cfg: TrainConfig, device: torch.device, host_io: bool = False):
+        self.store, self.cfg, self.device = store, cfg, torch.device(device)
+        model = skeleton(store.config)
+        self.list_name, self.layers = decoder_layers(model)
+        self.linear4bit = _to_linear4bit(model, self.list_name, self.layers)
+        # host_io: embeddings and lm_head stay in host memory (the streaming engine moves them)
+        self.host_names = io_param_names(model) if host_io else set()
+        for name, t in store.dense.items():
+            _set_param(model, name, t if name in self.host_names else t.to(self.device))
+        if getattr(store.config, "tie_word_embeddings", False) and "lm_head.weight" not in store.dense:
+            model.lm_head.weight = model.get_input_embeddings().weight
+        for name, t in store.buffers.items():  # as built or read from the checkpoint
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = t.to(self.device, copy=True)
+        for mname, module in model.named_modules():
+            for bname, buf in list(module._buffers.items()):
+                if buf is not None and not buf.is_meta:
+                    module._buffers[bname] = buf.to(self.device)
+        self.code = store.code.to(self.device)
+        if cfg.loss_chunk is not None:  # before the LoRA wrapper, which calls the model's forward
+
+            use_chunked_loss(model, cfg.loss_chunk)
+        self.hf = model
+
+    def materialize_resident(self) -> None:
+        """Ordinary QLoRA: every NF4 matrix copied to the device as its own tensors."""
+        for slot in self.store.slots():
+            packed = weight_view(self.store.arena, slot).to(self.device, copy=True)
+            absmax = absmax_view(self.store.arena, slot).to(self.device, copy=True)
+            bind_nf4(self.linear4bit[slot.name], packed, absmax, self.code, slot.shape)
+
+    def add_lora(self) -> nn.Module:
+        """Wrap with peft LoRA and initialise adapters from cfg.seed, independent of device."""
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = LoraConfig(
+            r=self.cfg.lora_rank,
+            lora_alpha=self.cfg.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(self.cfg.lora_targets),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        self.peft = get_peft_model(self.hf, lcfg)
+        gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
+        with torch.no_grad():
+            for name, p in self.peft.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if ".lora_A." in name:
+                    host = torch.empty(p.shape, dtype=p.dtype)
+                    nn.init.kaiming_uniform_(host, a=math.sqrt(5), generator=gen)
+                    p.copy_(host)
+                elif ".lora_B." in name:
+                    p.zero_()
+        self.peft.train()
+        return self.peft
+
+    def lora_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.peft.named_parameters() if p.requires_grad]

@@ -1,0 +1,268 @@
+"""The training-step API every method implements; resident QLoRA is the reference method."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from poros.config import TrainConfig
+from poros.engine.attention import BackendLog, sdpa_context
+from poros.engine.data import Batch, synthetic_step
+from poros.engine.distributed import SINGLE, World, reduce_mean
+from poros.engine.qlora import QLoRAModel
+from poros.errors import CapabilityError
+from poros.models.skeleton import check_seq_len
+from poros.store.arena import NF4Store
+
+CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: repeatable matmuls (strict mode refuses others)
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # PyTorch's refusal in strict mode
+
+
+def set_cublas_workspace() -> None:
+    """Set CUBLAS_WORKSPACE_CONFIG unless the environment already does.
+
+    PyTorch and cuBLAS read it once, at the process's first cuBLAS work: call this before anything
+    touches CUDA (the CLI does when a command asks for `deterministic`, the matrix suites at session
+    start). Called later, it still sets the variable but warns that matmuls may not be repeatable.
+    """
+    if "CUBLAS_WORKSPACE_CONFIG" in os.environ:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        warnings.warn("deterministic mode enabled after CUDA was initialized: cuBLAS may already have chosen "
+                      "its workspace, so matmuls may not be repeatable in this process; set "
+                      f"CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE} before starting it", RuntimeWarning, stacklevel=2)
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+
+
+def enable_determinism() -> None:
+    """Strict deterministic algorithms, process-wide, for every method alike.
+
+    Strict (not `warn_only`): PyTorch then runs the deterministic variants of the flash and
+    memory-efficient attention backward (without it they accumulate dQ with atomics, so their bits
+    change with timing), leaves cuDNN attention out of SDPA's selection, and refuses an op that has no
+    deterministic implementation instead of running it with a warning; `deterministic_kernels` turns
+    that refusal into one line.
+    """
+    set_cublas_workspace()
+    torch.use_deterministic_algorithms(True)
+
+
+def kernel_refusal(error: BaseException) -> CapabilityError | None:
+    """The one-line error for strict mode's refusal of a kernel (None for any other error)."""
+    text = str(error)
+    if NO_DETERMINISTIC_KERNEL in text:
+        m = re.search(r"(\S+) " + NO_DETERMINISTIC_KERNEL, text)
+        op = m.group(1) if m else "an operation"
+        return CapabilityError(f"{op} has no deterministic implementation on this stack and `deterministic` asks "
+                               "for one: drop deterministic (--deterministic, `deterministic: true`) or pick another "
+                               "attention backend (--attention, `attention:`)")
+    if "CUBLAS_WORKSPACE_CONFIG" in text:
+        return CapabilityError("cuBLAS is not configured for repeatable matmuls and `deterministic` asks for them: "
+                               f"set CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE} in the environment before the process "
+                               "starts, or drop deterministic")
+    return None
+
+
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Training work under strict mode: a kernel it refuses ends in one CapabilityError naming the op
+    (not a traceback, and not a silent fallback to the nondeterministic kernel)."""
+    try:
+        yield
+    except RuntimeError as e:
+        refusal = kernel_refusal(e)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+@dataclass
+class StepResult:
+    loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step (over every rank's)
+    seconds: float
+    counters: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """A QLoRA training loop: `accumulate` the micro-batches of a step, then `optimizer_step`.
+
+    Subclasses change how the base weights reach the device, never the arithmetic.
+    """
+
+    method = "resident"
+
+    def __init__(self, store: NF4Store, cfg: TrainConfig, world: World = SINGLE):
+        check_seq_len(store.config, cfg.seq_len)
+        if cfg.deterministic:
+            enable_determinism()
+        self.store, self.cfg, self.world = store, cfg, world
+        self.device = torch.device(cfg.device.value)
+        self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
+        self.reducer = None  # or poros's own per-layer all-reduce (its `_distribute`)
+        self.attention_backends: dict[str, str] | None = None  # attention shape -> SDPA backend, once recorded
+        self.qlora = self._make_model()
+        self.model = self.qlora.add_lora()
+        self.params = self.qlora.lora_parameters()
+        # fused: one kernel, no foreach temporaries the size of the AdamW state (HF Trainer's
+        # default, adamw_torch_fused); the same optimizer for every method, so parity holds
+        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=cfg.lr, weight_decay=0.0, fused=True)
+        self.steps_done = 0
+        if world.distributed:
+            self._distribute()
+
+    def _distribute(self) -> None:
+        """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
+        backward (the others run under `no_sync`). Frozen weights and buffers are left out of its bucketing
+        and broadcasts: every rank builds them from the same store."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self.model, frozen + [n for n, _ in self.model.named_buffers()])
+        ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+
+    def _make_model(self) -> QLoRAModel:
+        model = QLoRAModel(self.store, self.cfg, self.device)
+        model.materialize_resident()
+        return model
+
+    def batches(self, step: int) -> list[Batch]:
+        c = self.cfg
+        vocab = self.store.config.vocab_size
+        w = self.world  # every rank draws the step's world.size * grad_accum micro-batches and takes its share
+        step_batches = synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum * w.size, seed=c.data_seed,
+                                      step=step)
+        return [b.to(self.device) for b in w.share(step_batches)]
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
+        with sdpa_context(self.cfg.attention):
+            out = (self.ddp or self.model)(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            loss = out.loss / self.cfg.grad_accum
+            loss.backward()
+        return loss.detach()
+
+    def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
+        `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
+        if self.ddp is None:
+            return [self.forward_backward(b) for b in batches]
+        losses = []
+        for k, b in enumerate(batches):
+            with self.ddp.no_sync() if k < len(batches) - 1 else contextlib.nullcontext():
+                losses.append(self.forward_backward(b))
+        return losses
+
+    def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
+        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python)."""
+        if self.attention_backends is not None:
+            return self.accumulate(batches)
+        with BackendLog() as log:
+            losses = self.accumulate(batches)
+        self.attention_backends = log.seen
+        return losses
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+
+    def counters(self) -> dict:
+        return {}
+
+    def reset_to(self, lora: dict[str, torch.Tensor]) -> None:
+        """Back to the start of training from the LoRA weights `lora` (e.g. `RecordedReference.init`):
+        weights copied in, gradients and AdamW state dropped, the step count at 0. A trainer reset this way
+        trains as a fresh one does (the sweep's control gates exactly that), without building it again."""
+        with torch.no_grad():
+            for name, p in self.params:
+                p.copy_(lora[name])
+                p.grad = None
+        self.optimizer.state.clear()
+        self.steps_done = 0
+
+    @contextlib.contextmanager
+    def alone(self):
+        """This rank trains by itself while inside: `grad_accum` micro-batches of its own a step and no
+        collective, on the set-up it already has (a data-parallel run's one-GPU figure, same process, same
+        schedule, no second build). Its weights then differ from the other ranks': time with it last."""
+        held = self.world, self.ddp, self.reducer
+        self.world, self.ddp, self.reducer = SINGLE, None, None
+        try:
+            yield self
+        finally:
+            self.world, self.ddp, self.reducer = held
+
+    def step(self, batches: list[Batch] | None = None) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches of the synthetic data."""
+        batches = batches if batches is not None else self.batches(self.steps_done)
+        t0 = time.perf_counter()
+        loss = torch.zeros((), device=self.device)
+        with deterministic_kernels():
+            for micro in self.accumulate_step(batches):
+                loss = loss + micro.float()
+            self.optimizer_step()
+        value = reduce_mean(float(loss), self.world, self.device)
+        return StepResult(value, time.perf_counter() - t0, self.counters())
+
+    # --- state for the parity gate --------------------------------------------------------
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.params}
+
+    def lora_grads(self) -> dict[str, torch.Tensor | None]:
+        return {n: p.grad for n, p in self.params}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in self.params:
+            for k, v in self.optimizer.state.get(p, {}).items():
+                out[f"{n}:{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+        return out
+
+    def close(self) -> None:
+        """Release device memory held by this trainer (now, not at the next gc cycle)."""
+        import gc
+
+        self.optimizer.state.clear()
+        for _, p in self.params:
+            p.grad = None
+        del self.model, self.qlora, self.params, self.optimizer, self.ddp
+        gc.collect()
+
+
+class ResidentTrainer(Trainer):
+    """Ordinary QLoRA: the whole NF4 model on the device."""
+
+    method = "resident"
+
+
+class ResidentGCTrainer(ResidentTrainer):
+    """Resident QLoRA with the Hugging Face model's gradient checkpointing, as users run long context:
+    non-reentrant `torch.utils.checkpoint` around every decoder layer, so a layer keeps only its input
+    and recomputes its activations in backward. The same kernels compute the same values in the same
+    order as plain resident QLoRA, so its bits are resident's (tests/engine/test_resident_gc.py gates that)."""
+
+    method = "resident_gc"
+
+    def _make_model(self) -> QLoRAModel:
+        model = super()._make_model()
+        checkpointing = {"use_reentrant": False}
+        hf = model.hf
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.24; the older name is deprecated
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        return model
+
+    def checkpointed_layers(self) -> int:
+        """Decoder layers whose forward runs under gradient checkpointing."""
+        return sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in self.qlora.layers)

@@ -1,0 +1,184 @@
+"""Unsloth as a third method (GPU only), measured like the others.
+
+Unsloth patches transformers, peft and bitsandbytes globally when imported and when it loads a
+model, so every Unsloth cell runs in its own child process (`python -m poros.engine.unsloth`):
+the resident and poros cells of the same session keep running stock code. The child loads the
+same NF4 weights, written by `poros.store.export` as a pre-quantized bitsandbytes checkpoint, through
+FastLanguageModel, adds LoRA on the same projections with Unsloth's default gradient
+checkpointing, and trains on the same synthetic batches with the same AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from poros.config import TrainConfig
+from poros.engine.attention import sdpa_context
+from poros.engine.data import synthetic_step
+from poros.engine.nvml import NvmlPeak
+from poros.engine.trainer import deterministic_kernels, enable_determinism
+from poros.errors import CapabilityError, PorosError
+from poros.store.export import export_bnb4bit
+
+ENV = {
+    "HF_HUB_OFFLINE": "1",  # no hub look-ups, statistics or model-name tables
+    "UNSLOTH_DISABLE_STATISTICS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+RESULT = "POROS_UNSLOTH_RESULT "
+
+
+def unavailable(device: str) -> str | None:
+    """Why Unsloth cannot run here (None when it can). Declared, not discovered by trying."""
+    if device != "cuda":
+        return "unsloth needs a CUDA GPU (it cannot even be imported without one)"
+    if importlib.util.find_spec("unsloth") is None:
+        return "unsloth is not installed (pip install 'poros[unsloth]')"
+    return None
+
+
+def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print,
+                    on_record=None):
+    """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record.
+
+    `on_record(record)` runs as soon as the child has reported, before the export is removed (tens of
+    GB: removing it takes seconds), so a run cut off during the clean-up keeps its result.
+    """
+
+    why = unavailable(cfg.device.value)
+    if why:
+        raise CapabilityError(why)
+    root = Path(workdir or os.environ.get("POROS_WORKDIR") or tempfile.gettempdir())
+    folder = Path(tempfile.mkdtemp(prefix="poros-unsloth-", dir=root))
+    proc = None
+    try:
+        t0 = time.perf_counter()
+        export_bnb4bit(store, folder)
+        log(f"  unsloth: exported the NF4 checkpoint to {folder} in {time.perf_counter() - t0:.1f} s")
+        cmd = [sys.executable, "-m", "poros.engine.unsloth", str(folder), "--steps", str(steps), "--passes", str(passes),
+               "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
+        env = {**os.environ, **ENV, "UNSLOTH_COMPILE_LOCATION": str(root / "unsloth_compiled_cache")}
+        if not cfg.deterministic:  # poros's determinism mode may have set it in this process
+            env.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        record, tail = None, []
+        for line in proc.stdout:
+            if line.startswith(RESULT):
+                record = json.loads(line[len(RESULT):])
+                log("  unsloth result: " + line[len(RESULT):].rstrip())
+            else:
+                tail = (tail + [line.rstrip()])[-30:]
+                # everything the child says goes to the log as it comes: a child cut off by a time
+                # budget (Unsloth may compile for minutes) still leaves where it was
+                log(line.rstrip() if line.startswith("  unsloth") else "  unsloth| " + line.rstrip())
+        if proc.wait() != 0 or record is None:
+            raise CapabilityError(f"unsloth child failed (exit {proc.returncode}): " + " | ".join(tail[-8:]))
+        if on_record is not None:
+            on_record(record)
+        return record
+    finally:
+        if proc is not None and proc.poll() is None:  # stopped or failed here: the child's GPU memory goes too
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _child(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m poros.engine.unsloth")
+    p.add_argument("checkpoint")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--passes", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--config", required=True, help="TrainConfig as JSON")
+    args = p.parse_args(argv)
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    from unsloth import FastLanguageModel  # must precede transformers and peft
+
+
+    cfg = TrainConfig(**json.loads(args.config))
+    if cfg.deterministic:  # strict, as for every method (the parent passes CUBLAS_WORKSPACE_CONFIG on)
+        enable_determinism()
+    try:
+        with deterministic_kernels():
+            return _train(args, cfg, FastLanguageModel, sdpa_context)
+    except PorosError as e:  # one line for the parent's error, not a traceback
+        print(f"  unsloth: error: {e}", flush=True)
+        return 3
+
+
+def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
+    import torch
+
+
+    torch.cuda.reset_peak_memory_stats()
+    t_load = time.perf_counter()
+    with NvmlPeak() as nvml:
+        model, _ = FastLanguageModel.from_pretrained(
+            args.checkpoint, load_in_4bit=True, max_seq_length=cfg.seq_len, dtype=torch.bfloat16,
+            local_files_only=True, use_exact_model_name=True)
+        model = FastLanguageModel.get_peft_model(
+            model, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0, bias="none",
+            target_modules=list(cfg.lora_targets), use_gradient_checkpointing="unsloth", random_state=cfg.seed)
+        import bitsandbytes as bnb
+
+        n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+        if n4 == 0:
+            raise SystemExit("unsloth loaded no 4-bit layers (bitsandbytes unavailable?)")
+        print(f"  unsloth: loaded with LoRA in {time.perf_counter() - t_load:.1f} s ({n4} 4-bit modules)", flush=True)
+        params = [q for q in model.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)  # as poros.engine.trainer
+        model.train()
+        vocab = model.config.vocab_size
+        per_pass, step = [], 0
+        for n in range(args.warmup + args.passes):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for s in range(args.steps):
+                for b in synthetic_step(vocab, cfg.seq_len, cfg.batch_size, cfg.grad_accum, seed=cfg.data_seed, step=step):
+                    with sdpa_context(cfg.attention):
+                        loss = model(input_ids=b.input_ids.cuda(), labels=b.labels.cuda()).loss / cfg.grad_accum
+                        loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step += 1
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            kind = "warm-up" if n < args.warmup else f"pass {n - args.warmup + 1}/{args.passes}"
+            print(f"  unsloth {kind}: {args.steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
+            if n >= args.warmup:
+                per_pass.append(dt)
+    per_step = [t / args.steps for t in per_pass]
+    print(RESULT + json.dumps({
+        "per_pass_s": per_pass,
+        "s_per_step_median": statistics.median(per_step),
+        "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+        "linear4bit_modules": n4,
+        "unsloth_version": _version("unsloth"),
+    }), flush=True)
+    return 0
+
+
+def _version(pkg: str):
+    import importlib.metadata as md
+
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

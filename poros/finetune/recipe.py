@@ -1,0 +1,417 @@
+"""`poros train`: fine-tune a local checkpoint on a JSON Lines file and keep an adapter peft loads.
+
+The run folder holds `config.json` (resolved settings, fingerprints of model and data, provenance of
+every invocation), `log.csv` and `loss.png`, `checkpoint/` (peft adapter, AdamW state, data position,
+RNG states; written every `save_every` steps, at the end and on Ctrl-C) and, at the end, `adapter/`.
+
+Exactness: the batches of step s are a function of (data, seed, s) alone (poros.finetune.data), the
+adapter starts from --seed, and a checkpoint holds every tensor the next step reads, so a resumed
+run ends torch.equal to an uninterrupted one, and poros and resident (the same arithmetic) end
+torch.equal to each other. Settings that would change that arithmetic are refused on --resume.
+
+Under `torchrun --nproc-per-node N -m poros train ...` the run is data-parallel (poros.engine.distributed):
+each step takes N x batch x grad_accum sequences, every rank trains its contiguous share, and rank 0
+alone writes the run folder. The number of ranks is part of the arithmetic (`gpus` in config.json):
+--resume refuses another.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from poros.config import COMPUTED_NAMES, Method, TrainConfig
+from poros.engine.distributed import any_rank, barrier, init_world, share_store
+from poros.engine.methods import make_trainer
+from poros.errors import CheckpointError, ConfigError, PorosError
+from poros.finetune.data import file_sha256, load_data, load_tokenizer
+from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
+from poros.models.checkpoint import resolve
+from poros.models.skeleton import check_seq_len
+from poros.provenance import provenance
+
+# settings that change what a step computes (--seed also draws the LoRA init and the data order);
+# --resume refuses a change to any of them and accepts new schedule settings
+EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
+TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "tokenizer.model", "vocab.json", "merges.txt")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """A `poros train` run: the training configuration plus data, run folder and schedule.
+
+    Raises:
+        ConfigError: listing every invalid field at once.
+    """
+
+    train: TrainConfig
+    data: Path
+    out: Path
+    steps: int
+    method: Method = Method.POROS
+    save_every: int = 100  # 0: only at the end and on Ctrl-C
+    eval_data: Path | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps <= 0:
+            problems.append(f"steps: expected an integer > 0, got {self.steps!r}")
+        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 0:
+            problems.append(f"save_every: expected an integer >= 0 (0: only at the end), got {self.save_every!r}")
+        try:
+            object.__setattr__(self, "method", Method(self.method))
+        except ValueError:
+            problems.append(f"method: expected poros or resident, got {self.method!r}")
+        else:
+            if self.method not in (Method.POROS, Method.RESIDENT):
+                problems.append(f"method: expected poros or resident, got {self.method.value!r}")
+        object.__setattr__(self, "data", Path(self.data))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.eval_data is not None:
+            object.__setattr__(self, "eval_data", Path(self.eval_data))
+        if problems:
+            raise ConfigError(problems, source="FinetuneConfig")
+
+    def settings(self) -> dict:
+        return {"model": str(Path(self.train.model).resolve()), "data": str(self.data.resolve()),
+                "eval_data": None if self.eval_data is None else str(self.eval_data.resolve()),
+                "out": str(self.out.resolve()), "steps": self.steps, "method": self.method.value,
+                "save_every": self.save_every, "train": self.train.as_dict()}
+
+
+@dataclass
+class RunSummary:
+    step: int  # optimizer steps done
+    interrupted: bool
+    losses: list[float] = field(default_factory=list)  # this invocation's steps
+    tokens_per_s: float | None = None  # median over this invocation's steps
+    peak_memory_gb: float | None = None
+    eval_loss: float | None = None
+    adapter: str | None = None
+
+    def json(self) -> str:
+        out = {k: v for k, v in self.__dict__.items() if k != "losses"}
+        return json.dumps(out | {"loss_first": self.losses[0] if self.losses else None,
+                                 "loss_last": self.losses[-1] if self.losses else None})
+
+
+# --- fingerprints and the run folder -----------------------------------------------------------
+
+
+def model_fingerprint(folder: Path) -> str:
+    """config.json and tokenizer files by content, weight files by name and size (cheap for 60 GB)."""
+    h = hashlib.sha256()
+    for name in ("config.json", *TOKENIZER_META):
+        if (folder / name).is_file():
+            h.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}\0{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
+    """Check the run folder; on resume return its config.json (settings of the run so far) with the
+    checkpoint's state.json under "checkpoint"."""
+    if not resume:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            if (out / "config.json").is_file():
+                raise ConfigError([f"{out} holds another run (config.json, checkpoint/); pass --resume to continue "
+                                   "it or choose another --out"], "--out")
+            raise ConfigError([f"{out} is not an empty folder; choose a new or empty --out"], "--out")
+        return None
+    if not (out / "config.json").is_file():
+        raise ConfigError([f"{out} holds no run (no config.json); leave out --resume to start one"], "--resume")
+    _recover_checkpoint(out)
+    if not (out / "checkpoint" / "state.json").is_file():
+        raise ConfigError([f"{out} has no checkpoint (checkpoint/state.json) to continue from; start again in a "
+                           "new --out"], "--resume")
+    before = json.loads((out / "config.json").read_text())
+    before["checkpoint"] = json.loads((out / "checkpoint" / "state.json").read_text())
+    if steps <= before["checkpoint"]["step"]:
+        raise ConfigError([f"the run in {out} is already at step {before['checkpoint']['step']}, got --steps "
+                           f"{steps}; raise --steps to train further"], "--steps")
+    return before
+
+
+def _check_resume(before: dict, now: dict) -> None:
+    """Name every setting whose change would break exactness."""
+    diffs = []
+    for k in EXACT_FIELDS:
+        a, b = before["settings"]["train"].get(k), now["settings"]["train"].get(k)
+        if a != b:
+            diffs.append(f"{k} {a} (now {b})")
+    for k in ("model", "data"):
+        a, b = before["fingerprints"][k], now["fingerprints"][k]
+        if a != b:
+            diffs.append(f"{k} {now['settings'][k]} (other content than the run's: sha256 {b[:12]}, was {a[:12]})")
+    if diffs:
+        raise ConfigError([f"settings differ from the run in {now['settings']['out']} and would change its result: "
+                           f"{', '.join(diffs)}; use the run's settings (its config.json) or a new --out"], "--resume")
+
+
+# --- checkpoint --------------------------------------------------------------------------------
+
+
+def _adapter_keys(trainer) -> dict[str, torch.nn.Parameter]:
+    """peft's saved key (adapter name removed) for each trainable LoRA parameter."""
+    from peft.utils import get_peft_model_state_dict
+
+    params = {n: p for n, p in trainer.params}
+    by_id = {id(p): p for p in params.values()}
+    sd = get_peft_model_state_dict(trainer.qlora.peft, state_dict=params, save_embedding_layers=False)
+    keys = {k: by_id[id(v)] for k, v in sd.items() if id(v) in by_id}
+    if len(keys) != len(params):
+        raise PorosError(f"peft names {len(keys)} of the {len(params)} LoRA parameters; cannot save the adapter")
+    return keys
+
+
+def write_adapter(trainer, folder: Path, base_model: str) -> Path:
+    """The trainer's LoRA weights as a peft adapter folder (adapter_config.json,
+    adapter_model.safetensors) for `PeftModel.from_pretrained(base_model, folder)`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: p.detach().to("cpu").contiguous() for k, p in _adapter_keys(trainer).items()}
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(trainer.qlora.peft.peft_config["default"])
+    config.base_model_name_or_path = base_model
+    config.inference_mode = True
+    config.save_pretrained(str(folder))
+    return folder
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(trainer, run: Path, state: dict, base_model: str) -> Path:
+    """Write checkpoint/ whole or not at all: into checkpoint.partial/, then swapped in."""
+    tmp, final, old = run / "checkpoint.partial", run / "checkpoint", run / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_adapter(trainer, tmp / "adapter", base_model)
+    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _recover_checkpoint(run: Path) -> None:
+    """A save cut off between its two renames leaves only checkpoint.old: take it back."""
+    if not (run / "checkpoint").exists() and (run / "checkpoint.old").exists():
+        (run / "checkpoint.old").rename(run / "checkpoint")
+
+
+def load_checkpoint(trainer, folder: Path) -> dict:
+    """Restore LoRA weights, AdamW state and RNG states saved by `save_checkpoint`; returns state.json."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    keys = _adapter_keys(trainer)
+    if set(saved) != set(keys):
+        missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
+        raise CheckpointError(f"{folder}: the adapter does not match the model: missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}")
+    with torch.no_grad():
+        for k, p in keys.items():
+            p.copy_(saved[k])
+    device = trainer.params[0][1].device
+    trainer.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=device, weights_only=True))
+    _set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
+    return json.loads((folder / "state.json").read_text())
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _peak_memory_gb(device: str) -> float:
+    """Peak device memory torch allocated (cuda), else the process's peak resident set (cpu)."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def eval_loss(trainer, batches) -> float:
+    """Mean loss per learned token over `batches`, run grad_accum micro-batches at a time as a step
+    runs them; the gradients it makes are dropped, so training continues exactly as without it
+    (gradients are None between optimizer steps)."""
+    accum = trainer.cfg.grad_accum
+    total, count = 0.0, 0
+    for i in range(0, len(batches) - accum + 1, accum):
+        group = [b.to(trainer.device) for b in batches[i : i + accum]]
+        losses = trainer.accumulate(group)
+        for _, p in trainer.params:
+            p.grad = None
+        for b, loss in zip(group, losses):
+            n = int((b.labels[:, 1:] != -100).sum())
+            total, count = total + float(loss) * accum * n, count + n
+    return total / count
+
+
+def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None = None,
+             resume_command: str | None = None, on_step=None) -> RunSummary:
+    """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`.
+
+    Args:
+        progress: a bar on stderr (None: only when it is a terminal; False: plain lines).
+        resume_command: printed when Ctrl-C stops the run.
+        on_step: called with the step number after each optimizer step (tests).
+    Raises:
+        PorosError: bad data, model folder, run folder or resume settings, each as one line.
+    """
+
+    world = init_world(fc.train.device.value)
+    if world.distributed:
+        fc = dataclasses.replace(fc, train=fc.train.replace(gpus=world.size))
+    cfg, out = fc.train, fc.out
+    before = _prepare_out(out, resume, fc.steps)
+    barrier(world)  # every rank has checked the folder before rank 0 writes into it
+    src = resolve(cfg.model)
+    if src.checkpoint is None:
+        raise ConfigError([f"{cfg.model} is a registered shape, with no tokenizer or trained weights; pass a "
+                           "checkpoint folder (config.json, safetensors and tokenizer files)"], "--model")
+    check_seq_len(src.config, cfg.seq_len)
+    tok = load_tokenizer(src.checkpoint)
+    vocab = src.config.vocab_size
+    data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab)
+    evals = None
+    if fc.eval_data is not None:
+        evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab).in_order(cfg.batch_size)
+        if len(evals) < cfg.grad_accum:
+            raise ConfigError([f"{fc.eval_data} holds fewer sequences than one step (--batch-size {cfg.batch_size} x "
+                               f"--grad-accum {cfg.grad_accum})"], "--eval-data")
+    record = {"settings": fc.settings(),
+              "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data)},
+              "data": {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}}
+    if before is not None:
+        _check_resume(before, record)
+    base_model = record["settings"]["model"]
+    start = before["checkpoint"]["step"] if before is not None else 0
+    bar = Progress(fc.steps, start, tty=progress) if world.main else _Quiet()
+    bar.message(f"poros train: {data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records; "
+                f"loading {src.name} on {cfg.device.value}")
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+    store, stats = share_store(src, seed=cfg.seed, device=cfg.device.value, world=world,
+                               progress=progress if world.main else False)
+    if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
+        torch.cuda.reset_peak_memory_stats()
+    trainer = make_trainer(fc.method, store, cfg, world)
+    try:
+        if before is not None:
+            state = load_checkpoint(trainer, out / "checkpoint")
+            if (state["step"], state["position"]) != (start, start * _sequences_per_step(cfg)):
+                raise CheckpointError(f"{out}/checkpoint: step {state['step']} and data position "
+                                      f"{state['position']} do not match (expected step {start})")
+            trainer.steps_done = start
+        record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
+                                                            "provenance": provenance()}]
+        if world.main:
+            (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
+        log = RunLog(out / "log.csv", start) if world.main else None
+        summary = _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
+        barrier(world)  # rank 0 has written the run folder
+        return summary
+    finally:
+        trainer.close()
+
+
+def _sequences_per_step(cfg) -> int:
+    """Sequences one optimizer step takes from the data, over every data-parallel rank."""
+    return cfg.gpus * cfg.batch_size * cfg.grad_accum
+
+
+class _Quiet:
+    """The progress of a rank other than 0: nothing printed."""
+
+    def message(self, text: str) -> None:
+        pass
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        pass
+
+
+def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats) -> RunSummary:
+    cfg, out, world = fc.train, fc.out, trainer.world
+    per_step = _sequences_per_step(cfg)
+    tokens = per_step * cfg.seq_len
+    bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({_size(stats.store_bytes)} NF4), "
+                f"steps {start + 1}-{fc.steps}")
+    summary = RunSummary(step=start, interrupted=False)
+    speeds = []
+    with StopRequest(bar.message) as stop:
+        for step in range(start, fc.steps):
+            t0 = time.perf_counter()
+            batches = data.batches_at(step * per_step, cfg.batch_size, cfg.grad_accum * world.size)
+            batches = [b.to(trainer.device) for b in world.share(batches)]
+            result = trainer.step(batches)
+            speeds.append(tokens / (time.perf_counter() - t0))
+            done = summary.step = step + 1
+            if not math.isfinite(result.loss):
+                raise PorosError(f"step {done}: the loss is {result.loss}; lower --lr (now {cfg.lr}) and start a new "
+                                 "run")
+            summary.losses.append(result.loss)
+            row = {"step": done, "loss": f"{result.loss:.6f}", "lr": trainer.optimizer.param_groups[0]["lr"],
+                   "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{_peak_memory_gb(cfg.device.value):.3f}"}
+            bar.update(done, result.loss, speeds[-1])
+            if on_step:
+                on_step(done)
+            last = done == fc.steps
+            stopping = any_rank(stop.requested, world)
+            if last or stopping or (fc.save_every and done % fc.save_every == 0):
+                if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
+                    summary.eval_loss = eval_loss(trainer, evals)
+                    row["eval_loss"] = f"{summary.eval_loss:.6f}"
+                    bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
+                if world.main:
+                    save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
+                                    base_model)
+                    log.append(row)
+                    plot_loss(log, out / "loss.png")
+            elif world.main:
+                log.append(row)
+            if stopping and not last:
+                summary.interrupted = True
+                again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
+                bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
+                            f"resume with:\n  {again}")
+                break
+    timed = sorted(speeds[1:] or speeds)  # the first step carries the warm-up
+    summary.tokens_per_s = timed[len(timed) // 2] if timed else None
+    summary.peak_memory_gb = _peak_memory_gb(cfg.device.value)
+    if not summary.interrupted and world.main:
+        summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
+        bar.message(f"done: adapter in {summary.adapter} (PeftModel.from_pretrained(base_model, "
+                    f"{summary.adapter!r}))")
+    return summary

@@ -1,0 +1,298 @@
+"""Matrix cells: parity first, then timed passes per method, each appended to results at once
+(`poros.harness.results`); progress as full log lines and one compact line per cell."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from poros.config import Method, TrainConfig
+from poros.engine.methods import gate_of, gated
+from poros.engine.nvml import NvmlPeak
+from poros.harness.matrix import Matrix, Stack
+from poros.harness.results import ResultsWriter  # noqa: F401  (re-exported: the suites and tests import it here)
+from poros.models.shapes import SHAPES
+from poros.provenance import provenance
+from poros.store.build import build_store
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    stack: Stack
+    method: Method | None  # None: the parity gate of this model × stack
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.stack.name, self.method.value if self.method else "parity")
+
+    @property
+    def id(self) -> str:
+        what = f"method={self.method.value}" if self.method else "gate=parity"
+        return f"model={self.model}-stack={self.stack.name}-{what}"
+
+
+def matrix_cells(m: Matrix) -> list[Cell]:
+    """Model by model: the parity gate, then each method (so one store build serves them all)."""
+    cells = []
+    for model in m.models:
+        for stack in m.stacks:
+            if gated(m.methods):
+                cells.append(Cell(model, stack, None))
+            cells.extend(Cell(model, stack, meth) for meth in m.methods)
+    return cells
+
+
+def matrix_device(m: Matrix) -> str:
+    if m.device is not None:
+        return m.device.value
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_config(m: Matrix, model: str) -> TrainConfig:
+    return TrainConfig.from_settings(m.settings_for(model), model=model, device=matrix_device(m))
+
+
+CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU
+
+
+def model_unavailable(model: str, device: str) -> str | None:
+    """Declared gate: full-size shapes are not run on a CPU (tiny ones and checkpoints are)."""
+
+    shape = SHAPES.get(model)
+    if device == "cpu" and shape is not None and (shape.published_params or 0) > CPU_PARAM_LIMIT:
+        return f"{model} has {shape.published_params / 1e9:.1f}B parameters: run it on a GPU (device: cuda)"
+    return None
+
+
+class StoreCache:
+    """Keeps the most recently built NF4 store (host memory) so a model is built once."""
+
+    def __init__(self, device: str):
+        self.device, self.key, self.store, self.stats = device, None, None, None
+
+    def get(self, model: str):
+        if self.key != model:
+
+            self.store = self.stats = None
+            gc.collect()
+            self.store, self.stats = build_store(model, device=self.device, progress=None)
+            self.key = model
+        return self.store
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+PEAKS = ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")  # the device peaks a Measurement records
+
+
+def step_tokens(cfg: TrainConfig, ranks: int = 1) -> int:
+    """Tokens one optimizer step trains, every rank's counted."""
+    return ranks * cfg.seq_len * cfg.batch_size * cfg.grad_accum
+
+
+@dataclass
+class Measurement:
+    per_pass_s: list[float] = field(default_factory=list)
+    counters: list[dict] = field(default_factory=list)
+    peak_vram_gb: float | None = None
+    peak_vram_nvml_gb: float | None = None
+    attention_backends: dict | None = None  # attention shape -> the SDPA backend it ran on
+    # torch's reserved peak: CUDA graphs' private pools hold their intermediates as reserved, not allocated
+    peak_reserved_gb: float | None = None
+
+
+_writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
+_status = None  # the one compact line per cell (the terminal)
+_cell = ""  # the current cell's label, which status updates follow
+
+
+def set_progress_writer(writer) -> None:
+    """Route progress lines through `writer(msg)` (the suites pass one that bypasses pytest's
+    capture; None drops them)."""
+    global _writer
+    _writer = writer
+
+
+def set_status_writer(writer) -> None:
+    """Route the compact per-cell line through `writer(msg, final)`: `final` ends the cell's line,
+    otherwise `msg` replaces what the line shows so far."""
+    global _status
+    _status = writer
+
+
+def status_writer():
+    return _status
+
+
+def progress(msg: str) -> None:
+    """A line of the full log (on stderr when no writer was set)."""
+    if _writer is not None:
+        _writer(msg)
+    elif _status is None:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def begin_cell(label: str) -> None:
+    """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 resident`."""
+    global _cell
+    _cell = label
+    status("…")
+
+
+def status(msg: str) -> None:
+    """Show `msg` as where the current cell's compact line is (a TTY rewrites the line in place)."""
+    if _status is not None and _cell:
+        _status(f"{_cell}: {msg}", False)
+
+
+def end_cell(msg: str) -> None:
+    """End the current cell's compact line with its outcome (nothing when no cell is open)."""
+    global _cell
+    if _status is not None and _cell:
+        _status(f"{_cell}: {msg}", True)
+    _cell = ""
+
+
+class StatusLine:
+    """The compact per-cell line on a terminal stream: rewritten in place on a TTY, and only its
+    final form (one line per cell) elsewhere."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+
+    def __call__(self, msg: str, final: bool) -> None:
+        if self.tty:
+            import shutil
+
+            width = shutil.get_terminal_size().columns
+            self.stream.write("\r\033[K" + (msg if final else msg[: max(width - 1, 20)]) + ("\n" if final else ""))
+        elif final:
+            self.stream.write(msg + "\n")
+        self.stream.flush()
+
+
+def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, benchmark=None, label: str = "") -> Measurement:
+    """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes."""
+    out = Measurement()
+    done = {"n": 0}
+
+    def one_pass():
+        _sync(cfg.device.value)
+        t0 = time.perf_counter()
+        counters = []
+        kind = "warm-up" if done["n"] < warmup else f"pass {done['n'] - warmup + 1}/{passes}"
+        for s in range(steps):
+            r = trainer.step()
+            counters.append(r.counters)
+            status(f"{kind}, step {s + 1}/{steps}")
+            if (s + 1) % max(1, steps // 4) == 0 or s + 1 == steps:
+                progress(f"  {label} {kind}: step {s + 1}/{steps} loss {r.loss:.4f}")
+        _sync(cfg.device.value)
+        elapsed = time.perf_counter() - t0
+        if done["n"] >= warmup:
+            out.per_pass_s.append(elapsed)
+            out.counters.extend(counters)
+        done["n"] += 1
+
+
+    with NvmlPeak() as nvml:
+        if benchmark is not None:
+            benchmark.pedantic(one_pass, rounds=passes, warmup_rounds=warmup, iterations=1)
+        else:
+            for _ in range(warmup + passes):
+                one_pass()
+    if nvml.peak is not None:
+        out.peak_vram_nvml_gb = nvml.peak / 1e9
+    if cfg.device.value == "cuda":
+        out.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
+        out.peak_reserved_gb = torch.cuda.max_memory_reserved() / 1e9
+    out.attention_backends = getattr(trainer, "attention_backends", None) or None
+    return out
+
+
+def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, parity, *, reduced: bool,
+           status: str = "ok", error: str | None = None, arch: str = "", plan: dict | None = None) -> dict:
+    """One results row (the schema `poros report` reads). `plan`: the poros plan's summary, so the row
+    carries the predicted peak and bytes beside the measured ones."""
+
+    steps = m.steps
+    pair = gate_of(m.methods)  # (reference, method) of this matrix's gate
+    gate_applies = pair is not None and (cell.method is None or cell.method in pair)
+    per_step = [t / steps for t in meas.per_pass_s] if meas else []
+    row = {
+        "matrix": m.name,
+        "model": cell.model,
+        "arch": arch,
+        "method": cell.method.value if cell.method else "parity",
+        "stack": cell.stack.label(),
+        "stack_name": cell.stack.name,
+        "steps": steps,
+        "passes": m.passes,
+        "warmup_passes": m.warmup_passes,
+        "reduced": reduced,
+        "s_per_step_median": statistics.median(per_step) if per_step else None,
+        "s_per_step_std": statistics.stdev(per_step) if len(per_step) > 1 else (0.0 if per_step else None),
+        "per_pass_s": meas.per_pass_s if meas else [],
+        "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
+        "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
+        **{k: getattr(meas, k) if meas else None for k in PEAKS},
+        "attention_backends": meas.attention_backends if meas else None,
+        "parity": None if not gate_applies or parity is None else parity.parity,
+        "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
+        "parity_max_abs_diff": None if not gate_applies or parity is None else parity.max_abs_diff,
+        "parity_first_mismatch": None if parity is None else parity.first_mismatch,
+        "parity_steps": None if cell.method is Method.UNSLOTH or parity is None else parity.steps,
+        "bytes_h2d_per_step": None,
+        "copy_gbps": None,
+        "copy_hidden_share": None,
+        "status": status,
+        "error": error,
+        "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
+        "plan": None if plan is None else {k: plan[k] for k in (
+            "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
+            "peak_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes")},
+        "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,
+        "resident_layers": None if plan is None else len(plan["resident_layers"]),
+        "provenance": provenance(),
+    }
+    row.update(copy_summary(meas.counters if meas else []))
+    return row
+
+
+def copy_summary(step_counters: list[dict]) -> dict:
+    """Where a poros step's copy time went, from the engine's per-step counters: bytes host->device
+    per step, achieved GB/s, the share of copy time hidden behind compute and the wait per step.
+    Empty for methods without counters."""
+    counters = [c for c in step_counters if c.get("bytes_h2d") is not None]
+    if not counters:
+        return {}
+    n = len(counters)
+    copied = sum(c["bytes_h2d"] for c in counters)
+    copy_s = sum(c.get("copy_s", 0.0) for c in counters)
+    wait_s = sum(c.get("copy_wait_s", 0.0) for c in counters)
+    out = {
+        "bytes_h2d_per_step": copied // n,
+        "copy_gbps": copied / copy_s / 1e9 if copy_s > 0 else None,
+        "copy_hidden_share": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
+        "copy_wait_s_per_step": wait_s / n,
+    }
+    reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
+    if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
+        out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)
+    return out

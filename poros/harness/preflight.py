@@ -1,0 +1,249 @@
+"""Checks made before any work starts: every refusal is one line naming the setting, what was
+expected, what came in and what to do. Used by the CLI and by the matrix suites' session start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from poros.config import LORA_TARGETS
+from poros.errors import CapabilityError, ConfigError, PorosError
+from poros.harness.bench import model_unavailable
+from poros.harness.matrix import load_matrix as load
+from poros.harness.matrix import resolve_matrix_path
+from poros.harness.report import load_reference
+from poros.models.checkpoint import resolve
+from poros.models.skeleton import (
+    check_seq_len,
+    check_supported,
+    decoder_layers,
+    skeleton,
+)
+from poros.store.host_memory import check_host_memory as check
+from poros.store.host_memory import config_host_need
+
+
+def check_counts(source: str, **counts: int | None) -> None:
+    """Step and pass counts given on a command line (None: the matrix's own) must be integers >= 1.
+
+    Raises:
+        ConfigError: listing every bad count, e.g. `--steps: expected an integer >= 1, got 0`.
+    """
+    problems = [f"--{name.replace('_', '-')}: expected an integer >= 1, got {value!r}"
+                for name, value in counts.items()
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1)]
+    if problems:
+        raise ConfigError(problems, source)
+
+
+def check_device(device: str, where: str) -> None:
+    """`device` must be cpu, cuda or cuda:N, and a CUDA device must be present when asked for.
+
+    Raises:
+        ConfigError: not a device name.
+        CapabilityError: CUDA asked for on a machine (or torch build) without it.
+    """
+    import torch
+
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ConfigError([f"expected cpu, cuda or cuda:N, got {device!r}"], where)
+    if kind != "cuda":
+        return
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is a CPU-only build"
+    elif not torch.cuda.is_available():
+        why = "torch finds no CUDA GPU (driver missing or CUDA_VISIBLE_DEVICES empty)"
+    elif index and int(index) >= torch.cuda.device_count():
+        why = f"torch sees {torch.cuda.device_count()} CUDA GPU(s), numbered from 0"
+    else:
+        return
+    raise CapabilityError(f"{where}: {device} requested, but {why}; use device cpu here, or run on a GPU machine "
+                          f"with a CUDA build of torch")
+
+
+def model_problems(models, seq_len: int) -> list[str]:
+    """Problems knowable from each model's config alone: an unreadable checkpoint folder, layers
+    Poros cannot quantize, and `seq_len` beyond the model's max_position_embeddings."""
+
+    problems = []
+    for model in models:
+        try:
+            src = resolve(model)
+            try:
+                check_seq_len(src.config, seq_len, model)
+            except ConfigError as e:
+                problems.extend(e.problems)
+            if src.checkpoint is not None:  # registered shapes are known to be supported
+                list_name, layers = decoder_layers(skeleton(src.config))
+                check_supported(src.name, layers, list_name)
+                names = {n.rsplit(".", 1)[-1] for n, _ in layers[0].named_modules()} if len(layers) else set()
+                if not names & set(LORA_TARGETS):
+                    problems.append(f"{model}: its decoder layers have none of the LoRA target modules "
+                                    f"({', '.join(LORA_TARGETS)}); Poros cannot attach adapters to it")
+        except PorosError as e:
+            problems.append(str(e))
+    return problems
+
+
+def check_matrix(m) -> None:
+    """A loaded matrix, against its models' configs (what `poros validate` adds to the file checks).
+
+    Raises:
+        ConfigError: listing every problem.
+    """
+    problems = model_problems(m.models, m.seq_len)
+    if problems:
+        raise ConfigError(problems, m.source)
+
+
+def check_host_memory(models, device: str) -> None:
+    """Every model's build must fit in host memory (from its shapes alone, nothing allocated).
+
+    Raises:
+        PorosError: naming the first model that would not fit.
+    """
+
+    for model in models:
+        src = resolve(model)
+        check(src.name, config_host_need(src.config, device))
+
+
+def load_matrix(name_or_path: str):
+    """`poros.harness.matrix.load_matrix`, with a file that is not text (or not readable) refused in one line.
+
+    Raises:
+        ConfigError: naming the file.
+    """
+
+    if Path(name_or_path).is_dir():
+        raise ConfigError(["is a folder, expected a matrix file (YAML), e.g. matrices/cpu.yaml"], name_or_path)
+    path = resolve_matrix_path(name_or_path)
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"not a matrix file: byte {e.start} is not UTF-8 text (expected YAML)"], str(path)) from None
+    except OSError as e:
+        raise ConfigError([f"cannot read it ({e.strerror})"], str(path)) from None
+    return load(name_or_path)
+
+
+def check_keyword(expr: str | None) -> None:
+    """A `-k` expression must parse (pytest would report it only inside the run's log).
+
+    Raises:
+        ConfigError: naming the expression and pytest's complaint.
+    """
+    if not expr:
+        return
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # pytest moved it: the run itself will complain
+        return
+    try:
+        Expression.compile(expr)
+    except Exception as e:  # SyntaxError in pytest 8.4+, ParseError before
+        why = getattr(e, "msg", None) or getattr(e, "message", None) or str(e)
+        raise ConfigError([f"-k {expr!r}: not a valid selection ({why}); e.g. -k 'qwen3 and poros'"],
+                          "poros bench") from None
+
+
+def check_report_paths(inputs, output, reference=None) -> None:
+    """A report goes to a .md file that is none of its inputs (nor their PNG), in a writable folder.
+
+    Raises:
+        PorosError: naming the output and why it cannot be written.
+    """
+    out = Path(output)
+    if out.is_dir():
+        raise PorosError(f"-o {output} is a folder, expected a .md file name, e.g. -o {out / 'report.md'}")
+    written = {out.resolve(), out.with_suffix(".png").resolve()}
+    for given in [*inputs, *([reference] if reference else [])]:
+        if Path(given).resolve() in written:
+            raise PorosError(f"-o {output} would write over the input {given}; a command never writes over its own "
+                             f"input: pass another file, e.g. -o {out.with_name('report.md')}")
+    if out.suffix.lower() != ".md":
+        raise PorosError(f"-o {output}: expected a Markdown file name ending in .md (the report; its PNG is "
+                         f"written beside it), e.g. -o {out.with_suffix('.md')}")
+    folder = out.parent
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise PorosError(f"-o {output}: {probe} is a file, so the report's folder {folder} cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PorosError(f"-o {output}: folder {probe} is not writable; pass a writable path")
+    for target in (out, out.with_suffix(".png")):
+        if target.exists() and not os.access(target, os.W_OK):
+            raise PorosError(f"-o {output}: {target} exists and is read-only; pass another file")
+
+
+def check_resume(rows: list[dict], m, path) -> None:
+    """`--resume` continues one run: rows of another matrix, or measured with other steps or
+    passes, would be mixed into its results and stand in for cells it never ran.
+
+    Raises:
+        PorosError: naming what the file holds and what this run would be.
+    """
+    other = sorted({str(r.get("matrix")) for r in rows if r.get("matrix") != m.name})
+    if other:
+        raise PorosError(f"--resume: {path} holds rows of matrix {', '.join(map(repr, other))}, this run is "
+                         f"{m.name!r}; resume with that matrix, or pass another -o")
+    differ = sorted({(r.get("steps"), r.get("passes")) for r in rows} - {(m.steps, m.passes)}, key=str)
+    if differ:
+        steps, passes = differ[0]
+        raise PorosError(f"--resume: {path} has rows of {steps} steps x {passes} passes, this run would measure "
+                         f"{m.steps} x {m.passes}; pass --steps {steps} --passes {passes}, or another -o")
+
+
+def check_reference(path) -> None:
+    """A `--reference` file must be a readable CSV with the reference columns.
+
+    Raises:
+        PorosError: naming the file and what is wrong with it.
+    """
+
+    p = Path(path)
+    if p.is_dir():
+        raise PorosError(f"--reference {path} is a folder, expected a CSV file (seed_reference.csv format)")
+    if p.is_file():
+        try:
+            p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PorosError(f"--reference {path}: not a CSV file (byte {e.start} is not UTF-8 text)") from None
+    try:
+        load_reference(p)
+    except PorosError:
+        raise
+    except ValueError as e:  # pandas' parser errors
+        raise PorosError(f"--reference {path}: not a readable CSV ({str(e).splitlines()[0][:160]})") from None
+
+
+def check_runnable(m, device: str) -> None:
+    """Refuse a matrix none of whose cells can run here (every stack pinned to other versions, or
+    every model too large for this device), before an output folder fills with skipped cells.
+
+    Raises:
+        CapabilityError: with the first reason.
+    """
+
+    stacks = [s.mismatch() for s in m.stacks]
+    if all(stacks):
+        raise CapabilityError(f"{m.source}: no cell can run here: {stacks[0]}")
+    models = [model_unavailable(x, device) for x in m.models]
+    if all(models):
+        raise CapabilityError(f"{m.source}: no cell can run here: {models[0]}")
+    check_ranks(m.settings.get("gpus", 1), device, f"{m.source}: gpus")
+
+
+def check_ranks(gpus: int, device: str, where: str) -> None:
+    """`gpus` data-parallel ranks need as many CUDA devices on this host (on the CPU they are processes).
+
+    Raises:
+        CapabilityError: naming how many the host has.
+    """
+    import torch
+
+    if gpus > 1 and device.startswith("cuda") and gpus > torch.cuda.device_count():
+        raise CapabilityError(f"{where}: {gpus} data-parallel ranks need {gpus} CUDA GPUs; this host has "
+                              f"{torch.cuda.device_count()}: set gpus to {max(torch.cuda.device_count(), 1)} or less")

@@ -1,0 +1,114 @@
+"""A matrix cell on several data-parallel ranks (`gpus: N`): `poros bench` starts N processes with torchrun
+(`run_ranks`), each runs this module's `main` on its share of every step (poros.engine.distributed), and rank 0
+reports the gate's result or the measurement as one JSON file the bench turns into a results row."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from poros.config import Method, TrainConfig
+from poros.engine.distributed import (
+    LAUNCH_ENV,
+    MULTICAST_OFF,
+    close_world,
+    init_world,
+    largest,
+    share_store,
+)
+from poros.engine.methods import make_trainer
+from poros.engine.parity import parity
+from poros.engine.trainer import set_cublas_workspace
+from poros.errors import CapabilityError
+from poros.harness.bench import PEAKS, measure
+
+RANK_ENV = (*LAUNCH_ENV, "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # what a launcher sets for its ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(ranks: int) -> list[str]:
+    """The command that starts `ranks` processes of this host (what follows is the program and its arguments)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port())]
+
+
+def launch_env(ranks: int) -> dict[str, str]:
+    """This process's environment for ranks it starts: no rank variables of its own, NVLink multicast off,
+    the host's CPU threads shared out (torchrun would give each rank one)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    env.update({k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()})
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    return env
+
+
+def run_ranks(spec: dict, ranks: int, log=print) -> dict:
+    """Run `spec` (kind "gate" or "measure", the config, the methods, steps) on `ranks` processes of this
+    host; returns rank 0's report. Every line the ranks print goes to `log` as it comes.
+
+    Raises:
+        CapabilityError: the ranks failed, with the last lines they printed.
+    """
+    with tempfile.TemporaryDirectory(prefix="poros-ranks-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        cmd = torchrun(ranks) + ["-m", "poros.harness.ranks", json.dumps(spec), str(out)]
+        proc = subprocess.Popen(cmd, env=launch_env(ranks), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-30:]
+            log("  ranks| " + line.rstrip())
+        if proc.wait() != 0 or not out.is_file():
+            errors = [t for t in tail if "Error" in t] or tail
+            raise CapabilityError(f"{ranks} data-parallel ranks failed (exit {proc.returncode}): "
+                                  + " | ".join(errors[-4:]))
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str]) -> int:
+    spec, out = json.loads(argv[0]), Path(argv[1])
+
+    values = dict(spec["config"])
+    cfg = TrainConfig.from_settings(values, model=values.pop("model"))
+    if cfg.deterministic:
+        set_cublas_workspace()  # before CUDA starts
+    import torch
+
+
+    world = init_world(cfg.device.value)
+    if world.size != cfg.gpus:
+        raise CapabilityError(f"gpus: {cfg.gpus} but {world.size} ranks were started")
+    try:
+        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world)
+        if spec["kind"] == "gate":
+            result = parity(cfg, steps=spec["steps"], store=store, method=Method(spec["method"]),
+                            reference=Method(spec["reference"]), sequential=spec["sequential"], world=world)
+            report = asdict(result)
+        else:
+            trainer = make_trainer(Method(spec["method"]), store, cfg, world)
+            plan = trainer.plan.summary() if hasattr(trainer, "plan") else None
+            if cfg.device.value == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])
+            for k in PEAKS:  # the largest rank's
+                setattr(meas, k, largest(getattr(meas, k), world))
+            report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type}
+            trainer.close()
+        if world.main:
+            out.write_text(json.dumps(report, default=str))
+    finally:
+        close_world()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""Where weights come from: a registered synthetic shape or a local Hugging Face checkpoint folder,
+read one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from poros.errors import CheckpointError, UnknownModelError
+from poros.models.shapes import SHAPES, get_shape
+
+
+@dataclass
+class Source:
+    """Where the weights come from: a registered synthetic shape or a local checkpoint folder."""
+
+    name: str
+    config: object
+    checkpoint: Path | None = None
+
+    @property
+    def arch(self) -> str:
+        return self.config.model_type
+
+
+def resolve(model: str) -> Source:
+    """Turn a registry name or checkpoint folder into a Source.
+
+    Raises:
+        UnknownModelError: neither a registered name nor an existing folder.
+        CheckpointError: a folder without config.json or without its weights.
+    """
+
+    path = Path(model).expanduser()
+    if model in SHAPES:
+        return Source(model, get_shape(model).config())
+    if path.is_dir():
+        return Source(str(path), _checkpoint_config(path), checkpoint=path)
+    if os.sep in model or model.startswith("."):
+        raise CheckpointError(f"checkpoint folder {model!r} does not exist")
+    get_shape(model)  # raises UnknownModelError listing the known names
+    raise UnknownModelError(model)  # pragma: no cover
+
+
+def _checkpoint_config(path: Path):
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: missing config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config.use_cache = False
+    return config
+
+
+class CheckpointReader:
+    """Reads one tensor at a time from a (sharded or single) safetensors checkpoint."""
+
+    _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.", "")
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._open = {}
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+                assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise CheckpointError(f"{index}: not a safetensors index (JSON with a weight_map of tensor name to "
+                                      f"file); re-save the checkpoint or delete the index") from None
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors weights found")
+            weight_map = {}
+            for f in files:
+                weight_map.update({k: f.name for k in self._handle(f.name).keys()})
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise CheckpointError(f"{path}: shard {shard} named in model.safetensors.index.json is missing")
+        self._by_suffix = {self._strip(k): (k, shard) for k, shard in weight_map.items()}
+
+    def _handle(self, shard: str):
+        from safetensors import safe_open
+
+        if shard not in self._open:
+            try:
+                self._open[shard] = safe_open(str(self.path / shard), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for a bad header
+                raise CheckpointError(f"{self.path / shard}: not a readable safetensors file "
+                                      f"({str(e).splitlines()[0][:160]}); it is truncated or corrupt: "
+                                      f"download or save it again") from None
+        return self._open[shard]
+
+    @classmethod
+    def _strip(cls, key: str) -> str:
+        for p in cls._PREFIXES:
+            if p and key.startswith(p):
+                return key[len(p) :]
+        return key
+
+    def has(self, name: str) -> bool:
+        return self._strip(name) in self._by_suffix
+
+    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name`; with `like`, checked to have its shape and a floating-point dtype
+        (copy_ would broadcast a [1] tensor over a [128] norm weight without a word).
+
+        Raises:
+            CheckpointError: naming the file and tensor that is missing, unreadable or mis-shaped.
+        """
+        hit = self._by_suffix.get(self._strip(name))
+        if hit is None:
+            raise CheckpointError(f"{self.path}: tensor {name} not found in the checkpoint")
+        key, shard = hit
+        where = self.path / shard
+        try:
+            t = self._handle(shard).get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{where}: tensor {key} cannot be read ({str(e).splitlines()[0][:160]}); the "
+                                  f"file is truncated or corrupt: download or save it again") from None
+        if like is not None:
+            if tuple(t.shape) != tuple(like.shape):
+                raise CheckpointError(f"{where}: tensor {key} has shape {list(t.shape)}, expected {list(like.shape)} "
+                                      f"from config.json; the weights do not match their config.json")
+            if like.is_floating_point() and not t.is_floating_point():
+                raise CheckpointError(f"{where}: tensor {key} is {t.dtype}, expected floating-point weights (a "
+                                      f"quantized checkpoint?); pass the original bf16/fp16/fp32 checkpoint")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise CheckpointError(f"{where}: tensor {key} holds {bad} NaN/inf values of {t.numel()}; the "
+                                      f"file is corrupt: download or save it again")
+        return t

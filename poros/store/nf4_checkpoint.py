@@ -1,0 +1,161 @@
+"""Read an already NF4-quantized bitsandbytes checkpoint straight into an NF4 store.
+
+A folder whose config.json carries a bitsandbytes 4-bit `quantization_config` (what transformers'
+`save_pretrained` writes for a `load_in_4bit` model, and what poros/store/export.py writes) holds each
+quantized linear as packed uint8 bytes plus its quant state (`.absmax`, `.quant_map`, and with
+double quantization `.nested_absmax`, `.nested_quant_map`). The bytes are copied into the arena as
+they are; a double-quantized absmax is expanded to float32 exactly as bitsandbytes does before
+every dequantization, so the store dequantizes to the checkpoint's weights bit for bit. Linears the
+checkpoint left unquantized are quantized here, as a bf16 build would.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from poros.errors import CheckpointError
+from poros.models.checkpoint import CheckpointReader
+from poros.models.skeleton import (
+    decoder_layers,
+    layer_linears,
+    persistent_buffers,
+    skeleton,
+)
+from poros.store.arena import (
+    NF4_BLOCKSIZE,
+    NF4Store,
+    absmax_view,
+    host_buffer,
+    plan_layout,
+    weight_view,
+)
+from poros.store.progress import BuildStats, LayerProgress
+from poros.store.quantize import quantize_nf4
+
+QUANT_STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
+                    "quant_state.bitsandbytes__fp4")
+
+
+def quantization_config(path: Path) -> dict | None:
+    """The `quantization_config` of a checkpoint folder's config.json, if it has one."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    return q if isinstance(q, dict) else None
+
+
+def is_bnb_checkpoint(path: Path) -> bool:
+    q = quantization_config(path)
+    return q is not None and q.get("quant_method") == "bitsandbytes"
+
+
+def _check_config(path: Path, q: dict) -> None:
+    if q.get("load_in_8bit") or q.get("_load_in_8bit"):
+        raise CheckpointError(f"{path}: an 8-bit bitsandbytes checkpoint; poros trains on NF4 (4-bit) weights: "
+                              "use the bf16/fp16 checkpoint or an NF4 one")
+    kind = q.get("bnb_4bit_quant_type", "fp4")
+    if kind != "nf4":
+        raise CheckpointError(f"{path}: bnb_4bit_quant_type is {kind!r}, expected 'nf4'; "
+                              "use the bf16/fp16 checkpoint and let poros quantize it")
+
+
+def _quant_state(reader, name: str, path: Path):
+    """The bitsandbytes QuantState stored next to the packed weight `name`, absmax as float32."""
+    from bitsandbytes.functional import QuantState, dequantize_blockwise
+
+    parts = {k: reader.get(f"{name}.{k}") for k in QUANT_STATE_KEYS if reader.has(f"{name}.{k}")}
+    if "absmax" not in parts:
+        raise CheckpointError(f"{path}: {name} is packed (uint8) but has no {name}.absmax quant state")
+    try:
+        state = QuantState.from_dict(parts, device=torch.device("cpu"))
+    except (ValueError, KeyError, AssertionError) as e:
+        raise CheckpointError(f"{path}: {name}: unreadable quant state ({e})") from None
+    if state.quant_type != "nf4" or state.blocksize != NF4_BLOCKSIZE:
+        raise CheckpointError(f"{path}: {name} is {state.quant_type} with blocksize {state.blocksize}; poros holds "
+                              f"nf4 with blocksize {NF4_BLOCKSIZE}: use the bf16/fp16 checkpoint")
+    absmax = state.absmax
+    if state.nested:  # as bitsandbytes' dequantize_4bit expands it
+        absmax = dequantize_blockwise(state.absmax, state.state2)
+        absmax += state.offset
+    return state, absmax.float()
+
+
+def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=None, allocate=None):
+    """The NF4 store of a bitsandbytes 4-bit checkpoint folder `src` (a poros.models.checkpoint.Source).
+
+    Returns:
+        (NF4Store, BuildStats) as `poros.store.build.build_store` does.
+    Raises:
+        CheckpointError: 8-bit or fp4 quantization, another blocksize, a missing tensor or quant state,
+            or shapes that do not match the config.
+    """
+
+    path = Path(src.checkpoint)
+    _check_config(path, quantization_config(path))
+    t0 = time.perf_counter()
+    config = copy.deepcopy(src.config)
+    if hasattr(config, "quantization_config"):  # the store is plain NF4 data; no model is quantized again
+        del config.quantization_config
+    reader = CheckpointReader(path)
+    model = skeleton(config)
+    list_name, layers = decoder_layers(model)
+    prefixes = [f"{list_name}.{i}" for i in range(len(layers))]
+    layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])
+    arena = (allocate or host_buffer)(total)
+    dense: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    code = None
+    report = LayerProgress(f"loading {src.name}", len(layers), progress, on_layer)
+    for i, (layer, prefix, layout) in enumerate(zip(layers, prefixes, layouts)):
+        linear_weights = {f"{n}.weight" for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        for slot in layout.slots:
+            w = reader.get(f"{slot.name}.weight")
+            if w.is_floating_point():  # left unquantized by the checkpoint: quantize as a build does
+                packed, state = quantize_nf4(w.to(device=device, dtype=torch.bfloat16))
+                absmax = state.absmax
+            else:
+                state, absmax = _quant_state(reader, f"{slot.name}.weight", path)
+                if tuple(state.shape) != slot.shape:
+                    raise CheckpointError(f"{path}: {slot.name}.weight has shape {tuple(state.shape)}, the config "
+                                          f"gives {slot.shape}")
+                packed = w.view(torch.uint8)
+            if packed.numel() != slot.weight_nbytes or absmax.numel() != slot.absmax_numel:
+                raise CheckpointError(f"{path}: {slot.name}.weight holds {packed.numel()} bytes and "
+                                      f"{absmax.numel()} absmax values, expected {slot.weight_nbytes} and "
+                                      f"{slot.absmax_numel}")
+            code = state.code.to("cpu") if code is None else code
+            if not torch.equal(state.code.to("cpu"), code):
+                raise CheckpointError(f"{path}: {slot.name}.weight uses another NF4 lookup table than the layers "
+                                      "before it")
+            weight_view(arena, slot).copy_(packed.reshape(-1, 1))
+            absmax_view(arena, slot).copy_(absmax.float())
+        for name, p in layer.named_parameters():
+            if name not in linear_weights:
+                dense[f"{prefix}.{name}"] = reader.get(f"{prefix}.{name}").to(p.dtype).clone()
+        for name, b in persistent_buffers(layer):
+            full = f"{prefix}.{name}"
+            buffers[full] = (reader.get(full) if reader.has(full) else b).to("cpu", b.dtype, copy=True)
+        report(i + 1)
+    report.done()
+    in_layers = {id(p) for p in layers.parameters()}
+    tied = getattr(config, "tie_word_embeddings", False)
+    for mname, module in model.named_modules():
+        for n, p in module.named_parameters(recurse=False):
+            full = f"{mname}.{n}" if mname else n
+            if id(p) in in_layers or (tied and full == "lm_head.weight") or full in dense:
+                continue
+            t = reader.get(full)
+            if not t.is_floating_point():
+                raise CheckpointError(f"{path}: {full} is quantized; poros quantizes only the decoder layers' "
+                                      "linears (keep lm_head and embeddings in bf16: llm_int8_skip_modules)")
+            dense[full] = t.to(p.dtype).clone()
+    store = NF4Store(config, layouts, arena, dense, code, source=src.name, buffers=buffers)
+    return store, BuildStats(time.perf_counter() - t0, total, len(layers), str(torch.device(device)), None)

@@ -1,0 +1,57 @@
+"""The `poros` command line: env block, model list, and a CPU build report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poros.cli import main
+from poros.models.shapes import SHAPES
+from tests.capabilities import requires_bitsandbytes
+
+
+def test_env_lists_the_stack(capsys):
+    assert main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "poros"):
+        hits = [l for l in lines if l.lstrip("- ").startswith(f"{pkg}:")]
+        assert len(hits) == 1, f"expected one line for {pkg}, got {hits} in {lines}"
+        assert hits[0].split(":", 1)[1].strip(), f"{pkg}: no version"
+
+
+def test_env_json_is_parseable(capsys):
+    assert main(["env", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["torch"]
+
+
+def test_build_list_names_every_shape(capsys):
+    assert main(["build", "--list"]) == 0
+    rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.strip()]
+    assert [r[0] for r in rows] == list(SHAPES)
+    for row in rows:
+        assert row[1] == SHAPES[row[0]].arch
+
+
+@requires_bitsandbytes
+def test_build_tiny_prints_json(capsys):
+    assert main(["build", "--model", "tiny-qwen2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    record = json.loads(out[0])
+    assert record["model"] == "tiny-qwen2" and record["layers"] == 5 and record["device"] == "cpu"
+    assert record["peak_device_gb"] is None
+
+
+def test_build_without_model_is_exit_2(capsys):
+    assert main(["build"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model" in err[0]
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
+    assert "frobnicate" in capsys.readouterr().err

@@ -1,0 +1,302 @@
+"""Bad input as a new user gives it: one line on stderr (exit 2) before any work, never a traceback;
+and `poros bench` as it is meant to be seen: one line per cell, the full log in OUT/bench.log, the
+report last, earlier results kept, one run per folder, Ctrl-C saying how to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from poros.cli import main
+from poros.harness.results import LOCK_NAME
+from tests.fixtures import one_line_refusal
+from tests.harness.test_report import fixture_row, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = dict(name="tiny", steps=1, passes=1, warmup_passes=0, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
+            lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"], parity_steps=1,
+            methods=["poros", "resident"], models=["tiny-qwen2"])
+
+
+def _matrix(tmp_path, **changes) -> str:
+    path = tmp_path / f"m{len(list(tmp_path.glob('m*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump({**TINY, **changes}))
+    return str(path)
+
+
+def _refused(capsys, argv, *named) -> str:
+    return one_line_refusal(capsys, main(argv), *named)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# --- refused before any work: nothing is written -----------------------------------------------
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    (["--passes", "0"], "--passes: expected an integer >= 1, got 0"),
+    (["--parity-steps", "0"], "--parity-steps: expected an integer >= 1, got 0"),
+    (["--parity-steps", "-1"], "--parity-steps: expected an integer >= 1, got -1"),
+    (["-k", "qwen and (poros"], "-k 'qwen and (poros': not a valid selection"),
+    (["--reference", "missing.csv"], "missing.csv: no such reference file"),
+], ids=["steps=0", "passes=0", "parity-steps=0", "parity-steps=-1", "k=unbalanced", "reference=missing"])
+def test_bench_refuses_bad_flags_before_writing_anything(capsys, tmp_path, flags, named):
+    out = tmp_path / "out"
+    _refused(capsys, ["bench", "matrix", _matrix(tmp_path), "-o", str(out), *flags], named)
+    assert not out.exists()
+
+
+def test_bench_on_a_matrix_asking_for_cuda_without_it_is_one_line(capsys, tmp_path, no_cuda):
+    out = tmp_path / "out"
+    m = _matrix(tmp_path, device="cuda")
+    _refused(capsys, ["bench", "matrix", m, "-o", str(out)], f"{m}: device: cuda requested", "CPU-only build")
+    assert not out.exists()
+
+
+def test_bench_refuses_seq_len_beyond_a_models_positions(capsys, tmp_path):
+    _refused(capsys, ["bench", "matrix", _matrix(tmp_path, seq_len=4096), "-o", str(tmp_path / "o")],
+             "seq_len: 4096 exceeds tiny-qwen2's max_position_embeddings (2048)")
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"stacks": [{"name": "old", "torch": "0.0.1", "transformers": "0.0.1", "bitsandbytes": "0.0.1"}]},
+     "no cell can run here: stack old needs torch 0.0.1"),
+    ({"models": ["qwen2.5-72b"]}, "no cell can run here: qwen2.5-72b has 72.7B parameters: run it on a GPU"),
+], ids=["stacks=all-pinned-elsewhere", "models=all-too-big-for-cpu"])
+def test_bench_refuses_a_matrix_with_no_cell_runnable_here(capsys, tmp_path, changes, named):
+    out = tmp_path / "out"
+    _refused(capsys, ["bench", "matrix", _matrix(tmp_path, **changes), "-o", str(out)], named)
+    assert not out.exists()
+
+
+def test_bench_refuses_an_output_path_that_is_a_file(capsys, tmp_path):
+    f = tmp_path / "out.txt"
+    f.write_text("keep me\n")
+    _refused(capsys, ["bench", "matrix", _matrix(tmp_path), "-o", str(f)], f"{f} is a file")
+    _refused(capsys, ["bench", "matrix", _matrix(tmp_path), "-o", str(f / "sub")], str(f / "sub"))
+    assert f.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["build", "--model", "tiny-qwen2", "--device", "cuda"], "--device: cuda requested"),
+    (["parity", "--model", "tiny-qwen2", "--device", "cuda", "--steps", "1"], "--device: cuda requested"),
+    (["build", "--model", "tiny-qwen2", "--device", "gpu"], "--device: expected cpu, cuda or cuda:N, got 'gpu'"),
+    (["parity", "--model", "tiny-qwen2", "--seq-len", "4096", "--steps", "1"], "exceeds tiny-qwen2's max_position"),
+    (["parity", "--model", "tiny-qwen2", "--steps", "0"], "steps: expected an integer > 0, got 0"),
+    (["build", "--model", "./no-such-checkpoint"], "'./no-such-checkpoint' does not exist"),
+], ids=["build-device=cuda", "parity-device=cuda", "build-device=gpu", "parity-seq-len=4096", "parity-steps=0",
+        "build-model=missing-folder"])
+def test_commands_refuse_bad_input_in_one_line(capsys, no_cuda, argv, named):
+    _refused(capsys, argv, named)
+
+
+def test_a_bench_matrix_that_is_binary_or_a_folder_is_one_line(capsys, tmp_path):
+    binary = tmp_path / "m.yaml"
+    binary.write_bytes(b"name: x\n\x89\xff\x00")
+    _refused(capsys, ["bench", "matrix", str(binary), "-o", str(tmp_path / "o")], str(binary), "not UTF-8")
+    _refused(capsys, ["bench", "matrix", str(tmp_path), "-o", str(tmp_path / "o")], "is a folder")
+
+
+def test_validate_names_seq_len_beyond_positions_and_binary_files(capsys, tmp_path):
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    code = main(["validate", _matrix(tmp_path, seq_len=4096), str(binary), str(REPO / "matrices" / "cpu.yaml")])
+    out, err = capsys.readouterr()
+    assert code == 1 and err == "" and "Traceback" not in out
+    assert "  - seq_len: 4096 exceeds tiny-qwen2's max_position_embeddings (2048); use seq_len <= 2048" in out, out
+    assert "not UTF-8" in out and f"ok   {REPO / 'matrices' / 'cpu.yaml'}" in out, out
+
+
+# --- reports: never over their input, binary files in one line -------------------------------------
+
+
+def test_report_never_writes_over_its_input(capsys, tmp_path):
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(), fixture_row(method="resident")])
+    before = results.read_bytes()
+    _refused(capsys, ["report", str(results), "-o", str(results)], "would write over the input", str(results))
+    assert results.read_bytes() == before
+    assert main(["report", str(results), "-o", str(tmp_path / "report.md")]) == 0  # control
+    assert results.read_bytes() == before and (tmp_path / "report.md").read_text().startswith("# Poros")
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\x00\xff", "résumé".encode("latin-1")],
+                         ids=["binary", "latin-1"])
+def test_report_of_a_non_utf8_results_file_is_one_line(capsys, tmp_path, content):
+    results = tmp_path / "results.jsonl"
+    results.write_bytes(content)
+    _refused(capsys, ["report", str(results), "-o", str(tmp_path / "r.md")], str(results), "not UTF-8")
+
+
+@pytest.mark.parametrize("content,named", [
+    (b"\x89\x00\xff binary", "not a CSV file (byte 0 is not UTF-8 text)"),
+    (b'a,b\n1,2,3,4\n"open', "not a readable CSV"),
+    (b"a,b\n1,2\n", "missing column(s) hardware"),
+], ids=["binary", "unparseable", "other-columns"])
+def test_report_with_a_bad_reference_is_one_line(capsys, tmp_path, content, named):
+    results, ref = tmp_path / "results.jsonl", tmp_path / "ref.csv"
+    write_jsonl(results, [fixture_row()])
+    ref.write_bytes(content)
+    _refused(capsys, ["report", str(results), "-o", str(tmp_path / "r.md"), "--reference", str(ref)], named)
+    assert not (tmp_path / "r.md").exists()
+
+
+def test_report_given_folders_is_one_line(capsys, tmp_path):
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row()])
+    _refused(capsys, ["report", str(tmp_path), "-o", str(tmp_path / "r.md")], "is a folder")
+    _refused(capsys, ["report", str(results), "-o", str(tmp_path)], "is a folder")
+
+
+# --- one run per folder ---------------------------------------------------------------------
+
+
+def test_a_second_bench_into_a_busy_folder_is_refused_and_touches_nothing(capsys, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text("the first run's rows\n")
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from poros.harness.results import OutputLock; "
+            f"OutputLock({str(out)!r}, command='poros bench matrix cpu -o out').acquire(); "
+            f"print('locked', flush=True); time.sleep(120)")
+    first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "locked"
+        _refused(capsys, ["bench", "matrix", _matrix(tmp_path), "-o", str(out)],
+                 f"output folder {out} is in use by another run: pid {first.pid}", "pass another -o")
+    finally:
+        first.kill()
+        first.wait()
+    assert (out / "results.jsonl").read_text() == "the first run's rows\n"
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME, "results.jsonl"]
+
+
+def test_a_selected_model_that_does_not_fit_is_refused_by_the_suites_in_one_line(capfd, tmp_path, monkeypatch):
+    """With -k the suites check the models the selection builds, after collecting it (before any
+    cell), and `poros bench` relays their refusal from its log as its own one line."""
+    import poros.store.host_memory
+
+    monkeypatch.setattr(poros.store.host_memory, "available_host_memory", lambda: 1000)
+    out = tmp_path / "out"
+    code = main(["bench", "matrix", _matrix(tmp_path), "-o", str(out), "-k", "tiny-qwen2 and poros"])
+    stdout, stderr = capfd.readouterr()
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "", stderr
+    assert len(lines) == 1 and lines[0].startswith("poros bench: error: building tiny-qwen2 needs about"), lines
+    assert not (out / "results.jsonl").exists() and not (out / LOCK_NAME).exists()
+
+
+# --- the bench end to end (subprocesses: it redirects file descriptors) -----------------------------
+
+
+def _bench(*argv, cwd=REPO, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "poros", "bench", "matrix", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, **kw)
+
+
+def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text("an earlier run's rows\n")
+    (out / "report.md").write_text("an earlier report\n")
+    m = _matrix(tmp_path)
+    run = _bench(m, "-o", str(out), "--parity-steps", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    err = run.stderr.splitlines()
+    assert err[0] == f"kept the earlier run's results.jsonl, report.md in {out / 'earlier' / '1'}/", err
+    cells = [line for line in err if line.startswith("[cell ")]
+    assert [c.split(":")[0] for c in cells] == ["[cell 1/3] tiny-qwen2 parity gate", "[cell 2/3] tiny-qwen2 poros",
+                                                "[cell 3/3] tiny-qwen2 resident"], err
+    assert "parity PASS" in cells[0] and "2 steps" in cells[0] and "s/step" in cells[1] and "s/step" in cells[2]
+    assert len(err) <= 7, err  # kept, 3 cells, summary, wrote: no per-step losses, warnings or tables
+    both = run.stdout + run.stderr
+    for noise in ("loss", "Warning", "kernels-community", "Name (time in", "passed, "):
+        assert noise not in both, noise
+    assert run.stdout.strip() == (out / "report.md").read_text().strip()  # the report comes last, on stdout
+    log = (out / "bench.log").read_text()
+    assert "loss" in log and "Name (time in" in log and "3 passed" in log  # the full log is kept
+    assert (out / "earlier" / "1" / "results.jsonl").read_text() == "an earlier run's rows\n"
+    assert (out / "earlier" / "1" / "report.md").read_text() == "an earlier report\n"
+    assert not (out / LOCK_NAME).exists()
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["poros", "resident"]
+    assert all(r["parity_steps"] == 2 and r["parity"] == "PASS" for r in rows)  # --parity-steps 2 over the matrix's 1
+
+    # killed while writing the resident row: its lock file is left behind, its last line torn; resume
+    # takes the folder over, keeps the poros row and sets the partial line aside
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / LOCK_NAME).write_text(json.dumps({"pid": int(gone.stdout), "host": os.uname().nodename,
+                                             "started": "2026-01-01T00:00:00+00:00", "command": "poros bench"}))
+    torn = json.dumps(rows[1])[:60]
+    (out / "results.jsonl").write_text(json.dumps(rows[0]) + "\n" + torn)
+    again = _bench(m, "-o", str(out), "--parity-steps", "2", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"was left by pid {gone.stdout.strip()} on host" in again.stderr, again.stderr
+    assert f"{out / 'results.jsonl'}:2 is a partial row" in again.stderr, again.stderr
+    assert "tiny-qwen2 poros: skipped: already in results (--resume)" in again.stderr, again.stderr
+    assert (out / "results.jsonl.torn").read_text() == torn + "\n"
+    resumed = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert resumed[0] == rows[0] and [r["method"] for r in resumed] == ["poros", "resident"]
+    assert (out / "earlier" / "2" / "benchmark.json").is_file()  # the first run's, not overwritten
+    assert (out / "bench.log").read_text().startswith(log)  # the log goes on
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path):
+    out = tmp_path / "out"
+    m = _matrix(tmp_path, steps=400)
+    proc = subprocess.Popen([sys.executable, "-m", "poros", "bench", "matrix", m, "-o", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "bench.log").is_file() or "[cell 2/3]" not in (out / "bench.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and stdout == ""
+    assert "tiny-qwen2 poros: interrupted" in stderr, stderr
+    command = stderr.strip().splitlines()[-1].strip()
+    words = shlex.split(command)
+    assert words[words.index("poros") - 1 :] == ["-m", "poros", "bench", "matrix", m, "-o", str(out), "--resume"]
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_the_suites_refuse_zero_counts_when_run_directly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={_matrix(tmp_path)}",
+                           f"--results={tmp_path / 'r' / 'results.jsonl'}", "--parity-steps=0", "-q",
+                           "-p", "no:cacheprovider"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--parity-steps: expected an integer >= 1, got 0" in proc.stderr
+    assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+def test_one_process_commands_refuse_to_run_under_torchrun(monkeypatch, capsys):
+    """Under torchrun every rank would train the same data into one output folder: only `parity` runs
+    as a rank; the others stop with one line naming what does run data-parallel."""
+    from poros.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["plan", "--model", "tiny-qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("poros plan: error: runs as one process, not under torchrun") and "gpus: N" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc-per-node 1: one process after all
+    assert main(["plan", "--model", "tiny-qwen3"]) == 0

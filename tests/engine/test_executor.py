@@ -1,0 +1,242 @@
+"""The executor on CPU: runs any plan it is given bitwise equal to resident QLoRA, refuses unsafe
+plans, and a plan that breaks a rule, run anyway, FAILs the gate."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poros.engine import plan as P
+from poros.models.checkpoint import Source
+from poros.store.build import build_store
+from poros.config import TrainConfig
+from poros.errors import CapabilityError
+from poros.engine.executor import PorosTrainer, geometry_of_store
+from poros.engine.parity import run_gate
+from poros.models.shapes import get_shape
+from poros.engine.trainer import ResidentTrainer
+from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
+
+TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
+
+
+def gate(store, cfg, plan=None, check_plan=True, steps=2):
+    resident = ResidentTrainer(store, cfg)
+    poros = PorosTrainer(store, cfg, plan=plan, check_plan=check_plan)
+    try:
+        return run_gate(resident, poros, steps), poros.counters()
+    finally:
+        resident.close()
+        poros.close()
+
+
+def plan_for(store, cfg, **kw):
+    geo = geometry_of_store(store, cfg)
+    return P.build_plan(geo, block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
+                        seq_len=cfg.seq_len, **kw)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
+       order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
+       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans(),
+       kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]))
+def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep,
+                               kept, placement):
+    """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
+    (0, some, all) and placement, the lm_head's place, saved inputs' place and kept activations: every plan
+    trains bitwise like resident QLoRA."""
+    config = get_shape(family).config()
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = (config.layer_types * layers)[:layers]
+    store, _ = build_store(Source(family, config), seed=layers, device="cpu", progress=False)
+    cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
+                      overlap_backward=overlap)
+    plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
+                    keep_activations=keep, kept_layers=kept, placement=P.Placement(placement))
+    result, _ = gate(store, cfg, plan)
+    assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
+                       f"head={head} overlap={overlap} offload={offload} keep={keep}/{kept}: {result.first_mismatch}")
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("accum,keep", [(1, False), (3, True)], ids=["G=1", "G=3,kept"])
+def test_spread_placement_keeps_parity(stores, model, accum, keep):
+    """Streamed layers between resident ones (tiny models: 5 layers, 3 resident, streamed 0 and 2), the
+    next streamed layer's copy enqueued across the resident layer between; with kept activations the
+    resident layers are not contiguous either."""
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=accum, lr=1e-2, placement="spread")
+    store = stores(model)
+    plan = plan_for(store, cfg, resident_layers=3, keep_activations=keep, placement=P.Placement.SPREAD)
+    assert plan.streamed_layers == [0, 2] and plan.resident_layers == [1, 3, 4]
+    result, _ = gate(store, cfg, plan)
+    assert result.ok, result.first_mismatch
+    if accum > 1:  # negative control (G >= 3: two gradients sum alike in either order): micro-batches reversed FAIL
+        broken, _ = gate(store, cfg, reverse_micro_batches_in_backward(plan), check_plan=False, steps=1)
+        assert not broken.ok
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("budget", ["4MB", "5MB", "1GB"], ids=lambda b: f"budget={b}")
+def test_budgets_keep_parity_and_fit(stores, model, budget):
+    """Budgets leaving none, some and all layers resident (the tiny models' smallest plan is ~4 MB)."""
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, lr=1e-2, vram_budget=budget)
+    store = stores(model)
+    try:
+        trainer = PorosTrainer(store, cfg)
+    except Exception as e:  # the smallest budget may be below a family's smallest plan: refused, named
+        assert "below the smallest plan" in str(e)
+        return
+    assert trainer.plan.memory.total <= cfg.vram_budget
+    trainer.close()
+    result, _ = gate(store, cfg)
+    assert result.ok, result.first_mismatch
+
+
+@pytest.mark.parametrize("accum", [2, 3, 8], ids=lambda g: f"accum={g}")
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+def test_layer_major_accumulation_is_exact(stores, model, accum):
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=accum, lr=1e-2)
+    result, _ = gate(stores(model), cfg, steps=1)
+    assert result.ok, result.first_mismatch
+
+
+def test_layer_major_accumulation_copies_each_block_once_per_step(stores):
+    store = stores("tiny-gemma3")
+    copied = {}
+    for g in (1, 3):
+        trainer = PorosTrainer(store, TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2, grad_accum=g))
+        copied[g] = [trainer.step().counters["bytes_h2d"] for _ in range(2)]
+        trainer.close()
+    assert copied[3] == copied[1], "layer-major copies each block once per step, whatever grad_accum"
+
+
+def test_reversed_micro_batch_order_fails_the_gate(stores):
+    """Negative control for layer-major accumulation: the same micro-batches, backpropagated per layer in
+    reverse order, sum every LoRA gradient in another order; the gate must see it."""
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, grad_accum=8, lr=1e-2)
+    store = stores("tiny-qwen3")
+    bad = reverse_micro_batches_in_backward(plan_for(store, cfg))
+    with pytest.raises(CapabilityError, match="another order"):
+        PorosTrainer(store, cfg, plan=bad)
+    result, _ = gate(store, cfg, plan=bad, check_plan=False)
+    assert result.parity == "FAIL" and ".grad:" in result.first_mismatch, result.first_mismatch
+
+
+def test_refill_before_backward_is_refused_and_fails_the_gate_when_run(stores):
+    """Negative control for the bitsandbytes trap: the forward stays exact, gradients go wrong."""
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2)
+    store = stores("tiny-qwen3")
+    bad = refill_before_backward(plan_for(store, cfg))
+    with pytest.raises(CapabilityError, match="refusing an unsafe plan"):
+        PorosTrainer(store, cfg, plan=bad)
+    result, _ = gate(store, cfg, plan=bad, check_plan=False)
+    assert result.parity == "FAIL" and result.first_mismatch.startswith("step0.grad:"), result.first_mismatch
+    assert result.losses  # the loss of step 0 was still equal
+
+
+@pytest.mark.parametrize("block", [1, 2, 5], ids=lambda k: f"block={k}")
+def test_counters_match_the_plan(stores, block):
+    store = stores("tiny-gemma3")
+    trainer = PorosTrainer(store, TrainConfig(model="tiny-gemma3", seq_len=64, block_size=block))
+    for _ in range(3):
+        c = trainer.step().counters
+        assert c["bytes_h2d"] == trainer.plan.h2d_bytes_per_step
+        assert c["block_copies"] == trainer.plan.loads_per_step
+    trainer.close()
+
+
+def test_weight_buffers_are_allocated_once_and_every_linear_reads_one(stores):
+    store = stores("tiny-gemma3")
+    trainer = PorosTrainer(store, TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2))
+    ptrs = {k: v.data_ptr() for k, v in trainer.buffers.views.items()}
+    trainer.step()
+    trainer.step()
+    assert {k: v.data_ptr() for k, v in trainer.buffers.views.items()} == ptrs
+    spans = [(v.data_ptr(), v.data_ptr() + v.numel()) for v in trainer.buffers.views.values()]
+    for q in trainer.qlora.linear4bit.values():
+        assert any(lo <= q.weight.data_ptr() < hi for lo, hi in spans)
+    trainer.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_layer_backward_runs_where_the_schedule_says(stores, overlap):
+    """With `overlap_backward` every layer's backward runs on the worker thread (so the next layer's
+    recompute can be enqueued meanwhile); without it, on the calling thread."""
+    trainer = PorosTrainer(stores("tiny-gemma3"), TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2,
+                                                                overlap_backward=overlap))
+    seen: dict[int, set[str]] = {}
+    for i, layer in enumerate(trainer.qlora.layers):
+        p = next(p for n, p in layer.named_parameters() if "lora_A" in n)
+        p.register_hook(lambda g, i=i: seen.setdefault(i, set()).add(threading.current_thread().name))
+    trainer.step()
+    assert sorted(seen) == list(range(len(trainer.qlora.layers)))
+    names = set().union(*seen.values())
+    if overlap:
+        assert all(n.startswith("poros-backward") for n in names), names
+    else:
+        assert names == {threading.current_thread().name}
+    trainer.close()
+    assert trainer._worker is None
+
+
+def test_an_error_in_a_worker_backward_reaches_the_caller(stores, monkeypatch):
+    import poros.engine.executor as ex
+
+    trainer = PorosTrainer(stores("tiny-gemma3"), TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2))
+    real = ex.torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, *a, **k):
+        if threading.current_thread().name.startswith("poros-backward"):
+            raise RuntimeError("injected backward failure")
+        return real(tensors, grad_tensors, *a, **k)
+
+    monkeypatch.setattr(ex.torch.autograd, "backward", backward)
+    with pytest.raises(RuntimeError, match="injected backward failure"):
+        trainer.step()
+    trainer.close()
+
+
+def test_a_plan_for_other_micro_batches_is_refused(stores):
+    trainer = PorosTrainer(stores("tiny-qwen2"), TrainConfig(model="tiny-qwen2", seq_len=64, grad_accum=2))
+    with pytest.raises(CapabilityError, match="plan is for 2 micro-batches"):
+        trainer.accumulate(trainer.batches(0)[:1])
+    trainer.close()
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+def test_saved_inputs_in_host_memory_keep_parity_and_move_every_input_both_ways(stores, model):
+    cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=2, lr=1e-2, offload_inputs=True)
+    store = stores(model)
+    result, _ = gate(store, cfg)
+    assert result.ok, result.first_mismatch
+    trainer = PorosTrainer(store, cfg)
+    c = trainer.step().counters
+    per_input = 64 * store.config.hidden_size * 2
+    assert c["input_bytes_d2h"] == c["input_bytes_h2d"] == len(store.layers) * 2 * per_input
+    assert trainer.plan.d2h_bytes_per_step == c["input_bytes_d2h"]
+    assert c["bytes_h2d"] == trainer.plan.h2d_bytes_per_step
+    trainer.close()
+
+
+def test_corrupted_saved_inputs_fail_the_gate(stores, monkeypatch):
+    """Negative control: an input that comes back from host memory with one value changed must FAIL."""
+    import poros.engine.executor as ex
+
+    real = ex.SavedInputs.take
+
+    def take(self, key):
+        x = real(self, key)
+        if key == (2, 0):
+            x = x.clone()
+            x.view(-1)[5] += 1
+        return x
+
+    monkeypatch.setattr(ex.SavedInputs, "take", take)
+    cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=2, lr=1e-2, offload_inputs=True)
+    result, _ = gate(stores("tiny-qwen2"), cfg)
+    assert result.parity == "FAIL" and ".grad:" in result.first_mismatch, result.first_mismatch

@@ -1,0 +1,121 @@
+"""Resident QLoRA with gradient checkpointing (`resident_gc`): it checkpoints every decoder layer, it is
+bitwise equal to plain resident QLoRA, and poros is bitwise equal to it, so it can be the gate's
+reference where plain resident does not fit; a matrix without resident gets that gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from poros.config import Method, TrainConfig
+from poros.engine.methods import gate_of, gated, make_trainer
+from poros.engine.parity import run_gate
+
+TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
+
+
+def _cfg(model: str, **kw) -> TrainConfig:
+    return TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=2, lr=1e-2, **kw)
+
+
+def _layer_runs(trainer) -> list[int]:
+    """Counts each decoder layer's MLP forwards (a pre-hook: a checkpoint's recompute may stop inside it)."""
+    runs = [0] * len(trainer.qlora.layers)
+    for i, layer in enumerate(trainer.qlora.layers):
+        layer.mlp.register_forward_pre_hook(lambda module, args, i=i: runs.__setitem__(i, runs[i] + 1))
+    return runs
+
+
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+def test_every_layer_is_recomputed_in_backward(stores, model):
+    """resident_gc runs each layer's forward twice per micro-batch (forward, recompute); plain resident once."""
+    cfg = _cfg(model)
+    gc, plain = (make_trainer(m, stores(model), cfg) for m in (Method.RESIDENT_GC, Method.RESIDENT))
+    n = len(gc.qlora.layers)
+    assert gc.checkpointed_layers() == n
+    runs = {name: _layer_runs(t) for name, t in (("gc", gc), ("plain", plain))}
+    gc.step()
+    plain.step()
+    assert runs["gc"] == [2 * cfg.grad_accum] * n, runs
+    assert runs["plain"] == [cfg.grad_accum] * n, runs
+    gc.close()
+    plain.close()
+
+
+@pytest.mark.parametrize("reference,method", [(Method.RESIDENT, Method.RESIDENT_GC), (Method.RESIDENT_GC, Method.POROS)],
+                         ids=["resident_gc=resident", "poros=resident_gc"])
+@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+def test_gated_bitwise(stores, model, reference, method):
+    """resident_gc is bitwise resident QLoRA, and poros is bitwise resident_gc (the long-context gate)."""
+    cfg = _cfg(model)
+    result = run_gate(make_trainer(reference, stores(model), cfg), make_trainer(method, stores(model), cfg), steps=2)
+    assert result.ok, f"first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
+    assert (result.gate, result.method) == (reference.value, method.value)
+    assert result.steps == 2 and result.tensors_compared > 2 * (2 + 5 * 2 * 7 * 2)
+
+
+def test_resident_gc_with_another_lr_fails(stores):
+    """Negative control: the gate sees resident_gc computing something else."""
+    cfg = _cfg("tiny-qwen3")
+    result = run_gate(make_trainer(Method.RESIDENT, stores("tiny-qwen3"), cfg),
+                      make_trainer(Method.RESIDENT_GC, stores("tiny-qwen3"), cfg.replace(lr=2e-2)), steps=2)
+    assert result.parity == "FAIL" and result.first_mismatch.startswith("step0.weight:"), result.first_mismatch
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=lambda s: f"sequential={s}")
+def test_parity_against_resident_gc(stores, sequential):
+    """`parity(reference=resident_gc)`: side by side, or the reference first, recorded in host memory."""
+    from poros.engine.parity import parity
+
+    result = parity(_cfg("tiny-gemma3"), steps=2, store=stores("tiny-gemma3"), reference=Method.RESIDENT_GC,
+                    sequential=sequential)
+    assert result.ok, f"first mismatch {result.first_mismatch}"
+    assert result.gate == ("resident_gc (recorded)" if sequential else "resident_gc") and result.method == "poros"
+
+
+def test_sequential_parity_fails_for_other_arithmetic(stores, monkeypatch):
+    """Negative control for the recorded gate: poros with a different lr than its reference FAILs."""
+    import poros.engine.methods
+    import poros.engine.parity
+    from poros.engine.parity import parity
+
+    real = poros.engine.methods.make_trainer
+
+    def other_lr(method, store, cfg, world=None):
+        return real(method, store, cfg.replace(lr=2e-2) if method is Method.POROS else cfg, world)
+
+    monkeypatch.setattr(poros.engine.parity, "make_trainer", other_lr)
+    result = parity(_cfg("tiny-qwen3"), steps=2, store=stores("tiny-qwen3"), reference=Method.RESIDENT_GC,
+                    sequential=True)
+    assert result.parity == "FAIL" and result.first_mismatch.startswith("step0.weight:"), result.first_mismatch
+
+
+METHOD_SETS = [
+    ([Method.POROS, Method.RESIDENT, Method.UNSLOTH], (Method.RESIDENT, Method.POROS)),
+    ([Method.POROS, Method.RESIDENT_GC, Method.UNSLOTH], (Method.RESIDENT_GC, Method.POROS)),
+    ([Method.RESIDENT_GC, Method.POROS, Method.RESIDENT], (Method.RESIDENT, Method.POROS)),
+    ([Method.RESIDENT, Method.RESIDENT_GC], (Method.RESIDENT, Method.RESIDENT_GC)),
+    ([Method.POROS, Method.UNSLOTH], None),
+    ([Method.RESIDENT_GC, Method.UNSLOTH], None),
+]
+
+
+@pytest.mark.parametrize("methods,pair", METHOD_SETS, ids=lambda v: "-".join(m.value for m in v) if isinstance(
+    v, list) else f"gate={'none' if v is None else v[0].value}")
+def test_gate_of_a_method_set(methods, pair):
+    assert gate_of(methods) == pair
+    assert gated(methods) is (pair is not None)
+
+
+@pytest.mark.parametrize("argv,gate,method", [
+    (["--method", "resident_gc"], "resident", "resident_gc"),
+    (["--gate", "resident_gc", "--sequential"], "resident_gc (recorded)", "poros"),
+    (["--gate", "resident_gc", "--control"], "control", "resident_gc"),
+], ids=["resident_gc-vs-resident", "poros-vs-resident_gc-recorded", "control"])
+def test_cli_parity_names_method_and_gate(capsys, argv, gate, method):
+    import json
+
+    from poros.cli import main
+
+    assert main(["parity", "--model", "tiny-qwen3", "--seq-len", "64", "--steps", "1", *argv]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert (line["parity"], line["gate"], line["method"]) == ("PASS", gate, method)

@@ -1,0 +1,100 @@
+"""The Unsloth parent process on CPU, with a stand-in child: what it logs, and that a result
+survives a cut-off during the export's clean-up (the H200 run that lost gemma4's row)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import poros.engine.unsloth as um
+from poros.config import TrainConfig
+from poros.errors import CapabilityError
+
+RECORD = {"per_pass_s": [2.0, 2.1], "s_per_step_median": 0.41, "peak_vram_gb": 21.5, "peak_vram_nvml_gb": 23.0,
+          "linear4bit_modules": 7, "unsloth_version": "test"}
+
+
+class FakeChild:
+    def __init__(self, lines: list[str], code: int = 0):
+        self.stdout = io.StringIO("".join(line + "\n" for line in lines))
+        self.returncode, self.killed = code, False
+        CHILDREN.append(self)
+
+    def poll(self):
+        return self.returncode if self.stdout.tell() == len(self.stdout.getvalue()) or self.killed else None
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def wait(self) -> int:
+        return self.returncode
+
+
+CHILDREN: list[FakeChild] = []
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """Export and child replaced: `fake(lines, code)` sets what the child prints."""
+    monkeypatch.setattr(um, "unavailable", lambda device: None)
+    monkeypatch.setattr("poros.engine.unsloth.export_bnb4bit", lambda store, folder: (folder / "config.json").write_text("{}"))
+
+    def set_child(lines, code=0):
+        monkeypatch.setattr(um.subprocess, "Popen", lambda *a, **k: FakeChild(lines, code))
+
+    return set_child
+
+
+def test_result_is_handed_over_before_the_export_is_removed(fake, monkeypatch, tmp_path):
+    fake(["Unsloth: banner", "  unsloth pass 1/2: 5 steps in 2.00 s", um.RESULT + json.dumps(RECORD)])
+    seen, logged = [], []
+
+    def rmtree(folder, ignore_errors=False):
+        assert seen, "the record must be handed over before the clean-up"
+        raise KeyboardInterrupt  # a time budget's SIGINT arriving during the clean-up
+
+    monkeypatch.setattr(um.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        um.measure_unsloth(None, TrainConfig(model="tiny-qwen3", device="cuda"), 5, 2, 1, workdir=str(tmp_path),
+                           log=logged.append, on_record=seen.append)
+    assert seen == [RECORD]
+    # the child's own lines reach the log as they come, and so does its result line
+    assert "  unsloth| Unsloth: banner" in logged
+    assert "  unsloth pass 1/2: 5 steps in 2.00 s" in logged
+    assert any(line.startswith("  unsloth result: ") and json.loads(line.split(": ", 1)[1]) == RECORD
+               for line in logged)
+
+
+def test_a_failing_child_raises_with_its_last_words(fake, tmp_path):
+    fake(["Traceback (most recent call last):", "RuntimeError: Gemma 4 requires transformers >= 5.5.0"], code=1)
+    seen = []
+    with pytest.raises(CapabilityError, match="exit 1.*Gemma 4 requires"):
+        um.measure_unsloth(None, TrainConfig(model="tiny-qwen3", device="cuda"), 5, 2, 1, workdir=str(tmp_path),
+                           log=lambda line: None, on_record=seen.append)
+    assert seen == []
+    assert not list(tmp_path.glob("poros-unsloth-*")), "the export is removed after a failure too"
+
+
+def test_a_parent_stopped_mid_run_kills_the_child(fake, tmp_path):
+    """SIGTERM (a `timeout`) while the child trains: the child goes too, its GPU memory with it."""
+    fake(["Unsloth: banner", "  unsloth pass 1/2: 5 steps in 2.00 s", "  unsloth pass 2/2: 5 steps in 2.00 s"])
+
+    def log(line):
+        if "pass 1/2" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        um.measure_unsloth(None, TrainConfig(model="tiny-qwen3", device="cuda"), 5, 2, 1, workdir=str(tmp_path), log=log)
+    assert CHILDREN[-1].killed
+    assert not list(tmp_path.glob("poros-unsloth-*"))
+
+
+def test_unsloth_runs_without_strict_determinism_and_gated_methods_keep_it():
+    from poros.config import Method
+    from poros.engine.methods import config_for
+
+    strict = TrainConfig(model="tiny-qwen3", device="cuda", deterministic=True)
+    assert config_for(Method.UNSLOTH, strict).deterministic is False
+    assert all(config_for(m, strict) is strict for m in (Method.POROS, Method.RESIDENT, Method.RESIDENT_GC))

@@ -1,0 +1,456 @@
+"""`poros train` end to end on CPU: poros and resident end torch.equal, a resumed (or Ctrl-C'd and
+resumed) run ends torch.equal to an uninterrupted one, the adapter loads with peft, and every bad
+input is refused in one line. Each exactness check has a negative control."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import shlex
+import shutil
+import signal
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import poros.cli.train
+import poros.finetune.recipe
+import poros.finetune.data
+from poros.cli import main
+from tests.capabilities import requires_bitsandbytes
+from tests.fixtures import (generated_chats, generated_texts, one_line_refusal, tiny_checkpoint, train_tokenizer,
+                            write_jsonl)
+from tests.store.test_build import assert_all_equal
+
+pytestmark = requires_bitsandbytes
+
+STEPS = 4
+# seq 64 (bitsandbytes on CPU needs >= 64), two micro-batches a step, blocks of 2 of the 5 layers
+RUN_ARGS = ["--seq-len", "64", "--grad-accum", "2", "--lr", "3e-3", "--block-size", "2", "--device", "cpu",
+            "--save-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny-qwen2 checkpoint with its tokenizer, training data (text and chats), eval data."""
+    root = tmp_path_factory.mktemp("train")
+    texts = generated_texts(150)
+    ckpt = tiny_checkpoint(root / "ckpt", "tiny-qwen2", texts)
+    data = write_jsonl(root / "data.jsonl", [{"text": t} for t in texts[:60]]
+                       + [{"messages": m} for m in generated_chats(40)])
+    evals = write_jsonl(root / "eval.jsonl", [{"text": t} for t in generated_texts(12, seed=9)])
+    return {"root": root, "ckpt": ckpt, "data": data, "eval": evals}
+
+
+def train(files, out, *extra, steps=STEPS, model=None, data=None) -> int:
+    argv = ["train", "--model", str(model or files["ckpt"]), "--data", str(data or files["data"]), "--out", str(out),
+            "--steps", str(steps), *RUN_ARGS, *extra]
+    return main(argv)
+
+
+def run_state(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a run ends with: its LoRA weights and its AdamW state (checkpoint/)."""
+    from safetensors.torch import load_file
+
+    state = {f"adapter:{k}": v for k, v in load_file(str(out / "checkpoint/adapter/adapter_model.safetensors")).items()}
+    opt = torch.load(out / "checkpoint/optimizer.pt", weights_only=True)["state"]
+    for i, s in opt.items():
+        state.update({f"adamw:{i}:{k}": v for k, v in s.items()})
+    return state
+
+
+def log_rows(out: Path) -> list[dict]:
+    with (out / "log.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """The uninterrupted poros run everything else is compared with."""
+    out = files["root"] / "reference"
+    assert train(files, out) == 0
+    return out
+
+
+def assert_differs(what: str, expected, got) -> None:
+    with pytest.raises(pytest.fail.Exception):
+        assert_all_equal(what, expected, got)
+
+
+# --- exactness -----------------------------------------------------------------------------------
+
+
+def test_reference_run_writes_every_output(files, reference):
+    ref = run_state(reference)
+    assert len([k for k in ref if k.startswith("adapter:")]) == 5 * 7 * 2  # 5 layers x 7 linears x (A, B)
+    moved = [k for k, v in ref.items() if ".lora_B." in k and bool(v.abs().sum() > 0)]
+    assert moved, "training moved no lora_B weight"
+    state = json.loads((reference / "checkpoint/state.json").read_text())
+    assert state == {"step": STEPS, "position": STEPS * 2, "loss": state["loss"]}
+    rows = log_rows(reference)
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert all(float(r["loss"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["peak_memory_gb"]) > 0
+               and float(r["lr"]) == 3e-3 for r in rows)
+    assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((reference / "config.json").read_text())
+    assert config["settings"]["train"]["seq_len"] == 64 and config["settings"]["method"] == "poros"
+    assert config["settings"]["model"] == str(files["ckpt"].resolve())
+    assert len(config["fingerprints"]["data"]) == 64
+    assert config["runs"][0]["from_step"] == 0 and "git" in config["runs"][0]["provenance"]
+    # adapter/ is the final checkpoint's adapter
+    final = Path(reference / "adapter/adapter_model.safetensors").read_bytes()
+    assert final == (reference / "checkpoint/adapter/adapter_model.safetensors").read_bytes()
+
+
+def test_poros_and_resident_end_equal(files, reference):
+    resident = files["root"] / "resident"
+    assert train(files, resident, "--method", "resident") == 0
+    assert_all_equal("resident vs poros (tiny-qwen2)", run_state(reference), run_state(resident))
+    assert [r["loss"] for r in log_rows(reference)] == [r["loss"] for r in log_rows(resident)]
+    # negative controls: another seed ends elsewhere; a one-ulp change is caught
+    other = files["root"] / "resident-seed1"
+    assert train(files, other, "--method", "resident", "--seed", "1") == 0
+    assert_differs("seed 1 vs seed 0", run_state(reference), run_state(other))
+    nudged = run_state(resident)
+    key = next(k for k in nudged if ".lora_B." in k)
+    nudged[key] = nudged[key].clone()
+    nudged[key].view(-1)[0] = torch.nextafter(nudged[key].view(-1)[0], torch.tensor(1.0))
+    assert_differs("one ulp", run_state(reference), nudged)
+
+
+def test_poros_and_resident_end_equal_for_a_tied_family(tmp_path):
+    """tiny-gemma3: tied embeddings, sliding-window layers, chat-only data."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", "tiny-gemma3", generated_texts(100))
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in generated_chats(60)])
+    files = {"ckpt": ckpt, "data": data}
+    assert train(files, tmp_path / "poros", steps=3) == 0
+    assert train(files, tmp_path / "resident", "--method", "resident", steps=3) == 0
+    a, b = run_state(tmp_path / "poros"), run_state(tmp_path / "resident")
+    assert_all_equal("resident vs poros (tiny-gemma3)", a, b)
+    assert_differs("poros step 3 vs its initial adapter", a, {k: v for k, v in a.items()} | {
+        k: torch.zeros_like(v) for k, v in a.items() if ".lora_B." in k})
+
+
+def _resume_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_resume_ends_equal_to_an_uninterrupted_run(files, reference, monkeypatch):
+    part = files["root"] / "part"
+    assert train(files, part, steps=2) == 0
+    other_method = _resume_copy(part, files["root"] / "part-resident")
+    shifted = _resume_copy(part, files["root"] / "part-shifted")
+    nudged = _resume_copy(part, files["root"] / "part-nudged")
+
+    with (part / "log.csv").open("a") as f:  # a step logged after the last checkpoint, then killed
+        f.write("3,9.999,0.003,1.0,1.0,\n")
+    assert train(files, part, "--resume") == 0
+    assert_all_equal("resumed at 2 vs uninterrupted", run_state(reference), run_state(part))
+    rows = log_rows(part)
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in log_rows(reference)]
+    runs = json.loads((part / "config.json").read_text())["runs"]
+    assert [r["from_step"] for r in runs] == [0, 2]
+
+    # the method may change on resume: resident continues a poros run exactly
+    assert train(files, other_method, "--resume", "--method", "resident") == 0
+    assert_all_equal("poros 2 + resident 2 vs poros 4", run_state(reference), run_state(other_method))
+
+    # negative control 1: resuming one sequence off in the data ends elsewhere
+    real = poros.finetune.data.PackedData.batches_at
+    monkeypatch.setattr(poros.finetune.data.PackedData, "batches_at", lambda self, pos, b, a: real(self, pos + 1, b, a))
+    assert train(files, shifted, "--resume") == 0
+    monkeypatch.undo()
+    assert_differs("resumed one sequence off", run_state(reference), run_state(shifted))
+
+    # negative control 2: a checkpoint adapter off by one ulp ends elsewhere
+    from safetensors.torch import load_file, save_file
+
+    path = nudged / "checkpoint/adapter/adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = next(k for k in tensors if ".lora_A." in k)
+    tensors[key].view(-1)[0] = torch.nextafter(tensors[key].view(-1)[0], torch.tensor(1.0))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert train(files, nudged, "--resume") == 0
+    assert_differs("resumed from a nudged adapter", run_state(reference), run_state(nudged))
+
+
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, reference, monkeypatch, capsys):
+    real = poros.finetune.recipe.finetune
+
+    def interrupted(*args, **kwargs):
+        return real(*args, **kwargs, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT))
+
+    monkeypatch.setattr(poros.cli.train, "finetune", interrupted)
+    out = files["root"] / "ctrl-c"
+    assert train(files, out, "--save-every", "0") == 130
+    err = capsys.readouterr().err
+    assert "Ctrl-C" in err
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    assert not (out / "adapter").exists(), "adapter/ is the finished run's"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the Ctrl-C handler is removed"
+    lines = err.splitlines()
+    command = lines[lines.index(next(l for l in lines if l.endswith("resume with:"))) + 1].strip()
+    argv = shlex.split(command)
+    assert argv[:2] == ["poros", "train"] and argv[-1] == "--resume"
+    monkeypatch.undo()
+    assert main(argv[1:]) == 0
+    assert_all_equal("Ctrl-C at 2, resumed vs uninterrupted", run_state(reference), run_state(out))
+    assert (out / "adapter/adapter_model.safetensors").is_file()
+
+
+def test_eval_data_is_scored_at_save_points_and_changes_nothing(files, reference):
+    out = files["root"] / "eval"
+    assert train(files, out, "--eval-data", str(files["eval"])) == 0
+    assert_all_equal("with --eval-data vs without", run_state(reference), run_state(out))
+    rows = log_rows(out)
+    scored = [int(r["step"]) for r in rows if r["eval_loss"]]
+    assert scored == [2, 4]
+    assert all(0 < float(r["eval_loss"]) < 20 for r in rows if r["eval_loss"])
+
+
+def test_the_loss_falls(files):
+    out = files["root"] / "falls"
+    assert train(files, out, "--method", "resident", "--save-every", "0", steps=16) == 0
+    losses = [float(r["loss"]) for r in log_rows(out)]
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < first - 0.2, f"loss did not fall: first four {losses[:4]}, last four {losses[-4:]}"
+
+
+# --- the adapter in peft -------------------------------------------------------------------------
+
+
+def _load_with_peft(ckpt: Path, adapter: Path):
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, str(adapter))
+    return model, [str(w.message) for w in caught if "adapter keys" in str(w.message)]
+
+
+def test_adapter_loads_in_peft_with_no_missing_or_unexpected_keys(files, reference):
+    from safetensors.torch import load_file, save_file
+
+    adapter = reference / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(files["ckpt"].resolve())
+    assert config["r"] == 16 and config["lora_alpha"] == 32 and config["peft_type"] == "LORA"
+    model, missing_warnings = _load_with_peft(files["ckpt"], adapter)
+    assert missing_warnings == []
+    result = model.load_adapter(str(adapter), adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    live = {n.replace(".default.", "."): p for n, p in model.named_parameters() if ".default." in n}
+    assert sorted(live) == sorted(saved)
+    assert_all_equal("adapter loaded by peft", saved, {k: p.detach() for k, p in live.items()})
+    # negative control: an adapter missing one tensor is reported by the same check
+    broken = files["root"] / "broken-adapter"
+    shutil.copytree(adapter, broken)
+    save_file({k: v for i, (k, v) in enumerate(saved.items()) if i}, str(broken / "adapter_model.safetensors"))
+    _, missing_warnings = _load_with_peft(files["ckpt"], broken)
+    assert missing_warnings, "peft did not report the missing tensor"
+
+
+# --- an NF4 checkpoint as the model --------------------------------------------------------------
+
+
+def _with_tokenizer(folder: Path, ckpt: Path) -> Path:
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    for f in ckpt.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_training_from_a_poros_nf4_export_equals_training_from_bf16(files, reference):
+    """export_bnb4bit writes the very NF4 bytes a bf16 build makes, so the run is the same run."""
+    from poros.store.build import build_store
+    from poros.store.export import export_bnb4bit
+
+    store, _ = build_store(str(files["ckpt"]), progress=False)
+    export = _with_tokenizer(export_bnb4bit(store, files["root"] / "nf4-export"), files["ckpt"])
+    out = files["root"] / "from-nf4"
+    assert train(files, out, model=export) == 0
+    assert_all_equal("from the NF4 export vs from bf16", run_state(reference), run_state(out))
+
+
+def test_training_from_a_double_quantized_transformers_checkpoint(files):
+    import transformers
+
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                        bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(files["ckpt"]), quantization_config=q,
+                                                              device_map="cpu")
+    folder = files["root"] / "nf4-dq"
+    model.save_pretrained(str(folder))
+    _with_tokenizer(folder, files["ckpt"])
+    assert train(files, files["root"] / "dq-poros", model=folder, steps=2) == 0
+    assert train(files, files["root"] / "dq-resident", "--method", "resident", model=folder, steps=2) == 0
+    assert_all_equal("resident vs poros (double-quantized NF4 checkpoint)", run_state(files["root"] / "dq-poros"),
+                     run_state(files["root"] / "dq-resident"))
+    _, missing = _load_with_peft(folder, files["root"] / "dq-poros/adapter")
+    assert missing == []
+
+
+# --- bad input: one line each, exit 2 ------------------------------------------------------------
+
+
+_refused = one_line_refusal
+
+
+@pytest.mark.parametrize(
+    "content,named",
+    [("", ["data.jsonl", "empty"]),
+     ('{"text": "a b c"}\n{"text": oops}\n', ["data.jsonl:2", "not JSON"]),
+     ('{"text": "a b c"}\n{"prompt": "a"}\n', ["data.jsonl:2", '"text" or "messages"']),
+     ('{"text": "the cat sat"}\n', ["tokens after tokenization", "--seq-len 64"])],
+    ids=["data=empty", "data=not-json", "data=neither-text-nor-messages", "data=shorter-than-a-sequence"],
+)
+def test_bad_data_is_refused_in_one_line(files, tmp_path, capsys, content, named):
+    data = tmp_path / "data.jsonl"
+    data.write_text(content)
+    _refused(capsys, train(files, tmp_path / "run", data=data), *named)
+    assert not (tmp_path / "run").exists(), "nothing is written for a refused run"
+
+
+def test_messages_need_a_chat_template(files, tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(files["ckpt"], folder)
+    for f in folder.glob("*"):
+        if f.name.startswith(("tokenizer", "chat_template")):
+            f.unlink()
+    train_tokenizer(folder, generated_texts(50), chat_template=False)
+    _refused(capsys, train(files, tmp_path / "run", model=folder), "record 61", "no chat template")
+
+
+def test_a_model_folder_without_tokenizer_files(files, tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for f in files["ckpt"].glob("*"):
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            shutil.copy(f, folder / f.name)
+    _refused(capsys, train(files, tmp_path / "run", model=folder), str(folder), "no tokenizer files")
+
+
+def test_a_registered_shape_is_not_a_checkpoint(files, tmp_path, capsys):
+    _refused(capsys, train(files, tmp_path / "run", model="tiny-qwen2"), "--model: tiny-qwen2", "checkpoint folder")
+
+
+def test_an_output_folder_holding_another_run(files, reference, tmp_path, capsys):
+    before = (reference / "config.json").read_text()
+    _refused(capsys, train(files, reference), f"--out: {reference} holds another run", "--resume")
+    (tmp_path / "notes.txt").write_text("mine")
+    _refused(capsys, train(files, tmp_path), str(tmp_path), "not an empty folder")
+    assert (reference / "config.json").read_text() == before
+
+
+def test_resume_refuses_settings_that_change_the_result(files, reference, tmp_path, capsys):
+    before = (reference / "config.json").read_text()
+    code = train(files, reference, "--resume", "--lr", "1e-3", "--seed", "2", steps=STEPS + 2)
+    _refused(capsys, code, "--resume: settings differ", "lr 0.003 (now 0.001)", "seed 0 (now 2)")
+    other = write_jsonl(tmp_path / "other.jsonl", [{"text": t} for t in generated_texts(80, seed=1)])
+    _refused(capsys, train(files, reference, "--resume", data=other, steps=STEPS + 2), f"data {other.resolve()}")
+    assert (reference / "config.json").read_text() == before
+    _refused(capsys, train(files, reference, "--resume"), f"--steps: the run in {reference} is already at step {STEPS}")
+    _refused(capsys, train(files, tmp_path / "none", "--resume"), "--resume:", "holds no run")
+
+
+def test_schedule_settings_change_nothing_and_may_change_on_resume(files, reference):
+    """--vram-budget (a plan that keeps 2 of the 5 layers resident), --block-size and the accumulation order
+    are schedule settings: a run with them, and a run resumed with others, end equal to the reference."""
+    out = files["root"] / "budget"
+    assert train(files, out, "--vram-budget", "4.4MB", "--accumulation", "micro", steps=2) == 0
+    first = json.loads((out / "config.json").read_text())["settings"]["train"]
+    assert first["vram_budget"] == 4_400_000 and first["accumulation"] == "micro"
+    assert train(files, out, "--resume", "--block-size", "1", "--no-overlap-backward") == 0
+    assert_all_equal("other schedules vs the reference", run_state(reference), run_state(out))
+    runs = json.loads((out / "config.json").read_text())["runs"]
+    assert [r["from_step"] for r in runs] == [0, 2]
+    config = json.loads((out / "config.json").read_text())["settings"]["train"]
+    assert config["block_size"] == 1 and config["vram_budget"] is None
+
+
+def test_eval_data_shorter_than_one_batch_is_refused(files, tmp_path, capsys):
+    evals = write_jsonl(tmp_path / "eval.jsonl", [{"text": " ".join(generated_texts(8, seed=2))}])
+    code = train(files, tmp_path / "run", "--eval-data", str(evals), "--batch-size", "4")
+    _refused(capsys, code, f"--eval-data: {evals} holds fewer sequences", "--batch-size 4 x --grad-accum 2")
+
+
+def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
+    import poros.engine.methods
+
+    real = poros.engine.methods.make_trainer
+
+    def diverging(method, store, cfg, world=None):
+        trainer = real(method, store, cfg, world)
+        step = trainer.step
+        trainer.step = lambda batches: dataclasses.replace(step(batches), loss=float("nan"))
+        return trainer
+
+    monkeypatch.setattr(poros.finetune.recipe, "make_trainer", diverging)
+    assert train(files, tmp_path / "run", steps=2) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "poros train: error: step 1: the loss is nan; lower --lr (now 0.003) and start a new run"
+    assert not (tmp_path / "run/checkpoint").exists(), "a diverged step is not saved"
+
+
+def test_bad_schedule_settings_are_listed_at_once(files, tmp_path, capsys):
+    code = train(files, tmp_path / "run", "--save-every", "-1", steps=0)
+    _refused(capsys, code, "steps: expected an integer > 0, got 0", "save_every: expected an integer >= 0")
+
+
+def train_ranks(files, out, *extra, steps=STEPS, ranks=2) -> dict:
+    """`torchrun --nproc-per-node RANKS -m poros train ...` (gloo on the CPU); rank 0's summary line."""
+    import subprocess
+
+    from poros.harness.ranks import launch_env, torchrun
+
+    cmd = torchrun(ranks) + ["-m", "poros", "train", "--model", str(files["ckpt"]), "--data", str(files["data"]),
+                             "--out", str(out), "--steps", str(steps), *RUN_ARGS, *extra]
+    proc = subprocess.run(cmd, env=launch_env(ranks), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # rank 0 alone reports
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(files):
+    """A poros run on two ranks (its folder's parent holds the other two-rank runs)."""
+    root = files["root"] / "ranks"
+    summary = train_ranks(files, root / "poros")
+    assert summary["step"] == STEPS and summary["adapter"]
+    return root
+
+
+def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, two_ranks):
+    """Two ranks: poros and resident (under DistributedDataParallel) end equal; stopped at step 2 and
+    resumed on two ranks, equal to the uninterrupted run; the run records its ranks. Negative control:
+    two ranks (twice the data a step, gradients averaged) end unlike the one-process reference."""
+    root = two_ranks
+    train_ranks(files, root / "resident", "--method", "resident")
+    assert_all_equal("poros vs resident on two ranks", run_state(root / "poros"), run_state(root / "resident"))
+    train_ranks(files, root / "resumed", steps=2)
+    train_ranks(files, root / "resumed", "--resume")
+    assert_all_equal("resumed vs uninterrupted on two ranks", run_state(root / "poros"), run_state(root / "resumed"))
+    config = json.loads((root / "poros" / "config.json").read_text())
+    assert config["settings"]["train"]["gpus"] == 2
+    state = json.loads((root / "poros" / "checkpoint" / "state.json").read_text())
+    assert state["position"] == STEPS * 2 * 2  # steps x ranks x grad_accum sequences
+    assert_differs("two ranks vs one process", run_state(reference), run_state(root / "poros"))
+    assert len(log_rows(root / "poros")) == STEPS  # one writer: no row twice
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
+    out = two_ranks / "poros"
+    assert train(files, out, "--resume", steps=STEPS + 2) == 2
+    err = capsys.readouterr().err
+    assert "would change its result" in err and "gpus 2 (now 1)" in err

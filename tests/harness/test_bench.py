@@ -1,0 +1,264 @@
+"""The harness: cell order, capability gates, results rows, resume, and the suites end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poros.harness.bench import ResultsWriter, matrix_cells, model_unavailable
+from poros.harness.matrix import load_matrix, parse_matrix
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = dict(name="t", steps=2, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
+            lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"])
+
+
+def test_cells_run_model_by_model_parity_first():
+    m = load_matrix("cpu")
+    cells = matrix_cells(m)
+    assert len(cells) == len(m.models) * (1 + len(m.methods))
+    for i, model in enumerate(m.models):
+        chunk = cells[i * (1 + len(m.methods)) : (i + 1) * (1 + len(m.methods))]
+        assert [c.model for c in chunk] == [model] * len(chunk)
+        assert chunk[0].method is None and [c.method for c in chunk[1:]] == list(m.methods)
+
+
+def test_cell_ids_read_like_report_rows():
+    m = load_matrix("cpu")
+    ids = [c.id for c in matrix_cells(m)]
+    assert "model=tiny-qwen3-stack=current-gate=parity" in ids
+    assert "model=tiny-qwen3-stack=current-method=poros" in ids
+
+
+def test_real_shapes_are_gated_off_the_cpu():
+    assert "GPU" in model_unavailable("qwen2.5-72b", "cpu")
+    assert model_unavailable("qwen2.5-72b", "cuda") is None
+    assert model_unavailable("tiny-qwen2", "cpu") is None
+
+
+def test_stack_mismatch_names_the_tox_env():
+    """A pinned stack is either the running environment (inside its own tox env) or names that env."""
+    from importlib import metadata
+
+    m = load_matrix("b300")
+    have = metadata.version("torch").split("+")[0], metadata.version("transformers")
+    assert len(m.stacks) == 2
+    for s in m.stacks:
+        why = s.mismatch()
+        if (s.torch.split("+")[0], s.transformers) == have:
+            assert why is None, why
+        else:
+            assert why and f"tox -e {s.name}" in why, why
+
+
+def test_results_writer_appends_and_reports_done(tmp_path):
+    w = ResultsWriter(tmp_path / "r.jsonl")
+    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok"})
+    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "resident", "status": "failed"})
+    w.append({"matrix": "u", "model": "a", "stack_name": "current", "method": "resident", "status": "ok"})
+    assert set(w.done("t")) == {("a", "current", "poros")}
+    assert len(w.rows()) == 3
+
+
+def _suite(tmp_path, matrix: dict, *extra, env=None):
+    path = tmp_path / "m.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(matrix))
+    parse_matrix(matrix)  # the fixture itself must be valid
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={path}", f"--results={results}",
+           "-q", "-p", "no:cacheprovider", "-rs", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    return proc, results
+
+
+def test_suite_writes_rows_and_resume_skips_them(tmp_path):
+    matrix = {**TINY, "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident"}  # unsloth: skipped without a GPU
+    for r in rows:
+        assert r["parity"] == "PASS" and r["parity_max_abs_diff"] == 0.0 and r["gate"] == "resident"
+        assert len(r["per_pass_s"]) == 2 and r["s_per_step_median"] > 0
+        assert r["provenance"]["versions"]["torch"] and "commit" in r["provenance"]["git"]
+    poros_row = next(r for r in rows if r["method"] == "poros")
+    assert poros_row["bytes_h2d_per_step"] > 0
+    assert "unsloth needs a CUDA GPU" in proc.stdout
+    again, _ = _suite(tmp_path, matrix, "--resume")
+    assert again.returncode == 0
+    assert len(results.read_text().splitlines()) == len(rows)  # nothing re-measured
+    assert "already in results (--resume)" in again.stdout
+
+
+def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
+    """Long-context matrices run poros and resident_gc (plain resident does not fit): the gate compares
+    them, and both rows say which reference it ran against."""
+    matrix = {**TINY, "methods": ["poros", "resident_gc"], "models": ["tiny-gemma3"]}
+    assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [
+        "model=tiny-gemma3-stack=current-gate=parity", "model=tiny-gemma3-stack=current-method=poros",
+        "model=tiny-gemma3-stack=current-method=resident_gc"]
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "parity PASS (poros vs resident_gc (recorded): " in proc.stdout, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident_gc"}
+    assert all(r["parity"] == "PASS" and r["gate"] == "resident_gc" for r in rows), rows
+
+
+def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
+    """A pytest plugin module replacing PorosTrainer._make_model; returns the env that finds it."""
+    import os
+
+    (tmp_path / f"{name}.py").write_text(
+        "import poros.engine.executor as r\n" + make_model_source + "r.PorosTrainer._make_model = _make_model\n")
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_a_parity_fail_fails_the_suite(tmp_path):
+    """Negative control: with a plan that refills a buffer before its backward, run unchecked, the cells
+    fail and rows say FAIL."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = _plugin(tmp_path, "inject_fault", (
+        f"import sys; sys.path.insert(0, {root!r})\n"
+        "from tests.faults import refill_before_backward\n"
+        "orig = r.make_plan\n"
+        "r.make_plan = lambda geo, cfg, free=None: refill_before_backward(orig(geo, cfg, free))\n"
+        "r.P.check = lambda plan: []  # run the unsafe plan anyway\n"
+        "_make_model = r.PorosTrainer._make_model\n"))
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma3"]}
+    proc, results = _suite(tmp_path, matrix, "-p", "inject_fault", env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "parity FAIL" in proc.stdout
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert rows and all(r["parity"] == "FAIL" for r in rows)
+
+
+def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
+    """Nothing is lost: an exception in a cell (here: poros setup) is recorded as a `failed` row with
+    its message, the suite exits 1, the report shows FAIL, and --resume retries the cell."""
+    calls = tmp_path / "calls"
+    env = _plugin(tmp_path, "inject_error", (
+        "def _make_model(self):\n"
+        f"    open({str(calls)!r}, 'a').write('x')\n"
+        "    raise RuntimeError('injected setup error')\n"))
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    proc, results = _suite(tmp_path, matrix, "-p", "inject_error", env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident"}  # the gate needs both: both cells fail
+    assert all(r["status"] == "failed" and "injected setup error" in r["error"] for r in rows)
+    assert calls.read_text() == "x"  # the gate ran once; its cells reuse the failure instead of re-running it
+    from poros.harness.report import load_results, render_markdown
+
+    assert "FAIL" in render_markdown(load_results([results]))
+    again, _ = _suite(tmp_path, matrix, "--resume", "-p", "inject_error", env=env)
+    assert again.returncode == 1
+    assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
+
+
+def test_suite_records_the_plan_beside_the_measurement(tmp_path):
+    """A budget and layer-major accumulation in a matrix: rows record the settings, the plan's
+    predicted peak and bytes, the resident layer count and how many parity steps ran."""
+    matrix = {**TINY, "seq_len": 128, "grad_accum": 2, "vram_budget": "1GB", "methods": ["poros", "resident"],
+              "models": ["tiny-qwen3"], "parity_steps": 2}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
+    poros = rows["poros"]
+    assert poros["parity"] == "PASS" and poros["parity_steps"] == 2
+    assert poros["config"]["vram_budget"] == 10**9 and poros["config"]["accumulation"] == "layer"
+    assert poros["resident_layers"] == 5 and poros["plan"]["resident_layers"] == [0, 1, 2, 3, 4]
+    assert poros["predicted_peak_vram_gb"] and poros["bytes_h2d_per_step"] == poros["plan"]["h2d_bytes_per_step"]
+    assert rows["resident"]["plan"] is None
+
+
+def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
+    """A chunk's time budget ends it with SIGINT (KeyboardInterrupt) mid-benchmark: finished cells
+    keep their rows and pytest-benchmark still writes its JSON (the half-run cell left out) instead
+    of crashing on that cell's empty statistics."""
+    import os
+
+    (tmp_path / "cut_off.py").write_text(
+        "import poros.engine.trainer as t\n"
+        "orig = t.ResidentTrainer.step\n"
+        "def step(self, batches=None):\n"
+        "    if self.steps_done == 3:  # inside the resident cell's first timed pass\n"
+        "        raise KeyboardInterrupt\n"
+        "    return orig(self, batches)\n"
+        "t.ResidentTrainer.step = step\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "bench.json"
+    proc, results = _suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:]  # interrupted
+    assert "min() iterable argument is empty" not in proc.stdout + proc.stderr
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["poros"]
+    names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
+    assert len(names) == 1 and "method=poros" in names[0]
+
+
+def test_model_overrides_change_only_that_models_schedule():
+    from poros.harness.bench import train_config
+
+    m = parse_matrix({**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2", "tiny-qwen3"],
+                      "overlap_backward": True, "model_overrides": {"tiny-qwen3": {"overlap_backward": False,
+                                                                                   "vram_budget": "300MB"}}})
+    q2, q3 = train_config(m, "tiny-qwen2"), train_config(m, "tiny-qwen3")
+    assert q2.overlap_backward and q2.vram_budget is None
+    assert not q3.overlap_backward and q3.vram_budget == 300 * 10**6
+    assert q2.replace(model="tiny-qwen3", overlap_backward=False, vram_budget=300 * 10**6) == q3  # nothing else
+
+
+def test_bad_model_overrides_are_refused_with_every_problem():
+    import pytest
+
+    from poros.errors import ConfigError
+
+    bad = {**TINY, "methods": ["poros"], "models": ["tiny-qwen2"], "model_overrides": {
+        "tiny-qwen3": {"cuda_graphs": False},  # not in the matrix
+        "tiny-qwen2": {"seq_len": 128, "cuda_graphs": "yes", "vram_budget": "lots"}}}
+    with pytest.raises(ConfigError) as e:
+        parse_matrix(bad)
+    text = str(e.value)
+    for needle in ("model_overrides.tiny-qwen3: not one of this matrix's models",
+                   "model_overrides.tiny-qwen2.seq_len: not overridable", "cuda_graphs: expected true or false",
+                   "vram_budget: expected a size such as 24GB"):
+        assert needle in text, text
+
+
+def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
+    """`gpus: 2` (two gloo processes on the CPU): the gate and each method run under torchrun; rows
+    record world_size and count both ranks' tokens; Unsloth, one process, is skipped with its reason."""
+    matrix = {**TINY, "steps": 1, "passes": 1, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
+              "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"poros", "resident"}
+    for r in rows:
+        assert r["world_size"] == 2 and r["config"]["gpus"] == 2 and r["parity"] == "PASS"
+        tokens = 2 * 64 * 2  # ranks x seq x grad_accum
+        assert abs(r["tokens_per_s"] - tokens / r["s_per_step_median"]) < 1e-6 * r["tokens_per_s"]
+    assert next(r for r in rows if r["method"] == "poros")["bytes_h2d_per_step"] > 0
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from poros.errors import CapabilityError
+    from poros.harness.preflight import check_ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(CapabilityError, match="2 data-parallel ranks need 2 CUDA GPUs; this host has 1"):
+        check_ranks(2, "cuda", "m.yaml: gpus")
+    check_ranks(2, "cpu", "m.yaml: gpus")  # processes on the CPU
+    check_ranks(1, "cuda", "m.yaml: gpus")

@@ -1,0 +1,152 @@
+"""Every matrix file loads and validates; the official matrices reproduce the configuration of the official
+validation results (reports/reference/README.md);
+a malformed file is refused with every problem listed at once."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from poros.config import Device, Method
+from poros.errors import ConfigError
+from poros.harness.matrix import MATRICES, load_matrix
+from poros.models.shapes import SHAPES
+from poros.harness.report import load_reference
+
+FILES = sorted(MATRICES.glob("*.yaml"))
+
+# The Configuration table of "Poros — Official Validation Results (NVIDIA B300 SXM6)" (reports/reference/README.md).
+OFFICIAL = dict(steps=200, passes=3, seq_len=512, batch_size=1, grad_accum=1, lora_rank=16, lora_alpha=32,
+            block_size=4, dataset="synthetic", precision="nf4")
+
+
+def test_matrices_folder_is_not_empty():
+    assert FILES, f"no matrices/*.yaml under {MATRICES}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f"matrix={p.stem}" for p in FILES])
+def test_matrix_file_loads(path):
+    m = load_matrix(str(path))
+    assert m.name == path.stem, f"{path.name}: name {m.name!r} does not match the file name"
+    assert m.models and m.methods and m.stacks
+    unknown = [x for x in m.models if x not in SHAPES]
+    assert not unknown, f"{path.name}: models not in the registry: {unknown}"
+    assert len(set(m.models)) == len(m.models), f"{path.name}: a model is listed twice"
+    assert load_matrix(path.stem) == m, "loading by name and by path differ"
+
+
+def _load_or_skip(name: str):
+    path = MATRICES / f"{name}.yaml"
+    if not path.is_file():
+        pytest.skip(f"matrices/{name}.yaml does not exist")
+    return load_matrix(str(path))
+
+
+@pytest.mark.parametrize("name", ["b300", "a100", "h200"], ids=lambda n: f"matrix={n}")
+def test_official_matrix_reproduces_official_configuration(name):
+    m = _load_or_skip(name)
+    got = {k: getattr(m, k) for k in OFFICIAL}
+    assert got == OFFICIAL, f"{name}.yaml differs from the official configuration: " + ", ".join(
+        f"{k}={got[k]!r} (official {v!r})" for k, v in OFFICIAL.items() if got[k] != v)
+    assert set(m.methods) == {Method.POROS, Method.RESIDENT, Method.UNSLOTH}
+    assert not any(SHAPES[x].tiny for x in m.models), f"{name}.yaml lists tiny models: {m.models}"
+    assert m.device in (None, Device.CUDA)
+
+
+def _reference_models(hardware: str) -> set[str]:
+    """Registry names of the models the official reference figures list for `hardware`."""
+    ref = load_reference()
+    return {m.lower() for h, m in zip(ref["hardware"], ref["model"]) if hardware in h}
+
+
+def test_b300_matrix_is_the_official_table():
+    m = _load_or_skip("b300")
+    assert "B300" in (m.hardware or "")
+    assert set(m.models) == {"qwen3-32b", "qwen2.5-32b", "qwen2.5-72b"} == _reference_models("B300")
+    # The official two stacks; a local version tag (+cu128) is optional, as in Stack.mismatch.
+    pinned = {(s.torch.split("+")[0], s.transformers, s.bitsandbytes) for s in m.stacks if not s.is_current}
+    assert pinned == {("2.10.0", "5.5.0", "0.49.2"), ("2.12.0", "5.10.1", "0.49.2")}
+    assert {f"torch {t} / transformers {tf}" for t, tf, _ in pinned} == {
+        re.sub(r"\+\w+", "", s) for s in load_reference()["stack"].dropna()}  # the reference's B300 stacks
+
+
+def test_a100_matrix_covers_every_family():
+    m = _load_or_skip("a100")
+    assert "A100" in (m.hardware or "")
+    assert set(m.models) == {"qwen2.5-32b", "qwen3-32b", "gemma3-27b", "gemma4-31b"} == _reference_models("A100")
+
+
+def test_cpu_matrix_runs_tiny_models_on_cpu():
+    m = _load_or_skip("cpu")
+    assert m.device is Device.CPU
+    assert set(m.models) == {n for n, s in SHAPES.items() if s.tiny}
+    assert {Method.POROS, Method.RESIDENT} <= set(m.methods)
+
+
+MALFORMED = {
+    "name": "broken",
+    "steps": "many",  # wrong type
+    "passes": 3,
+    # dataset: missing
+    "batch_size": 1,
+    "grad_accum": 1,
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "block_size": 4,
+    "methods": ["poros", "teleport"],  # unknown method
+    "models": ["tiny-qwen2", "gpt-17"],  # unknown model
+    "stacks": ["current", {"name": "old", "torch": "2.10.0"}],  # bad stack: missing keys
+    "colour": "blue",  # unknown key
+}
+EXPECTED = {
+    "unknown key": ("colour",),
+    "missing key": ("dataset",),  # settings (seq_len, ...) take the settings table's defaults
+    "wrong type": ("steps", "'many'"),
+    "unknown model": ("models", "gpt-17"),
+    "unknown method": ("methods", "teleport"),
+    "bad stack": ("stacks[1]", "transformers"),
+}
+
+
+@pytest.fixture
+def malformed(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(MALFORMED))
+    return path
+
+
+def test_malformed_matrix_lists_every_problem(malformed):
+    with pytest.raises(ConfigError) as e:
+        load_matrix(str(malformed))
+    problems = e.value.problems
+    assert str(malformed) in e.value.source
+    unreported = [what for what, words in EXPECTED.items()
+                  if not any(all(w in p for w in words) for p in problems)]
+    assert not unreported, f"not reported: {unreported}; problems were {problems}"
+    assert len(problems) == len(EXPECTED), f"expected {len(EXPECTED)} problems, got {problems}"
+
+
+SINGLE = [("stacks", []), ("block_size", 0), ("attention", "warp"), ("dataset", "wiki")]
+
+
+@pytest.mark.parametrize("key,bad", SINGLE, ids=[f"{k}={v!r}" for k, v in SINGLE])
+def test_single_bad_field_is_named(tmp_path, key, bad):
+    data = yaml.safe_load((MATRICES / "cpu.yaml").read_text())
+    data[key] = bad
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        load_matrix(str(path))
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(key), e.value.problems
+
+
+def test_validate_cli_exit_codes(capsys, malformed):
+    from poros.cli import main
+
+    assert main(["validate", str(malformed)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "colour" in out and "teleport" in out
+    assert main(["validate", str(MATRICES / "cpu.yaml")]) == 0
+    assert capsys.readouterr().out.startswith("ok")

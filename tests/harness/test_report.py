@@ -1,0 +1,358 @@
+"""`poros.harness.report` and `poros report`: tables rendered from fixture results rows (made-up numbers) and
+from the official reference figures in reports/reference/."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from poros.cli import main
+from poros.errors import PorosError
+from poros.harness.report import OFFICIAL_REFERENCE, figure, load_reference, load_results, render_markdown, write_report
+
+RESULTS_HEADER = (
+    "| Model | Arch | Stack | Bitwise parity | poros s/step (median±std) | resident s/step (median±std) "
+    "| unsloth s/step | Slowdown vs resident | vs unsloth | poros VRAM | resident VRAM | unsloth VRAM "
+    "| VRAM cut vs resident | vs unsloth |"
+)
+CPU_HEADER = RESULTS_HEADER.split(" poros VRAM |")[0]
+STACK = "torch 2.11.0+cu130 / transformers 5.17.0"
+OTHER_STACK = "torch 2.10.0+cu128 / transformers 5.5.0"
+
+
+def fixture_row(model="qwen2.5-32b", method="poros", stack=STACK, **kw) -> dict:
+    """One fixture results row; every number is made up for the test."""
+    row = {
+        "matrix": "fixture", "model": model, "arch": "qwen2", "method": method, "stack": stack,
+        "stack_name": "current", "steps": 200, "passes": 3, "warmup_passes": 1, "reduced": False,
+        "s_per_step_median": {"poros": 1.2345, "resident": 0.3456, "unsloth": 0.4567}[method],
+        "s_per_step_std": {"poros": 0.0123, "resident": 0.0012, "unsloth": 0.0021}[method],
+        "per_pass_s": [1.0, 1.1, 1.2], "tokens_per_s": 414.7 if method == "poros" else 1481.5,
+        "peak_vram_gb": {"poros": 12.34, "resident": 40.12, "unsloth": 21.98}[method], "peak_vram_nvml_gb": 13.0,
+        "parity": "PASS" if method != "unsloth" else None,
+        "parity_max_abs_diff": 0.0 if method != "unsloth" else None,
+        "bytes_h2d_per_step": 39_500_000_000 if method == "poros" else None,
+        "copy_gbps": 24.6 if method == "poros" else None, "copy_hidden_share": 0.875 if method == "poros" else None,
+        "status": "ok", "error": None,
+        "config": {"seq_len": 512, "batch_size": 1, "grad_accum": 1, "lora_rank": 16, "lora_alpha": 32,
+                   "block_size": 4, "dataset": "synthetic", "precision": "nf4", "attention": "math",
+                   "device": "cuda", "hardware": None},
+        "provenance": {
+            "python": "3.11.9", "platform": "Linux", "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91000,
+            "versions": {"torch": "2.11.0+cu130", "transformers": "5.17.0", "peft": "0.18.0",
+                         "bitsandbytes": "0.49.2", "accelerate": "1.10.0", "unsloth": None, "poros": "0.1.0"},
+            "git": {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True},
+            "gpus": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-fixture-uuid", "driver": "580.1",
+                      "memory_gb": 143.8}],
+            "host": "fixture-host", "time": "2026-01-02T03:04:05+00:00", "argv": ["poros", "bench"],
+        },
+    }
+    row.update(kw)
+    return row
+
+
+def cpu_row(**kw) -> dict:
+    """A fixture row measured on the CPU: no GPU, no device memory."""
+    row = fixture_row(**kw)
+    row["config"] = {**row["config"], "device": "cpu", "hardware": "CPU"}
+    row["provenance"] = {**row["provenance"], "gpus": [], "cuda": None}
+    return {**row, "peak_vram_gb": None, "peak_vram_nvml_gb": None}
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def cells(line: str) -> list[str]:
+    """The cells of one Markdown table line, split on unescaped pipes only ("max \\|diff\\|" is one cell)."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+
+
+def tables(md: str) -> list[list[list[str]]]:
+    """Every Markdown table in `md` as its lines' cells (header first, then the `---` line, then rows)."""
+    out, current = [], None
+    for line in md.splitlines():
+        if line.startswith("|"):
+            if current is None:
+                current = []
+                out.append(current)
+            current.append(cells(line))
+        else:
+            current = None
+    return out
+
+
+def assert_tables_well_formed(md: str) -> None:
+    """Every table has a header, a `---` line of as many columns, and rows of exactly as many cells."""
+    found = tables(md)
+    assert found, "no table rendered"
+    for table in found:
+        header, rule, *rows = table
+        assert rule == ["---"] * len(header), f"table {header}: separator {rule}"
+        for row in rows:
+            assert len(row) == len(header), f"table {header}: row of {len(row)} cells for {len(header)} columns: {row}"
+
+
+def table_rows(md: str, first_cell: str, ncols: int = 14) -> list[list[str]]:
+    """Cells of the rows starting with `first_cell` in tables of `ncols` columns (14: the results table)."""
+    rows = [cells(line) for line in md.splitlines() if line.startswith(f"| {first_cell} |")]
+    return [r for r in rows if len(r) == ncols]
+
+
+def three_methods(**kw) -> list[dict]:
+    return [fixture_row(method=m, **kw) for m in ("poros", "resident", "unsloth")]
+
+
+def test_header_matches_official_table(tmp_path):
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", three_methods())))
+    assert RESULTS_HEADER in md.splitlines()
+    assert "# Poros — Validation Results (NVIDIA H200)" in md
+
+
+def test_pass_row_formats_like_official_table(tmp_path):
+    rows = three_methods()
+    p, r, u = rows
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen2.5-32b")
+    assert cells == [
+        "qwen2.5-32b", "qwen2", STACK, "PASS (0.00e+00)",
+        f"{p['s_per_step_median']:.4f}±{p['s_per_step_std']:.4f}",
+        f"{r['s_per_step_median']:.4f}±{r['s_per_step_std']:.4f}", f"{u['s_per_step_median']:.4f}",
+        f"{p['s_per_step_median'] / r['s_per_step_median']:.2f}×",
+        f"{p['s_per_step_median'] / u['s_per_step_median']:.2f}×",
+        f"{p['peak_vram_gb']:.2f} GB", f"{r['peak_vram_gb']:.2f} GB", f"{u['peak_vram_gb']:.2f} GB",
+        f"{(1 - p['peak_vram_gb'] / r['peak_vram_gb']) * 100:.1f}%",
+        f"{(1 - p['peak_vram_gb'] / u['peak_vram_gb']) * 100:.1f}%",
+    ]
+    assert cells[7] == "3.57×" and cells[12] == "69.2%"  # hand-computed: 1.2345/0.3456, 1-12.34/40.12
+
+
+def test_missing_method_renders_dash(tmp_path):
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", three_methods()[:2])))
+    (cells,) = table_rows(md, "qwen2.5-32b")
+    assert cells[6] == cells[8] == cells[11] == cells[13] == "—"
+    assert cells[5] != "—" and cells[7] != "—"
+
+
+def test_parity_fail_and_failed_status(tmp_path):
+    rows = [fixture_row(parity="FAIL", parity_max_abs_diff=1.2e-3),
+            fixture_row(method="resident", status="failed", s_per_step_median=None, error="CUDA OOM")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen2.5-32b")
+    assert cells[3] == "FAIL (max |diff| 1.20e-03)"
+    assert cells[5] == "FAIL" and cells[7] == "—"
+
+
+def test_last_row_wins(tmp_path):
+    rows = three_methods() + [fixture_row(s_per_step_median=2.5, s_per_step_std=0.5)]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen2.5-32b")
+    assert cells[4] == "2.5000±0.5000"
+
+
+def test_stacks_are_separate_rows(tmp_path):
+    rows = three_methods() + [fixture_row(stack=OTHER_STACK, s_per_step_median=1.1)]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert [c[2] for c in table_rows(md, "qwen2.5-32b")] == [STACK, OTHER_STACK]
+
+
+@pytest.mark.parametrize("reduced", [True, False], ids=lambda r: f"reduced={r}")
+def test_reduced_note_iff_reduced(tmp_path, reduced):
+    rows = [fixture_row(steps=5, passes=2, reduced=reduced)] + three_methods()[1:]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    note = "Reduced run: 5 steps × 2 passes (the matrix file asks for more) — not comparable to full runs."
+    assert (note in md) is reduced
+    assert ("Reduced run" in md) is reduced
+
+
+def test_time_table_and_provenance(tmp_path):
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", three_methods())))
+    assert "| qwen2.5-32b | " + STACK + " | 39.50 GB | 24.6 GB/s | 87.5% | 414.7 |" in md
+    assert "0123456789abcdef0123456789abcdef01234567 (dirty)" in md
+    assert "GPU-fixture-uuid" in md and "NVIDIA H200 (143.8 GB VRAM)" in md
+
+
+def test_reference_matches_case_insensitively(tmp_path):
+    ref_csv = tmp_path / "ref.csv"
+    ref_csv.write_text(
+        "hardware,model,arch,stack,parity,poros_s_step_median,poros_s_step_std,resident_s_step,unsloth_s_step,"
+        "poros_vram_gb,resident_vram_gb,unsloth_vram_gb,attention_note\n"
+        "B300,Qwen2.5-32B,qwen2,torch 2.10.0+cu128 / transformers 5.5.0,PASS,1.0012,0.0082,0.2755,0.4051,"
+        "11.04,36.53,20.54,note\n"
+        "A100-80GB-PCIe,Qwen2.5-32B,qwen2,,,2.0489,0.0091,0.7662,0.9086,10.95,,20.82,note\n"
+        "B300,Qwen2.5-72B,qwen2,,,1.8680,0.0087,0.4489,0.5917,18.16,67.63,42.46,note\n"
+    )
+    df = load_results(write_jsonl(tmp_path / "r.jsonl", three_methods()))
+    assert "Reference vs measured" not in render_markdown(df)
+    md = render_markdown(df, load_reference(ref_csv))
+    rows = table_rows(md, "Qwen2.5-32B", ncols=11)
+    assert [r[1] for r in rows] == ["B300", "A100-80GB-PCIe"]  # 72B was not measured: no row
+    assert rows[0][3:] == ["1.0012±0.0082", "1.2345±0.0123", "0.2755", "0.3456±0.0012",
+                           "11.04 GB", "12.34 GB", "36.53 GB", "40.12 GB"]
+    assert rows[1][2] == "—" and rows[1][9] == "—"
+
+
+def test_write_report_writes_markdown_and_png(tmp_path):
+    out = write_report([write_jsonl(tmp_path / "r.jsonl", three_methods())], tmp_path / "reports" / "h200.md")
+    png = tmp_path / "reports" / "h200.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![s/step vs peak VRAM](h200.png)" in out.read_text()
+
+
+@pytest.mark.parametrize("line, why", [('{"matrix": "x",', "not valid JSON"), ('{"matrix": "x"}', "missing key(s)")],
+                         ids=["malformed", "missing-keys"])
+def test_bad_jsonl_names_file_and_line(tmp_path, line, why):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(fixture_row()) + "\n" + line + "\n")
+    with pytest.raises(PorosError, match=r"r\.jsonl:2: " + re.escape(why)) as e:
+        load_results([path])
+    assert "\n" not in str(e.value)
+
+
+def test_cli_writes_report(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "r.jsonl", three_methods())
+    out = tmp_path / "h200.md"
+    assert main(["report", results, "-o", str(out), "--title", "Fixture report"]) == 0
+    assert out.read_text().startswith("# Fixture report (NVIDIA H200)")
+    assert (tmp_path / "h200.png").is_file()
+    stdout = capsys.readouterr().out
+    assert str(out) in stdout and RESULTS_HEADER in stdout
+
+
+def test_cli_missing_file_is_one_line_error(tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    assert main(["report", str(missing), "-o", str(tmp_path / "x.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "nope.jsonl: no such results file" in err
+    assert not (tmp_path / "x.md").exists()
+
+
+def _schedule(model="qwen2.5-32b", **settings) -> dict:
+    """A poros row of `model` run with the given schedule settings."""
+    return fixture_row(model=model, config={**fixture_row()["config"], **settings})
+
+
+TABLE_CASES = {
+    "gpu": lambda: three_methods(),
+    "cpu": lambda: [cpu_row(method=m) for m in ("poros", "resident")],
+    "two-stacks": lambda: three_methods() + [fixture_row(stack=OTHER_STACK)],
+    "two-schedules": lambda: [_schedule(cuda_graphs=True), _schedule(overlap_backward=True, model="qwen3-32b"),
+                              fixture_row(method="resident")],
+    "budget": lambda: [fixture_row(config={**fixture_row()["config"], "vram_budget": 24 * 10**9}),
+                       fixture_row(method="resident")],
+    "parity-fail": lambda: [fixture_row(parity="FAIL", parity_max_abs_diff=1.2e-3), fixture_row(method="resident")],
+}
+
+
+@pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: f"rows={c}")
+def test_every_table_row_has_the_header_column_count(tmp_path, case):
+    df = load_results(write_jsonl(tmp_path / "r.jsonl", TABLE_CASES[case]()))
+    assert_tables_well_formed(render_markdown(df, load_reference()))
+
+
+def test_table_check_catches_a_stray_cell():
+    """Negative control: a configuration row with a third cell (as "| x | y | ;  |") is refused."""
+    md = "| Field | Value |\n|---|---|\n| Block size (poros) | 4, layers replayed from CUDA graphs | ;  |\n"
+    with pytest.raises(AssertionError, match="row of 3 cells for 2 columns"):
+        assert_tables_well_formed(md)
+    assert_tables_well_formed(md.replace(" ;  |", ""))
+
+
+def test_distinct_schedules_share_one_configuration_cell(tmp_path):
+    rows = [_schedule(cuda_graphs=True), _schedule(overlap_backward=True, model="qwen3-32b")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cell,) = [r[1] for r in table_rows(md, "CUDA-graph layers (poros)", ncols=2)]
+    assert cell == "on; off"
+    (cell,) = [r[1] for r in table_rows(md, "Block size (poros)", ncols=2)]
+    assert cell == "4"
+
+
+def test_cpu_report_leaves_out_device_memory_and_copies(tmp_path):
+    rows = [cpu_row(method=m) for m in ("poros", "resident")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert CPU_HEADER in md.splitlines()
+    for absent in ("VRAM", "Where the time goes", "Host→device", "Copy GB/s", "hidden behind compute", "CUDA",
+                   "GPU"):
+        assert absent not in md, f"{absent!r} in a CPU report"
+    (cells_,) = table_rows(md, "qwen2.5-32b", ncols=9)
+    assert cells_[4:6] == ["1.2345±0.0123", "0.3456±0.0012"] and cells_[7] == "3.57×"
+    # The same rows on a GPU keep all of it.
+    gpu = render_markdown(load_results(write_jsonl(tmp_path / "g.jsonl", three_methods())))
+    assert "Where the time goes" in gpu and "CUDA 13.0" in gpu and RESULTS_HEADER in gpu.splitlines()
+
+
+def test_cpu_plot_shows_s_per_step_per_model_and_method(tmp_path):
+    rows = [cpu_row(model=m, method=x) for m in ("tiny-qwen2", "tiny-qwen3") for x in ("poros", "resident")]
+    df = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    (ax,) = figure(df).axes
+    assert ax.get_title() == "s/step per model and method"
+    heights = sorted(round(b.get_height(), 4) for b in ax.patches)
+    assert heights == [0.3456, 0.3456, 1.2345, 1.2345]  # one bar per measured cell, at its median
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["tiny-qwen2", "tiny-qwen3"]
+    assert not [t for t in ax.texts if t.get_text() == "no measured cells"]
+    out = write_report([write_jsonl(tmp_path / "r.jsonl", rows)], tmp_path / "cpu.md")
+    assert out.read_text().endswith("## s/step per model and method\n\n![s/step per model and method](cpu.png)\n")
+
+
+def test_gpu_plot_is_s_per_step_against_vram(tmp_path):
+    (ax,) = figure(load_results(write_jsonl(tmp_path / "r.jsonl", three_methods()))).axes
+    assert ax.get_title() == "s/step vs peak VRAM" and not ax.patches
+    (points,) = [c for c in ax.collections if len(c.get_offsets()) and c.get_label() == "poros"]
+    assert points.get_offsets().tolist() == [[12.34, 1.2345]]
+
+
+def test_official_reference_ships_with_its_source():
+    ref = load_reference()
+    assert OFFICIAL_REFERENCE.name == "official.csv" and OFFICIAL_REFERENCE.parent.name == "reference"
+    assert ref.attrs["source"].startswith('"Poros — Official Validation Results (NVIDIA B300 SXM6)"')
+    assert set(ref["hardware"]) == {"B300", "A100-80GB-PCIe"} and len(ref) == 10
+    b300_72b = ref[(ref["hardware"] == "B300") & (ref["model"] == "Qwen2.5-72B")]
+    assert b300_72b["poros_s_step_median"].tolist() == [1.8680, 1.8635]  # the document's Results — B300 table
+
+
+def test_report_with_the_official_reference(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "r.jsonl", three_methods())
+    out = tmp_path / "h200.md"
+    assert main(["report", results, "-o", str(out), "--reference"]) == 0
+    md = out.read_text()
+    assert_tables_well_formed(md)
+    rows = table_rows(md, "Qwen2.5-32B", ncols=11)
+    assert [(r[1], r[3]) for r in rows] == [("B300", "1.0012±0.0082"), ("B300", "0.9900±0.0049"),
+                                            ("A100-80GB-PCIe", "2.0489±0.0091")]
+    assert all(r[4] == "1.2345±0.0123" and r[6] == "0.3456±0.0012" for r in rows)
+    assert 'Reference figures: "Poros — Official Validation Results (NVIDIA B300 SXM6)"' in md
+    assert str(tmp_path) not in md  # nothing machine-specific: reports re-render identically anywhere
+
+
+def test_reference_comment_lines_are_not_rows(tmp_path):
+    ref_csv = tmp_path / "ref.csv"
+    ref_csv.write_text(OFFICIAL_REFERENCE.read_text().replace("# Source:", "# a note\n# Source:", 1))
+    ref = load_reference(ref_csv)
+    assert len(ref) == 10 and ref.attrs["source"] == load_reference().attrs["source"]
+    ref_csv.write_text("\n".join(OFFICIAL_REFERENCE.read_text().splitlines()[1:]))  # no comment: no source
+    assert "source" not in load_reference(ref_csv).attrs
+
+
+def test_missing_reference_is_one_line_error(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "r.jsonl", three_methods())
+    assert main(["report", results, "-o", str(tmp_path / "x.md"), "--reference", str(tmp_path / "nope.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "nope.csv: no such reference file" in err
+
+
+def test_resident_gc_rows_are_labelled_and_name_their_gate(tmp_path):
+    """A long-context matrix: poros gated against resident_gc; the parity cell names that reference."""
+    rows = [fixture_row(gate="resident_gc"), {**fixture_row(method="resident", gate="resident_gc"),
+                                              "method": "resident_gc"}, fixture_row(method="unsloth", gate=None)]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen2.5-32b")
+    assert cells[3] == "PASS vs resident_gc (0.00e+00)"
+    assert cells[5] == "—"  # no plain resident in this matrix
+    assert "| Methods | poros (blockwise residency), resident + gradient checkpointing, unsloth |" in md
+    (ax,) = figure(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).axes
+    assert {c.get_label() for c in ax.collections if len(c.get_offsets())} == {"poros", "resident_gc", "unsloth"}
+    plain = render_markdown(load_results(write_jsonl(tmp_path / "p.jsonl", [fixture_row(gate="resident")])))
+    assert table_rows(plain, "qwen2.5-32b")[0][3] == "PASS (0.00e+00)"  # the usual reference goes unnamed
