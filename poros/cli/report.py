@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 from poros.harness.preflight import check_reference, check_report_paths
 from poros.harness.report import (
     OFFICIAL_REFERENCE,
+    failures,
     latest,
     load_results,
     results_table,
@@ -18,7 +21,8 @@ EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md --reference my_reference.csv
   poros report out/pr.jsonl out/un.jsonl -o reports/b300.md --title "Poros — Official Validation Results"
 
-Later files win: a row repeating a (matrix, model, stack, method) cell replaces the earlier one.
+Later files win: a row repeating a (matrix, model, stack, method, plan, sweep point) cell replaces the
+earlier one. Exits 1 when a cell FAILs (a failed run or a parity FAIL), after writing the report.
 --reference alone takes the official validation figures (reports/reference/official.csv, B300 and
 A100); give it after the results files, or name a CSV in that format.
 The PNG is written beside the Markdown (same stem) and linked from it: s/step against peak VRAM,
@@ -65,7 +69,11 @@ def run(args) -> int:
         check_reference(reference)
     out = write_report(args.results, args.output, reference_csv=reference, title=args.title)
     print(f"wrote {out} and {out.with_suffix('.png')}")
-    df = latest(load_results(args.results))
-    for hw, g in df.groupby("hardware", sort=False):
+    df = load_results(args.results)
+    for hw, g in latest(df).groupby("hardware", sort=False):
         print(f"\nResults — {hw}\n{results_table(g)}")
+    failed = failures(df)
+    if failed:
+        print(f"poros report: {len(failed)} cell(s) FAIL: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0

@@ -70,10 +70,50 @@ def load_results(paths) -> pd.DataFrame:
             if row["method"] not in METHODS or row["status"] not in STATUSES:
                 raise PorosError(f"{path}:{n}: method must be one of {', '.join(METHODS)} and status one of "
                                  f"{', '.join(STATUSES)}, got {row['method']!r} / {row['status']!r}")
-            records.append(row)
+            bad = field_problems(row)
+            if bad:
+                raise PorosError(f"{path}:{n}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") +
+                                 "; fix or remove that row (rows are written by poros bench)")
+            records.append({**row, "plan_name": row.get("plan_name"),
+                            "sweep": row.get("sweep") if isinstance(row.get("sweep"), dict) else {}})
     if not records:
         raise PorosError(f"no result rows in {', '.join(map(str, paths))}")
     return pd.DataFrame.from_records(records)
+
+
+NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",
+           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s")
+SECTIONS = ("config", "provenance")  # mappings every row holds
+TEXTS = ("matrix", "model", "stack", "arch")
+
+
+def field_problems(row: dict) -> list[str]:
+    """Fields of a row the report could not read as their kind: a number that is text, a section that is
+    null or not a mapping. Each names the field, what it holds and what it should."""
+    out = []
+    for k in NUMBERS:
+        v = row.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            out.append(f"field {k}: expected a number or null, got {v!r}")
+    for k in SECTIONS:
+        if not isinstance(row.get(k), dict):
+            out.append(f"field {k}: expected a mapping, got {row.get(k)!r}")
+    for k in TEXTS:
+        if not isinstance(row.get(k), str):
+            out.append(f"field {k}: expected text, got {row.get(k)!r}")
+    if row.get("parity") not in (None, "PASS", "FAIL"):
+        out.append(f"field parity: expected PASS, FAIL or null, got {row['parity']!r}")
+    return out
+
+
+def failures(df: pd.DataFrame) -> list[str]:
+    """The cells of the latest rows that FAIL (a failed run or a parity FAIL), as `model method` lines."""
+    out = []
+    for r in latest(df).to_dict("records"):
+        if r["status"] == "failed" or r["parity"] == "FAIL":
+            why = "parity FAIL" if r["parity"] == "FAIL" else f"failed: {str(r.get('error') or '')[:120]}"
+            out.append(f"{r['model']} {r['method']}{' plan ' + r['plan_name'] if r.get('plan_name') else ''}: {why}")
+    return out
 
 
 def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
@@ -128,9 +168,16 @@ def on_cpu(df: pd.DataFrame) -> bool:
                for c, p in zip(df["config"], df["provenance"]))
 
 
+def _point(sweep) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (sweep or {}).items())
+
+
 def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """The last row per (matrix, model, stack, method) — a re-run replaces the earlier cell."""
-    df = df.drop_duplicates(subset=list(KEY), keep="last").copy()
+    """The last row per (matrix, model, stack, method, plan, sweep point) — a re-run replaces the earlier cell."""
+    df = df.copy()
+    df["point"] = [_point(x) for x in df["sweep"]]
+    df["plan_key"] = df["plan_name"].fillna("")
+    df = df.drop_duplicates(subset=[*KEY, "plan_key", "point"], keep="last").copy()
     df["hardware"] = [_hardware(r) for r in df.to_dict("records")]
     return df
 
@@ -141,6 +188,21 @@ def _table(columns, rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows])
 
 
+SPREAD = 0.10  # a timed CPU cell whose passes spread more than this share of their median is flagged
+SPREAD_MARK = "†"
+SPREAD_NOTE = (f"{SPREAD_MARK} passes spread more than {SPREAD:.0%} of their median (fastest to slowest): "
+               "the CPU was shared or busy; compare these timings with care.")
+
+
+def spread(row) -> bool:
+    """Whether a timed CPU row's passes spread more than `SPREAD` of their median."""
+    passes = [t for t in (row.get("per_pass_s") or []) if isinstance(t, (int, float))]
+    if len(passes) < 2 or (row.get("config") or {}).get("device", "cpu") != "cpu":
+        return False
+    med = sorted(passes)[len(passes) // 2] if len(passes) % 2 else sum(sorted(passes)[len(passes) // 2 - 1:][:2]) / 2
+    return med > 0 and (max(passes) - min(passes)) / med > SPREAD
+
+
 def _s_step(row, with_std: bool = False) -> str:
     if row is None or row["status"] == "skipped":
         return DASH
@@ -149,7 +211,8 @@ def _s_step(row, with_std: bool = False) -> str:
     med, std = _num(row["s_per_step_median"]), _num(row["s_per_step_std"])
     if med is None:
         return DASH
-    return f"{med:.4f}±{std:.4f}" if with_std and std is not None else f"{med:.4f}"
+    mark = SPREAD_MARK if spread(row) else ""
+    return (f"{med:.4f}±{std:.4f}" if with_std and std is not None else f"{med:.4f}") + mark
 
 
 def _ok(row, field: str) -> float | None:
@@ -172,42 +235,67 @@ def _parity(row) -> str:
 
 
 def _cells(df: pd.DataFrame) -> dict:
-    """{(model, stack): {method: row}} in order of first appearance (later rows win)."""
+    """{(model, stack, point): {method: row, "plans": {plan: poros row}}} in order of first appearance
+    (later rows win); `poros` is the first plan's row."""
     cells: dict = {}
     for r in df.to_dict("records"):
-        cells.setdefault((r["model"], r["stack"]), {"arch": r["arch"]})[r["method"]] = r
+        c = cells.setdefault((r["model"], r["stack"], r.get("point", "")), {"arch": r["arch"], "plans": {}})
+        if r["method"] == "poros":
+            c["plans"][r.get("plan_name")] = r
+            c.setdefault("poros", r)
+        else:
+            c[r["method"]] = r
     return cells
 
 
+def _baseline(c: dict):
+    """The reference a poros row is compared with: resident QLoRA, else resident_gc."""
+    return c.get("resident") or c.get("resident_gc")
+
+
 def results_table(df: pd.DataFrame) -> str:
-    """The official results table, one row per model × stack; on CPU without the VRAM columns."""
+    """The official results table, one row per model × stack × sweep point × poros plan; columns of the
+    methods the rows hold (resident_gc where plain resident is absent); on CPU without the VRAM columns."""
+    present = set(df["method"])
+    ref = "resident" if "resident" in present or "resident_gc" not in present else "resident_gc"
+    others = [m for m in (ref, "unsloth") if m in present or m == ref]
+    points = any(df.get("point", pd.Series([""])).astype(bool))
+    plans = df["plan_name"].notna().any()
+    columns = ["Model", "Arch", "Stack", *(["Settings"] if points else []), *(["Plan"] if plans else []),
+               "Bitwise parity", "poros s/step (median±std)", *(f"{m} s/step" + (" (median±std)" if m == ref else "")
+                                                               for m in others),
+               *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
+               *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
     rows = []
-    for (model, stack), c in _cells(df).items():
-        p, r, u = c.get("poros"), c.get("resident"), c.get("unsloth")
-        ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
-        speed = [DASH if ps is None or _ok(o, "s_per_step_median") is None
-                 else f"{ps / _ok(o, 's_per_step_median'):.2f}×" for o in (r, u)]
-        cut = [DASH if pv is None or not _ok(o, "peak_vram_gb")
-               else f"{(1 - pv / _ok(o, 'peak_vram_gb')) * 100:.1f}%" for o in (r, u)]
-        rows.append([model, c["arch"], stack, _parity(p or r), _s_step(p, True), _s_step(r, True), _s_step(u),
-                     *speed, *(_gb(_ok(x, "peak_vram_gb")) for x in (p, r, u)), *cut])
+    for (model, stack, point), c in _cells(df).items():
+        o = [c.get(m) for m in others]
+        for plan, p in (c["plans"] or {None: None}).items():
+            ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
+            speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
+                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×" for x in o]
+            cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
+                   else f"{(1 - pv / _ok(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
+            rows.append([model, c["arch"], stack, *([point or DASH] if points else []),
+                         *([plan or DASH] if plans else []), _parity(p or o[0]), _s_step(p, True),
+                         *(_s_step(x, i == 0) for i, x in enumerate(o)), *speed, _gb(pv),
+                         *(_gb(_ok(x, "peak_vram_gb")) for x in o), *cut])
     if on_cpu(df):
-        return _table(RESULTS_COLUMNS[:-VRAM_COLUMNS], [r[:-VRAM_COLUMNS] for r in rows])
-    return _table(RESULTS_COLUMNS, rows)
+        vram = 1 + 2 * len(others)
+        return _table(columns[:-vram], [r[:-vram] for r in rows])
+    return _table(columns, rows)
 
 
 def _time_table(df: pd.DataFrame) -> str:
     rows = []
-    for (model, stack), c in _cells(df).items():
-        if "poros" not in c:
-            continue
-        h2d, gbps, hidden, tps = (_ok(c["poros"], f) for f in
-                                  ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
-        row = [model, stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
-               DASH if gbps is None else f"{gbps:.1f} GB/s",
-               DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"]
-        rows.append(row)
-    columns = ["Model", "Stack", "Host→device per step (weights)", "Copy GB/s", "Copy hidden behind compute",
+    for (model, stack, point), c in _cells(df).items():
+        for plan, p in c["plans"].items():
+            h2d, gbps, hidden, tps = (_ok(p, f) for f in
+                                      ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
+            name = ", ".join(x for x in (point, plan and f"plan {plan}") if x)
+            rows.append([model + (f" ({name})" if name else ""), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
+                         DASH if gbps is None else f"{gbps:.1f} GB/s",
+                         DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"])
+    columns = ["Model", "Stack", "Host→device per step", "Copy GB/s (weights)", "Copy hidden behind compute",
                "Tokens/s"]
     return _table(columns, rows)
 
@@ -230,8 +318,19 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
         configs = list(df["config"]) if s.kind == COMPUTED else poros
         if not configs:
             continue
-        shown = [s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default) for c in configs]
-        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(shown, "; ")))
+        show = lambda c: s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default)  # noqa: E731
+        if s.kind == COMPUTED:  # a method that ran with its own value (a matrix's method_settings) is named
+            by_method: dict = {}
+            for c, m in zip(df["config"], df["method"]):
+                by_method.setdefault(m, []).append(show(c))
+            values = {m: _uniq(v, "; ") for m, v in by_method.items()}
+            if len(set(values.values())) > 1 and all("; " not in v for v in values.values()):
+                methods: dict = {}
+                for m, v in values.items():
+                    methods.setdefault(v, []).append(m)
+                out.append((s.label, "; ".join(f"{v} ({', '.join(ms)})" for v, ms in methods.items())))
+                continue
+        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(map(show, configs), "; ")))
     return out
 
 
@@ -272,11 +371,12 @@ def _provenance_line(df: pd.DataFrame) -> str:
 def _reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
     cells, rows = _cells(df), []
     for r in ref.to_dict("records"):
-        measured = [c for (model, stack), c in cells.items() if model.lower() == str(r["model"]).lower()]
+        measured = [c for (model, stack, _), c in cells.items() if model.lower() == str(r["model"]).lower()]
         if not measured:
             continue
         # Compare like with like where the reference stack was measured; otherwise the first measured stack.
-        c = next((c for (m, s), c in cells.items() if m.lower() == r["model"].lower() and s == r["stack"]), measured[0])
+        c = next((c for (m, s, _), c in cells.items() if m.lower() == r["model"].lower() and s == r["stack"]),
+                 measured[0])
         med, std = _num(r["poros_s_step_median"]), _num(r["poros_s_step_std"])
         ref_poros = DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}")
         ref_res = _num(r["resident_s_step"])
@@ -305,6 +405,8 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
             parts.append(f"> **Reduced run: {_runs(reduced)} (the matrix file asks for more) — "
                          "not comparable to full runs.**")
         parts += [f"## Results — {hw}", results_table(g)]
+        if any(spread(r) for r in g.to_dict("records") if r["status"] == "ok"):
+            parts.append(SPREAD_NOTE)
         if not on_cpu(g):  # no host→device copy to account for on the CPU
             parts += ["## Where the time goes (poros)", _time_table(g)]
         if reference is not None:

@@ -55,3 +55,13 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
         main(["frobnicate"])
     assert e.value.code == 2
     assert "frobnicate" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import pytest
+
+    from poros.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("poros ")
