@@ -122,7 +122,7 @@ def test_messages_without_a_chat_template_are_refused(plain_tok):
     with pytest.raises(DataError) as e:
         encode_records(plain_tok, [{"text": "a"}, {"messages": [{"role": "user", "content": "q"}]}], "d.jsonl")
     line = _error_line(e)
-    assert "d.jsonl" in line and "record 2" in line and "chat template" in line
+    assert "d.jsonl:2:" in line and "chat template" in line
 
 
 def test_a_template_that_rewrites_history_is_refused(tok):
@@ -223,4 +223,4 @@ def test_a_tokenizer_without_character_offsets_is_refused_for_chats(tok):
     assert encode_records(NoOffsets(), [{"text": "the cat"}], "d")[0], "text records need no offsets"
     with pytest.raises(DataError) as e:
         encode_records(NoOffsets(), [{"messages": generated_chats(1)[0]}], "d.jsonl")
-    assert "d.jsonl record 1" in _error_line(e) and "tokenizer.json" in str(e.value)
+    assert "d.jsonl:1:" in _error_line(e) and "tokenizer.json" in str(e.value)

@@ -328,7 +328,7 @@ def test_messages_need_a_chat_template(files, tmp_path, capsys):
         if f.name.startswith(("tokenizer", "chat_template")):
             f.unlink()
     train_tokenizer(folder, generated_texts(50), chat_template=False)
-    _refused(capsys, train(files, tmp_path / "run", model=folder), "record 61", "no chat template")
+    _refused(capsys, train(files, tmp_path / "run", model=folder), "data.jsonl:61:", "no chat template")
 
 
 def test_a_model_folder_without_tokenizer_files(files, tmp_path, capsys):
