@@ -22,7 +22,9 @@ EPILOG = """examples:
   poros train --model ./tiny --data data.jsonl --out runs/tiny --steps 20 --seq-len 64 --lr 3e-3 --device cpu
 
 --data: one JSON object per line, {"text": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}
-(rendered with the tokenizer's chat template, loss on the assistant turns only).
+(rendered with the tokenizer's chat template, loss on the assistant turns only; roles system, user, assistant,
+tool, with spellings such as Assistant, gpt, bot, human mapped to them). UTF-8, plain or gzip-compressed.
+The tokens are kept in .poros-cache/ beside the data file, so a resumed run does not tokenize again.
 RUN_DIR gets adapter/ (peft: PeftModel.from_pretrained(base_model, "RUN_DIR/adapter")), checkpoint/,
 log.csv, loss.png and config.json. Ctrl-C or SIGTERM saves a checkpoint and prints the command that resumes;
 --resume refuses settings that would change the result and accepts new schedule settings.

@@ -44,7 +44,7 @@ def resolve_targets(names: list[str], targets: tuple[str, ...]) -> tuple[str, ..
     problems = []
     missing = [t for t in targets if t not in names]
     if missing:
-        problems.append(f"{', '.join(missing)} name no linear of the model's decoder layers (they hold "
+        problems.append(f"no linear of the model's decoder layers is named {', '.join(missing)} (they hold "
                         f"{', '.join(names)})")
     for f, parts in FUSED.items():
         named = [p for p in parts if p in targets]
