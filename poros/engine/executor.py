@@ -34,6 +34,7 @@ from poros.engine import plan as P
 from poros.engine.attention import sdpa_context
 from poros.engine.distributed import SINGLE, GradReducer, World
 from poros.engine.graphs import LayerTemplates
+from poros.engine.plan import make_plan
 from poros.engine.qlora import QLoRAModel, bind_nf4
 from poros.engine.trainer import Trainer
 from poros.errors import CapabilityError
@@ -62,24 +63,6 @@ def geometry_of_store(store, cfg) -> P.Geometry:
     return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets)
 
 
-def make_plan(geo: P.Geometry, cfg, free_bytes: int | None = None) -> P.Plan:
-    """The plan `cfg` asks for: every layer streamed, or the fastest that fits `cfg.vram_budget`."""
-    kw = dict(grad_accum=cfg.grad_accum, accumulation=cfg.accumulation, seq_len=cfg.seq_len,
-              batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, attention=cfg.attention.value,
-              overlap=cfg.overlap_backward, graphs=cfg.cuda_graphs,
-              loss_chunk=getattr(cfg, "loss_chunk", 0) or 0, keep_activations=cfg.keep_activations,
-              kept_layers=cfg.kept_layers, placement=cfg.placement, deterministic=cfg.deterministic)
-    budget = cfg.vram_budget
-    if budget == "auto":
-        if free_bytes is None:
-            raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
-        budget = int(free_bytes * AUTO_SHARE)
-    if budget is None:
-        return P.build_plan(geo, block_size=cfg.block_size, offload_inputs=cfg.offload_inputs, **kw)
-    return P.plan_for_budget(geo, budget, block_size=cfg.block_size, offload_inputs=cfg.offload_inputs or None, **kw)
-
-
-AUTO_SHARE = 0.9  # `vram_budget: auto` plans for this share of the device's free memory
 GRAPH_POOL_WARN = 0.25  # a budget's share beyond which the CUDA graphs' own pool is worth a warning
 
 

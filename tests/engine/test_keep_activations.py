@@ -18,9 +18,9 @@ from poros.engine.trainer import ResidentTrainer
 
 
 def _plan(store, cfg, resident_layers=2):
-    return P.build_plan(geometry_of_store(store, cfg), block_size=cfg.block_size, grad_accum=cfg.grad_accum,
+    return P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(block_size=cfg.block_size, grad_accum=cfg.grad_accum,
                         accumulation=cfg.accumulation, resident_layers=resident_layers, keep_activations=True,
-                        seq_len=cfg.seq_len)
+                        seq_len=cfg.seq_len))
 
 
 @pytest.mark.parametrize("grad_accum,accumulation", [(1, "layer"), (2, "layer"), (2, "micro")])
@@ -151,8 +151,8 @@ def test_some_resident_layers_keep_their_activations(stores, templates):
     store = stores("tiny-gemma3")
     cfg = TrainConfig(model="tiny-gemma3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True,
                       kept_layers=2)
-    plan = P.build_plan(geometry_of_store(store, cfg), block_size=2, grad_accum=2, resident_layers=3,
-                        keep_activations=True, kept_layers=2, seq_len=64)
+    plan = P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(block_size=2, grad_accum=2, resident_layers=3,
+                        keep_activations=True, kept_layers=2, seq_len=64))
     assert plan.resident_layers == [2, 3, 4] and plan.kept_layers == (2, 3)
     poros = PorosTrainer(store, cfg, plan=plan)
     if templates:
