@@ -133,7 +133,7 @@ def _measure_cell(session, cell, cfg, benchmark):
                         peak_reserved_gb=child.get("peak_reserved_gb"))))
     else:
         trainer = make_trainer(cell.method, store, cfg)
-        plan = trainer.plan.summary() if hasattr(trainer, "plan") else None
+        plan = None if trainer.plan is None else trainer.plan.summary()
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, benchmark=benchmark,
                            label=cell.method.value)

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from poros.config import Method
 from poros.engine import plan as P
 from poros.engine.attention import sdpa_context
 from poros.engine.distributed import SINGLE, GradReducer, World
@@ -265,9 +266,9 @@ class PorosTrainer(Trainer):
             is False, which only negative controls use).
     """
 
-    method = "poros"
+    method = Method.POROS.value
 
-    def __init__(self, store, cfg, plan: P.Plan | None = None, check_plan: bool = True, world: World = SINGLE):
+    def __init__(self, store, cfg, world: World = SINGLE, *, plan: P.Plan | None = None, check_plan: bool = True):
         self._given_plan, self._check_plan = plan, check_plan
         super().__init__(store, cfg, world)
 
@@ -388,9 +389,6 @@ class PorosTrainer(Trainer):
             self._mode = "plain"
 
     # --- the step -----------------------------------------------------------------------------
-    def forward_backward(self, batch):
-        raise CapabilityError("poros runs all micro-batches of a step together: call accumulate(batches)")
-
     def accumulate(self, batches) -> list[torch.Tensor]:
         """Run the plan's step over `batches` (its grad_accum micro-batches): the scaled loss of each,
         LoRA gradients accumulated as resident QLoRA accumulates them."""

@@ -32,7 +32,7 @@ import torch
 
 from poros.config import COMPUTED_NAMES, Method, TrainConfig
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
-from poros.engine.methods import make_trainer
+from poros.engine.methods import FINETUNE_METHODS, METHODS, make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.data import file_sha256, load_data, load_tokenizer
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
@@ -45,6 +45,9 @@ from poros.provenance import provenance
 EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
 TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                   "tokenizer.model", "vocab.json", "merges.txt")
+
+
+_FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,10 @@ class FinetuneConfig:
         try:
             object.__setattr__(self, "method", Method(self.method))
         except ValueError:
-            problems.append(f"method: expected poros or resident, got {self.method!r}")
+            problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method!r}")
         else:
-            if self.method not in (Method.POROS, Method.RESIDENT):
-                problems.append(f"method: expected poros or resident, got {self.method.value!r}")
+            if not METHODS[self.method].finetune:
+                problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method.value!r}")
         object.__setattr__(self, "data", Path(self.data))
         object.__setattr__(self, "out", Path(self.out))
         if self.eval_data is not None:
