@@ -96,14 +96,10 @@ class Geometry:
     max_linear: int  # elements of the largest decoder linear weight
     lora_in_out: tuple[int, ...]  # per LoRA-able linear of every layer: in + out features
     dense_device_bytes: int  # norms, biases and buffers the device holds for every method
-    max_positions: int | None
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_starts)
-
-    def layer_bytes(self, i: int) -> int:
-        return self.layer_ends[i] - self.layer_starts[i]
 
     @classmethod
     def of_config(cls, name: str, config, lora_targets) -> "Geometry":
@@ -135,15 +131,14 @@ class Geometry:
             head_bytes=head.numel() * 2, hidden=config.hidden_size, vocab=config.vocab_size,
             intermediate=max(mlp, default=4 * config.hidden_size), heads=heads, q_width=q_width,
             max_linear=max(a * b for layer in linears for _, (a, b) in layer),
-            lora_in_out=lora, dense_device_bytes=dense,
-            max_positions=getattr(config, "max_position_embeddings", None))
+            lora_in_out=lora, dense_device_bytes=dense)
 
 
 # --- memory model ------------------------------------------------------------------------------
 # Device bytes beyond the weights, per unit, fitted to peaks measured with torch.cuda.max_memory_allocated
-# (scripts/plan_check.py): a layer's recompute + backward holds about ACT_PER_TOKEN_HIDDEN bytes per token
-# per hidden unit plus the intermediate projections, and the dequantized bf16 copy of its largest
-# weight; the head holds the logits in bf16 and fp32 and their gradient.
+# (results/h200-planner): a layer's recompute + backward holds about ACT_HIDDEN bytes per token per hidden
+# unit plus ACT_INTERMEDIATE per intermediate unit, and the dequantized bf16 copy of its largest weight;
+# the head holds the logits in bf16 and fp32 and their gradient.
 ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
 ACT_INTERMEDIATE = 14  # bytes per token x intermediate
 ATTN_SCORES = 6  # bytes per token^2 x head (math attention keeps the scores and their softmax)
@@ -151,8 +146,8 @@ HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
 # Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
 # (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
 # blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
-# the softmax's row sums (float32 per token x head). Negligible at seq 512; at 16,384 tokens of
-# qwen2.5-72b 2.15 GB, what an eager plan's measured peak exceeded the prediction by without it.
+# the softmax's row sums (float32 per token x head). It matters at long context only
+# (tests/engine/test_plan.py holds it to the peaks in results/h200-reserved-memory).
 FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
 
 
@@ -347,7 +342,7 @@ def _place(groups: list[Group], n_stream: int) -> list[Group]:
                   n_stream + g.buffer if g.resident else g.buffer % n_stream, g.resident) for g in groups]
 
 
-def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumulation, head_buffer: int | None,
+def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_buffer: int | None,
               head_resident: bool, holds: dict[int, int]) -> tuple[list[Op], dict[int, int]]:
     """One optimizer step from buffer state `holds` (buffer -> group or HEAD_SLOT); returns the ops and
     the state they leave. A streamed group's load is enqueued when the streamed group before it in the
@@ -481,8 +476,8 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     buffers = [Buffer(b, stream_size, False) for b in range(n_stream)]
     buffers += [Buffer(g.buffer, align(g.nbytes), True) for g in groups if g.resident]
     # steady state: run one step from empty buffers, then plan every step from where it ends
-    _, end = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, {})
-    step, after = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, end)
+    _, end = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, {})
+    step, after = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, end)
     setup = [Op(LOAD, group=g.index, buffer=g.buffer) for g in groups if g.resident]
     setup += [Op(LOAD, group=grp, buffer=b) for b, grp in sorted(end.items()) if grp != HEAD_SLOT
               and not groups[grp].resident]

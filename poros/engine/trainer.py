@@ -277,7 +277,3 @@ class ResidentGCTrainer(ResidentTrainer):
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         return model
-
-    def checkpointed_layers(self) -> int:
-        """Decoder layers whose forward runs under gradient checkpointing."""
-        return sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in self.qlora.layers)
