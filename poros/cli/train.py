@@ -12,6 +12,7 @@ from pathlib import Path
 
 from poros.cli.parity import train_config
 from poros.engine.distributed import close_world, init_world, launched
+from poros.engine.methods import FINETUNE_METHODS
 from poros.finetune.recipe import FinetuneConfig, finetune
 from poros.settings import BY_NAME, add_arguments, from_arguments
 
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", required=True, help="JSON Lines training data")
     p.add_argument("--out", required=True, help="run folder (new or empty, or the run to --resume)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps in all (a resumed run continues to it)")
-    p.add_argument("--method", choices=("poros", "resident"), default="poros",
+    p.add_argument("--method", choices=[m.value for m in FINETUNE_METHODS], default="poros",
                    help="poros (NF4 weights streamed from host memory) or resident (ordinary QLoRA) "
                         "(default: poros)")
     p.add_argument("--save-every", type=int, default=100, metavar="N",

@@ -35,7 +35,7 @@ import torch
 
 from poros.config import COMPUTED_NAMES, Method, TrainConfig
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
-from poros.engine.methods import make_trainer
+from poros.engine.methods import FINETUNE_METHODS, METHODS, make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.data import CACHE_DIR, TOKENIZER_META, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
@@ -51,6 +51,9 @@ EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
 MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
 WEIGHT_SAMPLES = 64  # windows of each weight file read for the base's fingerprint
 WEIGHT_WINDOW = 1 << 16
+
+
+_FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,10 @@ class FinetuneConfig:
         try:
             object.__setattr__(self, "method", Method(self.method))
         except ValueError:
-            problems.append(f"method: expected poros or resident, got {self.method!r}")
+            problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method!r}")
         else:
-            if self.method not in (Method.POROS, Method.RESIDENT):
-                problems.append(f"method: expected poros or resident, got {self.method.value!r}")
+            if not METHODS[self.method].finetune:
+                problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method.value!r}")
         object.__setattr__(self, "data", Path(self.data))
         object.__setattr__(self, "out", Path(self.out))
         if self.eval_data is not None:
