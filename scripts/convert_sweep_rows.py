@@ -35,7 +35,7 @@ FILES = {
     "results/h200x2-spread-long-context/sweep_qwen2.5-72b_long.jsonl": ("h200-long", ("seq_len",)),
     "results/h200x2-spread-long-context/sweep_qwen3-32b_long.jsonl": ("h200-long", ("seq_len",)),
     "results/h200-kept-activations/sweep_qwen2.5-72b_long_unsloth.jsonl": ("h200-long", ("seq_len",)),
-    "results/h200x2-fast-attention/sweep_data_parallel.jsonl": ("h200x2-data-parallel", ("gpus",)),
+    "results/h200x2-fast-attention/sweep_data_parallel.jsonl": ("h200-data-parallel", ("gpus",)),
     "results/h200-kept-activations/sweep_qwen2.5-72b_budget_kept.jsonl": ("h200-budget", ()),
     "results/h200-kept-activations/sweep_qwen2.5-72b_floor.jsonl": ("h200-budget", ()),
     "results/h200-kept-activations/sweep_qwen2.5-72b_kept_under_load.jsonl": ("h200-budget", ()),
