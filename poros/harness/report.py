@@ -548,27 +548,27 @@ def _sweep_row(r: dict) -> dict:
     c, p = r["config"], r["provenance"]
     gpus = p.get("gpus") or []
     uuid = gpus[0]["uuid"] if gpus else "cpu"
-    poros = r["method"] == "poros"
+    poros, control = r["method"] == "poros", r.get("control") is True  # a column other rows lack reads NaN
     out = {**r, **{k: c.get(k) for k in TASK[2:]}, "grad_accum": c.get("grad_accum") or 1,
            "gpus": int(r.get("world_size") or c.get("gpus") or 1), "gpu": uuid,
-           "gpu_label": uuid.removeprefix("GPU-")[:8], "host": p.get("host"), "control": bool(r.get("control")),
-           "label": " ".join(x for x in (r["method"], poros and r.get("plan_name"), r.get("control") and "(control)")
+           "gpu_label": uuid.removeprefix("GPU-")[:8], "host": p.get("host"), "control": control,
+           "label": " ".join(x for x in (r["method"], poros and _text(r.get("plan_name")), control and "(control)")
                              if x),
            "schedule": schedule(c) if poros else DASH, "point": _point(r["sweep"]),
-           "timed_ok": r["status"] == "ok" and not r.get("control") and _num(r["s_per_step_median"]) is not None}
+           "timed_ok": r["status"] == "ok" and not control and _num(r["s_per_step_median"]) is not None}
     # a run: one matrix (or sweep) on one machine and GPU; rows that name their run keep apart runs of one matrix
-    out["run"] = " ".join(str(x) for x in (r["matrix"], out["host"], uuid, r.get("run") or ""))
+    out["run"] = " ".join(str(x) for x in (r["matrix"], out["host"], uuid, _text(r.get("run")) or ""))
     out["task"] = " | ".join(str(out[k]) for k in TASK)
     out["work"] = f"{out['task']} | {out['gpus']}"
     return out
 
 
 def sweep_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """The rows of a sweep page, in order; a row repeating a cell of its run (method, plan, point, GPUs,
-    control) replaces the earlier one."""
+    """The rows of a sweep page, in order; a row repeating a cell of its run (work, method, plan, sweep point,
+    control or not) replaces the earlier one."""
     rows = pd.DataFrame.from_records([_sweep_row(r) for r in df.to_dict("records")])
     rows["plan_key"] = rows["plan_name"].fillna("")
-    keys = ["run", "model", "stack", "method", "plan_key", "point", "gpus", "control"]
+    keys = ["run", "work", "method", "plan_key", "point", "control"]
     return rows.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 
