@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if launched() and args.command not in RANKED:
             raise PorosError(f"runs as one process, not under torchrun: data-parallel runs are `torchrun ... poros "
-                             f"{' / '.join(RANKED)}`, `scripts/sweep.py` under torchrun, or a matrix's `gpus: N`")
+                             f"{' / '.join(RANKED)}`, or a matrix's `gpus: N`")
         if wants_determinism(args):
             # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
 

@@ -106,10 +106,11 @@ def field_problems(row: dict) -> list[str]:
     return out
 
 
-def failures(df: pd.DataFrame) -> list[str]:
-    """The cells of the latest rows that FAIL (a failed run or a parity FAIL), as `model method` lines."""
+def failures(df: pd.DataFrame, sweep: bool = False) -> list[str]:
+    """The cells of the latest rows (of a sweep page's, with `sweep`) that FAIL (a failed run or a parity FAIL),
+    as `model method` lines."""
     out = []
-    for r in latest(df).to_dict("records"):
+    for r in (sweep_rows(df) if sweep else latest(df)).to_dict("records"):
         if r["status"] == "failed" or r["parity"] == "FAIL":
             why = "parity FAIL" if r["parity"] == "FAIL" else f"failed: {str(r.get('error') or '')[:120]}"
             out.append(f"{r['model']} {r['method']}{' plan ' + r['plan_name'] if r.get('plan_name') else ''}: {why}")
@@ -489,11 +490,374 @@ def plot(df: pd.DataFrame, png_path) -> Path:
     return png_path
 
 
-def write_report(results_paths, out_md, reference_csv=None, title: str | None = None) -> Path:
-    """Write the Markdown report and, beside it, the PNG it embeds (same stem, `.png`)."""
+# A sweep page (`poros report --sweep`): every measured row of one or more sweeps, each compared only with the
+# reference of its own run on its own GPU, and a plot per swept axis.
+
+SWEEP_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Schedule",
+                 "Parity (gate)", "s/step", "vs resident", "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak",
+                 "Host→device per step", "Copy hidden", "Resident layers", "Block")
+SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs", "Tokens/s", "Tokens/s on 1 GPU",
+                   "Speed-up", "Per-GPU efficiency")
+ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
+                     "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
+REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
+TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk")  # what a row computes, but its GPUs
+SWEEP_INTRO = (
+    "Each poros plan first passed the parity gate against the reference's states recorded in the same run "
+    "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after discarded warm-up. "
+    "`vs resident` divides by the s/step of the reference (resident QLoRA, else resident_gc) of the same work "
+    "(model, sequence length, attention, gradient accumulation, number of GPUs) in the same run on the same GPU; "
+    "the GPU column names a run's (first) GPU by its UUID's first 8 hex digits. Unsloth is timed on the same store "
+    "but not gated (its arithmetic differs); a control row gates the reference against its own recorded states. "
+    "Peak VRAM is torch's allocated peak, Peak reserved its reserved one (CUDA graphs keep their intermediates in "
+    "private pools, reserved but not allocated; rows from before it was recorded show —), Predicted peak the "
+    "planner's. Under data parallelism (GPUs > 1) every rank trains its own data: tokens/s counts every rank's "
+    "tokens, the peak is the largest rank's.")
+
+
+def schedule(config: dict) -> str:
+    """How a poros row scheduled its work, in words (from its settings)."""
+    budget = config.get("vram_budget")
+    parts = ["every layer streamed" if budget is None else
+             f"budget {budget / 1e9:g} GB" if isinstance(budget, (int, float)) else f"budget {budget}"]
+    parts += [*schedule_kind(config)]
+    return ", ".join(parts)
+
+
+def schedule_kind(config: dict) -> list[str]:
+    """A poros row's schedule but for its budget: plans of one kind differ in their budget only."""
+    parts = []
+    if config.get("placement") == "spread":
+        parts.append("spread")
+    if config.get("offload_inputs"):
+        parts.append("inputs in host memory")
+    if config.get("overlap_backward") is False:
+        parts.append("serial backward")
+    if config.get("accumulation") not in (None, "layer"):
+        parts.append(f"{config['accumulation']}-major accumulation")
+    if config.get("keep_activations"):
+        kept = config.get("kept_layers")
+        parts.append("activations kept" + ("" if kept is None else f" ({kept} layers)"))
+    if config.get("cuda_graphs"):
+        parts.append("CUDA graphs")
+    return parts
+
+
+def _sweep_row(r: dict) -> dict:
+    """A row with the columns a sweep page groups by: what it computed, where and in which run it ran."""
+    c, p = r["config"], r["provenance"]
+    gpus = p.get("gpus") or []
+    uuid = gpus[0]["uuid"] if gpus else "cpu"
+    poros, control = r["method"] == "poros", r.get("control") is True  # a column other rows lack reads NaN
+    out = {**r, **{k: c.get(k) for k in TASK[2:]}, "grad_accum": c.get("grad_accum") or 1,
+           "gpus": int(r.get("world_size") or c.get("gpus") or 1), "gpu": uuid,
+           "gpu_label": uuid.removeprefix("GPU-")[:8], "host": p.get("host"), "control": control,
+           "label": " ".join(x for x in (r["method"], poros and _text(r.get("plan_name")), control and "(control)")
+                             if x),
+           "schedule": schedule(c) if poros else DASH, "point": _point(r["sweep"]),
+           "timed_ok": r["status"] == "ok" and not control and _num(r["s_per_step_median"]) is not None}
+    # a run: one matrix (or sweep) on one machine and GPU; rows that name their run keep apart runs of one matrix
+    out["run"] = " ".join(str(x) for x in (r["matrix"], out["host"], uuid, _text(r.get("run")) or ""))
+    out["task"] = " | ".join(str(out[k]) for k in TASK)
+    out["work"] = f"{out['task']} | {out['gpus']}"
+    return out
+
+
+def sweep_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a sweep page, in order; a row repeating a cell of its run (work, method, plan, sweep point,
+    control or not) replaces the earlier one."""
+    rows = pd.DataFrame.from_records([_sweep_row(r) for r in df.to_dict("records")])
+    rows["plan_key"] = rows["plan_name"].fillna("")
+    keys = ["run", "work", "method", "plan_key", "point", "control"]
+    return rows.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
+
+
+def baselines(rows: pd.DataFrame) -> pd.Series:
+    """s/step of the reference per (run, work): plain resident over resident_gc."""
+    ref = rows[rows["method"].isin(REFERENCES) & rows["timed_ok"]]
+    ref = ref.assign(preference=ref["method"].map(REFERENCES.index)).sort_values("preference", kind="stable")
+    return ref.groupby(["run", "work"])["s_per_step_median"].first()
+
+
+def _steps(n) -> str:
+    return DASH if _num(n) is None else f"{int(n)} step" if int(n) == 1 else f"{int(n)} steps"
+
+
+def _sweep_parity(r: dict) -> str:
+    gate = f"vs {r['gate']}" + (f", gated under {int(r['alone_of'])} ranks" if _num(r.get("alone_of")) else "")
+    verdict = None if _text(r["parity"]) is None else f"{r['parity']} ({_steps(r.get('parity_steps'))}, {gate})"
+    if r["status"] != "ok":
+        reason = str(r.get("error") or r["status"]).split(":", 1)[-1].strip().replace("\n", " ")
+        return f"{verdict}; not timed: {reason}" if verdict else f"not run: {reason}"
+    if r["control"]:
+        return f"{r['parity']} (control: reference vs itself, {_steps(r.get('parity_steps'))})"
+    if r["method"] == "unsloth":
+        return "not gated (other arithmetic)"
+    return verdict or DASH
+
+
+def _fmt(v, fmt: str) -> str:
+    return DASH if _num(v) is None else fmt.format(_num(v))
+
+
+def _scaled(v, by: float, fmt: str) -> str:
+    return DASH if _num(v) is None else fmt.format(_num(v) * by)
+
+
+def sweep_table(rows: pd.DataFrame) -> str:
+    """Every row of the page; ratios against the reference of the same run, work and GPU."""
+    base = baselines(rows)
+    out = []
+    for r in rows.to_dict("records"):
+        head = [r["model"], str(r["gpus"]), r["gpu_label"], _fmt(r["seq_len"], "{:.0f}"), str(r["attention"]),
+                str(r["grad_accum"]), r["label"], r["schedule"], _sweep_parity(r)]
+        if not r["timed_ok"]:
+            out.append(head + [DASH] * (len(SWEEP_COLUMNS) - len(head)))
+            continue
+        s, ref = r["s_per_step_median"], base.get((r["run"], r["work"]))
+        plan = r.get("plan") if isinstance(r.get("plan"), dict) else {}
+        out.append(head + [f"{s:.4f}", DASH if ref is None else f"{s / ref:.2f}×", _fmt(r["tokens_per_s"], "{:.0f}"),
+                           _gb(_num(r["peak_vram_gb"])), _gb(_num(r.get("peak_reserved_gb"))),
+                           _gb(_num(r.get("predicted_peak_vram_gb"))), _scaled(r["bytes_h2d_per_step"], 1e-9, "{:.2f} GB"),
+                           _scaled(r["copy_hidden_share"], 100, "{:.0f}%"),
+                           _fmt(r.get("resident_layers"), "{:.0f}"), _fmt(plan.get("block_size"), "{:.0f}")])
+    return _table(SWEEP_COLUMNS, out)
+
+
+def scaling_pairs(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each data-parallel row beside the latest one-GPU row of the same task and method/plan on a GPU of the
+    same machine (columns `_many`, `_one`)."""
+    timed = rows[rows["timed_ok"] & rows["tokens_per_s"].notna()].reset_index()
+    many, one = timed[timed["gpus"] > 1], timed[timed["gpus"] == 1]
+    pairs = many.merge(one, on=["task", "label", "host"], suffixes=("_many", "_one"))
+    same = [o in {g["uuid"] for g in (p.get("gpus") or [])} or (o == "cpu" and not p.get("gpus"))
+            for o, p in zip(pairs["gpu_one"], pairs["provenance_many"])]
+    return pairs[same].drop_duplicates(subset="index_many", keep="last")
+
+
+def scaling_table(rows: pd.DataFrame) -> str | None:
+    """Tokens/s of each data-parallel row against the same plan on one GPU; None when there is no pair."""
+    out = []
+    for p in scaling_pairs(rows).to_dict("records"):
+        ratio, world = p["tokens_per_s_many"] / p["tokens_per_s_one"], p["gpus_many"]
+        gpus = p["provenance_many"].get("gpus") or []
+        out.append([p["model_many"], p["label"], _fmt(p["seq_len_many"], "{:.0f}"), str(p["grad_accum_many"]),
+                    gpus[0]["name"] if gpus else "cpu", str(world), f"{p['tokens_per_s_many']:.0f}",
+                    f"{p['tokens_per_s_one']:.0f}", f"{ratio:.2f}×", f"{ratio / world * 100:.0f}%"])
+    return _table(SCALING_COLUMNS, out) if out else None
+
+
+def attention_pairs(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each timed row of another attention setting beside the latest math row of the same run, method/plan and
+    work but for attention (columns `_other`, `_math`)."""
+    timed = rows[rows["timed_ok"]].reset_index()
+    timed = timed.assign(same=[" | ".join(str(r[k]) for k in ("run", "model", "stack", "seq_len", "grad_accum",
+                                                              "loss_chunk", "gpus", "label"))
+                               for r in timed.to_dict("records")])
+    other, math_ = timed[timed["attention"] != "math"], timed[timed["attention"] == "math"]
+    pairs = other.merge(math_, on="same", suffixes=("_other", "_math"))
+    return pairs.drop_duplicates(subset="index_other", keep="last")
+
+
+def attention_table(rows: pd.DataFrame) -> str | None:
+    out = [[p["model_other"], p["label_other"], _fmt(p["seq_len_other"], "{:.0f}"), p["gpu_label_other"],
+            str(p["attention_other"]), f"{p['s_per_step_median_other']:.4f}", f"{p['s_per_step_median_math']:.4f}",
+            f"{p['s_per_step_median_other'] / p['s_per_step_median_math']:.2f}×",
+            _fmt(p["tokens_per_s_other"], "{:.0f}"), _fmt(p["tokens_per_s_math"], "{:.0f}"),
+            _gb(_num(p["peak_vram_gb_other"])), _gb(_num(p["peak_vram_gb_math"]))]
+           for p in attention_pairs(rows).to_dict("records")]
+    return _table(ATTENTION_COLUMNS, out) if out else None
+
+
+def backends_table(rows: pd.DataFrame) -> str | None:
+    """Which SDPA backend ran for which attention shape, per model and attention setting, and for which methods."""
+    seen: dict[tuple, set] = {}
+    for r in rows.to_dict("records"):
+        for shape, backend in (r.get("attention_backends") or {}).items():
+            seen.setdefault((r["model"], str(r["attention"]), shape, backend), set()).add(r["method"])
+    if not seen:
+        return None
+    return _table(("Model", "Attention setting", "Layer shape", "Backend", "Methods"),
+                  [[*k, ", ".join(sorted(ms))] for k, ms in seen.items()])
+
+
+def render_sweep_markdown(df: pd.DataFrame, title: str | None = None, plots=()) -> str:
+    """The sweep page: every row, data-parallel scaling, math against the fast path, the attention backends,
+    provenance, then the plots (heading, PNG name) it links."""
+    rows = sweep_rows(df)
+    parts = [f"# {title or 'Poros — plans measured'}", SWEEP_INTRO, sweep_table(rows)]
+    sections = (("Data-parallel scaling", "Tokens/s under data parallelism against the same plan on one GPU of the "
+                 "same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling_table),
+                ("Attention: math against the fast path", "Each method or plan on another attention setting "
+                 "against the same run on math (same store, same GPU); `vs math` divides the s/step.",
+                 attention_table),
+                ("Attention backends", "The SDPA backend each attention shape ran on, as recorded on the first "
+                 "step of each timed row.", backends_table))
+    for heading, text, make in sections:
+        table = make(rows)
+        if table:
+            parts += [f"## {heading}\n\n{text}", table]
+    parts.append(_provenance_line(df))
+    parts += [f"## {heading}\n\n![{heading}]({png})" for heading, png in plots]
+    return "\n\n".join(parts) + "\n"
+
+
+# The sweep page's plots: one per swept axis with a line of two points or more.
+# (axis, column, heading, x label, y column, y label)
+AXES = (("seq", "seq_len", "Tokens/s against sequence length", "sequence length (tokens)"),
+        ("accum", "grad_accum", "Tokens/s against gradient accumulation", "gradient accumulation (micro-batches per step)"),
+        ("gpus", "gpus", "Tokens/s against GPUs", "GPUs (data-parallel ranks)"))
+LINE_CONTEXT = ("seq_len", "grad_accum", "attention", "gpus", "stack")  # what else a line of one axis holds fixed
+LINE_LABELS = {"seq_len": "seq {}", "grad_accum": "grad-accum {}", "attention": "{} attention", "gpus": "{} GPUs",
+               "stack": "{}"}
+MARKS = {"resident": ("*", "resident QLoRA"), "resident_gc": ("P", "resident_gc"), "unsloth": ("D", "unsloth")}
+
+
+def _new_figure(panels: int = 1):
+    """A figure of `panels` axes side by side (8 inches wide for one, 6 per panel for more)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8 if panels < 2 else 6 * panels, 5))
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+
+
+def _finish(fig, ax, **labels) -> None:
+    ax.set(**labels)
+    ax.grid(alpha=0.3)
+    n = len(ax.get_legend_handles_labels()[0])
+    if n:  # the legend under the axes, never over a point
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width, max(height, 4 + 0.2 * n))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
+    fig.tight_layout()
+
+
+def axis_lines(rows: pd.DataFrame, x: str) -> dict[str, list]:
+    """Tokens/s against `x`: sorted points per model, method/plan, hardware and everything else held fixed,
+    lines of two points or more (a repeated point: the later row). A label names a held field only where
+    the lines differ in it."""
+    context = [c for c in LINE_CONTEXT if c != x]
+    timed = rows[rows["timed_ok"] & rows["tokens_per_s"].notna()]
+    timed = timed.assign(hardware=[_hardware(r) for r in timed.to_dict("records")])
+    keys = ["model", "label", "hardware", *context]
+    lines = {}
+    for key, g in timed.groupby([timed[k].astype(str) for k in keys], sort=False):
+        pts = g.drop_duplicates(subset=x, keep="last").sort_values(x)
+        if len(pts) >= 2:
+            lines[key] = list(zip(pts[x], pts["tokens_per_s"]))
+    varying = [i for i in range(2, len(keys)) if len({k[i] for k in lines}) > 1]
+    return {", ".join([k[0], k[1], *((LINE_LABELS.get(keys[i], "{}").format(k[i])) for i in varying)]): pts
+            for k, pts in lines.items()}
+
+
+def axis_figure(rows: pd.DataFrame, x: str, xlabel: str, title: str):
+    """The figure of `axis_lines` (log2 x, ticks at the measured values); None without a line."""
+    lines = axis_lines(rows, x)
+    if not lines:
+        return None
+    fig, (ax,) = _new_figure()
+    for label, pts in lines.items():
+        ax.plot(*zip(*pts), marker="o", label=label)
+    xs = sorted({px for pts in lines.values() for px, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.minorticks_off()
+    _finish(fig, ax, xlabel=xlabel, ylabel="tokens/s", title=title)
+    return fig
+
+
+def budget_figure(rows: pd.DataFrame):
+    """s/step against peak VRAM of the poros plans of each run and work with two plans or more, a line per kind
+    of schedule over their VRAM budgets (a line style per kind, a colour per run and work; a lone plan of its
+    kind a point), the reference's and Unsloth's of the same run and work as marks. None when no kind has two
+    budgets in one run."""
+    timed = rows[rows["timed_ok"] & rows["peak_vram_gb"].notna()]
+    poros = timed[timed["method"] == "poros"]
+    kind = poros.assign(kind=[", ".join(schedule_kind(c)) or "recompute" for c in poros["config"]])
+    groups = kind.groupby(["run", "work", "kind"], sort=False)
+    if not any(len(g) >= 2 for _, g in groups):
+        return None
+    # the plans of a run and work with two plans or more (a lone plan at a length of its own is left out)
+    groups = [(key, g) for key, g in groups if kind["run"].eq(key[0]).mul(kind["work"].eq(key[1])).sum() >= 2]
+    shown = kind[[(r, w) in {k[:2] for k, _ in groups} for r, w in zip(kind["run"], kind["work"])]]
+
+    def name(r) -> str:  # model, and what tells its lines apart: length, attention, GPU, run start
+        same = shown[shown["model"] == r["model"]]
+        gpu = r["gpu_label"] + (f" {str(r['provenance'].get('time'))[11:16]}"
+                                if same[same["gpu"] == r["gpu"]]["run"].nunique() > 1 else "")
+        extra = [str(r["attention"]) if shown["attention"].nunique() > 1 else "",
+                 f"[{gpu}]" if same["run"].nunique() > 1 else ""]
+        return " ".join(x for x in [r["model"], *extra] if x)
+
+    seqs = sorted(shown["seq_len"].unique())  # a panel per sequence length: their s/step differ by orders
+    fig, panels = _new_figure(len(seqs))
+    axes = dict(zip(seqs, panels))
+    colours, styles = {}, {}
+    for (run, work, what), g in groups:
+        g = g.sort_values("peak_vram_gb")
+        style = styles.setdefault(what, ("-", "--", "-.", ":")[len(styles) % 4])
+        (line,) = axes[g["seq_len"].iloc[0]].plot(
+            g["peak_vram_gb"], g["s_per_step_median"], marker="o", linestyle=style, color=colours.get((run, work)),
+            label=f"{name(g.iloc[0].to_dict())} poros, {what}")
+        colours[(run, work)] = line.get_color()
+    for r in timed[timed["method"].isin(list(MARKS))].to_dict("records"):
+        if (r["run"], r["work"]) in colours:
+            marker, what = MARKS[r["method"]]
+            axes[r["seq_len"]].scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, marker=marker,
+                                       color=colours[(r["run"], r["work"])], label=f"{name(r)} {what}")
+    for seq, ax in axes.items():
+        _finish(fig, ax, xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
+                title=f"s/step against VRAM, seq {seq}")
+    return fig
+
+
+def attention_figure(rows: pd.DataFrame):
+    """s/step of each method/plan on math and on another attention setting in the same run (the pairs of the
+    page's attention table) as bars side by side; None without a pair."""
+    pairs = attention_pairs(rows)
+    if pairs.empty:
+        return None
+    fig, (ax,) = _new_figure()
+    xs = range(len(pairs))
+    ax.bar([x - 0.2 for x in xs], pairs["s_per_step_median_math"], 0.4, label="math", zorder=2)
+    for setting in pairs["attention_other"].unique():
+        at = [i for i, a in enumerate(pairs["attention_other"]) if a == setting]
+        ax.bar([x + 0.2 for x in at], pairs["s_per_step_median_other"].iloc[at], 0.4, label=str(setting), zorder=2)
+    ax.set_xticks(list(xs), [f"{m}\n{label}" for m, label in zip(pairs["model_other"], pairs["label_other"])],
+                  fontsize=7, rotation=30, ha="right")
+    _finish(fig, ax, ylabel="s/step (median)", title="s/step on math and on the fast attention path")
+    ax.legend(fontsize=8, loc="upper right")  # two entries: inside the axes, clear of the tick labels
+    fig.tight_layout()
+    return fig
+
+
+def sweep_figures(df: pd.DataFrame) -> list[tuple[str, str, object]]:
+    """(file suffix, heading, figure) of each plot the rows hold: budgets, attention settings, then each swept
+    axis of numbers."""
+    rows = sweep_rows(df)
+    out = [("budget", "s/step against VRAM", budget_figure(rows)),
+           ("attention", "s/step on math and on the fast path", attention_figure(rows))]
+    out += [(suffix, title, axis_figure(rows, x, xlabel, title)) for suffix, x, title, xlabel in AXES]
+    return [(s, h, f) for s, h, f in out if f is not None]
+
+
+def write_report(results_paths, out_md, reference_csv=None, title: str | None = None, sweep: bool = False) -> Path:
+    """Write the Markdown report and, beside it, the PNG it embeds (same stem, `.png`); with `sweep`, the sweep
+    page and a PNG per plot it holds (`STEM-budget.png`, `STEM-seq.png`, `STEM-accum.png`, `STEM-gpus.png`)."""
     df = load_results(results_paths)
-    reference = load_reference(reference_csv) if reference_csv is not None else None
     out_md = Path(out_md)
+    if sweep:
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        links = []
+        for suffix, heading, fig in sweep_figures(df):
+            png = out_md.with_name(f"{out_md.stem}-{suffix}.png")
+            fig.savefig(png, dpi=120)
+            links.append((heading, png.name))
+        out_md.write_text(render_sweep_markdown(df, title, links))
+        return out_md
+    reference = load_reference(reference_csv) if reference_csv is not None else None
     out_md.parent.mkdir(parents=True, exist_ok=True)
     png = plot(df, out_md.with_suffix(".png"))
     text = render_markdown(df, reference, title)
