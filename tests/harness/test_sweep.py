@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from poros.harness.ranks import launch_env, torchrun
+
+pytestmark = pytest.mark.slow  # scripts/sweep.py end to end in subprocesses, one under torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = ["scripts/sweep.py", "tiny-qwen3", "--resident", "--control", "--variant", "block_size=2", "--steps", "1",
