@@ -208,6 +208,7 @@ def _bench(*argv, cwd=REPO, **kw) -> subprocess.CompletedProcess:
                           text=True, timeout=600, **kw)
 
 
+@pytest.mark.slow  # `poros bench` end to end in a subprocess
 def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -257,6 +258,7 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     assert (out / "bench.log").read_text().startswith(log)  # the log goes on
 
 
+@pytest.mark.slow  # `poros bench` end to end in a subprocess
 def test_ctrl_c_says_how_to_resume(tmp_path):
     out = tmp_path / "out"
     m = _matrix(tmp_path, steps=400)

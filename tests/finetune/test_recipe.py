@@ -436,6 +436,7 @@ def two_ranks(files):
     return root
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun, twice
 def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, two_ranks):
     """Two ranks: poros and resident (under DistributedDataParallel) end equal; stopped at step 2 and
     resumed on two ranks, equal to the uninterrupted run; the run records its ranks. Negative control:

@@ -100,6 +100,7 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     assert "already in results (--resume)" in again.stdout
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
     """Long-context matrices run poros and resident_gc (plain resident does not fit): the gate compares
     them, and both rows say which reference it ran against."""
@@ -124,6 +125,7 @@ def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
     return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_parity_fail_fails_the_suite(tmp_path):
     """Negative control: with a plan that refills a buffer before its backward, run unchecked, the cells
     fail and rows say FAIL."""
@@ -145,6 +147,7 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
     assert rows and all(r["parity"] == "FAIL" for r in rows)
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     """Nothing is lost: an exception in a cell (here: poros setup) is recorded as a `failed` row with
     its message, the suite exits 1, the report shows FAIL, and --resume retries the cell."""
@@ -168,6 +171,7 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_suite_records_the_plan_beside_the_measurement(tmp_path):
     """A budget and layer-major accumulation in a matrix: rows record the settings, the plan's
     predicted peak and bytes, the resident layer count and how many parity steps ran."""
@@ -184,6 +188,7 @@ def test_suite_records_the_plan_beside_the_measurement(tmp_path):
     assert rows["resident"]["plan"] is None
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     """A chunk's time budget ends it with SIGINT (KeyboardInterrupt) mid-benchmark: finished cells
     keep their rows and pytest-benchmark still writes its JSON (the half-run cell left out) instead
@@ -239,6 +244,7 @@ def test_bad_model_overrides_are_refused_with_every_problem():
         assert needle in text, text
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
     """`gpus: 2` (two gloo processes on the CPU): the gate and each method run under torchrun; rows
     record world_size and count both ranks' tokens; Unsloth, one process, is skipped with its reason."""
