@@ -16,9 +16,7 @@ runs the gate's steps first and its states are recorded in host memory (so a sch
 it and the reference would not fit the device together), then each variant is gated against them and
 timed alone: one warm-up pass and --passes passes of --steps steps. One JSON line per variant (and per
 reference with --resident),
-appended to DIR/sweep.jsonl with --out. `--previous DIR` also times the engine of another checkout
-(a folder holding its `poros` package, imported as `poros_previous`) on the same store, for
-same-GPU speed comparisons across versions. `--unsloth` also times Unsloth on the same store (exported
+appended to DIR/sweep.jsonl with --out. `--unsloth` also times Unsloth on the same store (exported
 as a bitsandbytes checkpoint, run in a child process; not gated: its arithmetic differs, so it runs without
 strict determinism, as its users run it). `--control` runs
 the reference a second time against its own recorded states: is this stack repeatable at all?
@@ -32,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import importlib
 import json
 import os
 import signal
@@ -117,16 +114,6 @@ def constructed(make, what: str):
     return out
 
 
-def previous_trainer(folder: Path, store, cfg: TrainConfig):
-    """The streaming trainer of another checkout's engine (its `poros` package copied to
-    FOLDER/poros_previous, imports rewritten), on this store and settings."""
-    sys.path.insert(0, str(folder))
-    pconfig = importlib.import_module("poros_previous.config")
-    old = {k: v for k, v in cfg.as_dict().items() if k in {f for f in pconfig.TrainConfig.__dataclass_fields__}}
-    module = importlib.import_module("poros_previous.residency")
-    return module.PorosTrainer(store, pconfig.TrainConfig(**old))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
@@ -135,7 +122,6 @@ def main() -> None:
     p.add_argument("--reference", default="resident", choices=("resident", "resident_gc"),
                    help="the gate's reference: resident QLoRA, or resident_gc (with gradient checkpointing: long "
                         "context, where plain resident does not fit)")
-    p.add_argument("--previous", type=Path, help="folder holding poros_previous/ (another checkout's engine)")
     p.add_argument("--unsloth", action="store_true", help="also time Unsloth on the same store (a child process)")
     p.add_argument("--alone", action="store_true",
                    help="under torchrun, after each poros plan's timing, rank 0 times the same trainer by itself "
@@ -159,8 +145,8 @@ def main() -> None:
         enable_determinism()
     variants = [parse_variant(v) for v in args.variant]
     world = init_world(args.device)
-    if world.distributed and (args.previous or args.unsloth):
-        raise SystemExit("--previous and --unsloth time one process: run them without torchrun")
+    if world.distributed and args.unsloth:
+        raise SystemExit("--unsloth times one process: run it without torchrun")
     t0 = time.perf_counter()
 
     def stage(what: str) -> None:  # where a long sweep is, on stderr (every rank)
@@ -220,14 +206,6 @@ def main() -> None:
         resident.close()
         del resident
         free_device_memory()
-        if args.previous:
-            cfg = base.replace(cuda_graphs=base.device.value == "cuda")
-            trainer = previous_trainer(args.previous, store, cfg)
-            emit({"method": "poros (previous engine)", "grad_accum": accum, "cuda_graphs": cfg.cuda_graphs,
-                  **timed(trainer, cfg, args.steps, args.passes)})
-            trainer.close()
-            del trainer
-            free_device_memory()
         for v in variants:
             cfg = base.replace(**v)
             if cfg.device.value == "cuda":

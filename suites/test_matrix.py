@@ -233,7 +233,7 @@ def _measure_cell(session, cell, cfg, benchmark):
         if earlier:
             progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
         trainer = make_trainer(cell.method, store, cfg)
-        plan = trainer.plan.summary() if hasattr(trainer, "plan") else None
+        plan = None if trainer.plan is None else trainer.plan.summary()
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
                            warmup_steps=m.warmup_steps, earlier=earlier, deadline=session.deadline,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from poros.cli.parity import train_config
-from poros.engine.executor import make_plan
-from poros.engine.plan import Geometry, describe, resident_memory
+from poros.engine.plan import Geometry, PlanRequest, describe, make_plan, resident_memory
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.settings import Device, add_arguments
@@ -48,8 +47,7 @@ def run(args) -> int:
 
         free = torch.cuda.mem_get_info()[0]
     plan = make_plan(geo, cfg, free)
-    resident = resident_memory(geo, seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
-                               lora_rank=cfg.lora_rank, attention=cfg.attention.value, deterministic=cfg.deterministic)
+    resident = resident_memory(geo, PlanRequest.of_config(cfg, free))
     if args.json:
         print(json.dumps({**plan.summary(), "resident_qlora_peak_vram_bytes": resident}))
     else:

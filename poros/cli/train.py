@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from poros.engine.distributed import close_world, init_world, launched
+from poros.engine.methods import FINETUNE_METHODS
 from poros.engine.trainer import set_cublas_workspace
 from poros.errors import PorosError
 from poros.finetune.config import RUN_FILE, override_words, parse_overrides, read_run_file, resolve
@@ -66,7 +67,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", help="training data: JSON Lines, or a Parquet/Arrow file or folder (see below)")
     p.add_argument("--out", help="run folder (new or empty, or the run to --resume)")
     p.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run continues to it)")
-    p.add_argument("--method", choices=("poros", "resident"), default=None,
+    p.add_argument("--method", choices=[m.value for m in FINETUNE_METHODS], default=None,
                    help="poros (NF4 weights streamed from host memory) or resident (ordinary QLoRA) "
                         "(default: poros)")
     p.add_argument("--save-every", type=int, default=None, metavar="N",

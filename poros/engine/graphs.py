@@ -14,8 +14,8 @@ activations share one memory pool (replays never overlap).
 The tensors a graph reads and writes at fixed addresses (the layer input, the incoming gradient,
 the other arguments; the output or the gradient at the input) are shared by every template of the
 same shape (`Statics`): a template copies its inputs in just before its replay and its result out
-just after, inside the graph, so no template keeps activation-sized tensors of its own. At 16k tokens
-of a 72B layer each is 268 MB; kept per template (16 of them) they were 10 GB.
+just after, inside the graph, so no template keeps activation-sized tensors of its own (at long context
+one activation per template would add up to more than a streamed block).
 
 The kernels are the ones eager recompute + backward launches, in the same order, on the same
 data, so the result is bitwise the same; the parity gate checks that on the GPU. Without capture
@@ -32,10 +32,11 @@ import warnings
 import torch
 from torch import nn
 
-# Eager runs on a side stream before each capture, as PyTorch's examples do. Measured on the H200
-# (scripts/memtrace.py, qwen3-32b): two such runs per template left 0.84 GB of activations allocated
-# for good (peak 7.08 GB instead of 6.27) while capture without them succeeded for every template, so
-# none by default. The environment variable is for probes, not a setting.
+from poros.engine.layer_call import LayerCall, hidden_of
+
+# Eager runs on a side stream before each capture, as PyTorch's examples do. They leave activations
+# allocated for good (scripts/memtrace.py traces it) and capture succeeds without them, so none by
+# default. The environment variable is for probes, not a setting.
 WARMUP = int(os.environ.get("POROS_GRAPH_WARMUP", "0"))
 IGNORED_ATTRS = {"layer_idx", "training"}  # per-layer attributes that do not change the kernels
 
@@ -157,6 +158,7 @@ class LayerTemplate:
         self.static_x = self.static_grad = self.static_out = self.static_dx = None
         self.out_rest = None  # forward: what follows the hidden state when the layer returns a tuple
         self.static_args: list[torch.Tensor] = []
+        self.call: LayerCall | None = None  # the call's arguments over the static tensors
         self.skeleton = None
         self.usable = True
         self.error: str | None = None  # why capture failed, if it did
@@ -164,13 +166,12 @@ class LayerTemplate:
         self.replays = 0
 
     # --- one call -----------------------------------------------------------------------------
-    def run(self, layer: "LayerRefs", x: torch.Tensor, args: tuple, kwargs: dict, kw_hidden: bool,
-            grad: torch.Tensor | None = None):
+    def run(self, layer: "LayerRefs", x: torch.Tensor, call: LayerCall, grad: torch.Tensor | None = None):
         """Backward template: layer `layer`'s recompute from input `x` and backward of `grad`, LoRA
         grads accumulated into `layer`'s parameters; returns the gradient at `x`. Forward template:
         returns the layer's output. None when this call's non-tensor arguments differ from the
         captured ones, or the layer's output is not a template's to give (the caller runs it eagerly)."""
-        if not self._prepare(layer, x, args, kwargs, kw_hidden, grad):
+        if not self._prepare(layer, x, call, grad):
             return None
         if self.capture:
             if self.graph is None:
@@ -195,18 +196,18 @@ class LayerTemplate:
             self._clear_grads()
         return out
 
-    def _prepare(self, layer: "LayerRefs", x, args, kwargs, kw_hidden, grad) -> bool:
+    def _prepare(self, layer: "LayerRefs", x, call: LayerCall, grad) -> bool:
         """This call's tensors copied into the template's static ones (set up on the first call); False
         when its non-tensor arguments differ from the first call's, or the template is unusable."""
-        skeleton = (_skeleton(args), _skeleton(kwargs), kw_hidden, tuple(x.shape), x.dtype)
-        tensors = _tensors((args, kwargs), [])
+        skeleton = (_skeleton(call.args), _skeleton(call.kwargs), call.kw_hidden, tuple(x.shape), x.dtype)
+        tensors = _tensors((call.args, call.kwargs), [])
         if self.skeleton is None:
-            self._setup(x, tensors, kw_hidden, grad, skeleton)
+            self._setup(x, tensors, grad, skeleton)
         elif skeleton != self.skeleton or not self.usable:
             return False
         self._load(layer, x, tensors, grad)
         it = iter(self.static_args)
-        self.args, self.kwargs = _rebuild(args, it), _rebuild(kwargs, it)
+        self.call = LayerCall(_rebuild(call.args, it), _rebuild(call.kwargs, it), call.kw_hidden)
         return True
 
     @property
@@ -240,9 +241,8 @@ class LayerTemplate:
         if old:
             torch._foreach_add_([p.grad for p, _ in old], [g for _, g in old])
 
-    def _setup(self, x, tensors, kw_hidden, grad, skeleton) -> None:
+    def _setup(self, x, tensors, grad, skeleton) -> None:
         self.skeleton = skeleton
-        self.kw_hidden = kw_hidden
         # a leaf of its own (its own .grad) over the shared input's memory
         self.static_x = self.statics.get("input", x).detach().requires_grad_(self.backward)
         self.static_grad = self.statics.get("grad_output", grad) if self.backward else None
@@ -261,16 +261,14 @@ class LayerTemplate:
             torch._foreach_copy_(self._dst, src)
 
     def _call(self):
-        if self.kw_hidden:
-            return self.module(*self.args, hidden_states=self.static_x, **self.kwargs)
-        return self.module(self.static_x, *self.args, **self.kwargs)
+        return self.call(self.module, self.static_x)
 
     def _body(self) -> None:
         """The layer's work and the copy of its result into the shared static tensor (both captured)."""
         if self.backward:
             with torch.enable_grad():
                 out = self._call()
-                torch.autograd.backward(out[0] if isinstance(out, tuple) else out, self.static_grad)
+                torch.autograd.backward(hidden_of(out), self.static_grad)
             with torch.no_grad():
                 self._put(self.static_dx, self.static_x.grad)
             self.static_x.grad = None  # the graph's own gradient buffer is free for the next capture
@@ -334,10 +332,10 @@ class KeptTemplate(LayerTemplate):
         self.static_out = None
 
     # --- the two halves -----------------------------------------------------------------------
-    def forward(self, layer: "LayerRefs", x: torch.Tensor, args: tuple, kwargs: dict, kw_hidden: bool):
+    def forward(self, layer: "LayerRefs", x: torch.Tensor, call: LayerCall):
         """The layer's output, its activations kept in this template; None when this template cannot
         serve this call (the caller runs the layer eagerly, as it would without templates)."""
-        if not self._prepare(layer, x, args, kwargs, kw_hidden, None):
+        if not self._prepare(layer, x, call, None):
             return None
         self._run("forward")
         if not self.usable:
@@ -396,8 +394,8 @@ class KeptTemplate(LayerTemplate):
         if not self.capture:
             self.out_h = None
 
-    def _setup(self, x, tensors, kw_hidden, grad, skeleton) -> None:
-        self.skeleton, self.kw_hidden = skeleton, kw_hidden
+    def _setup(self, x, tensors, grad, skeleton) -> None:
+        self.skeleton = skeleton
         own = lambda t: torch.empty_like(t, requires_grad=False, memory_format=torch.contiguous_format)  # noqa: E731
         self.static_x = own(x).requires_grad_(True)
         self.static_args = [own(t) for t in tensors]
@@ -451,7 +449,7 @@ class LayerTemplates:
             self.refs[i] = LayerRefs(layer) if templatable(layer) else None
         return self.refs[i]
 
-    def kept_forward(self, i: int, m: int, layer: nn.Module, x, args, kwargs, kw_hidden):
+    def kept_forward(self, i: int, m: int, layer: nn.Module, x, call: LayerCall):
         """Kept layer i's forward for micro-batch m through its own template, its activations kept
         there for `kept_backward`; None: run it eagerly instead (and its backward from its own graph)."""
         refs = self._refs(i, layer)
@@ -461,7 +459,7 @@ class LayerTemplates:
         tpl = self.kept.get((i, m))
         if tpl is None:
             tpl = self.kept[(i, m)] = KeptTemplate(layer, self.capture, self.kept_pool, statics=self.statics)
-        out = tpl.forward(refs, x, args, kwargs, kw_hidden)
+        out = tpl.forward(refs, x, call)
         if out is None:
             self.fallbacks += 1
         return out
@@ -471,7 +469,7 @@ class LayerTemplates:
         forward kept; LoRA gradients accumulated into the layer's parameters."""
         return self.kept[(i, m)].backward_from_kept(self.refs[i], grad)
 
-    def run(self, i: int, layer: nn.Module, x, args, kwargs, kw_hidden, grad=None):
+    def run(self, i: int, layer: nn.Module, x, call: LayerCall, grad=None):
         """Layer i through its template: with `grad`, recompute + backward (returns the gradient at
         `x`); without, the forward without autograd (returns the layer's output). None: run it
         eagerly instead."""
@@ -484,7 +482,7 @@ class LayerTemplates:
         if tpl is None:
             tpl = self.templates[key] = LayerTemplate(layer, self.capture, self.pool, backward=grad is not None,
                                                       statics=self.statics)
-        out = tpl.run(refs, x, args, kwargs, kw_hidden, grad)
+        out = tpl.run(refs, x, call, grad)
         if out is None:
             self.fallbacks += 1
         return out

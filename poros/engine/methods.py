@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from poros.config import Method, TrainConfig
-from poros.engine.distributed import SINGLE
+from poros.engine.distributed import SINGLE, World
 from poros.engine.executor import PorosTrainer
-from poros.engine.trainer import ResidentGCTrainer, ResidentTrainer
+from poros.engine.trainer import ResidentGCTrainer, ResidentTrainer, Trainer
 from poros.engine import unsloth
 
 
@@ -18,9 +18,16 @@ class MethodSpec:
     method: Method
     label: str  # how reports name it
     gated: bool  # held to bitwise parity with resident QLoRA
-    in_process: bool  # a Trainer in this process (False: measured in a child process)
     unavailable: Callable[[str], str | None]  # why it cannot run on a device (None when it can)
     reference: bool = False  # a gate may compare the others with it (resident QLoRA, or its checkpointed form)
+    # how its trainer is made, (store, cfg, world) -> Trainer; None: measured in a child process instead
+    factory: Callable[..., Trainer] | None = None
+    finetune: bool = False  # `poros train` can train with it
+
+    @property
+    def in_process(self) -> bool:
+        """A Trainer in this process (False: measured in a child process)."""
+        return self.factory is not None
 
 
 def _always(device: str) -> str | None:
@@ -32,31 +39,29 @@ def _unsloth_unavailable(device: str) -> str | None:
 
 
 METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
-    MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, in_process=True, unavailable=_always),
-    MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, in_process=True, unavailable=_always,
-               reference=True),
+    MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, unavailable=_always, factory=PorosTrainer,
+               finetune=True),
+    MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, unavailable=_always, reference=True,
+               factory=ResidentTrainer, finetune=True),
     # bitwise equal to resident (tests/engine/test_resident_gc.py): the reference where resident does not fit
-    MethodSpec(Method.RESIDENT_GC, "resident + gradient checkpointing", gated=True, in_process=True,
-               unavailable=_always, reference=True),
-    MethodSpec(Method.UNSLOTH, "unsloth", gated=False, in_process=False, unavailable=_unsloth_unavailable),
+    MethodSpec(Method.RESIDENT_GC, "resident + gradient checkpointing", gated=True, unavailable=_always,
+               reference=True, factory=ResidentGCTrainer),
+    MethodSpec(Method.UNSLOTH, "unsloth", gated=False, unavailable=_unsloth_unavailable),
 )}
+FINETUNE_METHODS = tuple(m for m, s in METHODS.items() if s.finetune)  # what `poros train --method` takes
 
 
-def make_trainer(method: Method, store, cfg: TrainConfig, world=None):
+def make_trainer(method: Method, store, cfg: TrainConfig, world: World | None = None) -> Trainer:
     """An in-process trainer of `method` on `store`; with a `world` of several ranks, data-parallel
-    (poros.engine.distributed)."""
+    (poros.engine.distributed).
 
-    world = world or SINGLE
-    if method is Method.POROS:
-
-        return PorosTrainer(store, cfg, world=world)
-    if method is Method.RESIDENT:
-
-        return ResidentTrainer(store, cfg, world)
-    if method is Method.RESIDENT_GC:
-
-        return ResidentGCTrainer(store, cfg, world)
-    raise ValueError(f"{method.value} runs in a child process (poros.engine.unsloth.measure_unsloth)")
+    Raises:
+        ValueError: `method` is measured in a child process (poros.engine.unsloth.measure_unsloth).
+    """
+    spec = METHODS[method]
+    if spec.factory is None:
+        raise ValueError(f"{method.value} runs in a child process (poros.engine.unsloth.measure_unsloth)")
+    return spec.factory(store, cfg, world or SINGLE)
 
 
 def config_for(method: Method, cfg: TrainConfig) -> TrainConfig:

@@ -11,7 +11,6 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.engine.distributed import SINGLE, agree, share_store
-from poros.engine.executor import PorosTrainer
 from poros.engine.methods import make_trainer
 from poros.engine.trainer import Trainer, deterministic_kernels
 from poros.store.arena import absmax_view, weight_view
@@ -53,7 +52,6 @@ class Comparator:
     def __init__(self):
         self.count = 0
         self.first: str | None = None
-        self.first_detail = ""
         self.max_abs = 0.0
 
     def equal(self, name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -77,7 +75,7 @@ class Comparator:
         if not same:
             self.max_abs = max(self.max_abs, diff)
             if self.first is None:
-                self.first, self.first_detail = name, f"max |diff| {diff:.3e}"
+                self.first = name
         return same
 
     def all_equal(self, prefix: str, a: dict, b: dict) -> bool:
@@ -87,7 +85,7 @@ class Comparator:
         return ok
 
 
-def compare_base_weights(cmp: Comparator, resident: Trainer, poros: PorosTrainer) -> bool:
+def compare_base_weights(cmp: Comparator, resident: Trainer, poros: Trainer) -> bool:
     """The resident device copies of every NF4 matrix against the bytes poros streams from."""
     ok = True
     arena = poros.store.arena
@@ -134,7 +132,7 @@ class RecordedReference:
 
 def _result(poros: Trainer, gate: str) -> ParityResult:
     cfg = poros.cfg
-    plan = getattr(poros, "plan", None)
+    plan = poros.plan
     return ParityResult("PASS", 0, 0, None, 0.0, cfg.device.value, cfg.attention.value, model=cfg.model,
                         block_size=plan.block_size if plan else cfg.block_size, seq_len=cfg.seq_len,
                         grad_accum=cfg.grad_accum, accumulation=cfg.accumulation.value,
@@ -185,7 +183,7 @@ def run_gate(
     result = _result(poros, "control" if poros.method == resident.method else resident.method)
     ok = True
     if verify_initial:
-        if isinstance(poros, PorosTrainer):
+        if poros.plan is not None:  # it streams the store's bytes: they must be the reference's
             ok &= compare_base_weights(cmp, resident, poros)
         ok &= cmp.all_equal("init:", resident.lora_state(), poros.lora_state())
     return _compare(cmp, result, lambda s: take_step(resident, s), poros, steps, ok, on_step)

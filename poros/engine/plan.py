@@ -19,9 +19,9 @@ tested without a GPU:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-from poros.errors import BudgetError
+from poros.errors import BudgetError, CapabilityError
 from poros.models.skeleton import decoder_layers, layer_linears, skeleton
 from poros.settings import Accumulation, Placement, format_size
 from poros.store.arena import align, plan_layout
@@ -96,14 +96,10 @@ class Geometry:
     max_linear: int  # elements of the largest decoder linear weight
     lora_in_out: tuple[int, ...]  # per LoRA-able linear of every layer: in + out features
     dense_device_bytes: int  # norms, biases and buffers the device holds for every method
-    max_positions: int | None
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_starts)
-
-    def layer_bytes(self, i: int) -> int:
-        return self.layer_ends[i] - self.layer_starts[i]
 
     @classmethod
     def of_config(cls, name: str, config, lora_targets) -> "Geometry":
@@ -135,15 +131,14 @@ class Geometry:
             head_bytes=head.numel() * 2, hidden=config.hidden_size, vocab=config.vocab_size,
             intermediate=max(mlp, default=4 * config.hidden_size), heads=heads, q_width=q_width,
             max_linear=max(a * b for layer in linears for _, (a, b) in layer),
-            lora_in_out=lora, dense_device_bytes=dense,
-            max_positions=getattr(config, "max_position_embeddings", None))
+            lora_in_out=lora, dense_device_bytes=dense)
 
 
 # --- memory model ------------------------------------------------------------------------------
 # Device bytes beyond the weights, per unit, fitted to peaks measured with torch.cuda.max_memory_allocated
-# (scripts/plan_check.py): a layer's recompute + backward holds about ACT_PER_TOKEN_HIDDEN bytes per token
-# per hidden unit plus the intermediate projections, and the dequantized bf16 copy of its largest
-# weight; the head holds the logits in bf16 and fp32 and their gradient.
+# (results/h200-planner): a layer's recompute + backward holds about ACT_HIDDEN bytes per token per hidden
+# unit plus ACT_INTERMEDIATE per intermediate unit, and the dequantized bf16 copy of its largest weight;
+# the head holds the logits in bf16 and fp32 and their gradient.
 ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
 ACT_INTERMEDIATE = 14  # bytes per token x intermediate
 ATTN_SCORES = 6  # bytes per token^2 x head (math attention keeps the scores and their softmax)
@@ -151,8 +146,8 @@ HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
 # Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
 # (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
 # blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
-# the softmax's row sums (float32 per token x head). Negligible at seq 512; at 16,384 tokens of
-# qwen2.5-72b 2.15 GB, what an eager plan's measured peak exceeded the prediction by without it.
+# the softmax's row sums (float32 per token x head). It matters at long context only
+# (tests/engine/test_plan.py holds it to the peaks in results/h200-reserved-memory).
 FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
 
 
@@ -238,7 +233,6 @@ class Plan:
     step: tuple[Op, ...]
     memory: Memory
     budget: int | None = None
-    notes: tuple[str, ...] = field(default=())
     # saved layer inputs: kept on the device, or copied to host memory in forward (device->host, the
     # direction the weights leave idle) and back ahead of their backward, `input_window` at a time
     offload_inputs: bool = False
@@ -348,7 +342,7 @@ def _place(groups: list[Group], n_stream: int) -> list[Group]:
                   n_stream + g.buffer if g.resident else g.buffer % n_stream, g.resident) for g in groups]
 
 
-def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumulation, head_buffer: int | None,
+def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_buffer: int | None,
               head_resident: bool, holds: dict[int, int]) -> tuple[list[Op], dict[int, int]]:
     """One optimizer step from buffer state `holds` (buffer -> group or HEAD_SLOT); returns the ops and
     the state they leave. A streamed group's load is enqueued when the streamed group before it in the
@@ -399,20 +393,69 @@ def _step_ops(groups: list[Group], n_layers: int, grad_accum: int, order: Accumu
     return ops, holds
 
 
-def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulation: Accumulation = Accumulation.LAYER,
-               resident_layers: int = 0, head_resident: bool | None = None, seq_len: int = 512, batch_size: int = 1,
-               lora_rank: int = 16, attention: str = "default", overlap: bool = True, graphs: bool = False,
-               offload_inputs: bool = False, loss_chunk: int = 0, budget: int | None = None,
-               keep_activations: bool = False, kept_layers: int | None = None,
-               placement: Placement = Placement.TAIL, deterministic: bool = False,
-               notes: tuple[str, ...] = ()) -> Plan:
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a run asks of the planner, built once from its config (`of_config`). `build_plan` makes the plan
+    it describes; `plan_for_budget` searches block size, residency, the lm_head's place and (where
+    `offload_inputs` is None) the saved inputs' place for the fastest plan within `budget`."""
+
+    block_size: int
+    grad_accum: int = 1
+    accumulation: Accumulation = Accumulation.LAYER
+    seq_len: int = 512
+    batch_size: int = 1
+    lora_rank: int = 16
+    attention: str = "default"
+    overlap_backward: bool = True
+    cuda_graphs: bool = False
+    offload_inputs: bool | None = None  # None: the planner decides under a budget, else on the device
+    loss_chunk: int = 0
+    keep_activations: bool = False
+    kept_layers: int | None = None
+    placement: Placement = Placement.TAIL
+    deterministic: bool = False
+    resident_layers: int = 0
+    head_resident: bool | None = None  # None: resident unless two buffers rotate
+    budget: int | None = None  # bytes; recorded on the plan (and what `plan_for_budget` fits)
+
+    @classmethod
+    def of_config(cls, cfg, free_bytes: int | None = None) -> "PlanRequest":
+        """The request `cfg` (a TrainConfig) makes; `free_bytes` is the device's free memory, which a
+        `vram_budget: auto` plans a share (AUTO_SHARE) of.
+
+        Raises:
+            CapabilityError: `vram_budget: auto` without a device to measure.
+        """
+        budget = cfg.vram_budget
+        if budget == "auto":
+            if free_bytes is None:
+                raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
+            budget = int(free_bytes * AUTO_SHARE)
+        return cls(block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
+                   seq_len=cfg.seq_len, batch_size=cfg.batch_size, lora_rank=cfg.lora_rank,
+                   attention=cfg.attention.value, overlap_backward=cfg.overlap_backward, cuda_graphs=cfg.cuda_graphs,
+                   offload_inputs=True if cfg.offload_inputs else None, loss_chunk=cfg.loss_chunk or 0,
+                   keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
+                   deterministic=cfg.deterministic, budget=budget)
+
+
+AUTO_SHARE = 0.9  # `vram_budget: auto` plans for this share of the device's free memory
+
+
+def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
     spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
     layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them."""
+    r = request
+    block_size, grad_accum, accumulation, seq_len, batch_size = (r.block_size, r.grad_accum, r.accumulation,
+                                                                  r.seq_len, r.batch_size)
+    resident_layers, head_resident, attention, offload_inputs = (r.resident_layers, r.head_resident, r.attention,
+                                                                 bool(r.offload_inputs))
+    graphs = r.cuda_graphs
     n = geo.n_layers
-    overlap = overlap and not graphs  # layer templates replay one layer's backward at a time
-    resident_order = resident_set(n, resident_layers, Placement(placement))
+    overlap = r.overlap_backward and not graphs  # layer templates replay one layer's backward at a time
+    resident_order = resident_set(n, resident_layers, Placement(r.placement))
     resident = frozenset(resident_order)
     streamed = n - resident_layers
     block = max(1, min(block_size, streamed)) if streamed else block_size
@@ -433,8 +476,8 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     buffers = [Buffer(b, stream_size, False) for b in range(n_stream)]
     buffers += [Buffer(g.buffer, align(g.nbytes), True) for g in groups if g.resident]
     # steady state: run one step from empty buffers, then plan every step from where it ends
-    _, end = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, {})
-    step, after = _step_ops(groups, n, grad_accum, accumulation, head_buffer, head_resident, end)
+    _, end = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, {})
+    step, after = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, end)
     setup = [Op(LOAD, group=g.index, buffer=g.buffer) for g in groups if g.resident]
     setup += [Op(LOAD, group=grp, buffer=b) for b, grp in sorted(end.items()) if grp != HEAD_SLOT
               and not groups[grp].resident]
@@ -442,23 +485,23 @@ def build_plan(geo: Geometry, *, block_size: int, grad_accum: int = 1, accumulat
     one_input = seq_len * batch_size * geo.hidden * 2
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
     saved = (window + live) * one_input if offload_inputs else n * live * one_input
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, loss_chunk, deterministic)
-    kept = kept_set(resident_order, kept_layers) if keep_activations else ()
+    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, r.loss_chunk, r.deterministic)
+    kept = kept_set(resident_order, r.kept_layers) if r.keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
         resident_weights=sum(b.nbytes for b in buffers if b.resident) + (geo.head_bytes if head_resident else 0),
-        lora=lora_bytes(geo, lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
+        lora=lora_bytes(geo, r.lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
         transient=max(head_t, layer_t + grads_in_flight),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
         # model is fitted to); every resident layer has its own weights' addresses, so its own templates
         # a kept layer has a template of its own per micro-batch kept at once, with its own input
-        templates=((resident_layers - len(kept)) * template_bytes(geo, lora_rank)
-                   + len(kept) * live * (template_bytes(geo, lora_rank) + one_input)
+        templates=((resident_layers - len(kept)) * template_bytes(geo, r.lora_rank)
+                   + len(kept) * live * (template_bytes(geo, r.lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention))
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
-                head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, budget, notes, offload_inputs,
+                head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
                 one_input, window, kept, graph_pool=layer_t if graphs else 0)
     problems = check(plan)
     if problems or after != end:
@@ -472,35 +515,43 @@ def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: s
         ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention == "math" else 0)
 
 
-def resident_memory(geo: Geometry, *, seq_len: int, batch_size: int, grad_accum: int, lora_rank: int,
-                    attention: str, deterministic: bool = False) -> int:
+def resident_memory(geo: Geometry, request: PlanRequest) -> int:
     """Predicted peak of resident QLoRA (every weight on the device, every activation kept)."""
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap=False,
-                                      deterministic=deterministic)
-    per_layer = layer_activation_bytes(geo, seq_len, batch_size, attention)
-    return (geo.layer_ends[-1] + 2 * geo.head_bytes + lora_bytes(geo, lora_rank) + geo.dense_device_bytes
+    r = request
+    head_t, _ = transient_bytes(geo, r.seq_len, r.batch_size, r.attention, overlap=False,
+                                deterministic=r.deterministic)
+    per_layer = layer_activation_bytes(geo, r.seq_len, r.batch_size, r.attention)
+    return (geo.layer_ends[-1] + 2 * geo.head_bytes + lora_bytes(geo, r.lora_rank) + geo.dense_device_bytes
             + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
 
 
-def plan_for_budget(geo: Geometry, budget: int, *, block_size: int, **kw) -> Plan:
-    """The plan that copies the fewest bytes per step and whose predicted peak fits `budget`: the lm_head
-    resident first (it saves its own copy and a reload), then as many layers as fit (placed as `placement`
-    says: from the last one down, or spread), with the largest block size up to `block_size` that fits.
+def make_plan(geo: Geometry, cfg, free_bytes: int | None = None) -> Plan:
+    """The plan a TrainConfig `cfg` asks for: every layer streamed, or the fastest that fits `cfg.vram_budget`
+    (`free_bytes`: the device's free memory, for `vram_budget: auto`)."""
+    request = PlanRequest.of_config(cfg, free_bytes)
+    return build_plan(geo, request) if request.budget is None else plan_for_budget(geo, request)
+
+
+def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
+    """The plan that copies the fewest bytes per step and whose predicted peak fits `request.budget`: the
+    lm_head resident first (it saves its own copy and a reload), then as many layers as fit (placed as
+    `placement` says: from the last one down, or spread), with the largest block size up to `block_size`
+    that fits; saved inputs where `offload_inputs` says, or (None) wherever copies fewer bytes.
 
     Raises:
         BudgetError: no plan fits; names the smallest budget that would.
     """
 
     best, smallest = None, None
-    given = kw.pop("offload_inputs", None)  # None: the planner decides
-    choices = [(b, h, o) for b in range(block_size, 0, -1) for h in (True, False)
+    budget, given = request.budget, request.offload_inputs
+    choices = [(b, h, o) for b in range(request.block_size, 0, -1) for h in (True, False)
                for o in ((False, True) if given is None else (given,))]
     for block, head, offload in choices:
         lo, hi, fit = 0, geo.n_layers, None
         while lo <= hi:  # most resident layers that fit (memory grows with them)
             r = (lo + hi) // 2
-            p = build_plan(geo, block_size=block, resident_layers=r, head_resident=head, budget=budget,
-                           offload_inputs=offload, **kw)
+            p = build_plan(geo, replace(request, block_size=block, resident_layers=r, head_resident=head,
+                                        offload_inputs=offload))
             if smallest is None or p.memory.total < smallest.memory.total:
                 smallest = p
             if p.memory.total <= budget:
@@ -641,5 +692,4 @@ def describe(plan: Plan) -> str:
     if plan.graph_pool:
         lines.append(f"  CUDA-graph pool: at least {gb(plan.graph_pool)} more reserved (the layer templates' "
                      "intermediates: held by the graphs, not allocated, so not in the peak above)")
-    lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -19,7 +19,7 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def _to_linear4bit(model: nn.Module, list_name: str, layers: nn.ModuleList) -> dict[str, nn.Module]:
+def _to_linear4bit(list_name: str, layers: nn.ModuleList) -> dict[str, nn.Module]:
     """Swap every nn.Linear inside the decoder layers for a (still empty) bnb Linear4bit."""
     import bitsandbytes as bnb
 
@@ -87,7 +87,7 @@ class QLoRAModel:
         self.store, self.cfg, self.device = store, cfg, torch.device(device)
         model = skeleton(store.config)
         self.list_name, self.layers = decoder_layers(model)
-        self.linear4bit = _to_linear4bit(model, self.list_name, self.layers)
+        self.linear4bit = _to_linear4bit(self.list_name, self.layers)
         # host_io: embeddings and lm_head stay in host memory (the streaming engine moves them)
         self.host_names = io_param_names(model) if host_io else set()
         for name, t in store.dense.items():

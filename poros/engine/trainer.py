@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import gc
 import os
 import re
 import time
@@ -10,11 +12,13 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from poros.config import TrainConfig
+from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
+from poros.engine.plan import Plan
 from poros.engine.qlora import QLoRAModel
 from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
@@ -89,13 +93,15 @@ class StepResult:
     counters: dict = field(default_factory=dict)
 
 
-class Trainer:
+class Trainer(abc.ABC):
     """A QLoRA training loop: `accumulate` the micro-batches of a step, then `optimizer_step`.
 
-    Subclasses change how the base weights reach the device, never the arithmetic.
+    Subclasses change how the base weights reach the device, never the arithmetic: each makes its model
+    (`_make_model`), runs a step's micro-batches (`accumulate`) and spreads them over ranks (`_distribute`).
     """
 
-    method = "resident"
+    method: str  # its Method's value (poros/config.py)
+    plan: Plan | None = None  # how the decoder weights reach the device (poros/engine/plan.py); None: all resident
 
     def __init__(self, store: NF4Store, cfg: TrainConfig, world: World = SINGLE):
         check_seq_len(store.config, cfg.seq_len)
@@ -116,23 +122,18 @@ class Trainer:
         if world.distributed:
             self._distribute()
 
-    def _distribute(self) -> None:
-        """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
-        backward (the others run under `no_sync`). Frozen weights and buffers are left out of its bucketing
-        and broadcasts: every rank builds them from the same store."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            self.model, frozen + [n for n, _ in self.model.named_buffers()])
-        ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-
+    @abc.abstractmethod
     def _make_model(self) -> QLoRAModel:
-        model = QLoRAModel(self.store, self.cfg, self.device)
-        model.materialize_resident()
-        return model
+        """The QLoRA model this trainer trains, its base weights where the method keeps them."""
+
+    @abc.abstractmethod
+    def _distribute(self) -> None:
+        """Set up data parallelism over `self.world` (called when it has several ranks)."""
+
+    @abc.abstractmethod
+    def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """The scaled loss of every micro-batch of one step, LoRA gradients accumulated into their `.grad`s
+        as resident QLoRA accumulates them."""
 
     def batches(self, step: int) -> list[Batch]:
         c = self.cfg
@@ -141,25 +142,6 @@ class Trainer:
         step_batches = synthetic_step(vocab, c.seq_len, c.batch_size, c.grad_accum * w.size, seed=c.data_seed,
                                       step=step)
         return [b.to(self.device) for b in w.share(step_batches)]
-
-    def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
-        with sdpa_context(self.cfg.attention):
-            out = (self.ddp or self.model)(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
-            loss = out.loss / self.cfg.grad_accum
-            loss.backward()
-        return loss.detach()
-
-    def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
-        """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
-        `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
-        if self.ddp is None:
-            return [self.forward_backward(b) for b in batches]
-        losses = []
-        for k, b in enumerate(batches):
-            with self.ddp.no_sync() if k < len(batches) - 1 else contextlib.nullcontext():
-                losses.append(self.forward_backward(b))
-        return losses
 
     def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
         """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
@@ -230,8 +212,6 @@ class Trainer:
 
     def close(self) -> None:
         """Release device memory held by this trainer (now, not at the next gc cycle)."""
-        import gc
-
         self.optimizer.state.clear()
         for _, p in self.params:
             p.grad = None
@@ -242,7 +222,42 @@ class Trainer:
 class ResidentTrainer(Trainer):
     """Ordinary QLoRA: the whole NF4 model on the device."""
 
-    method = "resident"
+    method = Method.RESIDENT.value
+
+    def _make_model(self) -> QLoRAModel:
+        model = QLoRAModel(self.store, self.cfg, self.device)
+        model.materialize_resident()
+        return model
+
+    def _distribute(self) -> None:
+        """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
+        backward (the others run under `no_sync`). Frozen weights and buffers are left out of its bucketing
+        and broadcasts: every rank builds them from the same store."""
+        frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self.model, frozen + [n for n, _ in self.model.named_buffers()])
+        ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
+        with sdpa_context(self.cfg.attention):
+            out = (self.ddp or self.model)(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            loss = out.loss / self.cfg.grad_accum
+            loss.backward()
+        return loss.detach()
+
+    def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
+        `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
+        if self.ddp is None:
+            return [self.forward_backward(b) for b in batches]
+        losses = []
+        for k, b in enumerate(batches):
+            with self.ddp.no_sync() if k < len(batches) - 1 else contextlib.nullcontext():
+                losses.append(self.forward_backward(b))
+        return losses
 
 
 class ResidentGCTrainer(ResidentTrainer):
@@ -251,7 +266,7 @@ class ResidentGCTrainer(ResidentTrainer):
     and recomputes its activations in backward. The same kernels compute the same values in the same
     order as plain resident QLoRA, so its bits are resident's (tests/engine/test_resident_gc.py gates that)."""
 
-    method = "resident_gc"
+    method = Method.RESIDENT_GC.value
 
     def _make_model(self) -> QLoRAModel:
         model = super()._make_model()
@@ -262,7 +277,3 @@ class ResidentGCTrainer(ResidentTrainer):
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         return model
-
-    def checkpointed_layers(self) -> int:
-        """Decoder layers whose forward runs under gradient checkpointing."""
-        return sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in self.qlora.layers)

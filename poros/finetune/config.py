@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from poros.config import BY_NAME, Method, TrainConfig
+from poros.engine.methods import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
 from poros.harness.matrix import load_yaml
 from poros.settings import Attention, Device
@@ -48,6 +49,7 @@ OTHER_NAMES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps"
                "per_device_train_batch_size": "batch_size", "gradient_accumulation_steps": "grad_accum",
                "sequence_len": "seq_len", "max_seq_length": "seq_len", "max_seq_len": "seq_len",
                "save_steps": "save_every", "val_set_size": "eval_split"}
+_FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
 RUN_FILE = "run.yaml"  # the resolved configuration, in the run folder
 
 
@@ -78,10 +80,10 @@ class FinetuneConfig:
         try:
             object.__setattr__(self, "method", Method(self.method))
         except ValueError:
-            problems.append(f"method: expected poros or resident, got {self.method!r}")
+            problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method!r}")
         else:
-            if self.method not in (Method.POROS, Method.RESIDENT):
-                problems.append(f"method: expected poros or resident, got {self.method.value!r}")
+            if not METHODS[self.method].finetune:
+                problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method.value!r}")
         if self.eval_split is not None:
             s = self.eval_split
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 < s < 0.5:

@@ -5,8 +5,7 @@ which settings took the GPU's defaults."""
 from __future__ import annotations
 
 from poros.config import Method
-from poros.engine.executor import make_plan
-from poros.engine.plan import Geometry, Plan
+from poros.engine.plan import Geometry, Plan, make_plan
 from poros.settings import format_size
 
 

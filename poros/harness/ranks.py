@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
             report = asdict(result)
         else:
             trainer = make_trainer(Method(spec["method"]), store, cfg, world)
-            plan = trainer.plan.summary() if hasattr(trainer, "plan") else None
+            plan = None if trainer.plan is None else trainer.plan.summary()
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])

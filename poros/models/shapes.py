@@ -177,11 +177,6 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
-def shape_names() -> list[str]:
-    """Registered names, in registry order."""
-    return list(SHAPES)
-
-
 def get_shape(name: str) -> ModelShape:
     """The shape registered under `name`; raises UnknownModelError otherwise."""
     try:

@@ -14,7 +14,7 @@ import torch
 from poros.errors import PinningError
 
 ALIGN = 256  # bytes; keeps every view aligned for vectorised kernel loads
-NF4_BLOCKSIZE = 64  # bitsandbytes' QLoRA default; the 494 MB/layer of a 72B layer assumes it
+NF4_BLOCKSIZE = 64  # bitsandbytes' QLoRA default (one float32 absmax per 64 weights)
 
 
 def align(n: int) -> int:
@@ -138,7 +138,7 @@ class NF4Store:
             raise PinningError(
                 f"pinning {size / 1e9:.1f} GB failed (cudaHostRegister): the locked-memory "
                 f"limit is {memlock_limit()} (ulimit -l); raise it or pass --no-pin (pageable copies run "
-                f"about 8x slower: 6.6 vs 55 GB/s on an H200)"
+                f"several times slower)"
             )
         self.pinned = self._registered = True
 

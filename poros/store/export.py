@@ -3,7 +3,7 @@
 The folder (config.json with a bitsandbytes quantization_config, one safetensors shard per decoder
 layer plus one for the dense weights, an index, and a small word-level tokenizer) loads with
 `from_pretrained(..., load_in_4bit=True)` into exactly the store's NF4 bytes. Written layer by
-layer: a 72B is 45 GB here, where bf16 (145 GB) would not fit the GPU machine's disk.
+layer, at NF4 size: a quarter of the bf16 checkpoint, which for a large model may not fit the disk.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ def host_need(model: nn.Module, layers: nn.ModuleList, arena_bytes: int, device)
     buffers = [b for layer in layers for _, b in persistent_buffers(layer)]
     transient = 0
     if torch.device(device).type == "cpu":
-        # one bf16 layer, plus bitsandbytes' CPU quantize_4bit, which peaks at about 7x its bf16 input
-        # (measured with bitsandbytes 0.50: +1.83 GB for a 5120x25600 matrix); or a dense weight's copy
+        # one bf16 layer, plus what bitsandbytes' CPU quantize_4bit holds while quantizing its largest
+        # linear (QUANTIZE_PEAK); or a dense weight's copy
         linears = [m.weight for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)]
         biggest_layer = max((_nbytes(layer.parameters()) for layer in layers), default=0)
         quantize = QUANTIZE_PEAK * max((_nbytes([w]) for w in linears), default=0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +20,8 @@ from torch import nn
 
 from poros.errors import CheckpointError
 from poros.models.checkpoint import CheckpointReader
-from poros.models.skeleton import (
-    decoder_layers,
-    layer_linears,
-    persistent_buffers,
-    skeleton,
-)
-from poros.store.arena import (
-    NF4_BLOCKSIZE,
-    NF4Store,
-    absmax_view,
-    host_buffer,
-    plan_layout,
-    weight_view,
-)
-from poros.store.progress import BuildStats, LayerProgress
+from poros.models.skeleton import persistent_buffers
+from poros.store.arena import NF4_BLOCKSIZE, absmax_view, weight_view
 from poros.store.quantize import quantize_nf4
 
 QUANT_STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
@@ -88,38 +74,38 @@ def _quant_state(reader, name: str, path: Path):
     return state, absmax.float()
 
 
-def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=None, allocate=None):
-    """The NF4 store of a bitsandbytes 4-bit checkpoint folder `src` (a poros.models.checkpoint.Source).
+class NF4CheckpointLayers:
+    """The layers of a bitsandbytes 4-bit checkpoint folder `src` (a poros.models.checkpoint.Source), for the
+    build loop (poros/store/build.py `build_from`): packed bytes and absmax copied into the arena as they are,
+    linears the checkpoint left unquantized quantized on `device`.
 
-    Returns:
-        (NF4Store, BuildStats) as `poros.store.build.build_store` does.
     Raises:
         CheckpointError: 8-bit or fp4 quantization, another blocksize, a missing tensor or quant state,
             or shapes that do not match the config.
     """
 
-    path = Path(src.checkpoint)
-    _check_config(path, quantization_config(path))
-    t0 = time.perf_counter()
-    config = copy.deepcopy(src.config)
-    if hasattr(config, "quantization_config"):  # the store is plain NF4 data; no model is quantized again
-        del config.quantization_config
-    reader = CheckpointReader(path)
-    model = skeleton(config)
-    list_name, layers = decoder_layers(model)
-    prefixes = [f"{list_name}.{i}" for i in range(len(layers))]
-    layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])
-    arena = (allocate or host_buffer)(total)
-    dense: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    code = None
-    report = LayerProgress(f"loading {src.name}", len(layers), progress, on_layer)
-    for i, (layer, prefix, layout) in enumerate(zip(layers, prefixes, layouts)):
+    what = "loading"
+
+    def __init__(self, src, device: torch.device):
+        self.path = Path(src.checkpoint)
+        _check_config(self.path, quantization_config(self.path))
+        self.config = copy.deepcopy(src.config)
+        if hasattr(self.config, "quantization_config"):  # the store is plain NF4 data; no model is quantized again
+            del self.config.quantization_config
+        self.reader = CheckpointReader(self.path)
+        self.device = device
+        self.code = None
+
+    def host_need(self, model, layers, arena_bytes):
+        return None
+
+    def fill_layer(self, model, layer, index, prefix, layout, arena, dense, buffers):
+        path, reader = self.path, self.reader
         linear_weights = {f"{n}.weight" for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
         for slot in layout.slots:
             w = reader.get(f"{slot.name}.weight")
             if w.is_floating_point():  # left unquantized by the checkpoint: quantize as a build does
-                packed, state = quantize_nf4(w.to(device=device, dtype=torch.bfloat16))
+                packed, state = quantize_nf4(w.to(device=self.device, dtype=torch.bfloat16))
                 absmax = state.absmax
             else:
                 state, absmax = _quant_state(reader, f"{slot.name}.weight", path)
@@ -131,8 +117,8 @@ def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=
                 raise CheckpointError(f"{path}: {slot.name}.weight holds {packed.numel()} bytes and "
                                       f"{absmax.numel()} absmax values, expected {slot.weight_nbytes} and "
                                       f"{slot.absmax_numel}")
-            code = state.code.to("cpu") if code is None else code
-            if not torch.equal(state.code.to("cpu"), code):
+            self.code = state.code.to("cpu") if self.code is None else self.code
+            if not torch.equal(state.code.to("cpu"), self.code):
                 raise CheckpointError(f"{path}: {slot.name}.weight uses another NF4 lookup table than the layers "
                                       "before it")
             weight_view(arena, slot).copy_(packed.reshape(-1, 1))
@@ -143,19 +129,18 @@ def load_nf4_store(src, *, device="cpu", progress: bool | None = None, on_layer=
         for name, b in persistent_buffers(layer):
             full = f"{prefix}.{name}"
             buffers[full] = (reader.get(full) if reader.has(full) else b).to("cpu", b.dtype, copy=True)
-        report(i + 1)
-    report.done()
-    in_layers = {id(p) for p in layers.parameters()}
-    tied = getattr(config, "tie_word_embeddings", False)
-    for mname, module in model.named_modules():
-        for n, p in module.named_parameters(recurse=False):
-            full = f"{mname}.{n}" if mname else n
-            if id(p) in in_layers or (tied and full == "lm_head.weight") or full in dense:
-                continue
-            t = reader.get(full)
-            if not t.is_floating_point():
-                raise CheckpointError(f"{path}: {full} is quantized; poros quantizes only the decoder layers' "
-                                      "linears (keep lm_head and embeddings in bf16: llm_int8_skip_modules)")
-            dense[full] = t.to(p.dtype).clone()
-    store = NF4Store(config, layouts, arena, dense, code, source=src.name, buffers=buffers)
-    return store, BuildStats(time.perf_counter() - t0, total, len(layers), str(torch.device(device)), None)
+
+    def fill_rest(self, model, layers, dense):
+        in_layers = {id(p) for p in layers.parameters()}
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for mname, module in model.named_modules():
+            for n, p in module.named_parameters(recurse=False):
+                full = f"{mname}.{n}" if mname else n
+                if id(p) in in_layers or (tied and full == "lm_head.weight") or full in dense:
+                    continue
+                t = self.reader.get(full)
+                if not t.is_floating_point():
+                    raise CheckpointError(f"{self.path}: {full} is quantized; poros quantizes only the decoder "
+                                          "layers' linears (keep lm_head and embeddings in bf16: "
+                                          "llm_int8_skip_modules)")
+                dense[full] = t.to(p.dtype).clone()

@@ -35,8 +35,8 @@ def gate(store, cfg, plan=None, check_plan=True, steps=2):
 
 def plan_for(store, cfg, **kw):
     geo = geometry_of_store(store, cfg)
-    return P.build_plan(geo, block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
-                        seq_len=cfg.seq_len, **kw)
+    return P.build_plan(geo, P.PlanRequest(block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
+                        seq_len=cfg.seq_len, **kw))
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -37,7 +37,7 @@ def test_templates_keep_parity(stores, model, block, grad_accum):
     assert c["template_fallbacks"] == 0
     # every layer went through a template, forward and backward, per micro-batch over 2 steps
     for backward in (True, False):
-        replays = sum(t.replays for k, t in poros._templates.templates.items() if k[0] is backward)
+        replays = sum(t.replays for k, t in poros.templates.templates.items() if k[0] is backward)
         assert replays == n * 2 * grad_accum
     # layers at the same buffer position share one: at most 2 buffers x block positions x layer kinds
     kinds = len({(k[0],) + k[2:] for k in map(layer_key, poros.qlora.layers)})  # the key less the addresses
@@ -123,7 +123,7 @@ def test_a_template_that_cannot_be_captured_falls_back_to_eager_and_says_so(stor
     assert result.ok, result.first_mismatch
     c = poros.counters()
     assert c["graphs_captured"] == 0 and c["capture_errors"] == c["layer_templates"] + c["forward_templates"] > 0
-    assert poros._templates.errors() == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert poros.templates.errors() == ["RuntimeError: operation not permitted when stream is capturing"]
 
 
 class _FakeGraph:
@@ -189,7 +189,7 @@ def test_the_capture_path_keeps_parity_with_stand_in_graphs(stores, monkeypatch)
         assert result.ok, f"{model}: {result.first_mismatch}"
         c = poros.counters()
         assert c["capture_errors"] == 0 and c["template_fallbacks"] == 0
-        templates = poros._templates.templates.values()
+        templates = poros.templates.templates.values()
         assert c["graphs_captured"] == len(templates) > 0
         n = len(store.layers)
         assert sum(t.graph.replays for t in templates) == 2 * n * 2 * 2  # fwd+bwd, layers, micro-batches, steps
@@ -202,14 +202,14 @@ def test_templates_share_one_set_of_static_tensors(stores):
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, grad_accum=2, lr=1e-2)
     result, poros = _gate(store, cfg)
     assert result.ok, result.first_mismatch
-    templates = list(poros._templates.templates.values())
+    templates = list(poros.templates.templates.values())
     backward = [t for t in templates if t.backward]
     assert len(backward) > 1
     assert len({id(t.static_x) for t in backward}) == len(backward)  # each its own leaf
     assert len({t.static_x.data_ptr() for t in templates}) == 1  # over one input's memory
     assert len({t.static_dx.data_ptr() for t in backward}) == 1
     hidden = 64 * store.config.hidden_size * 2  # one bf16 activation of seq 64
-    statics = poros._templates.statics
+    statics = poros.templates.statics
     roles = {k[0] for k in statics.tensors}
     assert {"input", "grad_output", "grad_input", "output"} <= roles
     assert 4 * hidden <= statics.nbytes < 4 * hidden + 4 * 64 * 64 * 4 * 8  # + the rotary/mask arguments

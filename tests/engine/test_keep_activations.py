@@ -18,9 +18,9 @@ from poros.engine.trainer import ResidentTrainer
 
 
 def _plan(store, cfg, resident_layers=2):
-    return P.build_plan(geometry_of_store(store, cfg), block_size=cfg.block_size, grad_accum=cfg.grad_accum,
+    return P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(block_size=cfg.block_size, grad_accum=cfg.grad_accum,
                         accumulation=cfg.accumulation, resident_layers=resident_layers, keep_activations=True,
-                        seq_len=cfg.seq_len)
+                        seq_len=cfg.seq_len))
 
 
 @pytest.mark.parametrize("grad_accum,accumulation", [(1, "layer"), (2, "layer"), (2, "micro")])
@@ -46,7 +46,7 @@ def test_kept_layers_run_in_their_own_templates(stores, grad_accum, accumulation
     poros.use_layer_templates(capture=False)
     result = run_gate(ResidentTrainer(store, cfg), poros, 2)
     assert result.ok, result.first_mismatch
-    kept, shared = poros._templates.kept, poros._templates.templates.values()
+    kept, shared = poros.templates.kept, poros.templates.templates.values()
     assert sorted(kept) == [(i, m) for i in poros.plan.kept_layers for m in range(grad_accum)]
     assert sum(t.replays for t in kept.values()) == len(kept) * 2  # one backward a step, two steps
     assert sum(t.replays for t in shared) == 2 * len(poros.plan.streamed_layers) * grad_accum * 2
@@ -59,7 +59,7 @@ def test_mixed_up_kept_templates_fail_the_gate(stores):
 
     class Swapped(PorosTrainer):
         def _backward(self, op):
-            kept = self._templates.kept
+            kept = self.templates.kept
             a, b = (op.layer, 0), (op.layer, 1)
             if op.micro == 0 and a in kept and b in kept:
                 kept[a], kept[b] = kept[b], kept[a]
@@ -84,7 +84,7 @@ def test_kept_templates_on_the_capture_path(stores, monkeypatch):
     poros = PorosTrainer(store, cfg, plan=_plan(store, cfg))
     poros.use_layer_templates(capture=True)
     assert run_gate(ResidentTrainer(store, cfg), poros, 2).ok
-    kept = poros._templates.kept.values()
+    kept = poros.templates.kept.values()
     assert len(kept) == 4 and all(set(t.graphs) == {"forward", "backward"} for t in kept)
     assert all(t.graphs["forward"].replays == 2 and t.graphs["backward"].replays == 2 for t in kept)
     assert poros.counters()["capture_errors"] == 0
@@ -133,9 +133,10 @@ def test_mixed_up_kept_activations_fail_the_gate(stores):
 
     class Swapped(PorosTrainer):
         def _backward(self, op):
+            kept = self.runners[op.layer].kept if op.layer in self.plan.kept_layers else {}
             a, b = (op.layer, 0), (op.layer, 1)
-            if op.micro == 0 and a in self._kept and b in self._kept:
-                self._kept[a], self._kept[b] = self._kept[b], self._kept[a]
+            if op.micro == 0 and a in kept and b in kept:
+                kept[a], kept[b] = kept[b], kept[a]
             super()._backward(op)
 
     store = stores("tiny-qwen3")
@@ -151,8 +152,8 @@ def test_some_resident_layers_keep_their_activations(stores, templates):
     store = stores("tiny-gemma3")
     cfg = TrainConfig(model="tiny-gemma3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True,
                       kept_layers=2)
-    plan = P.build_plan(geometry_of_store(store, cfg), block_size=2, grad_accum=2, resident_layers=3,
-                        keep_activations=True, kept_layers=2, seq_len=64)
+    plan = P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(block_size=2, grad_accum=2, resident_layers=3,
+                        keep_activations=True, kept_layers=2, seq_len=64))
     assert plan.resident_layers == [2, 3, 4] and plan.kept_layers == (2, 3)
     poros = PorosTrainer(store, cfg, plan=plan)
     if templates:
@@ -160,7 +161,7 @@ def test_some_resident_layers_keep_their_activations(stores, templates):
     result = run_gate(ResidentTrainer(store, cfg), poros, 2)
     assert result.ok, result.first_mismatch
     if templates:
-        assert sorted(poros._templates.kept) == [(i, m) for i in (2, 3) for m in (0, 1)]
+        assert sorted(poros.templates.kept) == [(i, m) for i in (2, 3) for m in (0, 1)]
 
 
 def test_kept_layers_needs_keep_activations():

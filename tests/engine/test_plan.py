@@ -36,7 +36,7 @@ def tiny():
 def test_72b_streams_75_6_gb_a_step(q72):
     """Every layer copied twice per micro-batch but for the two blocks left over at each turn, the
     lm_head once and the block whose buffer it borrowed once more: 75.56 GB (measured on the H200)."""
-    plan = P.build_plan(q72, block_size=4)
+    plan = P.build_plan(q72, P.PlanRequest(block_size=4))
     assert abs(plan.h2d_bytes_per_step - 75.56e9) / 75.56e9 < 0.01
     assert plan.loads_per_step == 20 - 2 + 20 - 1  # forward loads blocks 2..19, backward 18..0
     assert plan.resident_layers == [] and len(plan.streamed_layers) == 80
@@ -51,27 +51,27 @@ def test_geometry_from_shapes_matches_a_built_store(stores):
 
 @pytest.mark.parametrize("accum", [2, 8, 32])
 def test_layer_major_copies_as_much_per_step_as_one_micro_batch(q72, accum):
-    one = P.build_plan(q72, block_size=4, grad_accum=1)
-    layer = P.build_plan(q72, block_size=4, grad_accum=accum, accumulation=Accumulation.LAYER)
-    micro = P.build_plan(q72, block_size=4, grad_accum=accum, accumulation=Accumulation.MICRO)
+    one = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=1))
+    layer = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=accum, accumulation=Accumulation.LAYER))
+    micro = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=accum, accumulation=Accumulation.MICRO))
     assert layer.h2d_bytes_per_step == one.h2d_bytes_per_step
     assert micro.h2d_bytes_per_step == accum * one.h2d_bytes_per_step
 
 
 def test_resident_layers_and_head_cut_the_copies(q72):
-    streamed = P.build_plan(q72, block_size=4)
-    half = P.build_plan(q72, block_size=4, resident_layers=40, head_resident=True)
+    streamed = P.build_plan(q72, P.PlanRequest(block_size=4))
+    half = P.build_plan(q72, P.PlanRequest(block_size=4, resident_layers=40, head_resident=True))
     assert half.resident_layers == list(range(40, 80)) and half.streamed_layers == list(range(40))
     assert half.h2d_bytes_per_step < streamed.h2d_bytes_per_step / 2
     assert half.memory.resident_weights == half.buffers[-1].nbytes + q72.head_bytes
-    everything = P.build_plan(q72, block_size=4, resident_layers=80)
+    everything = P.build_plan(q72, P.PlanRequest(block_size=4, resident_layers=80))
     assert everything.h2d_bytes_per_step == 0 and everything.head_resident
     assert everything.setup and all(op.kind == P.LOAD for op in everything.setup)
 
 
 def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
-    on_device = P.build_plan(q72, block_size=4, grad_accum=8)
-    on_host = P.build_plan(q72, block_size=4, grad_accum=8, offload_inputs=True)
+    on_device = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=8))
+    on_host = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=8, offload_inputs=True))
     per_input = 512 * 8192 * 2
     assert on_host.d2h_bytes_per_step == 80 * 8 * per_input
     assert on_host.h2d_bytes_per_step == on_device.h2d_bytes_per_step + 80 * 8 * per_input
@@ -82,19 +82,19 @@ def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
 
 @pytest.mark.parametrize("budget", [12e9, 16e9, 24e9, 40e9, 64e9])
 def test_a_budget_picks_the_fewest_bytes_that_fit(q72, budget):
-    plan = P.plan_for_budget(q72, int(budget), block_size=4, attention="math")
+    plan = P.plan_for_budget(q72, P.PlanRequest(block_size=4, attention="math", budget=int(budget)))
     assert plan.memory.total <= budget
     # one more resident layer would not fit at any block size the planner tried
-    more = P.build_plan(q72, block_size=plan.block_size, resident_layers=len(plan.resident_layers) + 1,
-                        head_resident=True, attention="math") if plan.streamed_layers else None
+    more = P.build_plan(q72, P.PlanRequest(block_size=plan.block_size, resident_layers=len(plan.resident_layers) + 1,
+                        head_resident=True, attention="math")) if plan.streamed_layers else None
     assert more is None or more.memory.total > budget or more.h2d_bytes_per_step >= plan.h2d_bytes_per_step
-    smaller = P.plan_for_budget(q72, int(budget * 0.8), block_size=4, attention="math") if budget > 12e9 else None
+    smaller = P.plan_for_budget(q72, P.PlanRequest(block_size=4, attention="math", budget=int(budget * 0.8))) if budget > 12e9 else None
     assert smaller is None or smaller.h2d_bytes_per_step >= plan.h2d_bytes_per_step
 
 
 def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
     with pytest.raises(BudgetError, match=r"below the smallest plan for qwen2.5-72b .* use --vram-budget [0-9.]+GB"):
-        P.plan_for_budget(q72, 2 * 10**9, block_size=4)
+        P.plan_for_budget(q72, P.PlanRequest(block_size=4, budget=2 * 10**9))
 
 
 @settings(max_examples=40, deadline=None)
@@ -102,9 +102,9 @@ def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
        order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]), keep=st.booleans(),
        kept=st.sampled_from([None, 1, 2, 9]), placement=st.sampled_from(list(Placement)))
 def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep, kept, placement):
-    plan = P.build_plan(geometry("tiny-gemma3"), block_size=block, grad_accum=accum, accumulation=order,
+    plan = P.build_plan(geometry("tiny-gemma3"), P.PlanRequest(block_size=block, grad_accum=accum, accumulation=order,
                         resident_layers=resident, head_resident=head, keep_activations=keep, kept_layers=kept,
-                        placement=placement)
+                        placement=placement))
     assert P.check(plan) == []
     assert plan.resident_layers == list(P.resident_set(5, resident, placement))
     assert plan.kept_layers == (P.kept_set(tuple(plan.resident_layers), kept) if keep else ())
@@ -121,7 +121,7 @@ def _without(plan, pos):
 
 
 def test_rule_weights_present(tiny):
-    plan = P.build_plan(tiny, block_size=1)
+    plan = P.build_plan(tiny, P.PlanRequest(block_size=1))
     pos = next(i for i, op in enumerate(plan.step) if op.kind == P.LOAD and i > len(plan.step) // 2)
     problems = P.check(_without(plan, pos))  # a backward-phase reload dropped
     assert any("weights are not present" in p for p in problems), problems
@@ -130,7 +130,7 @@ def test_rule_weights_present(tiny):
 def test_rule_no_load_before_the_release_of_the_buffers_last_reader(tiny):
     """A load enqueued before the release that follows the last read of the buffer's contents: the copy
     would not wait for those reads."""
-    plan = P.build_plan(tiny, block_size=1)
+    plan = P.build_plan(tiny, P.PlanRequest(block_size=1))
     ops = list(plan.step)
     pos = next(i for i, (a, b) in enumerate(zip(ops, ops[1:]))
                if a.kind == P.RELEASE and b.kind == P.LOAD and a.buffer == b.buffer)
@@ -141,12 +141,12 @@ def test_rule_no_load_before_the_release_of_the_buffers_last_reader(tiny):
 
 def test_rule_no_refill_before_the_backward_that_reads_it(tiny):
     """The bitsandbytes trap: another group loaded into a buffer whose group's backward is still to come."""
-    problems = P.check(refill_before_backward(P.build_plan(tiny, block_size=1)))
+    problems = P.check(refill_before_backward(P.build_plan(tiny, P.PlanRequest(block_size=1))))
     assert any("weights are not present" in p for p in problems), problems
 
 
 def test_rule_backward_after_forward_and_head(tiny):
-    plan = P.build_plan(tiny, block_size=5)
+    plan = P.build_plan(tiny, P.PlanRequest(block_size=5))
     ops = list(plan.step)
     head = next(i for i, op in enumerate(ops) if op.kind == P.HEAD)
     bwd = next(i for i, op in enumerate(ops) if op.kind == P.BACKWARD)
@@ -156,20 +156,20 @@ def test_rule_backward_after_forward_and_head(tiny):
 
 
 def test_rule_micro_batches_accumulate_in_order(tiny):
-    plan = P.build_plan(tiny, block_size=2, grad_accum=3)
+    plan = P.build_plan(tiny, P.PlanRequest(block_size=2, grad_accum=3))
     problems = P.check(reverse_micro_batches_in_backward(plan))
     assert any("LoRA gradients would be summed in another order" in p for p in problems), problems
 
 
 def test_rule_every_layer_once(tiny):
-    plan = P.build_plan(tiny, block_size=2)
+    plan = P.build_plan(tiny, P.PlanRequest(block_size=2))
     pos = next(i for i, op in enumerate(plan.step) if op.kind == P.BACKWARD)
     problems = P.check(_without(plan, pos))
     assert any("one forward and one backward" in p for p in problems), problems
 
 
 def test_rule_steady_state_loads_in_setup(tiny):
-    plan = P.build_plan(tiny, block_size=1)
+    plan = P.build_plan(tiny, P.PlanRequest(block_size=1))
     problems = P.check(replace(plan, setup=()))  # nothing loaded before the first step
     assert any("weights are not present" in p for p in problems), problems
 
@@ -196,8 +196,8 @@ def test_kept_set_spreads_the_kept_layers_among_the_resident_ones(resident, coun
 
 def test_kept_layers_trade_kept_activations_for_resident_layers_under_a_budget(q72):
     """Fewer kept layers leave room for more resident ones in the same budget."""
-    kw = dict(block_size=4, seq_len=512, graphs=True, keep_activations=True, placement=Placement.SPREAD)
-    every, some = (P.plan_for_budget(q72, 40 * 10**9, kept_layers=k, **kw) for k in (None, 20))
+    kw = dict(block_size=4, seq_len=512, cuda_graphs=True, keep_activations=True, placement=Placement.SPREAD)
+    every, some = (P.plan_for_budget(q72, P.PlanRequest(kept_layers=k, **kw, budget=40 * 10**9)) for k in (None, 20))
     assert len(some.kept_layers) == 20 < len(every.kept_layers) == len(every.resident_layers)
     assert len(some.resident_layers) > len(every.resident_layers)
     assert some.memory.kept_activations < every.memory.kept_activations
@@ -209,8 +209,8 @@ def test_a_spread_plan_copies_what_a_tail_plan_does_and_prefetches_across_reside
     pass, less what stays across the turn); in a spread plan's forward a streamed group's load is enqueued
     when the streamed group before it starts, so resident layers run between the load and the forward
     that waits for it."""
-    tail = P.build_plan(q72, block_size=1, resident_layers=60, head_resident=True)
-    spread = P.build_plan(q72, block_size=1, resident_layers=60, head_resident=True, placement=Placement.SPREAD)
+    tail = P.build_plan(q72, P.PlanRequest(block_size=1, resident_layers=60, head_resident=True))
+    spread = P.build_plan(q72, P.PlanRequest(block_size=1, resident_layers=60, head_resident=True, placement=Placement.SPREAD))
     assert spread.streamed_layers == list(range(0, 80, 4)) and len(spread.buffers) == 2 + 20
     assert spread.h2d_bytes_per_step == tail.h2d_bytes_per_step
     step = spread.step
@@ -226,8 +226,8 @@ def test_a_spread_budget_plan_fits_and_keeps_more_layers(q72):
     budget keeps at least as many layers resident as the tail placement's best block size leaves room for. (Bytes per
     step need not be fewer: a tail plan's first and last groups, whole blocks, stay across the step's
     boundary and the turn, a spread plan's single layers.)"""
-    tail = P.plan_for_budget(q72, 40 * 10**9, block_size=4, graphs=True)
-    spread = P.plan_for_budget(q72, 40 * 10**9, block_size=4, graphs=True, placement=Placement.SPREAD)
+    tail = P.plan_for_budget(q72, P.PlanRequest(block_size=4, cuda_graphs=True, budget=40 * 10**9))
+    spread = P.plan_for_budget(q72, P.PlanRequest(block_size=4, cuda_graphs=True, placement=Placement.SPREAD, budget=40 * 10**9))
     assert spread.memory.total <= 40 * 10**9 and P.check(spread) == []
     assert len(spread.resident_layers) >= len(tail.resident_layers)
     assert max(len(g.layers) for g in spread.groups if not g.resident) == 1
@@ -242,7 +242,6 @@ def test_fused_attention_backward_counted_where_an_eager_long_context_plan_was_m
     backward workspace had predicted 23.84 GB. Rebuilt as it ran, the plan now predicts that peak within
     0.5%; without the workspace (the negative control) the prediction falls 8% short."""
     from poros.config import TrainConfig
-    from poros.engine.executor import make_plan
 
     rows = [json.loads(line) for line in RESERVED_ROWS.read_text().splitlines()]
     eager = [r for r in rows if not r["variant"].get("cuda_graphs")]
@@ -252,15 +251,15 @@ def test_fused_attention_backward_counted_where_an_eager_long_context_plan_was_m
                           loss_chunk=4096).replace(**{k: v for k, v in row["variant"].items()})
         with monkeypatch.context() as m:  # the plan the row ran: the planner of its commit had no such term
             m.setattr(P, "fused_backward_bytes", lambda *a, **k: 0)
-            ran = make_plan(q72, cfg)
+            ran = P.make_plan(q72, cfg)
         assert round(ran.memory.total / 1e9, 3) == row["predicted_peak_gb"]
-        now = P.build_plan(q72, block_size=ran.block_size, resident_layers=len(ran.resident_layers),
-                           head_resident=ran.head_resident, seq_len=cfg.seq_len, attention="fast", overlap=False,
-                           offload_inputs=ran.offload_inputs, loss_chunk=4096, deterministic=True)
+        now = P.build_plan(q72, P.PlanRequest(block_size=ran.block_size, resident_layers=len(ran.resident_layers),
+                           head_resident=ran.head_resident, seq_len=cfg.seq_len, attention="fast", overlap_backward=False,
+                           offload_inputs=ran.offload_inputs, loss_chunk=4096, deterministic=True))
         measured = row["peak_allocated_gb"] * 1e9
         assert abs(now.memory.total - measured) <= 0.005 * measured
         assert ran.memory.total < 0.95 * measured  # negative control: the check fails without the term
-        assert make_plan(q72, cfg).memory.total <= 24 * 10**9  # and a 24 GB budget now plans for it
+        assert P.make_plan(q72, cfg).memory.total <= 24 * 10**9  # and a 24 GB budget now plans for it
 
 
 def test_fused_attention_backward_workspace(q72):
@@ -275,9 +274,9 @@ def test_fused_attention_backward_workspace(q72):
 def test_a_graph_plan_names_its_pool(q72):
     """Under CUDA graphs the templates' intermediates sit in the graphs' pool, reserved beyond the
     predicted (allocated) peak: the plan says how much at least; an eager plan has none."""
-    graphs = P.build_plan(q72, block_size=1, seq_len=16384, attention="fast", graphs=True, overlap=False,
-                          deterministic=True)
-    eager = P.build_plan(q72, block_size=1, seq_len=16384, attention="fast", overlap=False, deterministic=True)
+    graphs = P.build_plan(q72, P.PlanRequest(block_size=1, seq_len=16384, attention="fast", cuda_graphs=True, overlap_backward=False,
+                          deterministic=True))
+    eager = P.build_plan(q72, P.PlanRequest(block_size=1, seq_len=16384, attention="fast", overlap_backward=False, deterministic=True))
     _, layer = P.transient_bytes(q72, 16384, 1, "fast", overlap=False, deterministic=True)
     assert graphs.graph_pool == layer > 10**10 and eager.graph_pool == 0
     assert "CUDA-graph pool: at least" in P.describe(graphs) and "CUDA-graph pool" not in P.describe(eager)
@@ -287,9 +286,9 @@ def test_a_budget_whose_graph_pool_is_large_warns(q72):
     """At long context a graph plan's pool is a large share of its budget: the trainer warns; at seq 512 not."""
     from poros.engine.executor import warn_graph_pool
 
-    long = P.plan_for_budget(q72, 24 * 10**9, block_size=4, seq_len=16384, attention="fast", graphs=True,
-                             overlap=False, loss_chunk=4096, deterministic=True)
-    short = P.plan_for_budget(q72, 24 * 10**9, block_size=4, attention="fast", graphs=True, overlap=False)
+    long = P.plan_for_budget(q72, P.PlanRequest(block_size=4, seq_len=16384, attention="fast", cuda_graphs=True,
+                             overlap_backward=False, loss_chunk=4096, deterministic=True, budget=24 * 10**9))
+    short = P.plan_for_budget(q72, P.PlanRequest(block_size=4, attention="fast", cuda_graphs=True, overlap_backward=False, budget=24 * 10**9))
     with pytest.warns(RuntimeWarning, match="beyond the 24.0 GB budget"):
         warn_graph_pool(long)
     with warnings.catch_warnings():

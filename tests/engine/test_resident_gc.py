@@ -31,7 +31,7 @@ def test_every_layer_is_recomputed_in_backward(stores, model):
     cfg = _cfg(model)
     gc, plain = (make_trainer(m, stores(model), cfg) for m in (Method.RESIDENT_GC, Method.RESIDENT))
     n = len(gc.qlora.layers)
-    assert gc.checkpointed_layers() == n
+    assert sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in gc.qlora.layers) == n
     runs = {name: _layer_runs(t) for name, t in (("gc", gc), ("plain", plain))}
     gc.step()
     plain.step()

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from poros.config import Method
-from poros.engine.executor import make_plan
-from poros.engine.plan import Geometry
+from poros.engine.plan import Geometry, make_plan
 from poros.errors import ConfigError
 from poros.finetune.config import (CUDA_DEFAULTS, dump_run_file, override_words, parse_overrides, read_run_file,
                                    resolve)

@@ -1,0 +1,196 @@
+"""The device side of a plan: its weight buffers with the copies into them and the events that order
+them (`DeviceBuffers`), and each layer's saved input, kept for its recompute (`SavedInputs`).
+
+Copies run on their own stream. Each buffer has a `ready` event (recorded after a load) that the
+compute stream waits for on its first read, and a `free` event (recorded at a release) that the next
+load into it waits for: every ordering comes from the plan, whose rules `plan.check` verifies.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from poros.engine import plan as P
+
+HEAD_KEY = -1  # the lm_head's own region when it borrows no buffer
+
+
+class DeviceBuffers:
+    """The plan's buffers on the device, the copies into them and the events that order them."""
+
+    def __init__(self, plan: P.Plan, store, device: torch.device, head_host: torch.Tensor):
+        self.plan, self.store, self.device = plan, store, device
+        self.cuda = device.type == "cuda"
+        stream = [b for b in plan.buffers if not b.resident]
+        size = stream[0].nbytes if stream else 0
+        pad = plan.head_pad
+        lead = pad if plan.head_buffer == 0 else 0
+        self.region = torch.empty(lead + len(stream) * size + (pad - lead), dtype=torch.uint8, device=device)
+        self.views: dict[int, torch.Tensor] = {b.index: self.region[lead + b.index * size: lead + (b.index + 1) * size]
+                                               for b in stream}
+        for b in plan.buffers:
+            if b.resident:
+                self.views[b.index] = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+        self.head_host = head_host
+        nbytes = head_host.numel() * head_host.element_size()
+        if plan.head_buffer is not None:
+            o = 0 if plan.head_buffer == 0 else size
+            head_region = self.region[o: o + nbytes]
+        else:
+            head_region = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.head = head_region.view(head_host.dtype).view(head_host.shape)
+        self.ready, self.free = {}, {}
+        self.fresh: set[int] = set()  # buffers loaded since the compute stream last waited for them
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.bytes_h2d = self.loads = 0
+        self.copy_s = self.copy_wait_s = 0.0
+        self._copy_events, self._wait_events = [], []
+
+    def _copy(self, key: int, dst: torch.Tensor, src: torch.Tensor, after: tuple[int, ...] = ()) -> None:
+        """Copy host->device on the copy stream once the readers of `key` (and of `after`) are done;
+        `key`'s ready event follows the copy."""
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                for k in (key, *after):
+                    if k in self.free:
+                        self.copy_stream.wait_event(self.free[k])
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(self.copy_stream)
+                self.ready[key] = end
+                self._copy_events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            self.copy_s += time.perf_counter() - t0
+            self.copy_wait_s = self.copy_s  # synchronous: every copy is waited for
+        self.fresh.add(key)
+        self.bytes_h2d += src.numel() * src.element_size()
+
+    def load(self, op: P.Op) -> None:
+        g = self.plan.groups[op.group]
+        self._copy(op.buffer, self.views[op.buffer][: g.nbytes], self.store.arena[g.start: g.end])
+        self.loads += 1
+
+    def load_head(self, op: P.Op | None) -> None:
+        """The lm_head weight into its region: a lent buffer (`op.buffer`) or its own."""
+        lent = () if op is None or op.buffer < 0 else (op.buffer,)
+        self._copy(HEAD_KEY, self.head, self.head_host.detach(), after=lent)
+
+    def acquire(self, key: int) -> None:
+        """Make the compute stream wait for the last load into buffer `key` (once per load)."""
+        if key not in self.fresh:
+            return
+        self.fresh.discard(key)
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(self.ready[key])
+            after.record(stream)
+            self._wait_events.append((before, after))
+
+    def release(self, key: int) -> None:
+        """Work reading buffer `key` is enqueued: a load into it may follow once that work is done."""
+        if self.cuda:
+            event = self.free.get(key) or torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.free[key] = event
+
+    def counters(self) -> dict:
+        if self.cuda and (self._wait_events or self._copy_events):
+            torch.cuda.synchronize(self.device)
+            self.copy_wait_s += sum(a.elapsed_time(b) for a, b in self._wait_events) / 1e3
+            self.copy_s += sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
+            self._wait_events, self._copy_events = [], []
+        return {"bytes_h2d": self.bytes_h2d, "block_copies": self.loads, "copy_s": self.copy_s,
+                "copy_wait_s": self.copy_wait_s}
+
+
+
+class SavedInputs:
+    """Each layer's input, kept for its recompute: on the device, or (plan.offload_inputs) copied to
+    pinned host memory in forward on a device->host stream, and brought back on the copy stream, a
+    window of backward operations ahead, into fresh device memory. The bytes are the same either way."""
+
+    def __init__(self, plan: P.Plan, device: torch.device, copy_stream=None):
+        self.offload, self.device = plan.offload_inputs, device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = copy_stream
+        self.d2h = torch.cuda.Stream(device) if self.cuda and self.offload else None
+        self.window = plan.input_window
+        self.kept: dict = {}  # key -> device tensor
+        self.host: dict = {}  # key -> (host tensor, event after its device->host copy)
+        self.ready: dict = {}  # key -> event after its host->device copy
+        self._pool: list[torch.Tensor] = []  # host buffers, reused step after step
+        self.bytes_d2h = self.bytes_h2d = 0
+
+    def put(self, key, x: torch.Tensor) -> None:
+        if not self.offload:
+            self.kept[key] = x
+            return
+        host = self._pool.pop() if self._pool and self._pool[-1].shape == x.shape else torch.empty(
+            x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        if self.cuda:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h):
+                host.copy_(x, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.d2h)
+            x.record_stream(self.d2h)  # its memory is not reused before the copy ends
+        else:
+            host.copy_(x)
+            done = None
+        self.host[key] = (host, done)
+        self.bytes_d2h += x.numel() * x.element_size()
+
+    def prefetch(self, key) -> None:
+        if key in self.kept or key not in self.host:
+            return
+        host, done = self.host.pop(key)
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(done)
+                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                dev.copy_(host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            self.ready[key] = (ready, host)
+        else:
+            dev = host.clone()
+            self._pool.append(host)
+        self.kept[key] = dev
+        self.bytes_h2d += dev.numel() * dev.element_size()
+
+    def take(self, key) -> torch.Tensor:
+        self.prefetch(key)
+        x = self.kept.pop(key)
+        if key in self.ready:
+            ready, host = self.ready.pop(key)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready)
+            x.record_stream(stream)  # allocated on the copy stream, read here
+            self._pool.append(host)  # reusable once the copy is done: the next put follows this wait
+        return x
+
+    def peek(self, key) -> torch.Tensor:
+        """The input without giving it up (a template that may decline still needs it)."""
+        x = self.take(key)
+        self.kept[key] = x
+        return x
+
+    def __len__(self) -> int:
+        return len(self.kept) + len(self.host)
+
+    def clear(self) -> None:
+        self.kept.clear()
+        self.host.clear()
+        self.ready.clear()
+        self._pool.clear()
