@@ -455,6 +455,19 @@ def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, t
     assert len(log_rows(root / "poros")) == STEPS  # one writer: no row twice
 
 
+def test_gpus_starts_the_ranks_itself(files, two_ranks, capfd):
+    """`poros train --gpus 2` runs what `torchrun --nproc-per-node 2 -m poros train` runs: the same bits,
+    one summary line, gpus 2 in the resolved configuration."""
+    out = two_ranks / "by-gpus"
+    assert train(files, out, "--gpus", "2") == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["step"] == STEPS
+    assert_all_equal("--gpus 2 vs torchrun on two ranks", run_state(two_ranks / "poros"), run_state(out))
+    from poros.finetune.config import read_run_file
+
+    assert read_run_file(out / "run.yaml")["gpus"] == 2
+
+
 def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
     out = two_ranks / "poros"
     assert train(files, out, "--resume", steps=STEPS + 2) == 2
