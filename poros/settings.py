@@ -296,12 +296,16 @@ def check_values(values: dict, where: str = "") -> tuple[dict, list[str]]:
     return out, problems
 
 
-def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None = None) -> None:
-    """Command-line flags for the settings of `kinds` (each flag's default is None: unset)."""
+def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None = None,
+                  default_text: dict | None = None) -> None:
+    """Command-line flags for the settings of `kinds` (each flag's default is None: unset). `defaults`
+    shows other default values, `default_text` words them (a command whose defaults depend on the device)."""
     for s in SETTINGS:
         if not s.cli or s.kind not in kinds:
             continue
-        if defaults and s.name in defaults:
+        if default_text and s.name in default_text:
+            shown = default_text[s.name]
+        elif defaults and s.name in defaults:
             shown = s.show(defaults[s.name])
         else:
             shown = s.default_help or s.show(s.default)

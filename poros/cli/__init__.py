@@ -15,7 +15,7 @@ from poros.errors import PorosError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
 
-SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train")
+SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate")
 
 # Third-party notices that read like failures to a new user but change nothing Poros does; the
 # command line hides them (`poros bench` keeps pytest's warning summary in its log).

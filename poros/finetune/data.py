@@ -1,9 +1,12 @@
-"""Text data for `poros train`: JSON Lines records (poros.finetune.records), tokenized with the
-checkpoint's own tokenizer, packed into blocks of seq_len tokens and visited in a seeded order that
-depends only on the position.
+"""Text data for `poros train`: JSON Lines records (poros.finetune.records) or a table's rows
+(poros.finetune.tables), tokenized with the checkpoint's own tokenizer, packed into blocks of
+seq_len tokens and visited in a seeded order that depends only on the position.
 
-A `{"text": ...}` record learns every token; a `{"messages": [...]}` record is rendered with the
-tokenizer's chat template and learns the assistant turns only (labels -100 elsewhere). Records are
+A `{"text": ...}` record learns every token; a `{"prompt": ..., "completion": ...}` record learns
+the completion (and the end-of-sequence token after it) only; a `{"messages": [...]}` record is
+rendered with the tokenizer's chat template and learns the assistant turns only (labels -100
+elsewhere). With an eval split, each record is held out or trained on by a hash of (seed, its
+ordinal): the choice depends on nothing else, so it is the same on every run and resume. Records are
 concatenated in file order and cut into blocks; the tail shorter than a block is dropped, and so is a
 block with no token to learn (both are counted in what the run prints). Sequence g of the run is
 block `order(g // n)[g % n]`, one seeded permutation per pass over the n blocks, so a run resumed
@@ -12,7 +15,7 @@ at position g sees exactly the batches it would have.
 Tokenization streams: records are read and tokenized a chunk at a time into two files (token ids as
 int32, and whether each token is learned) that are then memory-mapped, so host memory stays bounded
 whatever the file's size. The files are a cache beside the data (`.poros-cache/`), keyed by the data
-file's sha256, the tokenizer files and the tokenization format, so a resumed run (or another run on
+file's sha256, the tokenizer files, the eval split and the tokenization format, so a resumed run (or another run on
 the same data and tokenizer) reads them instead of tokenizing again.
 """
 
@@ -33,6 +36,7 @@ import torch
 from poros.engine.data import Batch
 from poros.errors import CheckpointError
 from poros.finetune.records import DataError, LineReader, RecordCounts, read_records, records  # noqa: F401
+from poros.finetune.tables import open_reader
 
 IGNORE = -100  # label of a token that is not learned (torch's cross-entropy ignore_index)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -40,7 +44,7 @@ TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
                   "tokenizer.model", "vocab.json", "merges.txt")
 ORDER_SEED_STRIDE = 1_000_003
 CACHE_DIR = ".poros-cache"
-CACHE_FORMAT = 1  # bump when what the cached files hold for the same data and tokenizer changes
+CACHE_FORMAT = 2  # bump when what the cached files hold for the same data and tokenizer changes
 CHUNK_CHARS = 1 << 20  # records are tokenized in chunks of about this many characters
 PIECE_CHARS = 1 << 20  # a longer text record is tokenized in pieces cut at whitespace
 PROGRESS_SECONDS = 5.0  # a progress line at most this often while tokenizing
@@ -148,6 +152,10 @@ def encode_records(tok, records: list[dict], source: str, lines: list[int] | Non
     """
     lines = lines or list(range(1, len(records) + 1))
     chats = [i for i, r in enumerate(records) if "messages" in r]
+    pairs = [r for r in records if "prompt" in r]
+    pair_ids = iter(zip(*(tok([r[k] for r in pairs], add_special_tokens=False)["input_ids"]
+                          for k in ("prompt", "completion"))) if pairs else [])
+    head, tail = _special_ends(tok) if pairs else ([], [])
     if chats and not getattr(tok, "chat_template", None):
         raise DataError(f"{source}:{lines[chats[0]]}: a \"messages\" record, but the tokenizer has no chat template; "
                         "add one (chat_template in tokenizer_config.json or chat_template.jinja) or use text records")
@@ -157,6 +165,14 @@ def encode_records(tok, records: list[dict], source: str, lines: list[int] | Non
     short = [r["text"] for r in records if "text" in r and len(r["text"]) <= PIECE_CHARS]
     text_ids = iter(tok(short, add_special_tokens=True)["input_ids"] if short else [])
     for line, rec in zip(lines, records):
+        if "prompt" in rec:  # the prompt conditions, the completion is learned
+            prompt, completion = next(pair_ids)
+            prompt, completion = [*head, *prompt], [*completion, *tail]
+            if eos is not None and (not completion or completion[-1] != eos):
+                completion.append(eos)
+            ids.extend(prompt + completion)
+            labels.extend([IGNORE] * len(prompt) + completion)
+            continue
         if "text" in rec:
             seq = list(next(text_ids)) if len(rec["text"]) <= PIECE_CHARS else _encode_long(tok, rec["text"])
             if eos is not None and (not seq or seq[-1] != eos):
@@ -187,6 +203,7 @@ class TokenStream:
     max_id: int
     cached: bool  # read from an earlier run's cache, not tokenized now
     folder: Path
+    held_out: "TokenStream | None" = None  # the records an eval split holds out
 
     @property
     def tokens(self) -> int:
@@ -197,11 +214,22 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
+HELD_OUT = "eval"  # the cache's subfolder of the records an eval split holds out
+
+
+def held_out(seed: int, ordinal: int, share: float) -> bool:
+    """Whether record `ordinal` (from 0, in file order) is held out by an eval split of `share`."""
+    h = hashlib.blake2b(f"{seed}:{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") < share * 2**64
+
+
 def tokenize(path: str | Path, tok, *, data_sha256: str, tokenizer_id: str, cache_root: Path | None = None,
-             say: Callable[[str], None] = lambda s: None) -> TokenStream:
+             say: Callable[[str], None] = lambda s: None, eval_split: float | None = None,
+             seed: int = 0) -> TokenStream:
     """The token stream of a data file: from the cache when an earlier run made it, else tokenized a
     chunk at a time into the cache (host memory bounded by the chunk), with a progress line at most
-    every PROGRESS_SECONDS.
+    every PROGRESS_SECONDS. With `eval_split`, the records it holds out (`held_out`) are in the
+    stream's `held_out` stream instead.
 
     Args:
         cache_root: where the cache lives (default: `.poros-cache/` beside the data file).
@@ -209,19 +237,21 @@ def tokenize(path: str | Path, tok, *, data_sha256: str, tokenizer_id: str, cach
         DataError: a bad record (naming file and line), or a cache folder that cannot be written.
     """
     path = Path(path)
-    key = hashlib.sha256(json.dumps([CACHE_FORMAT, data_sha256, tokenizer_id, PIECE_CHARS]).encode()).hexdigest()
+    split = (eval_split, seed) if eval_split else None
+    key = hashlib.sha256(json.dumps([CACHE_FORMAT, data_sha256, tokenizer_id, PIECE_CHARS, split]).encode()).hexdigest()
     root = cache_root or path.parent / CACHE_DIR
     folder = root / f"{path.name}.{key[:20]}"
-    hit = _open_cache(folder)
+    hit = _open_cache(folder, split)
     if hit is not None:
         return hit
+    reader = open_reader(path)  # a missing file or library is named before any folder is made
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(_mkdtemp(root, folder.name))
     except OSError as e:
         raise DataError(f"{root}: cannot write the token cache there ({e.strerror})") from None
     try:
-        _tokenize_into(tmp, path, tok, say)
+        _tokenize_into(tmp, path, reader, tok, say, split)
         try:
             os.rename(tmp, folder)
         except OSError:  # another rank or run made the same cache meanwhile: theirs is the same
@@ -229,10 +259,12 @@ def tokenize(path: str | Path, tok, *, data_sha256: str, tokenizer_id: str, cach
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    stream = _open_cache(folder)
+    stream = _open_cache(folder, split)
     if stream is None:
         raise DataError(f"{folder}: the token cache just written cannot be read back; delete {root} and run again")
     stream.cached = False
+    if stream.held_out is not None:
+        stream.held_out.cached = False
     return stream
 
 
@@ -242,53 +274,94 @@ def _mkdtemp(root: Path, name: str) -> str:
     return tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=root)
 
 
-def _tokenize_into(folder: Path, path: Path, tok, say) -> None:
-    reader = LineReader(path)
+class _Part:
+    """One token stream being written: its files, the records waiting in a chunk, and its counts."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(exist_ok=True)
+        self.folder = folder
+        self.fi, self.fl = (folder / "ids.i32").open("wb"), (folder / "learn.u8").open("wb")
+        self.counts = RecordCounts()
+        self.tokens = self.learned = self.top = 0
+        self.chunk: list[dict] = []
+        self.lines: list[int] = []
+
+    def add(self, n: int, rec: dict) -> None:
+        kind = "completion" if "prompt" in rec else "text" if "text" in rec else "chat"
+        setattr(self.counts, kind, getattr(self.counts, kind) + 1)
+        self.chunk.append(rec)
+        self.lines.append(n)
+
+    def flush(self, tok, source: str) -> None:
+        if not self.chunk:
+            return
+        ids, labels = encode_records(tok, self.chunk, source, self.lines)
+        a = np.asarray(ids, dtype=np.int64)
+        m = np.asarray(labels, dtype=np.int64) != IGNORE
+        if a.size:
+            self.top = max(self.top, int(a.max()))
+        a.astype(np.int32).tofile(self.fi)
+        m.astype(np.uint8).tofile(self.fl)
+        self.tokens, self.learned = self.tokens + a.size, self.learned + int(m.sum())
+        self.chunk.clear()
+        self.lines.clear()
+
+    def close(self, source: Path, mapped) -> None:
+        self.fi.close()
+        self.fl.close()
+        c = self.counts
+        meta = {"format": CACHE_FORMAT, "source": str(source), "tokens": self.tokens, "learned": self.learned,
+                "max_id": self.top, "text": c.text, "chat": c.chat, "completion": c.completion,
+                "mapped": [[a, b, n] for (a, b), n in sorted(mapped.items())]}
+        (self.folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _tokenize_into(folder: Path, path: Path, reader, tok, say, split) -> None:
     counts = RecordCounts()
-    tokens = learned = top = 0
-    chunk, lines, chars = [], [], 0
+    parts = [_Part(folder)] + ([_Part(folder / HELD_OUT)] if split else [])
+    chars = ordinal = 0
     t0 = last = time.monotonic()
-    with (folder / "ids.i32").open("wb") as fi, (folder / "learn.u8").open("wb") as fl:
 
-        def flush():
-            nonlocal tokens, learned, top, last
-            ids, labels = encode_records(tok, chunk, str(path), lines)
-            a = np.asarray(ids, dtype=np.int64)
-            m = np.asarray(labels, dtype=np.int64) != IGNORE
-            if a.size:
-                top = max(top, int(a.max()))
-            a.astype(np.int32).tofile(fi)
-            m.astype(np.uint8).tofile(fl)
-            tokens, learned = tokens + a.size, learned + int(m.sum())
-            chunk.clear()
-            lines.clear()
-            now = time.monotonic()
-            if now - last >= PROGRESS_SECONDS:
-                last = now
-                say(f"tokenizing {path.name}: {100 * reader.position / max(reader.size, 1):.0f}% "
-                    f"({_size(reader.position)} of {_size(reader.size)}), {counts.records:,} records, "
-                    f"{tokens:,} tokens, {now - t0:.0f} s")
+    def flush():
+        nonlocal last
+        for part in parts:
+            part.flush(tok, str(path))
+        now = time.monotonic()
+        if now - last >= PROGRESS_SECONDS:
+            last = now
+            say(f"tokenizing {path.name}: {reader.progress()}, {counts.records:,} records, "
+                f"{sum(p.tokens for p in parts):,} tokens, {now - t0:.0f} s")
 
+    try:
         for n, rec in records(path, counts, reader):
-            size = len(rec["text"]) if "text" in rec else sum(len(m["content"]) for m in rec["messages"])
+            size = sum(len(rec[k]) for k in ("text", "prompt", "completion") if k in rec) + \
+                sum(len(m["content"]) for m in rec.get("messages", ()))
             if size > PIECE_CHARS:
-                say(f"{path}:{n}: one record of {_size(size)} characters; tokenizing it in pieces")
-            chunk.append(rec)
-            lines.append(n)
+                say(f"{reader.where(n)}: one record of {_size(size)} characters; tokenizing it in pieces")
+            part = parts[1] if split and held_out(split[1], ordinal, split[0]) else parts[0]
+            ordinal += 1
+            part.add(n, rec)
             chars += size
-            if chars >= CHUNK_CHARS or len(chunk) >= 4096:
+            if chars >= CHUNK_CHARS or len(part.chunk) >= 4096:
                 flush()
                 chars = 0
-        if chunk:
-            flush()
-    meta = {"format": CACHE_FORMAT, "source": str(path), "tokens": tokens, "learned": learned, "max_id": top,
-            "text": counts.text, "chat": counts.chat,
-            "mapped": [[a, b, n] for (a, b), n in sorted(counts.mapped.items())]}
-    (folder / "meta.json").write_text(json.dumps(meta))
+        flush()
+    finally:
+        for i, part in enumerate(parts):
+            part.close(path, counts.mapped if i == 0 else {})
 
 
+def _open_cache(folder: Path, split=None) -> TokenStream | None:
+    """The cached stream in `folder` (with its held-out stream when `split`), or None if it is not whole."""
+    stream = _open_part(folder)
+    if stream is not None and split:
+        stream.held_out = _open_part(folder / HELD_OUT)
+        if stream.held_out is None:
+            return None
+    return stream
 
-def _open_cache(folder: Path) -> TokenStream | None:
+
+def _open_part(folder: Path) -> TokenStream | None:
     try:
         meta = json.loads((folder / "meta.json").read_text())
         n = meta["tokens"]
@@ -297,7 +370,7 @@ def _open_cache(folder: Path) -> TokenStream | None:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    counts = RecordCounts(text=meta["text"], chat=meta["chat"])
+    counts = RecordCounts(text=meta["text"], chat=meta["chat"], completion=meta["completion"])
     for a, b, k in meta["mapped"]:
         counts.mapped[(a, b)] = k
     if n == 0:
@@ -323,6 +396,7 @@ class PackedData:
     records: int
     tokens: int  # in the token stream, before the tail and unlearnable blocks were dropped
     description: str = ""  # what was taken from the file, in one line (see `describe`)
+    held_out: "PackedData | None" = None  # the eval split's records, packed apart
 
     def __post_init__(self):
         self._orders: dict[int, torch.Tensor] = {}
@@ -397,11 +471,11 @@ def pack(ids: list[int], labels: list[int], seq_len: int, *, seed: int, records:
                         source=source)
 
 
-def describe(path, data: PackedData, stream: TokenStream, seq_len: int) -> str:
+def describe(path, data: PackedData, stream: TokenStream, seq_len: int, label: str = "") -> str:
     """What a run takes from a data file, every record and token accounted for, in one line."""
     c = stream.counts
     whole = stream.tokens // seq_len
-    parts = [f"{path}: {c.records:,} records ({c.text:,} text, {c.chat:,} chat)",
+    parts = [f"{path}{label}: {c.records:,} records ({c.kinds()})",
              f"{stream.tokens:,} tokens ({stream.learned:,} learned)",
              f"{data.blocks:,} sequences of {seq_len}"]
     dropped = [f"{whole - data.blocks:,} sequences with no token to learn"] if whole > data.blocks else []
@@ -417,27 +491,47 @@ def describe(path, data: PackedData, stream: TokenStream, seq_len: int) -> str:
 
 
 def load_data(path: str | Path, tok, seq_len: int, *, seed: int, vocab_size: int, data_sha256: str | None = None,
-              tokenizer_id: str = "", cache_root: Path | None = None,
-              say: Callable[[str], None] = lambda s: None) -> PackedData:
-    """Read, tokenize (or take from the cache) and pack a JSON Lines file for a model of
-    `vocab_size` tokens; its `description` says what it took from the file in one line.
+              tokenizer_id: str = "", cache_root: Path | None = None, say: Callable[[str], None] = lambda s: None,
+              eval_split: float | None = None) -> PackedData:
+    """Read, tokenize (or take from the cache) and pack a data file for a model of `vocab_size`
+    tokens; its `description` says what it took from the file in one line. With `eval_split`, the
+    records it holds out (by `seed`) are packed apart, in `held_out`, and never in the data.
 
     Raises:
-        DataError: any problem with the file or its size; a token id outside the model's vocabulary.
+        DataError: any problem with the file or its size; a token id outside the model's vocabulary;
+            an eval split that holds out less than one sequence.
     """
     stream = tokenize(path, tok, data_sha256=data_sha256 or file_sha256(path), tokenizer_id=tokenizer_id,
-                      cache_root=cache_root, say=say)
-    if stream.max_id >= vocab_size:
-        raise DataError(f"{path}: the tokenizer produced token id {stream.max_id}, outside the model's vocabulary of "
+                      cache_root=cache_root, say=say, eval_split=eval_split, seed=seed)
+    top = max(stream.max_id, stream.held_out.max_id if stream.held_out is not None else 0)
+    if top >= vocab_size:
+        raise DataError(f"{path}: the tokenizer produced token id {top}, outside the model's vocabulary of "
                         f"{vocab_size}; the tokenizer files do not belong to this checkpoint")
     data = _pack_arrays(stream.ids, stream.learn, seq_len, seed=seed, records=stream.counts.records, source=str(path))
-    data.description = describe(path, data, stream, seq_len)
+    label = f" (less the eval split {eval_split})" if eval_split else ""
+    data.description = describe(path, data, stream, seq_len, label)
+    if stream.held_out is not None:
+        h = stream.held_out
+        try:
+            data.held_out = _pack_arrays(h.ids, h.learn, seq_len, seed=seed, records=h.counts.records,
+                                         source=f"{path} (the eval split {eval_split} of its records)")
+        except DataError as e:
+            raise DataError(f"{e}; or raise --eval-split") from None
+        data.held_out.description = describe(path, data.held_out, h, seq_len, f" (eval split {eval_split}, "
+                                                                              f"seed {seed})")
     return data
 
 
 def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes; of a folder, of every file in it by relative name and bytes."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and CACHE_DIR not in p.parts) if path.is_dir() \
+        else [path]
     h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for f in files:
+        if path.is_dir():
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()

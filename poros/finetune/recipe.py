@@ -1,7 +1,8 @@
-"""`poros train`: fine-tune a local checkpoint on a JSON Lines file and keep an adapter peft loads.
+"""`poros train`: fine-tune a local checkpoint on your data and keep an adapter peft loads.
 
 The run folder holds `config.json` (resolved settings, fingerprints of model and data, provenance of
-every invocation), `log.csv` and `loss.png`, `checkpoint/` (peft adapter, AdamW state, data position,
+every invocation), `run.yaml` (the resolved configuration as a run file: `poros train --config
+RUN/run.yaml --resume` continues the run), `log.csv` and `loss.png`, `checkpoint/` (peft adapter, AdamW state, data position,
 RNG states; written every `save_every` steps, at the end and on Ctrl-C) and, at the end, `adapter/`.
 
 Exactness: the batches of step s are a function of (data, seed, s) alone (poros.finetune.data), the
@@ -9,7 +10,7 @@ adapter starts from --seed, and a checkpoint holds every tensor the next step re
 run ends torch.equal to an uninterrupted one, and poros and resident (the same arithmetic) end
 torch.equal to each other. Settings that would change that arithmetic are refused on --resume.
 
-Under `torchrun --nproc-per-node N -m poros train ...` the run is data-parallel (poros.engine.distributed):
+Under `poros train --gpus N` (or `torchrun --nproc-per-node N -m poros train ...`) the run is data-parallel (poros.engine.distributed):
 each step takes N x batch x grad_accum sequences, every rank trains its contiguous share, and rank 0
 alone writes the run folder. The number of ranks is part of the arithmetic (`gpus` in config.json):
 --resume refuses another.
@@ -27,18 +28,21 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from poros.config import COMPUTED_NAMES, Method, TrainConfig
+from poros.config import COMPUTED_NAMES
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
-from poros.engine.methods import FINETUNE_METHODS, METHODS, make_trainer
+from poros.engine.methods import make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
+from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file  # noqa: F401  (FinetuneConfig: re-exported)
 from poros.finetune.data import CACHE_DIR, TOKENIZER_META, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
+from poros.finetune.plan_line import dry_plan, plan_line
 from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
 from poros.harness.results import LOCK_NAME, OutputInUse, OutputLock
 from poros.models.checkpoint import resolve
@@ -48,56 +52,8 @@ from poros.provenance import provenance
 # settings that change what a step computes (--seed also draws the LoRA init and the data order);
 # --resume refuses a change to any of them and accepts new schedule settings
 EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
-MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
 WEIGHT_SAMPLES = 64  # windows of each weight file read for the base's fingerprint
 WEIGHT_WINDOW = 1 << 16
-
-
-_FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """A `poros train` run: the training configuration plus data, run folder and schedule.
-
-    Raises:
-        ConfigError: listing every invalid field at once.
-    """
-
-    train: TrainConfig
-    data: Path
-    out: Path
-    steps: int
-    method: Method = Method.POROS
-    save_every: int = 100  # 0: only at the end and on Ctrl-C
-    eval_data: Path | None = None
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or not 0 < self.steps <= MAX_STEPS:
-            problems.append(f"steps: expected an integer > 0, got {self.steps!r:.40} (at most 2**62)")
-        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or \
-                not 0 <= self.save_every <= MAX_STEPS:
-            problems.append(f"save_every: expected an integer >= 0 (0: only at the end), got {self.save_every!r:.40}")
-        try:
-            object.__setattr__(self, "method", Method(self.method))
-        except ValueError:
-            problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method!r}")
-        else:
-            if not METHODS[self.method].finetune:
-                problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method.value!r}")
-        object.__setattr__(self, "data", Path(self.data))
-        object.__setattr__(self, "out", Path(self.out))
-        if self.eval_data is not None:
-            object.__setattr__(self, "eval_data", Path(self.eval_data))
-        if problems:
-            raise ConfigError(problems, source="FinetuneConfig")
-
-    def settings(self) -> dict:
-        return {"model": str(Path(self.train.model).resolve()), "data": str(self.data.resolve()),
-                "eval_data": None if self.eval_data is None else str(self.eval_data.resolve()),
-                "out": str(self.out.resolve()), "steps": self.steps, "method": self.method.value,
-                "save_every": self.save_every, "train": self.train.as_dict()}
 
 
 @dataclass
@@ -179,6 +135,9 @@ def _check_resume(before: dict, now: dict) -> None:
         a, b = before["settings"]["train"].get(k), now["settings"]["train"].get(k)
         if a != b:
             diffs.append(f"{k} {a} (now {b})")
+    a, b = before["settings"].get("eval_split"), now["settings"]["eval_split"]
+    if a != b:  # which records train and which are held out
+        diffs.append(f"eval_split {a} (now {b})")
     for k in ("model", "data"):
         a, b = before["fingerprints"][k], now["fingerprints"][k]
         if a != b:
@@ -189,7 +148,8 @@ def _check_resume(before: dict, now: dict) -> None:
                      f"names and sizes: sampled sha256 {b[:12]}, was {a[:12]})")
     if diffs:
         raise ConfigError([f"settings differ from the run in {now['settings']['out']} and would change its result: "
-                           f"{', '.join(diffs)}; use the run's settings (its config.json) or a new --out"], "--resume")
+                           f"{', '.join(diffs)}; use the run's settings (its run.yaml: poros train --config "
+                           f"{now['settings']['out']}/run.yaml --resume) or a new --out"], "--resume")
 
 
 # --- checkpoint --------------------------------------------------------------------------------
@@ -316,7 +276,8 @@ def eval_loss(trainer, batches) -> float:
 
 
 def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None = None,
-             resume_command: str | None = None, on_step=None) -> RunSummary:
+             resume_command: str | None = None, on_step=None, dry_run: bool = False,
+             cuda_defaults: tuple[str, ...] = ()) -> RunSummary:
     """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`, which it owns
     for the run (a second run into it is refused, naming this one).
 
@@ -324,15 +285,28 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         progress: a bar on stderr (None: only when it is a terminal; False: plain lines).
         resume_command: printed when Ctrl-C (or SIGTERM) stops the run.
         on_step: called with the step number after each optimizer step (tests).
+        dry_run: check everything, print the plan and what the data holds on stdout, and return
+            before building the model; the run folder is neither locked nor written.
+        cuda_defaults: the settings that took the GPU's defaults (the plan line names them).
     Raises:
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
 
     world = init_world(fc.train.device.value)
     if world.distributed:
+        if fc.train.gpus not in (1, world.size):
+            raise ConfigError([f"gpus {fc.train.gpus}, but this process is one of {world.size} ranks; give the same "
+                               "number (or leave gpus out under torchrun)"], "gpus")
         fc = dataclasses.replace(fc, train=fc.train.replace(gpus=world.size))
+    elif fc.train.gpus > 1 and not dry_run:
+        raise ConfigError([f"gpus {fc.train.gpus} needs one process a rank: run `poros train --gpus "
+                           f"{fc.train.gpus}` (it starts them) or torchrun --nproc-per-node {fc.train.gpus} -m poros "
+                           "train"], "gpus")
+    if dry_run:  # tokens of data in a read-only folder go to a scratch folder, removed after
+        with tempfile.TemporaryDirectory(prefix="poros-dry-run-") as scratch:
+            return _finetune(fc, world, resume, progress, resume_command, on_step, Path(scratch), cuda_defaults)
     with own_run_folder(fc.out, world):
-        return _finetune(fc, world, resume, progress, resume_command, on_step)
+        return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
 
 
 @contextlib.contextmanager
@@ -362,8 +336,9 @@ def own_run_folder(out: Path, world):
                 out.rmdir()
 
 
-def _finetune(fc, world, resume, progress, resume_command, on_step) -> RunSummary:
-    cfg, out = fc.train, fc.out
+def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cuda_defaults) -> RunSummary:
+    """The run; a dry run (`scratch`: its folder for tokens) returns before building the model."""
+    cfg, out, given, dry_run = fc.train, fc.out, fc, scratch is not None
     before = _prepare_out(out, resume, fc.steps)
     barrier(world)  # every rank has checked the folder before rank 0 writes into it
     src = resolve(cfg.model)
@@ -375,15 +350,24 @@ def _finetune(fc, world, resume, progress, resume_command, on_step) -> RunSummar
     cfg = cfg.replace(lora_targets=resolve_targets(linears, cfg.lora_targets))
     fc = dataclasses.replace(fc, train=cfg)
     start = before["checkpoint"]["step"] if before is not None else 0
-    bar = Progress(fc.steps, start, tty=progress) if world.main else _Quiet()
+    bar = Progress(fc.steps, start, tty=progress) if world.main and not dry_run else _Quiet()
     tok = load_tokenizer(src.checkpoint)
     record = {"settings": fc.settings(),
               "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data),
                                "weights": weights_fingerprint(src.checkpoint)}}
     if before is not None:
         _check_resume(before, record)
-    data, evals = _load_all(fc, tok, src, record["fingerprints"]["data"], world, bar.message)
+    data, evals = _load_all(fc, tok, src, record["fingerprints"]["data"], world, bar.message, scratch)
     record["data"] = {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}
+    if dry_run:
+        per_step = _sequences_per_step(cfg)
+        for line in (plan_line(fc, dry_plan(fc, src), cuda_defaults),
+                     *(d.description for d in (data, evals) if d is not None),
+                     f"steps {start + 1}-{fc.steps}: {per_step} sequences of {cfg.seq_len} tokens a step, "
+                     f"{(fc.steps - start) * per_step / data.blocks:.2f} passes over the data; "
+                     f"{describe_targets(linears, cfg.lora_targets)} (rank {cfg.lora_rank})"):
+            print(line, flush=True)
+        return RunSummary(step=start, interrupted=False)
     base_model = record["settings"]["model"]
     for line in (data.description, *([evals.description] if evals is not None else [])):
         bar.message(line)
@@ -405,6 +389,9 @@ def _finetune(fc, world, resume, progress, resume_command, on_step) -> RunSummar
                                                             "provenance": provenance()}]
         if world.main:
             _write_atomic(out / "config.json", json.dumps(record, indent=1, default=str))
+            _write_atomic(out / RUN_FILE, dump_run_file(dataclasses.replace(given, train=given.train.replace(
+                gpus=cfg.gpus))))
+        bar.message(plan_line(fc, getattr(trainer, "plan", None), cuda_defaults))
         log = RunLog(out / "log.csv", start) if world.main else None
         batches = evals.in_order(cfg.batch_size) if evals is not None else None
         summary = _loop(fc, trainer, data, batches, start, log, base_model, bar, resume_command, on_step, stats)
@@ -425,24 +412,26 @@ def _write_atomic(path: Path, text: str) -> None:
         raise PorosError(f"{path}: cannot be written ({e.strerror or e}); free space or pass another --out") from None
 
 
-def _load_all(fc, tok, src, data_sha, world, say):
+def _load_all(fc, tok, src, data_sha, world, say, scratch=None):
     """The training data and the eval batches. Rank 0 tokenizes first (into the cache beside the
     data, or in the run folder where the data's folder is read-only); the other ranks then read it."""
 
     def load():
         cfg = fc.train
         vocab, tid = src.config.vocab_size, tokenizer_fingerprint(src.checkpoint)
-        cache = None if os.access(fc.data.parent, os.W_OK) else fc.out / CACHE_DIR
+        cache = None if os.access(fc.data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
         data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, data_sha256=data_sha,
-                         tokenizer_id=tid, cache_root=cache, say=say)
-        evals = None
+                         tokenizer_id=tid, cache_root=cache, say=say, eval_split=fc.eval_split)
+        evals, flag = data.held_out, "--eval-split"
         if fc.eval_data is not None:
-            cache = None if os.access(fc.eval_data.parent, os.W_OK) else fc.out / CACHE_DIR
-            evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, tokenizer_id=tid,
-                              cache_root=cache, say=say)
-            if len(evals.in_order(cfg.batch_size)) < cfg.grad_accum:
-                raise ConfigError([f"{fc.eval_data} holds fewer sequences than one step (--batch-size "
-                                   f"{cfg.batch_size} x --grad-accum {cfg.grad_accum})"], "--eval-data")
+            cache = None if os.access(fc.eval_data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
+            evals, flag = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab,
+                                    tokenizer_id=tid, cache_root=cache, say=say), "--eval-data"
+        if evals is not None and len(evals.in_order(cfg.batch_size)) < cfg.grad_accum:
+            held = fc.eval_data or f"the eval split {fc.eval_split} of {fc.data}"
+            raise ConfigError([f"{held} holds fewer sequences than one step (--batch-size {cfg.batch_size} x "
+                               f"--grad-accum {cfg.grad_accum})" + ("; raise --eval-split" if fc.eval_split else "")],
+                              flag)
         return data, evals
 
     if not world.distributed:
@@ -469,7 +458,7 @@ class _Quiet:
     def message(self, text: str) -> None:
         pass
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, memory: str = "") -> None:
         pass
 
 
@@ -496,6 +485,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
     saved = start  # the step of the checkpoint on disk
     speeds = []
+    memory_kind = "on cuda" if cfg.device.value == "cuda" else "host RSS (cpu)"
     with StopRequest(bar.message) as stop:
         for step in range(start, fc.steps):
             t0 = time.perf_counter()
@@ -508,9 +498,10 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                 raise PorosError(f"step {done}: the loss is {result.loss}; lower --lr (now {cfg.lr}) and start a new "
                                  "run")
             summary.losses.append(result.loss)
+            peak = _peak_memory_gb(cfg.device.value)
             row = {"step": done, "loss": f"{result.loss:.6f}", "lr": trainer.optimizer.param_groups[0]["lr"],
-                   "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{_peak_memory_gb(cfg.device.value):.3f}"}
-            bar.update(done, result.loss, speeds[-1])
+                   "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{peak:.3f}"}
+            bar.update(done, result.loss, speeds[-1], f"peak {peak:.2f} GB {memory_kind}")
             if on_step:
                 on_step(done)
             last = done == fc.steps

@@ -1,7 +1,9 @@
-"""The records of a `poros train` data file, read one line at a time and checked.
+"""The records of a `poros train` data file, read one line (or table row) at a time and checked.
 
 A data file is JSON Lines, plain or gzip-compressed (told by its first bytes, whatever its name),
-UTF-8 text. A record is `{"text": "..."}` or `{"messages": [{"role", "content"}, ...]}`. Roles are
+UTF-8 text; or a table the `datasets` library reads (poros.finetune.tables). A record is
+`{"text": "..."}`, `{"prompt": "...", "completion": "..."}` (loss on the completion only) or
+`{"messages": [{"role", "content"}, ...]}`; other keys are ignored. Roles are
 those chat templates know (system, user, assistant, tool); common other spellings (`Assistant`,
 `gpt`, `bot`, `human`, ...) are mapped to them and the mapping is reported once per file; any other
 role is refused naming its file and line, since a turn the loss cannot place would drop silently.
@@ -35,11 +37,17 @@ class RecordCounts:
 
     text: int = 0
     chat: int = 0
+    completion: int = 0  # prompt-completion records
     mapped: Counter = field(default_factory=Counter)  # (spelling, role) -> turns
 
     @property
     def records(self) -> int:
-        return self.text + self.chat
+        return self.text + self.chat + self.completion
+
+    def kinds(self) -> str:
+        """`60 text, 40 chat` (prompt-completion records named where there are any)."""
+        return f"{self.text:,} text, {self.chat:,} chat" + (
+            f", {self.completion:,} prompt-completion" if self.completion else "")
 
     def mapping(self) -> str | None:
         """The role spellings mapped, in one phrase (None when there were none)."""
@@ -58,7 +66,8 @@ class LineReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if self.path.is_dir():
-            raise DataError(f"{self.path} is a folder; expected a JSON Lines file (.jsonl or .jsonl.gz)")
+            raise DataError(f"{self.path} is a folder with no Parquet or Arrow files and no save_to_disk output; "
+                            "expected a JSON Lines file (.jsonl or .jsonl.gz) or such a folder")
         if not self.path.is_file():
             raise DataError(f"{self.path}: no such data file")
         self.size = self.path.stat().st_size
@@ -68,6 +77,13 @@ class LineReader:
     def position(self) -> int:
         """Bytes of the file (compressed, for gzip) read so far."""
         return self._raw.tell() if self._raw is not None and not self._raw.closed else self.size
+
+    def where(self, n: int) -> str:
+        return f"{self.path}:{n}"
+
+    def progress(self) -> str:
+        """How far through the file reading is, for a progress line."""
+        return f"{100 * self.position / max(self.size, 1):.0f}% ({_size(self.position)} of {_size(self.size)})"
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         with self.path.open("rb") as raw:
@@ -91,10 +107,14 @@ class LineReader:
                                 "again") from None
 
 
-def records(path: str | Path, counts: RecordCounts | None = None,
-            reader: LineReader | None = None) -> Iterator[tuple[int, dict]]:
-    """Every record of a data file with its line number, checked and with its roles mapped; blank
-    lines are skipped. `counts` (if given) is updated as records are read.
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def records(path: str | Path, counts: RecordCounts | None = None, reader=None) -> Iterator[tuple[int, dict]]:
+    """Every record of a data file with its line (or row) number, checked and with its roles mapped;
+    blank lines are skipped. `counts` (if given) is updated as records are read. `reader`: a
+    LineReader (default) or a poros.finetune.tables.TableReader, which yields rows as dicts.
 
     Raises:
         DataError: naming the file and line of the first bad record, or an empty file.
@@ -102,18 +122,21 @@ def records(path: str | Path, counts: RecordCounts | None = None,
     reader = reader or LineReader(path)
     counts = counts if counts is not None else RecordCounts()
     for n, line in reader:
-        if not line.strip():
+        if isinstance(line, dict):  # a table's row: its empty columns are absent
+            rec = {k: v for k, v in line.items() if v is not None}
+        elif not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{reader.path}:{n}: not JSON ({e.msg} at column {e.colno}); expected one JSON object "
-                            'per line, e.g. {"text": "..."}') from None
-        rec = check_record(rec, f"{reader.path}:{n}", counts)
+        else:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{reader.path}:{n}: not JSON ({e.msg} at column {e.colno}); expected one JSON "
+                                'object per line, e.g. {"text": "..."}') from None
+        rec = check_record(rec, reader.where(n), counts)
         yield n, rec
     if not counts.records:
         raise DataError(f"{reader.path}: no records (the file is empty); expected JSON Lines with "
-                        '{"text": ...} or {"messages": [...]} per line')
+                        '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]} per line')
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -123,9 +146,17 @@ def read_records(path: str | Path) -> list[dict]:
 
 def check_record(rec, where: str, counts: RecordCounts) -> dict:
     """`rec` checked, its roles mapped to the known ones; counts the record by kind."""
-    if not isinstance(rec, dict) or ("text" in rec) == ("messages" in rec):
-        got = f"keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__
-        raise DataError(f'{where}: expected an object with either "text" or "messages", got {got}')
+    kinds = [k for k in ("text", "messages", "prompt") if isinstance(rec, dict) and k in rec]
+    if len(kinds) != 1 or (isinstance(rec, dict) and ("prompt" in rec) != ("completion" in rec)):
+        got = f"keys {sorted(map(str, rec))}" if isinstance(rec, dict) else type(rec).__name__
+        raise DataError(f'{where}: expected an object with one of "text", "messages", or "prompt" and "completion", '
+                        f"got {got}")
+    if "prompt" in rec:
+        for k in ("prompt", "completion"):
+            if not isinstance(rec[k], str) or not rec[k]:
+                raise DataError(f'{where}: "{k}" must be a non-empty string, got {rec[k]!r:.60}')
+        counts.completion += 1
+        return rec
     if "text" in rec:
         if not isinstance(rec["text"], str) or not rec["text"]:
             raise DataError(f'{where}: "text" must be a non-empty string, got {rec["text"]!r:.60}')

@@ -62,7 +62,7 @@ def _duration(s: float) -> str:
 
 
 class Progress:
-    """A one-line bar on a terminal (step, loss, tokens/s, time left); plain lines otherwise."""
+    """A one-line bar on a terminal (step, loss, tokens/s, time left, memory); plain lines otherwise."""
 
     def __init__(self, total: int, start: int, stream=None, tty: bool | None = None):
         self.total, self.start, self.stream = total, start, stream or sys.stderr
@@ -71,13 +71,15 @@ class Progress:
         self.t0 = None
         self._bar_drawn = False  # the terminal's line holds the bar: a message starts a new line
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, memory: str = "") -> None:
+        """`memory`: the peak memory so far as the line shows it (`peak 61.2 GB on cuda`)."""
         now = time.perf_counter()
         if self.t0 is None:  # time left from the steps after the first (which carries the warm-up)
             self.t0, self.first = now, step
         rate = (now - self.t0) / (step - self.first) if step > self.first else None
         left = "--:--" if rate is None else _duration(rate * (self.total - step))
-        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left"
+        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left" + \
+            (f" {memory}" if memory else "")
         if self.tty:
             done = int(20 * step / self.total)
             print(f"\r[{'#' * done}{'.' * (20 - done)}] {text}  ", end="", file=self.stream, flush=True)

@@ -20,7 +20,7 @@ import poros.cli.train
 import poros.finetune.recipe
 import poros.finetune.data
 from poros.cli import main
-from tests.capabilities import requires_bitsandbytes
+from tests.capabilities import requires_bitsandbytes, requires_datasets
 from tests.fixtures import (generated_chats, generated_texts, one_line_refusal, tiny_checkpoint, train_tokenizer,
                             write_jsonl)
 from tests.store.test_build import assert_all_equal
@@ -315,7 +315,8 @@ _refused = one_line_refusal
     "content,named",
     [("", ["data.jsonl", "empty"]),
      ('{"text": "a b c"}\n{"text": oops}\n', ["data.jsonl:2", "not JSON"]),
-     ('{"text": "a b c"}\n{"prompt": "a"}\n', ["data.jsonl:2", '"text" or "messages"']),
+     ('{"text": "a b c"}\n{"prompt": "a"}\n', ["data.jsonl:2", '"text", "messages", or "prompt" and "completion"',
+                                              "got keys ['prompt']"]),
      ('{"text": "the cat sat"}\n', ["tokens after tokenization", "--seq-len 64"])],
     ids=["data=empty", "data=not-json", "data=neither-text-nor-messages", "data=shorter-than-a-sequence"],
 )
@@ -453,6 +454,19 @@ def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, t
     assert state["position"] == STEPS * 2 * 2  # steps x ranks x grad_accum sequences
     assert_differs("two ranks vs one process", run_state(reference), run_state(root / "poros"))
     assert len(log_rows(root / "poros")) == STEPS  # one writer: no row twice
+
+
+def test_gpus_starts_the_ranks_itself(files, two_ranks, capfd):
+    """`poros train --gpus 2` runs what `torchrun --nproc-per-node 2 -m poros train` runs: the same bits,
+    one summary line, gpus 2 in the resolved configuration."""
+    out = two_ranks / "by-gpus"
+    assert train(files, out, "--gpus", "2") == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["step"] == STEPS
+    assert_all_equal("--gpus 2 vs torchrun on two ranks", run_state(two_ranks / "poros"), run_state(out))
+    from poros.finetune.config import read_run_file
+
+    assert read_run_file(out / "run.yaml")["gpus"] == 2
 
 
 def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
@@ -622,3 +636,91 @@ def test_data_that_is_not_utf8_or_is_gzip_compressed(files, tmp_path, capsys):
     packed = tmp_path / "data.jsonl.gz"
     packed.write_bytes(gzip.compress(files["data"].read_bytes()))
     assert train(files, tmp_path / "gz", "--eval-data", str(packed), data=packed, steps=1) == 0
+
+
+# --- the run file, the resolved configuration and the dry run ---------------------------------------
+
+
+def test_a_run_file_is_the_same_run_and_the_run_folder_keeps_it(files, reference, tmp_path, capsys):
+    from poros.finetune.config import read_run_file
+
+    out = tmp_path / "run"
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(f"model: {files['ckpt']}\ndata: {files['data']}\nout: {out}\nsteps: 4\nseq_len: 64\n"
+                        "grad_accum: 2\nlr: 3e-3\nblock_size: 2\nsave_every: 1\n")
+    assert main(["train", "--config", str(run_file), "save_every=2", "--device", "cpu"]) == 0
+    assert_all_equal("run file vs flags", run_state(reference), run_state(out))
+    saved = read_run_file(out / "run.yaml")
+    assert saved["lr"] == 3e-3 and saved["save_every"] == 2 and saved["device"] == "cpu"
+    assert saved["model"] == str(files["ckpt"].resolve()) and saved["steps"] == 4
+    capsys.readouterr()
+    # resuming from it with a changed computed setting is refused by name; nothing is written
+    before = (out / "config.json").read_text()
+    code = main(["train", "--config", str(out / "run.yaml"), "--resume", "steps=6", "lr=1e-3", "lora_rank=8"])
+    _refused(capsys, code, "--resume: settings differ", "lr 0.003 (now 0.001)", "lora_rank 16 (now 8)")
+    assert (out / "config.json").read_text() == before
+    code = main(["train", "--config", str(run_file), "learning_rate=1e-3"])
+    _refused(capsys, code, "learning_rate: not a setting of poros train (did you mean lr?)")
+
+
+def test_a_dry_run_prints_plan_and_data_and_writes_nothing(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(files, out, "--dry-run") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "plan: poros on cpu; attention default; 5 layers: 0 resident, 5 streamed in blocks of 2, " \
+                       "predicted peak 4.37 MB; eager layers", lines
+    assert lines[1].startswith(f"{files['data']}: 100 records (60 text, 40 chat); ") and "sequences of 64" in lines[1]
+    assert lines[2].startswith("steps 1-4: 2 sequences of 64 tokens a step")
+    assert len(lines) == 3 and not out.exists()
+
+
+def test_a_dry_run_for_cuda_shows_the_fast_path_it_would_take(files, tmp_path, capsys, monkeypatch):
+    """The choice on a GPU, made on the CPU: no schedule flags, a device with 100 GB free."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # restored after: deterministic sets it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 10**9, 141 * 10**9))
+    argv = ["train", "--model", str(files["ckpt"]), "--data", str(files["data"]), "--out", str(tmp_path / "run"),
+            "--steps", "10", "--seq-len", "64", "--dry-run"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("plan: poros on cuda; attention fast (deterministic); 5 layers: 5 resident, 0 streamed"), line
+    assert "(budget auto: 90 GB)" in line and "; CUDA-graph layers; " in line
+    assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs, vram_budget (set one to change it)")
+
+
+# --- more data forms -------------------------------------------------------------------------------
+
+
+def test_an_eval_split_is_scored_and_equals_training_without_its_records(files, reference, tmp_path, capsys):
+    from poros.finetune.data import held_out, read_records
+
+    out = tmp_path / "split"
+    assert train(files, out, "--eval-split", "0.2") == 0
+    assert [int(r["step"]) for r in log_rows(out) if r["eval_loss"]] == [2, 4]
+    assert json.loads((out / "config.json").read_text())["settings"]["eval_split"] == 0.2
+    # the run is the run on the file less the held-out records: they are never trained on
+    kept = [r for i, r in enumerate(read_records(files["data"])) if not held_out(0, i, 0.2)]
+    assert 60 <= len(kept) < 100
+    rest = train(files, tmp_path / "rest", data=write_jsonl(tmp_path / "rest.jsonl", kept))
+    assert rest == 0
+    assert_all_equal("eval split vs the file less its held-out records", run_state(tmp_path / "rest"),
+                     run_state(out))
+    assert_differs("eval split vs the whole file", run_state(reference), run_state(out))
+    capsys.readouterr()
+    _refused(capsys, train(files, out, "--resume", "--eval-split", "0.1", steps=6), "eval_split 0.2 (now 0.1)")
+    _refused(capsys, train(files, tmp_path / "both", "--eval-split", "0.1", "--eval-data", str(files["eval"])),
+             "eval_split: takes the eval records from the training data, so it goes without eval_data")
+
+
+@requires_datasets
+def test_prompt_completion_records_in_parquet_train_as_in_json_lines(files, tmp_path):
+    import datasets
+
+    recs = [{"prompt": f"Tell me about {t.split('.')[0].lower()}.", "completion": " " + t}
+            for t in generated_texts(80, seed=4)]
+    datasets.Dataset.from_list(recs).to_parquet(str(tmp_path / "pc.parquet"))
+    assert train(files, tmp_path / "parquet", data=tmp_path / "pc.parquet", steps=2) == 0
+    assert train(files, tmp_path / "jsonl", data=write_jsonl(tmp_path / "pc.jsonl", recs), steps=2) == 0
+    assert_all_equal("Parquet vs JSON Lines", run_state(tmp_path / "jsonl"), run_state(tmp_path / "parquet"))
+    config = json.loads((tmp_path / "parquet/config.json").read_text())
+    assert config["data"]["records"] == 80
