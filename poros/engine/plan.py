@@ -165,8 +165,8 @@ GRAPH_POOL_PER_LAYER = 115
 CUDA_CONTEXT = 10**9
 # NCCL_BUFFERS: what a data-parallel rank's NCCL communicator allocates outside torch's allocator (its
 # channels' buffers: NCCL_BUFFSIZE, 4 MiB, for each channel, peer and protocol, plus its work queues),
-# planned at NCCL's default channel count on one host; rows of data-parallel runs record the NVML peak
-# beside the reserved one to check it.
+# an estimate from NCCL's default channel count on one host, not a measurement: rows of data-parallel runs
+# record the NVML peak beside the reserved one, which checks it.
 NCCL_BUFFERS = 5 * 10**8
 # ALLOCATOR_SLACK: the caching allocator's reserve beyond what it has handed out (page rounding, blocks
 # cached on one stream that another cannot use, holes between live blocks), as a share of the allocator's
