@@ -241,9 +241,9 @@ SETTINGS: tuple[Setting, ...] = (
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,
-            "poros: device memory the plan may use (24GB, 40GiB, 300MB or auto); layers that fit stay "
-            "resident, the rest stream", "VRAM budget", metavar="SIZE", gpu_only=True,
-            default_help="none: stream every layer"),
+            "poros: device memory the process may use as nvidia-smi counts it (24GB, 40GiB, 300MB, or auto: "
+            "what the card has free); layers that fit stay resident, the rest stream", "VRAM budget", metavar="SIZE",
+            gpu_only=True, default_help="none: stream every layer"),
     Setting("overlap_backward", True, SCHEDULE, flag,
             "poros: enqueue the next layer's recompute while the current layer's backward runs",
             "Overlapped backward"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from poros.cli.parity import train_config
+from poros.engine.nvml import device_memory
 from poros.engine.plan import Geometry, PlanRequest, describe, make_plan, resident_memory
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
@@ -15,9 +16,12 @@ EPILOG = """examples:
   poros plan --model ./my-checkpoint --seq-len 4096      # config.json alone suffices
 
 Prints which layers stream and which stay resident, the bytes copied host->device per optimizer
-step and the predicted peak device memory by part; --json prints one object (keys include
-h2d_bytes_per_step, peak_vram_bytes, resident_layers, streamed_layers, block_size).
-A budget below the smallest plan is refused, naming the smallest budget that would work.
+step and the predicted peak device memory of the process by part: the allocator's tensors, the CUDA
+graphs' pool, the allocator's reserve, the CUDA context and (several ranks) NCCL's buffers. A budget
+holds that total, what nvidia-smi shows for the process. --json prints one object (keys include
+h2d_bytes_per_step, process_vram_bytes, peak_vram_bytes (the tensors alone), memory (the parts),
+resident_layers, streamed_layers, block_size). A budget below the smallest plan is refused, naming the
+smallest budget that would work. The plan is for a CUDA device unless --device cpu.
 """
 
 
@@ -36,23 +40,23 @@ def run(args) -> int:
 
 
     if getattr(args, "device", None) is None:
-        args.device = "cpu"  # a plan needs no device; `auto` budgets need one (refused on cpu)
+        args.device = "cuda"  # a plan needs no device, only what one costs; `auto` budgets measure it
     cfg = train_config(args)
     source = resolve(cfg.model)
     check_seq_len(source.config, cfg.seq_len)
     geo = Geometry.of_config(cfg.model, source.config, cfg.lora_targets)
-    free = None
+    device = None
     if cfg.vram_budget == "auto" and cfg.device.value == "cuda":
-        import torch
+        import torch  # only `auto` touches the device
 
-        free = torch.cuda.mem_get_info()[0]
-    plan = make_plan(geo, cfg, free)
-    resident = resident_memory(geo, PlanRequest.of_config(cfg, free))
+        device = device_memory(torch.device("cuda"))
+    plan = make_plan(geo, cfg, device)
+    resident = resident_memory(geo, PlanRequest.of_config(cfg, device))
     if args.json:
         print(json.dumps({**plan.summary(), "resident_qlora_peak_vram_bytes": resident}))
     else:
         print(describe(plan))
-        print(f"  resident QLoRA would need about {resident / 1e9:.2f} GB")
+        print(f"  resident QLoRA would need about {resident / 1e9:.2f} GB of tensors")
         if args.ops:
             print("  setup: " + " ".join(map(str, plan.setup)))
             print("  step:  " + " ".join(map(str, plan.step)))

@@ -22,7 +22,7 @@ the host-side launch work overlaps).
 from __future__ import annotations
 
 import enum
-import warnings
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,11 +35,13 @@ from poros.engine.buffers import HEAD_KEY, DeviceBuffers, SavedInputs
 from poros.engine.distributed import SINGLE, GradReducer, World
 from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall
+from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
 from poros.engine.qlora import QLoRAModel, bind_nf4
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
 from poros.engine.trainer import Trainer
-from poros.errors import CapabilityError
+from poros.errors import BudgetError, CapabilityError
+from poros.settings import format_size
 from poros.store.arena import absmax_view, weight_view
 
 
@@ -75,17 +77,53 @@ def geometry_of_store(store, cfg) -> P.Geometry:
     return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets)
 
 
-GRAPH_POOL_WARN = 0.25  # a budget's share beyond which the CUDA graphs' own pool is worth a warning
+def set_allocator_settings(conf: str) -> None:
+    """torch's caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF's syntax), applied now: they hold for every
+    segment the allocator creates afterwards. torch.cuda.memory._set_allocator_settings became
+    torch._C._accelerator_setAllocatorSettings (torch 2.10); neither is public yet."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(conf)
 
 
-def warn_graph_pool(plan: P.Plan) -> None:
-    """A budget holds the allocated peak; CUDA graphs also reserve a pool of their own beside it. Where that
-    pool is a large share of the budget (long context), say so: the device needs both."""
-    if plan.budget and plan.graph_pool > GRAPH_POOL_WARN * plan.budget:
-        warnings.warn(f"under cuda_graphs the layer templates' pool reserves at least {plan.graph_pool / 1e9:.1f} GB "
-                      f"beyond the {plan.budget / 1e9:.1f} GB budget (it holds the allocated peak only); at this "
-                      "length graphs save little: drop cuda_graphs (and overlap_backward) to stay within the budget",
-                      RuntimeWarning, stacklevel=3)
+class AllocatorLimit:
+    """Keeps torch's caching allocator on a CUDA device within what a plan's budget leaves it: the budget less
+    the memory the process holds outside the allocator (`Memory.fixed`: context, NCCL).
+
+    - A per-process memory fraction caps what the allocator reserves, CUDA graphs' pools included: past
+      it, the allocator releases its cached blocks and tries again, and raises out-of-memory where that
+      fails, instead of growing beyond the budget.
+    - Expandable segments (unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF names the setting): one
+      growing mapping per stream instead of hundreds of fixed segments, so a released block returns its
+      pages and fragmentation does not hold memory that the cap would count. They are switched on at
+      run time, not through the environment, because the setting holds for segments created after it
+      and the trainer makes it before its first device allocation: it works for the CLI, scripts and
+      library use alike, whatever touched CUDA first.
+
+    Both are process-wide: `release` restores them, so a trainer built after this one (a parity gate's
+    resident reference) runs on the allocator as it found it.
+    """
+
+    def __init__(self, plan: P.Plan, device: torch.device):
+        self.fraction, self.expandable, self.device = None, False, device
+        if device.type != "cuda" or plan.budget is None:
+            return
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        if "expandable_segments" not in conf:
+            set_allocator_settings("expandable_segments:True")
+            self.expandable = True
+        total = torch.cuda.get_device_properties(device).total_memory
+        self.fraction = min(1.0, max(0.0, (plan.budget - plan.memory.fixed) / total))
+        torch.cuda.set_per_process_memory_fraction(self.fraction, device)
+
+    def release(self) -> None:
+        if self.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.fraction = None
+        if self.expandable:
+            set_allocator_settings("expandable_segments:False")
+            self.expandable = False
 
 
 class PorosTrainer(Trainer):
@@ -112,9 +150,9 @@ class PorosTrainer(Trainer):
     def _make_model(self) -> QLoRAModel:
         self._refuse_shared_kv()
         self.plan = self._given_plan or self._plan_for_device()
-        warn_graph_pool(self.plan)
         if self._check_plan:
             self._refuse_unsafe(self.plan)
+        self.allocator_limit = AllocatorLimit(self.plan, self.device)  # before the first device allocation
         model = self._host_model()
         self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight)
         self._bind_weights(model)
@@ -138,8 +176,8 @@ class PorosTrainer(Trainer):
                                   "a time")
 
     def _plan_for_device(self) -> P.Plan:
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, free)
+        device = device_memory(self.device) if self.device.type == "cuda" else None
+        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, device)
 
     @staticmethod
     def _refuse_unsafe(plan: P.Plan) -> None:
@@ -318,7 +356,15 @@ class PorosTrainer(Trainer):
     def step(self, batches=None):
         self.buffers.reset_counters()
         self.saved.bytes_d2h = self.saved.bytes_h2d = 0
-        return super().step(batches)
+        try:
+            return super().step(batches)
+        except torch.OutOfMemoryError as e:
+            if self.allocator_limit.fraction is None:
+                raise
+            raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
+                              f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB), and the allocator is held "
+                              "to the budget: give a larger --vram-budget, or drop --cuda-graphs or "
+                              "--keep-activations") from e
 
     def counters(self) -> dict:
         out = self.buffers.counters()
@@ -348,6 +394,7 @@ class PorosTrainer(Trainer):
         self._stop_worker()
         del self.buffers
         super().close()
+        self.allocator_limit.release()  # after the device memory is freed, so nothing allocates past the cap
 
     def _stop_worker(self) -> None:
         if self._worker is not None:

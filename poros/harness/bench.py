@@ -156,6 +156,9 @@ class Measurement:
     attention_backends: dict | None = None  # attention shape -> the SDPA backend it ran on
     # torch's reserved peak: CUDA graphs' private pools hold their intermediates as reserved, not allocated
     peak_reserved_gb: float | None = None
+    # what the NVML peak measured: "process" (this process's memory, what a budget holds) or "device" (every
+    # process's, where NVML does not list this one)
+    peak_vram_nvml_source: str | None = None
 
 
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
@@ -301,6 +304,8 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
     for k in PEAKS:
         values = [p[k] for p in peaks if p.get(k) is not None]
         setattr(out, k, max(values) if values else None)
+    if nvml.peak is not None:
+        out.peak_vram_nvml_source = nvml.source
     out.attention_backends = getattr(trainer, "attention_backends", None) or None
     return out
 
@@ -354,6 +359,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
         "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
         **{k: getattr(meas, k) if meas else None for k in PEAKS},
+        "peak_vram_nvml_source": meas.peak_vram_nvml_source if meas else None,
         "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
         "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
@@ -369,8 +375,10 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
-            "peak_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes")},
-        "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,
+            "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes")},
+        "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,  # the allocated peak
+        # the process's, what the budget holds and the NVML peak measures
+        "predicted_process_vram_gb": None if plan is None else plan["process_vram_bytes"] / 1e9,
         "resident_layers": None if plan is None else len(plan["resident_layers"]),
         "provenance": provenance(),
     }
