@@ -55,8 +55,9 @@ def _gate(session, cell):
                         "steps": session.parity_steps, "sequential": sequential}
                 session.gates[key] = ParityResult(**run_ranks(spec, cfg.gpus, log=progress))
             else:
-                session.gates[key] = parity(cfg, steps=session.parity_steps, store=session.stores.get(cell.model),
-                                            method=method, reference=reference, sequential=sequential)
+                store = session.stores.get(cell.model, cfg.double_quant)
+                session.gates[key] = parity(cfg, steps=session.parity_steps, store=store, method=method,
+                                            reference=reference, sequential=sequential)
         except Exception as e:
             session.gates[key] = e
         free_device_memory()
@@ -111,7 +112,7 @@ def _measure_cell(session, cell, cfg, benchmark):
     if cfg.gpus > 1:
         _measure_ranks(session, cell, cfg, benchmark, gate)
         return
-    store = session.stores.get(cell.model)
+    store = session.stores.get(cell.model, cfg.double_quant)
     free_device_memory()
     if cfg.device.value == "cuda":
         import torch

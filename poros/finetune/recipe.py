@@ -327,7 +327,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
     store, stats = share_store(src, seed=cfg.seed, device=cfg.device.value, world=world,
-                               progress=progress if world.main else False)
+                               progress=progress if world.main else False, double_quant=cfg.double_quant)
     if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
         torch.cuda.reset_peak_memory_stats()
     trainer = make_trainer(fc.method, store, cfg, world)
