@@ -238,6 +238,14 @@ SETTINGS: tuple[Setting, ...] = (
             "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
             "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike)",
             "Loss chunk (tokens)", metavar="TOKENS", default_help="none: the model's own head"),
+    # Off by default: a double-quantized store holds other absmax values (bitsandbytes expands the nested
+    # absmax to float32 before each use, which differs slightly from the original), so the weights and every
+    # result bit differ from a plain store's; off keeps results comparable with runs recorded without it.
+    Setting("double_quant", False, COMPUTED, flag,
+            "quantize the NF4 absmax again as bitsandbytes' compress_statistics does (the QLoRA paper's double "
+            "quantization: the store and every copy about a twelfth smaller; every method alike; a double-quantized "
+            "NF4 checkpoint is then read as it is, without: its absmax expanded to float32)",
+            "Double quantization"),
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,

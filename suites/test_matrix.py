@@ -82,7 +82,7 @@ def _run_gate(session, cell) -> dict:
             except Exception as e:
                 out[plan] = e
         return out
-    store = session.stores.get(cell.model)
+    store = session.stores.get(cell.model, cfgs[plans[0]].double_quant)
     if len(plans) == 1:
         try:
             out[plans[0]] = parity(cfgs[plans[0]], steps=session.parity_steps, store=store, method=method,
@@ -210,7 +210,7 @@ def test_step(session, cell, benchmark):
 def _measure_cell(session, cell, cfg, benchmark):
     m = session.matrix
     gate = gate_for(session, cell)
-    store = session.stores.get(cell.model) if cfg.gpus == 1 else None
+    store = session.stores.get(cell.model, cfg.double_quant) if cfg.gpus == 1 else None
     arch = store.config.model_type if store is not None else ""
 
     def write(meas, plan=None, arch=arch) -> None:

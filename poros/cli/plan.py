@@ -13,6 +13,7 @@ EPILOG = """examples:
   poros plan --model qwen2.5-72b
   poros plan --model qwen2.5-72b --vram-budget 24GB
   poros plan --model qwen3-32b --grad-accum 8 --json
+  poros plan --model qwen2.5-72b --double-quant            # absmax quantized again: fewer bytes per step
   poros plan --model ./my-checkpoint --seq-len 4096      # config.json alone suffices
 
 Prints which layers stream and which stay resident, the bytes copied host->device per optimizer
@@ -44,7 +45,7 @@ def run(args) -> int:
     cfg = train_config(args)
     source = resolve(cfg.model)
     check_seq_len(source.config, cfg.seq_len)
-    geo = Geometry.of_config(cfg.model, source.config, cfg.lora_targets)
+    geo = Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant)
     device = None
     if cfg.vram_budget == "auto" and cfg.device.value == "cuda":
         import torch  # only `auto` touches the device

@@ -37,12 +37,12 @@ from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
-from poros.engine.qlora import QLoRAModel, bind_nf4
+from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
 from poros.engine.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
 from poros.settings import format_size
-from poros.store.arena import absmax_view, weight_view
+from poros.store.arena import slot_tensors
 
 
 class _Captured(Exception):
@@ -74,7 +74,7 @@ class _Step:
 
 def geometry_of_store(store, cfg) -> P.Geometry:
     """The planner's view of a built store (the same numbers `Geometry.of_config` derives from shapes)."""
-    return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets)
+    return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets, store.double_quant)
 
 
 def set_allocator_settings(conf: str) -> None:
@@ -206,8 +206,7 @@ class PorosTrainer(Trainer):
             buf = self.buffers.views[g.buffer]
             for i in g.layers:
                 for slot in self.store.layers[i].slots:
-                    bind_nf4(model.linear4bit[slot.name], weight_view(buf, slot, base=g.start),
-                             absmax_view(buf, slot, base=g.start), model.code, slot.shape)
+                    model.bind(slot, slot_tensors(buf, slot, base=g.start))
 
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""

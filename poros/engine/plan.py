@@ -102,14 +102,15 @@ class Geometry:
         return len(self.layer_starts)
 
     @classmethod
-    def of_config(cls, name: str, config, lora_targets) -> "Geometry":
+    def of_config(cls, name: str, config, lora_targets, double_quant: bool = False) -> "Geometry":
+        """From `config`'s shapes; `double_quant`: the store's slots are double-quantized (smaller)."""
         from torch import nn
 
 
         model = skeleton(config)
         list_name, layers = decoder_layers(model)
         linears = [layer_linears(layer, f"{list_name}.{i}") for i, layer in enumerate(layers)]
-        layouts, _ = plan_layout(linears)
+        layouts, _ = plan_layout(linears, double_quant)
         head = model.get_output_embeddings().weight
         lora = tuple(a + b for layer in linears for n, (b, a) in layer if n.rsplit(".", 1)[-1] in lora_targets)
         dense = 0

@@ -22,7 +22,7 @@ def dry_plan(fc, source) -> Plan | None:
         if cfg.device.value != "cuda" or not torch.cuda.is_available():
             return None
         free = torch.cuda.mem_get_info()[0]
-    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets), cfg, free)
+    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant), cfg, free)
 
 
 def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str:

@@ -374,7 +374,7 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
     bar.message(f"poros train: {describe_targets(linears, cfg.lora_targets)} (rank {cfg.lora_rank}); "
                 f"loading {src.name} on {cfg.device.value}")
     store, stats = share_store(src, seed=cfg.seed, device=cfg.device.value, world=world,
-                               progress=progress if world.main else False)
+                               progress=progress if world.main else False, double_quant=cfg.double_quant)
     if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
         torch.cuda.reset_peak_memory_stats()
     trainer = make_trainer(fc.method, store, cfg, world)

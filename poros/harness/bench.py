@@ -113,18 +113,18 @@ def model_unavailable(model: str, device: str) -> str | None:
 
 
 class StoreCache:
-    """Keeps the most recently built NF4 store (host memory) so a model is built once."""
+    """Keeps the most recently built NF4 store (host memory) so a model is built once (per `double_quant`)."""
 
     def __init__(self, device: str):
         self.device, self.key, self.store, self.stats = device, None, None, None
 
-    def get(self, model: str):
-        if self.key != model:
+    def get(self, model: str, double_quant: bool = False):
+        if self.key != (model, double_quant):
 
             self.store = self.stats = None
             gc.collect()
-            self.store, self.stats = build_store(model, device=self.device, progress=None)
-            self.key = model
+            self.store, self.stats = build_store(model, device=self.device, progress=None, double_quant=double_quant)
+            self.key = (model, double_quant)
         return self.store
 
 
