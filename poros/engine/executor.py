@@ -21,6 +21,7 @@ the host-side launch work overlaps).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,7 @@ from poros.engine.layer_call import LayerCall
 from poros.engine.plan import make_plan
 from poros.engine.qlora import QLoRAModel, bind_nf4
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.trainer import Trainer
+from poros.engine.trainer import Trainer, compile_layers
 from poros.errors import CapabilityError
 from poros.store.arena import absmax_view, weight_view
 
@@ -123,6 +124,8 @@ class PorosTrainer(Trainer):
         self.templates = LayerTemplates(capture=True) if self.cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
         self.runners = self._runners(model.layers)
+        if self.cfg.compile:
+            compile_layers(model.layers)
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
         self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
@@ -173,10 +176,10 @@ class PorosTrainer(Trainer):
 
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""
-        t, worker = self.templates, self._worker
-        recompute = Recompute(layers, worker, self.saved) if t is None else TemplateRecompute(layers, worker,
-                                                                                              self.saved, t)
-        kept = Kept(layers, worker) if t is None else TemplateKept(layers, worker, t)
+        t, worker, compiled = self.templates, self._worker, self.cfg.compile
+        recompute = Recompute(layers, worker, self.saved, compiled) if t is None else TemplateRecompute(
+            layers, worker, self.saved, t, compiled)
+        kept = Kept(layers, worker, compiled) if t is None else TemplateKept(layers, worker, t, compiled)
         return [kept if i in self.plan.kept_layers else recompute for i in range(len(layers))]
 
     def _load_setup(self) -> None:
@@ -235,7 +238,9 @@ class PorosTrainer(Trainer):
     def _run_model(self, what: _Pass, batch):
         self._pass = what
         try:
-            return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            # compiled layers only record or hand on here: eagerly (their compiled code is the runners')
+            with torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext():
+                return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
         except _Captured:
             return None
         finally:

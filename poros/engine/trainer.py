@@ -57,6 +57,22 @@ def enable_determinism() -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def enable_deterministic_compile() -> None:
+    """Inductor's deterministic mode, process-wide, for runs with both `deterministic` and `compile`: no
+    benchmark-driven choice between kernels (autotuning, padding), whose winner can change with timing and
+    with it the bits of a compiled layer."""
+    import torch._inductor.config  # deferred: inductor is only imported when a run compiles
+
+    torch._inductor.config.deterministic = True
+
+
+def compile_layers(layers) -> None:
+    """Regional compilation as users run it: every decoder layer `layer.compile()`d (torch.compile of the
+    module's call, so hooks and forward run compiled; the layers of one kind share compiled code)."""
+    for layer in layers:
+        layer.compile()
+
+
 def kernel_refusal(error: BaseException) -> CapabilityError | None:
     """The one-line error for strict mode's refusal of a kernel (None for any other error)."""
     text = str(error)
@@ -107,6 +123,8 @@ class Trainer(abc.ABC):
         check_seq_len(store.config, cfg.seq_len)
         if cfg.deterministic:
             enable_determinism()
+            if cfg.compile:
+                enable_deterministic_compile()
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
@@ -145,8 +163,10 @@ class Trainer(abc.ABC):
 
     def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
         """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
-        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python)."""
-        if self.attention_backends is not None:
+        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python).
+        Compiled layers are not recorded: the recorder, a Python function in place of SDPA, would split each
+        layer's compiled graph at its attention call on that step (and compile it again after)."""
+        if self.attention_backends is not None or self.cfg.compile:
             return self.accumulate(batches)
         with BackendLog() as log:
             losses = self.accumulate(batches)
@@ -227,6 +247,8 @@ class ResidentTrainer(Trainer):
     def _make_model(self) -> QLoRAModel:
         model = QLoRAModel(self.store, self.cfg, self.device)
         model.materialize_resident()
+        if self.cfg.compile:
+            compile_layers(model.layers)
         return model
 
     def _distribute(self) -> None:
