@@ -121,7 +121,7 @@ class PorosTrainer(Trainer):
         self._bind_weights(model)
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
-        self.templates = LayerTemplates(capture=True) if self.cfg.cuda_graphs else None
+        self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
         self.runners = self._runners(model.layers)
         if self.cfg.compile:
@@ -363,6 +363,6 @@ class PorosTrainer(Trainer):
         """Run every layer's forward, and its recompute + backward, through layer templates
         (poros/engine/graphs.py): replayed from CUDA graphs with `capture` (what `cuda_graphs: true` selects),
         eagerly without (CPU tests)."""
-        self.templates = LayerTemplates(capture=capture)
+        self.templates = LayerTemplates(capture=capture, compiled=self.cfg.compile)
         self._stop_worker()
         self.runners = self._runners(self.qlora.layers)

@@ -132,11 +132,16 @@ class TemplateRecompute(Recompute):
         self.templates = templates
 
     def _forward(self, key, x, call):
+        if not self.calls[key][1]:  # compiled, its input without a gradient: not templated (graphs.py)
+            return super()._forward(key, x, call)
         out = self.templates.run(key[0], self.layers[key[0]], x, call)
         return super()._forward(key, x, call) if out is None else hidden_of(out)
 
     def backward(self, key, grad):
         g = grad()
+        if not self.calls[key][1]:
+            x, h = self.recompute(key)
+            return self._backpropagate(x, h, g)
         out = self.templates.run(key[0], self.layers[key[0]], self.saved.peek(key), self.calls[key][0], g)
         if out is not None:
             self.saved.take(key)
@@ -179,6 +184,8 @@ class TemplateKept(Kept):
         self.in_template: set[Key] = set()
 
     def forward(self, key, x, call):
+        if not self.input_grad(key, x):  # compiled, its input without a gradient: not templated (graphs.py)
+            return super().forward(key, x, call)
         out = self.templates.kept_forward(*key, self.layers[key[0]], x, call)
         if out is None:
             return super().forward(key, x, call)
