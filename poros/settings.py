@@ -15,6 +15,7 @@ configuration table labels it. A setting is one of three kinds:
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -92,22 +93,42 @@ def format_size(n: int | str | None) -> str:
 
 # --- value checkers: return the coerced value or raise ValueError(what was expected, got what) ----
 
+MAX_COUNT = 2**31 - 1  # counts and lengths: torch sizes them in int32 in places (and none is near it)
+MAX_SEED = 2**32 - 1  # seeds are combined with strides of about 2**20 into torch's 64-bit seeds
+
+
 def positive_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0, got {v!r}")
+        raise ValueError(f"expected an integer > 0, got {_short(v)}")
+    if v > MAX_COUNT:
+        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, got {_short(v)}")
     return v
 
 
-def any_int(v):
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"expected an integer, got {v!r}")
+def seed_int(v):
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SEED:
+        raise ValueError(f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {_short(v)}")
     return v
 
 
 def positive_number(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"expected a number > 0, got {v!r}")
-    return float(v)
+    """A finite number > 0 (inf and nan are refused: a step with them writes NaN everywhere)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected a number > 0, got {_short(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond a float's range
+        raise ValueError(f"expected a finite number > 0, got {_short(v)}") from None
+    if not math.isfinite(f) or not f > 0:
+        raise ValueError(f"expected a finite number > 0, got {_short(v)}")
+    return f
+
+
+def _short(v) -> str:
+    """A value as an error shows it: a huge integer by its size, not its 400 digits."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**20:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return f"{v!r:.80}"
 
 
 def flag(v):
@@ -129,6 +150,8 @@ def one_of(enum_cls: type[enum.Enum]) -> Callable:
 
 
 def module_names(v):
+    if isinstance(v, str):  # q_proj,v_proj as a flag gives it
+        v = [t.strip() for t in v.split(",")]
     if not isinstance(v, (list, tuple)) or not v or not all(isinstance(t, str) and t for t in v):
         raise ValueError(f"expected a non-empty list of module names, got {v!r}")
     return tuple(v)
@@ -144,7 +167,9 @@ def optional_positive_int(v):
     if isinstance(v, str) and v.isdigit():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0 or none, got {v!r}")
+        raise ValueError(f"expected an integer > 0 or none, got {_short(v)}")
+    if v > MAX_COUNT:
+        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
     return v
 
 
@@ -162,6 +187,7 @@ class Setting:
     cli: bool = True  # a flag of `poros parity/plan/train`
     metavar: str | None = None
     gpu_only: bool = False  # means nothing without a device (CPU reports leave it out)
+    default_help: str | None = None  # how --help words the default, where its value alone says too little
 
     @property
     def flag(self) -> str:
@@ -193,8 +219,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("grad_accum", 1, COMPUTED, positive_int, "micro-batches per optimizer step", "Gradient accumulation"),
     Setting("lora_rank", 16, COMPUTED, positive_int, "LoRA rank", "LoRA rank"),
     Setting("lora_alpha", 32, COMPUTED, positive_int, "LoRA alpha", "LoRA alpha"),
-    Setting("lora_targets", LORA_TARGETS, COMPUTED, module_names, "modules that get LoRA adapters", "LoRA targets",
-            cli=False),
+    Setting("lora_targets", LORA_TARGETS, COMPUTED, module_names,
+            "modules of the decoder layers that get LoRA adapters, by name, comma-separated (the default also takes "
+            "fused projections such as qkv_proj, gate_up_proj where a model has them)", "LoRA targets",
+            metavar="NAMES"),
     Setting("lr", 1e-4, COMPUTED, positive_number, "AdamW learning rate", "Learning rate"),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
@@ -212,13 +240,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Data-parallel ranks", cli=False),
     Setting("loss_chunk", None, COMPUTED, optional_positive_int,
             "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
-            "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike) "
-            "(none: the model's own head)", "Loss chunk (tokens)", metavar="TOKENS"),
+            "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike)",
+            "Loss chunk (tokens)", metavar="TOKENS", default_help="none: the model's own head"),
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,
             "poros: device memory the plan may use (24GB, 40GiB, 300MB or auto); layers that fit stay "
-            "resident, the rest stream (default: stream every layer)", "VRAM budget", metavar="SIZE", gpu_only=True),
+            "resident, the rest stream", "VRAM budget", metavar="SIZE", gpu_only=True,
+            default_help="none: stream every layer"),
     Setting("overlap_backward", True, SCHEDULE, flag,
             "poros: enqueue the next layer's recompute while the current layer's backward runs",
             "Overlapped backward"),
@@ -234,8 +263,8 @@ SETTINGS: tuple[Setting, ...] = (
             "memory)", "Kept activations (resident layers)"),
     Setting("kept_layers", None, SCHEDULE, optional_positive_int,
             "poros, with keep_activations: at most this many resident layers keep their activations, spread "
-            "evenly among them; the others recompute (none: every resident layer)", "Kept-activation layers",
-            metavar="N"),
+            "evenly among them; the others recompute", "Kept-activation layers",
+            metavar="N", default_help="none: every resident layer"),
     Setting("placement", Placement.TAIL, SCHEDULE, one_of(Placement),
             "poros, with resident layers: tail (the last layers stay) or spread (the streamed layers spread among "
             "the resident ones, so a copy runs behind resident layers' forward as well as their backward)",
@@ -244,9 +273,10 @@ SETTINGS: tuple[Setting, ...] = (
             "poros, grad_accum > 1: layer (each block loaded once for all micro-batches) or micro "
             "(each micro-batch through the whole model)", "Accumulation order"),
     # where and from what
-    Setting("device", Device.CPU, RUN, one_of(Device), "cpu or cuda (default: cuda when available)", "Device"),
-    Setting("seed", 0, RUN, any_int, "seed of the synthetic weights and the LoRA init", "Seed"),
-    Setting("data_seed", 1234, RUN, any_int, "seed of the synthetic data", "Data seed", cli=False),
+    Setting("device", Device.CPU, RUN, one_of(Device), "cpu or cuda", "Device",
+            default_help="cuda when available, else cpu"),
+    Setting("seed", 0, RUN, seed_int, "seed of the synthetic weights and the LoRA init", "Seed"),
+    Setting("data_seed", 1234, RUN, seed_int, "seed of the synthetic data", "Data seed", cli=False),
     Setting("pin_memory", True, RUN, flag, "page-lock the host store (pageable copies are much slower)",
             "Pinned host store"),
 )
@@ -275,8 +305,11 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
     for s in SETTINGS:
         if not s.cli or s.kind not in kinds:
             continue
-        shown = (defaults or {}).get(s.name, s.default)
-        help_ = f"{s.help} (default: {s.show(shown) if shown is not None else 'none'})"
+        if defaults and s.name in defaults:
+            shown = s.show(defaults[s.name])
+        else:
+            shown = s.default_help or s.show(s.default)
+        help_ = f"{s.help} (default: {shown})"
         if s.check is flag:
             parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True, help=help_)
             if s.default:  # a flag on by default gets a --no- form
@@ -284,7 +317,7 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                                     help=f"turn off {s.flag}")
         else:
             parser.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar or s.name.upper(),
-                                type=int if s.check in (positive_int, any_int) else
+                                type=int if s.check in (positive_int, seed_int) else
                                 float if s.check is positive_number else str, help=help_)
 
 

@@ -15,7 +15,8 @@ Each stage is skipped when its output is already in --out, so a cut-off check co
      the adapter than without.
 Prints one JSON line per method and a final summary (also OUT/summary.json); exits 0 only if every
 check passes. On the H200 use --attention math (the default here on cuda): cuDNN's and flash's
-attention backward are not run-to-run repeatable there (README, "Running on a GPU").
+attention backward are not run-to-run repeatable there without strict determinism
+(results/h200-math-2026-11-30/attention_probe.jsonl).
 
 Under a time limit per command, run it in parts with the same --out (each part reuses what is there):
     python3 scripts/train_gpu_check.py --methods '' --skip-peft       # data and the NF4 checkpoint

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from poros.cli.parity import add_train_args, train_config
+from poros.cli.parity import train_config
 from poros.engine.plan import Geometry, PlanRequest, describe, make_plan, resident_memory
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
+from poros.settings import Device, add_arguments
 
 EPILOG = """examples:
   poros plan --model qwen2.5-72b
@@ -23,7 +24,8 @@ A budget below the smallest plan is refused, naming the smallest budget that wou
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="show the plan (residency, bytes per step, predicted peak) before running",
                        epilog=EPILOG)
-    add_train_args(p)
+    p.add_argument("--model", required=True, help="registered name (see `poros build --list`) or checkpoint folder")
+    add_arguments(p, defaults={"device": Device.CPU})  # a plan needs no device: it is made for the CPU unless asked
     p.add_argument("--json", action="store_true", help="print the plan's summary as one JSON object")
     p.add_argument("--ops", action="store_true", help="also list the operations of one optimizer step")
     p.set_defaults(run=run)

@@ -17,13 +17,16 @@ alone writes the run folder. The number of ranks is part of the arithmetic (`gpu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +37,10 @@ from poros.config import COMPUTED_NAMES, Method, TrainConfig
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
 from poros.engine.methods import FINETUNE_METHODS, METHODS, make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
-from poros.finetune.data import file_sha256, load_data, load_tokenizer
+from poros.finetune.data import CACHE_DIR, TOKENIZER_META, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
+from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
+from poros.harness.results import LOCK_NAME, OutputInUse, OutputLock
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.provenance import provenance
@@ -43,8 +48,9 @@ from poros.provenance import provenance
 # settings that change what a step computes (--seed also draws the LoRA init and the data order);
 # --resume refuses a change to any of them and accepts new schedule settings
 EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
-TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                  "tokenizer.model", "vocab.json", "merges.txt")
+MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
+WEIGHT_SAMPLES = 64  # windows of each weight file read for the base's fingerprint
+WEIGHT_WINDOW = 1 << 16
 
 
 _FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
@@ -68,10 +74,11 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps <= 0:
-            problems.append(f"steps: expected an integer > 0, got {self.steps!r}")
-        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 0:
-            problems.append(f"save_every: expected an integer >= 0 (0: only at the end), got {self.save_every!r}")
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or not 0 < self.steps <= MAX_STEPS:
+            problems.append(f"steps: expected an integer > 0, got {self.steps!r:.40} (at most 2**62)")
+        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or \
+                not 0 <= self.save_every <= MAX_STEPS:
+            problems.append(f"save_every: expected an integer >= 0 (0: only at the end), got {self.save_every!r:.40}")
         try:
             object.__setattr__(self, "method", Method(self.method))
         except ValueError:
@@ -97,6 +104,7 @@ class FinetuneConfig:
 class RunSummary:
     step: int  # optimizer steps done
     interrupted: bool
+    signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
     losses: list[float] = field(default_factory=list)  # this invocation's steps
     tokens_per_s: float | None = None  # median over this invocation's steps
     peak_memory_gb: float | None = None
@@ -110,6 +118,23 @@ class RunSummary:
 
 
 # --- fingerprints and the run folder -----------------------------------------------------------
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """The weight files by content, sampled: each file's safetensors header and WEIGHT_SAMPLES windows
+    spread over its data (a few MB read for any size). Two checkpoints of the same shapes differ here."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}".encode())
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + fh.read(min(n, 1 << 24)))
+            for k in range(WEIGHT_SAMPLES):
+                fh.seek(size * k // WEIGHT_SAMPLES)
+                h.update(fh.read(WEIGHT_WINDOW))
+    return h.hexdigest()
 
 
 def model_fingerprint(folder: Path) -> str:
@@ -127,7 +152,7 @@ def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
     """Check the run folder; on resume return its config.json (settings of the run so far) with the
     checkpoint's state.json under "checkpoint"."""
     if not resume:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if out.exists() and (not out.is_dir() or any(p.name != LOCK_NAME for p in out.iterdir())):
             if (out / "config.json").is_file():
                 raise ConfigError([f"{out} holds another run (config.json, checkpoint/); pass --resume to continue "
                                    "it or choose another --out"], "--out")
@@ -158,6 +183,10 @@ def _check_resume(before: dict, now: dict) -> None:
         a, b = before["fingerprints"][k], now["fingerprints"][k]
         if a != b:
             diffs.append(f"{k} {now['settings'][k]} (other content than the run's: sha256 {b[:12]}, was {a[:12]})")
+    a, b = before["fingerprints"].get("weights"), now["fingerprints"]["weights"]
+    if a is not None and a != b and before["fingerprints"]["model"] == now["fingerprints"]["model"]:
+        diffs.append(f"model {now['settings']['model']} (other weights than the run's base, in files of the same "
+                     f"names and sizes: sampled sha256 {b[:12]}, was {a[:12]})")
     if diffs:
         raise ConfigError([f"settings differ from the run in {now['settings']['out']} and would change its result: "
                            f"{', '.join(diffs)}; use the run's settings (its config.json) or a new --out"], "--resume")
@@ -212,11 +241,15 @@ def save_checkpoint(trainer, run: Path, state: dict, base_model: str) -> Path:
     """Write checkpoint/ whole or not at all: into checkpoint.partial/, then swapped in."""
     tmp, final, old = run / "checkpoint.partial", run / "checkpoint", run / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_adapter(trainer, tmp / "adapter", base_model)
-    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    try:
+        tmp.mkdir()
+        write_adapter(trainer, tmp / "adapter", base_model)
+        torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    except BaseException:  # a full disk, say: the previous checkpoint stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         final.rename(old)
     tmp.rename(final)
@@ -284,11 +317,12 @@ def eval_loss(trainer, batches) -> float:
 
 def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None = None,
              resume_command: str | None = None, on_step=None) -> RunSummary:
-    """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`.
+    """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`, which it owns
+    for the run (a second run into it is refused, naming this one).
 
     Args:
         progress: a bar on stderr (None: only when it is a terminal; False: plain lines).
-        resume_command: printed when Ctrl-C stops the run.
+        resume_command: printed when Ctrl-C (or SIGTERM) stops the run.
         on_step: called with the step number after each optimizer step (tests).
     Raises:
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
@@ -297,6 +331,38 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     world = init_world(fc.train.device.value)
     if world.distributed:
         fc = dataclasses.replace(fc, train=fc.train.replace(gpus=world.size))
+    with own_run_folder(fc.out, world):
+        return _finetune(fc, world, resume, progress, resume_command, on_step)
+
+
+@contextlib.contextmanager
+def own_run_folder(out: Path, world):
+    """Hold the run folder's lock (poros.harness.results.OutputLock, rank 0) for the run; a folder
+    the run created and left empty (a refused run) is removed again."""
+    created = not out.exists()
+    lock, problem = None, None
+    if world.main:
+        lock = OutputLock(out)
+        try:
+            lock.acquire()
+        except OutputInUse as e:
+            problem = OutputInUse(str(e).replace("pass another -o", "pass another --out"))
+        except PorosError as e:
+            problem = e
+    if any_rank(problem is not None, world):
+        raise problem or PorosError(f"rank 0 cannot take the run folder {out}")
+    try:
+        if lock is not None and lock.stale_warning():
+            print(lock.stale_warning(), file=sys.stderr, flush=True)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+
+
+def _finetune(fc, world, resume, progress, resume_command, on_step) -> RunSummary:
     cfg, out = fc.train, fc.out
     before = _prepare_out(out, resume, fc.steps)
     barrier(world)  # every rank has checked the folder before rank 0 writes into it
@@ -305,27 +371,24 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         raise ConfigError([f"{cfg.model} is a registered shape, with no tokenizer or trained weights; pass a "
                            "checkpoint folder (config.json, safetensors and tokenizer files)"], "--model")
     check_seq_len(src.config, cfg.seq_len)
-    tok = load_tokenizer(src.checkpoint)
-    vocab = src.config.vocab_size
-    data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab)
-    evals = None
-    if fc.eval_data is not None:
-        evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab).in_order(cfg.batch_size)
-        if len(evals) < cfg.grad_accum:
-            raise ConfigError([f"{fc.eval_data} holds fewer sequences than one step (--batch-size {cfg.batch_size} x "
-                               f"--grad-accum {cfg.grad_accum})"], "--eval-data")
-    record = {"settings": fc.settings(),
-              "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data)},
-              "data": {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}}
-    if before is not None:
-        _check_resume(before, record)
-    base_model = record["settings"]["model"]
+    linears = layer_linear_names(src.config)
+    cfg = cfg.replace(lora_targets=resolve_targets(linears, cfg.lora_targets))
+    fc = dataclasses.replace(fc, train=cfg)
     start = before["checkpoint"]["step"] if before is not None else 0
     bar = Progress(fc.steps, start, tty=progress) if world.main else _Quiet()
-    bar.message(f"poros train: {data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records; "
+    tok = load_tokenizer(src.checkpoint)
+    record = {"settings": fc.settings(),
+              "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data),
+                               "weights": weights_fingerprint(src.checkpoint)}}
+    if before is not None:
+        _check_resume(before, record)
+    data, evals = _load_all(fc, tok, src, record["fingerprints"]["data"], world, bar.message)
+    record["data"] = {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}
+    base_model = record["settings"]["model"]
+    for line in (data.description, *([evals.description] if evals is not None else [])):
+        bar.message(line)
+    bar.message(f"poros train: {describe_targets(linears, cfg.lora_targets)} (rank {cfg.lora_rank}); "
                 f"loading {src.name} on {cfg.device.value}")
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
     store, stats = share_store(src, seed=cfg.seed, device=cfg.device.value, world=world,
                                progress=progress if world.main else False)
     if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
@@ -341,13 +404,58 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
                                                             "provenance": provenance()}]
         if world.main:
-            (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
+            _write_atomic(out / "config.json", json.dumps(record, indent=1, default=str))
         log = RunLog(out / "log.csv", start) if world.main else None
-        summary = _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
+        batches = evals.in_order(cfg.batch_size) if evals is not None else None
+        summary = _loop(fc, trainer, data, batches, start, log, base_model, bar, resume_command, on_step, stats)
         barrier(world)  # rank 0 has written the run folder
         return summary
     finally:
         trainer.close()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, never a part (a full disk fails the write, not the file)."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PorosError(f"{path}: cannot be written ({e.strerror or e}); free space or pass another --out") from None
+
+
+def _load_all(fc, tok, src, data_sha, world, say):
+    """The training data and the eval batches. Rank 0 tokenizes first (into the cache beside the
+    data, or in the run folder where the data's folder is read-only); the other ranks then read it."""
+
+    def load():
+        cfg = fc.train
+        vocab, tid = src.config.vocab_size, tokenizer_fingerprint(src.checkpoint)
+        cache = None if os.access(fc.data.parent, os.W_OK) else fc.out / CACHE_DIR
+        data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, data_sha256=data_sha,
+                         tokenizer_id=tid, cache_root=cache, say=say)
+        evals = None
+        if fc.eval_data is not None:
+            cache = None if os.access(fc.eval_data.parent, os.W_OK) else fc.out / CACHE_DIR
+            evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, tokenizer_id=tid,
+                              cache_root=cache, say=say)
+            if len(evals.in_order(cfg.batch_size)) < cfg.grad_accum:
+                raise ConfigError([f"{fc.eval_data} holds fewer sequences than one step (--batch-size "
+                                   f"{cfg.batch_size} x --grad-accum {cfg.grad_accum})"], "--eval-data")
+        return data, evals
+
+    if not world.distributed:
+        return load()
+    failed = None
+    if world.main:
+        try:
+            loaded = load()
+        except PorosError as e:
+            failed = e
+    if any_rank(failed is not None, world):
+        raise failed or PorosError("rank 0 could not read the data")
+    return loaded if world.main else load()
 
 
 def _sequences_per_step(cfg) -> int:
@@ -365,6 +473,19 @@ class _Quiet:
         pass
 
 
+def _non_finite(trainer) -> str | None:
+    """The first LoRA weight or AdamW state tensor holding NaN/inf, by name (None: all finite)."""
+    for name, p in trainer.params:
+        if not bool(torch.isfinite(p).all()):
+            return name
+    names = {id(p): n for n, p in trainer.params}
+    for p, state in trainer.optimizer.state.items():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                return f"AdamW {k} of {names.get(id(p), '?')}"
+    return None
+
+
 def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats) -> RunSummary:
     cfg, out, world = fc.train, fc.out, trainer.world
     per_step = _sequences_per_step(cfg)
@@ -372,6 +493,8 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({_size(stats.store_bytes)} NF4), "
                 f"steps {start + 1}-{fc.steps}")
     summary = RunSummary(step=start, interrupted=False)
+    again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
+    saved = start  # the step of the checkpoint on disk
     speeds = []
     with StopRequest(bar.message) as stop:
         for step in range(start, fc.steps):
@@ -392,21 +515,32 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                 on_step(done)
             last = done == fc.steps
             stopping = any_rank(stop.requested, world)
-            if last or stopping or (fc.save_every and done % fc.save_every == 0):
+            saving = last or stopping or (fc.save_every and done % fc.save_every == 0)
+            if saving:
+                bad = _non_finite(trainer)
+                if bad is not None:
+                    kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint was written"
+                    raise PorosError(f"step {done}: {bad} holds NaN/inf after the update, so it is not saved ({kept}); "
+                                     f"lower --lr (now {cfg.lr}) and start a new run")
                 if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
                     summary.eval_loss = eval_loss(trainer, evals)
                     row["eval_loss"] = f"{summary.eval_loss:.6f}"
                     bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
-                if world.main:
+            try:
+                if saving and world.main:
                     save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
                                     base_model)
+                    saved = done
                     log.append(row)
                     plot_loss(log, out / "loss.png")
-            elif world.main:
-                log.append(row)
+                elif world.main:
+                    log.append(row)
+            except OSError as e:  # a full disk, most often: one line, the last checkpoint intact
+                kept = f"the checkpoint of step {saved} is intact" if saved else "no checkpoint was written"
+                raise PorosError(f"step {done}: writing into {out} failed ({e.strerror or e}); {kept}; free space, "
+                                 f"then resume with: {again}") from None
             if stopping and not last:
-                summary.interrupted = True
-                again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
+                summary.interrupted, summary.signal = True, stop.signum
                 bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
                             f"resume with:\n  {again}")
                 break
@@ -414,7 +548,11 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     summary.tokens_per_s = timed[len(timed) // 2] if timed else None
     summary.peak_memory_gb = _peak_memory_gb(cfg.device.value)
     if not summary.interrupted and world.main:
-        summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
+        try:
+            summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
+        except OSError as e:
+            raise PorosError(f"writing {out / 'adapter'} failed ({e.strerror or e}); the same adapter is in "
+                             f"{out / 'checkpoint' / 'adapter'} (step {saved})") from None
         bar.message(f"done: adapter in {summary.adapter} (PeftModel.from_pretrained(base_model, "
                     f"{summary.adapter!r}))")
     return summary

@@ -91,23 +91,29 @@ class Progress:
 
 
 class StopRequest:
-    """The first Ctrl-C asks the loop to save a checkpoint and stop after the current step; a
-    second aborts at once. Only the main thread receives signals; elsewhere nothing is installed."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what schedulers and preemption send) asks the loop to save a
+    checkpoint and stop after the current step; a second aborts at once. Only the main thread receives
+    signals; elsewhere nothing is installed."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, say):
-        self.requested, self.say, self.previous = False, say, None
+        self.requested, self.say, self.previous = False, say, {}
+        self.signum: int | None = None
 
     def _handler(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        self.say("Ctrl-C: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
+        self.requested, self.signum = True, signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.say(f"{name}: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handler)
+            self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}

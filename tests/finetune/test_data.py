@@ -10,6 +10,7 @@ import torch
 
 from poros.errors import CheckpointError
 from poros.finetune.data import IGNORE, DataError, encode_records, load_data, load_tokenizer, pack, read_records
+from poros.finetune.records import RecordCounts, records
 from tests.fixtures import generated_chats, generated_texts, train_tokenizer, write_jsonl
 
 
@@ -122,7 +123,7 @@ def test_messages_without_a_chat_template_are_refused(plain_tok):
     with pytest.raises(DataError) as e:
         encode_records(plain_tok, [{"text": "a"}, {"messages": [{"role": "user", "content": "q"}]}], "d.jsonl")
     line = _error_line(e)
-    assert "d.jsonl" in line and "record 2" in line and "chat template" in line
+    assert "d.jsonl:2:" in line and "chat template" in line
 
 
 def test_a_template_that_rewrites_history_is_refused(tok):
@@ -223,4 +224,153 @@ def test_a_tokenizer_without_character_offsets_is_refused_for_chats(tok):
     assert encode_records(NoOffsets(), [{"text": "the cat"}], "d")[0], "text records need no offsets"
     with pytest.raises(DataError) as e:
         encode_records(NoOffsets(), [{"messages": generated_chats(1)[0]}], "d.jsonl")
-    assert "d.jsonl record 1" in _error_line(e) and "tokenizer.json" in str(e.value)
+    assert "d.jsonl:1:" in _error_line(e) and "tokenizer.json" in str(e.value)
+
+
+# --- what a file holds: roles, encodings, compression, counts ------------------------------------
+
+
+def test_role_spellings_are_mapped_counted_and_learned(tmp_path, tok):
+    """Chats whose assistant is spelled `Assistant`, `gpt` or `bot` are learned like any other (they
+    were dropped silently when only `assistant` was recognised); the mapping is reported once."""
+    chats = generated_chats(3)
+    spelled = []
+    for msgs, (user, helper) in zip(chats, [("User", "Assistant"), ("human", "gpt"), ("user", "bot")]):
+        spelled.append({"messages": [{**m, "role": {"user": user, "assistant": helper}.get(m["role"], m["role"])}
+                                     for m in msgs]})
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in generated_texts(2)] + spelled)
+    counts = RecordCounts()
+    got = [rec for _, rec in records(path, counts)]
+    assert got[2:] == [{"messages": m} for m in chats], "every role is one the template knows"
+    assert (counts.text, counts.chat) == (2, 3)
+    assert counts.mapping().startswith("roles mapped: 'Assistant' -> assistant"), counts.mapping()
+    assert "'gpt' -> assistant" in counts.mapping() and "'human' -> user" in counts.mapping()
+    _, labels = encode_records(tok, got[2:], str(path))
+    assert sum(y != IGNORE for y in labels) > 0, "the mapped assistant turns are learned"
+
+
+def test_an_unknown_role_names_file_line_and_role(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"messages": [{"role": "user", "content": "q"},
+                                                                           {"role": "narrator", "content": "x"}]}])
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    line = _error_line(e)
+    assert f"{path}:2:" in line and "'narrator'" in line and "assistant" in line
+
+
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n' + '{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    line = _error_line(e)
+    assert f"{path}:2:" in line and "not UTF-8" in line and "0xe9" in line
+
+
+def test_a_gzip_file_is_read_as_its_text(tmp_path):
+    import gzip
+
+    recs = [{"text": t} for t in generated_texts(5)]
+    plain = write_jsonl(tmp_path / "d.jsonl", recs)
+    packed = tmp_path / "d.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_records(packed) == recs
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(DataError) as e:
+        read_records(broken)
+    assert str(broken) in _error_line(e) and "gzip" in str(e.value)
+
+
+def test_the_description_accounts_for_every_record_and_token(tmp_path, tok):
+    recs = [{"text": t} for t in generated_texts(10)] + [{"messages": m} for m in generated_chats(4)]
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    data = load_data(path, tok, 16, seed=0, vocab_size=len(tok))
+    ids, labels = encode_records(tok, recs, str(path))
+    line = data.description
+    assert line.startswith(f"{path}: 14 records (10 text, 4 chat); {len(ids):,} tokens "
+                           f"({sum(y != IGNORE for y in labels):,} learned); {data.blocks} sequences of 16"), line
+    if len(ids) % 16:
+        assert f"a {len(ids) % 16}-token tail" in line
+
+
+# --- streaming, the cache, long records ------------------------------------------------------------
+
+
+def test_tokenization_is_cached_beside_the_data_and_keyed_by_its_content(tmp_path, tok, monkeypatch):
+    import poros.finetune.data as data_mod
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in generated_texts(30)])
+    first = load_data(path, tok, 16, seed=0, vocab_size=len(tok), tokenizer_id="t")
+    assert [p.name.split(".")[0] for p in (tmp_path / ".poros-cache").iterdir()] == ["d"]
+    monkeypatch.setattr(data_mod, "encode_records", lambda *a, **k: pytest.fail("tokenized again"))
+    again = load_data(path, tok, 16, seed=0, vocab_size=len(tok), tokenizer_id="t")
+    assert torch.equal(first.input_ids, again.input_ids) and torch.equal(first.labels, again.labels)
+    assert "tokens from the cache" in again.description and "tokens from the cache" not in first.description
+    # negative controls: other data, or another tokenizer, are tokenized afresh
+    path.write_text(path.read_text() + json.dumps({"text": "one more line"}) + "\n")
+    with pytest.raises(pytest.fail.Exception, match="tokenized again"):
+        load_data(path, tok, 16, seed=0, vocab_size=len(tok), tokenizer_id="t")
+    with pytest.raises(pytest.fail.Exception, match="tokenized again"):
+        load_data(write_jsonl(path, [{"text": t} for t in generated_texts(30)]), tok, 16, seed=0,
+                  vocab_size=len(tok), tokenizer_id="another")
+
+
+def test_a_refused_file_leaves_no_cache(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in generated_texts(20)) + "{oops\n")
+    with pytest.raises(DataError):
+        load_data(path, tok, 16, seed=0, vocab_size=len(tok))
+    assert list((tmp_path / ".poros-cache").iterdir()) == []
+
+
+def test_tokenization_streams_in_bounded_memory_and_shows_progress(tmp_path, tok, monkeypatch):
+    """A file of several MB is tokenized with a few MB of Python memory at its peak (a whole-file
+    tokenization holds every token as Python ints: ~70 bytes a token, hundreds of MB here), and
+    reports its progress as it goes."""
+    import tracemalloc
+
+    import poros.finetune.data as data_mod
+
+    texts = generated_texts(2000)
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        for i in range(18):
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    size = path.stat().st_size
+    assert size > 6e6
+    monkeypatch.setattr(data_mod, "CHUNK_CHARS", 1 << 18)
+    monkeypatch.setattr(data_mod, "PROGRESS_SECONDS", 0.0)
+    said = []
+    tracemalloc.start()
+    try:
+        data = load_data(path, tok, 64, seed=0, vocab_size=len(tok), say=said.append)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert data.tokens > 1_000_000
+    assert peak < 40e6, f"tokenizing {size / 1e6:.1f} MB took {peak / 1e6:.1f} MB of Python memory at its peak"
+    progress = [s for s in said if s.startswith("tokenizing big.jsonl: ")]
+    assert len(progress) > 3 and "% (" in progress[0] and progress[-1].split(":")[1].strip().startswith("100%"), said
+
+
+def test_a_huge_text_record_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, tok, monkeypatch):
+    import poros.finetune.data as data_mod
+
+    text = "  ".join(generated_texts(60, seed=5)) + "\n\nThe end."
+    whole, _ = encode_records(tok, [{"text": text}], "d")
+    monkeypatch.setattr(data_mod, "PIECE_CHARS", 500)
+    assert len(data_mod._pieces(text, 500)) > 5
+    pieces, _ = encode_records(tok, [{"text": text}], "d")
+    assert pieces == whole
+    said = []
+    load_data(write_jsonl(tmp_path / "d.jsonl", [{"text": text}]), tok, 16, seed=0, vocab_size=len(tok),
+              say=said.append)
+    assert any(s.startswith(f"{tmp_path / 'd.jsonl'}:1: one record of") for s in said), said
+
+
+def test_the_largest_seed_orders_the_data():
+    from poros.settings import MAX_SEED
+
+    p = _packed(seed=MAX_SEED)
+    assert sorted(p.block_at(g) for g in range(7)) == list(range(7))

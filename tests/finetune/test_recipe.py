@@ -179,20 +179,25 @@ def test_resume_ends_equal_to_an_uninterrupted_run(files, reference, monkeypatch
     assert_differs("resumed from a nudged adapter", run_state(reference), run_state(nudged))
 
 
-def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, reference, monkeypatch, capsys):
+@pytest.mark.parametrize("signum,said", [(signal.SIGINT, "Ctrl-C: saving"), (signal.SIGTERM, "SIGTERM: saving")],
+                         ids=["signal=SIGINT", "signal=SIGTERM"])
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, reference, monkeypatch, capsys, signum,
+                                                                 said):
+    """Ctrl-C, and SIGTERM (what schedulers and preemption send), stop after the step they arrive in."""
     real = poros.finetune.recipe.finetune
 
     def interrupted(*args, **kwargs):
-        return real(*args, **kwargs, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT))
+        return real(*args, **kwargs, on_step=lambda step: step == 2 and signal.raise_signal(signum))
 
     monkeypatch.setattr(poros.cli.train, "finetune", interrupted)
-    out = files["root"] / "ctrl-c"
-    assert train(files, out, "--save-every", "0") == 130
+    out = files["root"] / f"stopped-{signum.name}"
+    assert train(files, out, "--save-every", "0") == 128 + signum
     err = capsys.readouterr().err
-    assert "Ctrl-C" in err
+    assert said in err
     assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
     assert not (out / "adapter").exists(), "adapter/ is the finished run's"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the Ctrl-C handler is removed"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the SIGTERM handler is removed"
     lines = err.splitlines()
     command = lines[lines.index(next(l for l in lines if l.endswith("resume with:"))) + 1].strip()
     argv = shlex.split(command)
@@ -328,7 +333,7 @@ def test_messages_need_a_chat_template(files, tmp_path, capsys):
         if f.name.startswith(("tokenizer", "chat_template")):
             f.unlink()
     train_tokenizer(folder, generated_texts(50), chat_template=False)
-    _refused(capsys, train(files, tmp_path / "run", model=folder), "record 61", "no chat template")
+    _refused(capsys, train(files, tmp_path / "run", model=folder), "data.jsonl:61:", "no chat template")
 
 
 def test_a_model_folder_without_tokenizer_files(files, tmp_path, capsys):
@@ -431,6 +436,7 @@ def two_ranks(files):
     return root
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun, twice
 def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, two_ranks):
     """Two ranks: poros and resident (under DistributedDataParallel) end equal; stopped at step 2 and
     resumed on two ranks, equal to the uninterrupted run; the run records its ranks. Negative control:
@@ -454,3 +460,165 @@ def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, caps
     assert train(files, out, "--resume", steps=STEPS + 2) == 2
     err = capsys.readouterr().err
     assert "would change its result" in err and "gpus 2 (now 1)" in err
+
+
+# --- refused before work, and never saved non-finite -------------------------------------------------
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--lr", "inf"], "lr: expected a finite number > 0, got inf"),
+    (["--lr", "nan"], "lr: expected a finite number > 0, got nan"),
+    (["--seed", str(2**70)], "seed: expected an integer from 0 to 4294967295"),
+    (["--seed", "-1"], "seed: expected an integer from 0 to 4294967295 (2**32 - 1), got -1"),
+    (["--lora-rank", str(2**40)], "lora_rank: expected an integer > 0 and at most 2147483647"),
+], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40"])
+def test_settings_no_run_can_take_are_refused_before_work(files, tmp_path, capsys, flags, named):
+    _refused(capsys, train(files, tmp_path / "run", *flags), named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_state(files, tmp_path, capsys, monkeypatch):
+    import poros.engine.methods
+
+    real = poros.engine.methods.make_trainer
+
+    def blowing_up(method, store, cfg, world=None):
+        trainer = real(method, store, cfg, world)
+        step = trainer.step
+
+        def stepped(batches):
+            result = step(batches)
+            if trainer.steps_done == 4:  # the update of step 4 leaves an inf (the loss came before it)
+                with torch.no_grad():
+                    trainer.params[3][1].view(-1)[0] = float("inf")
+            return result
+        trainer.step = stepped
+        return trainer
+
+    monkeypatch.setattr(poros.finetune.recipe, "make_trainer", blowing_up)
+    out = tmp_path / "run"
+    code = train(files, out, steps=4)
+    line = _refused_last(capsys, code)
+    assert line.startswith("poros train: error: step 4: ") and "holds NaN/inf after the update" in line, line
+    assert "the checkpoint of step 2 is kept" in line
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    saved = run_state(out)
+    assert all(bool(torch.isfinite(v).all()) for v in saved.values())
+    assert not (out / "adapter").exists()
+
+
+def _refused_last(capsys, code) -> str:
+    """Exit 2 and the last line of stderr (a run that started prints its progress before the refusal)."""
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    return err.strip().splitlines()[-1]
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(files, reference, tmp_path, capsys, monkeypatch):
+    import errno
+
+    real, calls = torch.save, []
+
+    def filling(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 3:  # the optimizer state of the second checkpoint (step 4)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling)
+    out = tmp_path / "run"
+    line = _refused_last(capsys, train(files, out))
+    monkeypatch.undo()
+    assert line.startswith(f"poros train: error: step 4: writing into {out} failed (No space left on device); "
+                           "the checkpoint of step 2 is intact; free space, then resume with: "), line
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    assert train(files, out, "--resume") == 0  # the intact checkpoint resumes to the reference's end
+    assert_all_equal("resumed after a full disk vs uninterrupted", run_state(reference), run_state(out))
+
+
+def test_resume_on_another_base_of_the_same_shapes_is_refused(files, reference, tmp_path, capsys):
+    other = tiny_checkpoint(tmp_path / "other", "tiny-qwen2", generated_texts(150), seed=1)
+    assert (other / "config.json").read_bytes() == (files["ckpt"] / "config.json").read_bytes()
+    assert poros.finetune.recipe.model_fingerprint(other) == poros.finetune.recipe.model_fingerprint(files["ckpt"])
+    run = _resume_copy(reference, tmp_path / "run")
+    capsys.readouterr()  # what saving the checkpoint printed
+    code = train(files, run, "--resume", model=other, steps=STEPS + 2)
+    _refused(capsys, code, "--resume: settings differ", f"model {other.resolve()} (other weights than the run's base")
+    # control: the same weights in another folder resume
+    same = Path(shutil.copytree(files["ckpt"], tmp_path / "same"))
+    assert train(files, run, "--resume", model=same, steps=STEPS + 1) == 0
+
+
+# --- what the run says, and which modules train ----------------------------------------------------
+
+
+def test_the_run_says_what_it_takes_from_the_data_and_where_adapters_go(files, tmp_path, capsys):
+    mixed = [{"text": t} for t in generated_texts(40)]
+    for m in generated_chats(30):
+        mixed.append({"messages": [{**x, "role": {"assistant": "gpt", "user": "human"}.get(x["role"], x["role"])}
+                                   for x in m]})
+    data = write_jsonl(tmp_path / "mixed.jsonl", mixed)
+    assert train(files, tmp_path / "run", data=data, steps=1) == 0
+    err = capsys.readouterr().err
+    line = next(l for l in err.splitlines() if l.startswith(str(data)))
+    assert ": 70 records (40 text, 30 chat); " in line and "learned" in line, line
+    assert "roles mapped: 'gpt' -> assistant" in line and "'human' -> user" in line, line
+    assert ("LoRA adapters on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (rank 16)" in err), err
+
+
+def _tiny_phi3(folder: Path) -> Path:
+    """A Phi-3 style checkpoint (fused qkv_proj and gate_up_proj) with a tokenizer."""
+    import transformers
+
+    tok = train_tokenizer(folder, generated_texts(150))
+    config = transformers.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                     bos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(str(folder))
+    return folder
+
+
+def test_fused_projections_carry_adapters_exactly(files, tmp_path, capsys):
+    ckpt = _tiny_phi3(tmp_path / "phi3")
+    assert train(files, tmp_path / "poros", model=ckpt, steps=2) == 0
+    err = capsys.readouterr().err
+    assert "LoRA adapters on o_proj, qkv_proj, gate_up_proj, down_proj (rank 16)" in err, err
+    state = run_state(tmp_path / "poros")
+    for name in ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"):
+        assert sum(f".{name}.lora_B." in k for k in state) == 3, name
+    targets = json.loads((tmp_path / "poros/config.json").read_text())["settings"]["train"]["lora_targets"]
+    assert "qkv_proj" in targets and "gate_up_proj" in targets
+    assert train(files, tmp_path / "resident", "--method", "resident", model=ckpt, steps=2) == 0
+    assert_all_equal("resident vs poros (Phi-3 style)", state, run_state(tmp_path / "resident"))
+    # lora_targets names them; naming the parts of a fused linear is refused by name
+    assert train(files, tmp_path / "qkv", "--lora-targets", "qkv_proj", model=ckpt, steps=1) == 0
+    assert {k.split(".")[-3] for k in run_state(tmp_path / "qkv") if k.startswith("adapter:")} == {"qkv_proj"}
+    capsys.readouterr()
+    _refused(capsys, train(files, tmp_path / "q", "--lora-targets", "q_proj,v_proj", model=ckpt, steps=1),
+             "lora_targets:", "fuses q_proj, k_proj, v_proj into qkv_proj: name qkv_proj")
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(files, tmp_path, capsys):
+    folder = Path(shutil.copytree(files["ckpt"], tmp_path / "ckpt"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    named = (f"{folder}/config.json: num_hidden_layers is \"2\" (str), expected an integer",)
+    _refused(capsys, train(files, tmp_path / "run", model=folder), *named)
+    _refused(capsys, main(["plan", "--model", str(folder)]), *named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_that_is_not_utf8_or_is_gzip_compressed(files, tmp_path, capsys):
+    import gzip
+
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(files["data"].read_bytes() + '{"text": "déjà vu"}\n'.encode("latin-1"))
+    _refused(capsys, train(files, tmp_path / "run", data=bad), f"{bad}:101: not UTF-8 text")
+    _refused(capsys, train(files, tmp_path / "run", "--eval-data", str(bad)), f"{bad}:101: not UTF-8 text")
+    packed = tmp_path / "data.jsonl.gz"
+    packed.write_bytes(gzip.compress(files["data"].read_bytes()))
+    assert train(files, tmp_path / "gz", "--eval-data", str(packed), data=packed, steps=1) == 0
