@@ -45,6 +45,7 @@ from poros.engine.layer_call import LayerCall, hidden_of
 # allocated for good (scripts/memtrace.py traces it) and capture succeeds without them, so none by
 # default. The environment variable is for probes, not a setting.
 WARMUP = int(os.environ.get("POROS_GRAPH_WARMUP", "0"))
+COMPILED_WARMUP = 1  # compiled layers: calls before a capture, so that dynamo and inductor compile outside it
 IGNORED_ATTRS = {"layer_idx", "training"}  # per-layer attributes that do not change the kernels
 
 
@@ -310,7 +311,7 @@ class LayerTemplate:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(max(WARMUP, 1 if self.compiled else 0)):  # compiled: compile before the capture
+            for _ in range(max(WARMUP, COMPILED_WARMUP if self.compiled else 0)):
                 self._body()
                 self._clear_grads()
         torch.cuda.current_stream().wait_stream(side)

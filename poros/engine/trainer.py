@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
@@ -248,8 +250,11 @@ class ResidentTrainer(Trainer):
         model = QLoRAModel(self.store, self.cfg, self.device)
         model.materialize_resident()
         if self.cfg.compile:
-            compile_layers(model.layers)
+            self._compile(model)
         return model
+
+    def _compile(self, model: QLoRAModel) -> None:
+        compile_layers(model.layers)
 
     def _distribute(self) -> None:
         """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
@@ -292,6 +297,8 @@ class ResidentGCTrainer(ResidentTrainer):
 
     def _make_model(self) -> QLoRAModel:
         model = super()._make_model()
+        if self.cfg.compile:
+            return model  # checkpointed around the compiled layers instead (`_compile`)
         checkpointing = {"use_reentrant": False}
         hf = model.hf
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.24; the older name is deprecated
@@ -299,3 +306,12 @@ class ResidentGCTrainer(ResidentTrainer):
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         return model
+
+    def _compile(self, model: QLoRAModel) -> None:
+        """Each layer's call compiled and checkpointed from outside: the same non-reentrant checkpoint, whose
+        forward and recompute run resident's compiled training graph. (The model's own checkpointing sits inside
+        the layer's forward, so `layer.compile()` would trace it into the graph: torch.compile's activation
+        checkpointing, other kernels and other bits than resident's compiled layers.)"""
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpoint, torch.compile(type(layer).forward.__get__(layer)),
+                                              use_reentrant=False)

@@ -93,8 +93,8 @@ def test_compiled_gate_per_family(stores, model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"], ids=lambda m: f"model={m}")
 def test_compiled_resident_gc_matches_compiled_resident(stores, model):
-    """Resident with gradient checkpointing, compiled: its recompute reruns the same compiled training
-    graph, so it is a reference of the compiled setting too."""
+    """Resident with gradient checkpointing, compiled: checkpointed around each compiled layer, its forward and
+    recompute run resident's compiled training graph, so it is a reference of the compiled setting too."""
     result = parity(compiled(model), steps=2, store=stores(model), method=Method.RESIDENT_GC)
     assert result.ok, f"{model}: {_ok(result)}"
 
@@ -150,3 +150,59 @@ def test_unsloth_runs_its_own_compilation_not_the_setting():
     cfg = compiled("tiny-qwen2", deterministic=True)
     assert config_for(Method.UNSLOTH, cfg).compile is False
     assert all(config_for(m, cfg) is cfg for m in (Method.POROS, Method.RESIDENT, Method.RESIDENT_GC))
+
+
+def _captures_compile(monkeypatch) -> list[int]:
+    """The CUDA graph API replaced by the CPU stand-ins of tests/engine/test_graphs.py; returns the list of
+    dynamo graphs compiled inside each capture (a real capture must record compiled kernels only)."""
+    import poros.engine.graphs as g
+    from torch._dynamo.utils import counters
+
+    from tests.engine.test_graphs import _FakeCapture, stand_in_graphs
+
+    stand_in_graphs(monkeypatch)
+    compiled_inside: list[int] = []
+
+    class Capture(_FakeCapture):
+        def __enter__(self):
+            self.before = counters["stats"]["unique_graphs"]
+            return self
+
+        def __exit__(self, *exc):
+            compiled_inside.append(counters["stats"]["unique_graphs"] - self.before)
+            return False
+
+    monkeypatch.setattr(g.torch.cuda, "graph", Capture)
+    return compiled_inside
+
+
+@pytest.mark.slow
+def test_compiled_templates_compile_before_their_capture(stores, monkeypatch):
+    """The capture path with compiled layers (CPU stand-ins for the CUDA graph API): parity holds, every
+    template is captured once, and nothing is compiled inside a capture (its warm-up call compiled it)."""
+    compiled_inside = _captures_compile(monkeypatch)
+    store = stores("tiny-qwen3")
+    cfg = compiled("tiny-qwen3", grad_accum=2)
+    resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg)
+    poros.use_layer_templates(capture=True)
+    result = run_gate(resident, poros, 2)
+    assert result.ok, _ok(result)
+    c = poros.counters()
+    assert c["capture_errors"] == 0 and c["template_fallbacks"] == 0
+    assert c["graphs_captured"] == len(poros.templates.templates) > 0
+    assert compiled_inside and not any(compiled_inside), compiled_inside
+
+
+@pytest.mark.slow
+def test_without_warm_up_a_capture_would_compile(stores, monkeypatch):
+    """Negative control of the check above: without the warm-up call, dynamo compiles inside the capture."""
+    import poros.engine.graphs as g
+
+    compiled_inside = _captures_compile(monkeypatch)
+    monkeypatch.setattr(g, "COMPILED_WARMUP", 0)
+    store = stores("tiny-qwen3")
+    cfg = compiled("tiny-qwen3")
+    poros = PorosTrainer(store, cfg)
+    poros.use_layer_templates(capture=True)
+    poros.step()
+    assert any(compiled_inside), compiled_inside
