@@ -230,6 +230,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("deterministic", False, COMPUTED, flag,
             "strict torch.use_deterministic_algorithms for every method (repeatable attention backward; an op "
             "without a deterministic kernel is an error)", "Deterministic algorithms"),
+    Setting("compile", False, COMPUTED, flag,
+            "regional compilation for every method alike: each decoder layer runs as torch.compile builds it "
+            "(`layer.compile()`); compiled bits differ from eager ones, so compiled runs compare only with compiled "
+            "runs", "Compiled decoder layers"),
     Setting("gpus", 1, COMPUTED, positive_int,
             "data-parallel ranks on this host, one per GPU (on the CPU: processes); `poros bench` starts them with "
             "torchrun; each trains its share of every step (world_size x grad_accum micro-batches a step)",

@@ -21,6 +21,7 @@ the host-side launch work overlaps).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.trainer import Trainer
+from poros.engine.trainer import Trainer, compile_layers
 from poros.errors import BudgetError, CapabilityError
 from poros.settings import format_size
 from poros.store.arena import slot_tensors
@@ -158,9 +159,11 @@ class PorosTrainer(Trainer):
         self._bind_weights(model)
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
-        self.templates = LayerTemplates(capture=True) if self.cfg.cuda_graphs else None
+        self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
         self.runners = self._runners(model.layers)
+        if self.cfg.compile:
+            compile_layers(model.layers)
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
         self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
@@ -210,10 +213,10 @@ class PorosTrainer(Trainer):
 
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""
-        t, worker = self.templates, self._worker
-        recompute = Recompute(layers, worker, self.saved) if t is None else TemplateRecompute(layers, worker,
-                                                                                              self.saved, t)
-        kept = Kept(layers, worker) if t is None else TemplateKept(layers, worker, t)
+        t, worker, compiled = self.templates, self._worker, self.cfg.compile
+        recompute = Recompute(layers, worker, self.saved, compiled) if t is None else TemplateRecompute(
+            layers, worker, self.saved, t, compiled)
+        kept = Kept(layers, worker, compiled) if t is None else TemplateKept(layers, worker, t, compiled)
         return [kept if i in self.plan.kept_layers else recompute for i in range(len(layers))]
 
     def _load_setup(self) -> None:
@@ -272,7 +275,9 @@ class PorosTrainer(Trainer):
     def _run_model(self, what: _Pass, batch):
         self._pass = what
         try:
-            return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            # compiled layers only record or hand on here: eagerly (their compiled code is the runners')
+            with torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext():
+                return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
         except _Captured:
             return None
         finally:
@@ -404,6 +409,6 @@ class PorosTrainer(Trainer):
         """Run every layer's forward, and its recompute + backward, through layer templates
         (poros/engine/graphs.py): replayed from CUDA graphs with `capture` (what `cuda_graphs: true` selects),
         eagerly without (CPU tests)."""
-        self.templates = LayerTemplates(capture=capture)
+        self.templates = LayerTemplates(capture=capture, compiled=self.cfg.compile)
         self._stop_worker()
         self.runners = self._runners(self.qlora.layers)

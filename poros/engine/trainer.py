@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
@@ -55,6 +57,22 @@ def enable_determinism() -> None:
     """
     set_cublas_workspace()
     torch.use_deterministic_algorithms(True)
+
+
+def enable_deterministic_compile() -> None:
+    """Inductor's deterministic mode, process-wide, for runs with both `deterministic` and `compile`: no
+    benchmark-driven choice between kernels (autotuning, padding), whose winner can change with timing and
+    with it the bits of a compiled layer."""
+    import torch._inductor.config  # deferred: inductor is only imported when a run compiles
+
+    torch._inductor.config.deterministic = True
+
+
+def compile_layers(layers) -> None:
+    """Regional compilation as users run it: every decoder layer `layer.compile()`d (torch.compile of the
+    module's call, so hooks and forward run compiled; the layers of one kind share compiled code)."""
+    for layer in layers:
+        layer.compile()
 
 
 def kernel_refusal(error: BaseException) -> CapabilityError | None:
@@ -107,6 +125,8 @@ class Trainer(abc.ABC):
         check_seq_len(store.config, cfg.seq_len)
         if cfg.deterministic:
             enable_determinism()
+            if cfg.compile:
+                enable_deterministic_compile()
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
@@ -145,8 +165,10 @@ class Trainer(abc.ABC):
 
     def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
         """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
-        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python)."""
-        if self.attention_backends is not None:
+        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python).
+        Compiled layers are not recorded: the recorder, a Python function in place of SDPA, would split each
+        layer's compiled graph at its attention call on that step (and compile it again after)."""
+        if self.attention_backends is not None or self.cfg.compile:
             return self.accumulate(batches)
         with BackendLog() as log:
             losses = self.accumulate(batches)
@@ -227,7 +249,12 @@ class ResidentTrainer(Trainer):
     def _make_model(self) -> QLoRAModel:
         model = QLoRAModel(self.store, self.cfg, self.device)
         model.materialize_resident()
+        if self.cfg.compile:
+            self._compile(model)
         return model
+
+    def _compile(self, model: QLoRAModel) -> None:
+        compile_layers(model.layers)
 
     def _distribute(self) -> None:
         """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
@@ -270,6 +297,8 @@ class ResidentGCTrainer(ResidentTrainer):
 
     def _make_model(self) -> QLoRAModel:
         model = super()._make_model()
+        if self.cfg.compile:
+            return model  # checkpointed around the compiled layers instead (`_compile`)
         checkpointing = {"use_reentrant": False}
         hf = model.hf
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.24; the older name is deprecated
@@ -277,3 +306,12 @@ class ResidentGCTrainer(ResidentTrainer):
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         return model
+
+    def _compile(self, model: QLoRAModel) -> None:
+        """Each layer's call compiled and checkpointed from outside: the same non-reentrant checkpoint, whose
+        forward and recompute run resident's compiled training graph. (The model's own checkpointing sits inside
+        the layer's forward, so `layer.compile()` would trace it into the graph: torch.compile's activation
+        checkpointing, other kernels and other bits than resident's compiled layers.)"""
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpoint, torch.compile(type(layer).forward.__get__(layer)),
+                                              use_reentrant=False)
