@@ -107,7 +107,9 @@ class AllocatorLimit:
     """
 
     def __init__(self, plan: P.Plan, device: torch.device):
-        self.fraction, self.expandable, self.device = None, False, device
+        self.fraction, self.expandable = None, False
+        # set_per_process_memory_fraction takes an index: a bare "cuda" names the current device
+        self.device = device = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
         if device.type != "cuda" or plan.budget is None:
             return
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
