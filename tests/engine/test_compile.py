@@ -27,7 +27,7 @@ def fresh_compile_caches():
 
 
 def compiled(model: str, **settings) -> TrainConfig:
-    return TrainConfig(model=model, seq_len=64, block_size=2, lr=1e-2, compile=True, **settings)
+    return TrainConfig(model=model, seq_len=64, compile=True, **{"block_size": 2, "lr": 1e-2, **settings})
 
 
 def _ok(result) -> str:
