@@ -53,6 +53,15 @@ class Placement(str, enum.Enum):
     SPREAD = "spread"  # streamed layers spread among resident ones: each copy also runs behind resident forwards
 
 
+class LRSchedule(str, enum.Enum):
+    """How the learning rate moves over a run, after `warmup_steps` of linear warm-up
+    (the formulas of Hugging Face's get_{constant,linear,cosine}_schedule_with_warmup; poros/engine/schedule.py)."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"  # linearly to 0 at decay_steps
+    COSINE = "cosine"  # half a cosine to 0 at decay_steps
+
+
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -124,6 +133,44 @@ def positive_number(v):
     return f
 
 
+def non_negative_int(v):
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
+        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, got {_short(v)}")
+    return v
+
+
+def _number(v, what: str, ok: Callable[[float], bool]) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected {what}, got {_short(v)}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"expected a finite {what.removeprefix('a ')}, got {_short(v)}") from None
+    if not math.isfinite(f) or not ok(f):
+        raise ValueError(f"expected {what}, got {_short(v)}")
+    return f
+
+
+def non_negative_number(v):
+    return _number(v, "a finite number >= 0", lambda f: f >= 0)
+
+
+def dropout_share(v):
+    """A share of the inputs zeroed: 0 (off) up to, not including, 1."""
+    return _number(v, "a number from 0 up to (not including) 1", lambda f: 0 <= f < 1)
+
+
+def optional_positive_number(v):
+    if v is None or v == "none":
+        return None
+    if isinstance(v, str):  # as a flag gives it
+        try:
+            v = float(v)
+        except ValueError:
+            raise ValueError(f"expected a number > 0 or none, got {v!r:.80}") from None
+    return _number(v, "a finite number > 0 or none", lambda f: f > 0)
+
+
 def _short(v) -> str:
     """A value as an error shows it: a huge integer by its size, not its 400 digits."""
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**20:
@@ -188,6 +235,7 @@ class Setting:
     metavar: str | None = None
     gpu_only: bool = False  # means nothing without a device (CPU reports leave it out)
     default_help: str | None = None  # how --help words the default, where its value alone says too little
+    report_default: bool = True  # False: a report's configuration table names it only where a run changed it
 
     @property
     def flag(self) -> str:
@@ -224,6 +272,24 @@ SETTINGS: tuple[Setting, ...] = (
             "fused projections such as qkv_proj, gate_up_proj where a model has them)", "LoRA targets",
             metavar="NAMES"),
     Setting("lr", 1e-4, COMPUTED, positive_number, "AdamW learning rate", "Learning rate"),
+    Setting("lr_schedule", LRSchedule.CONSTANT, COMPUTED, one_of(LRSchedule),
+            "learning rate over the run after the warm-up: constant, linear or cosine (both decay to 0 at "
+            "decay_steps)", "LR schedule", report_default=False),
+    Setting("warmup_steps", 0, COMPUTED, non_negative_int,
+            "optimizer steps of linear warm-up from 0 to lr (step s of the warm-up takes lr x s / warmup_steps)",
+            "Warm-up steps", metavar="STEPS", report_default=False),
+    Setting("decay_steps", None, COMPUTED, optional_positive_int,
+            "the optimizer step at which linear and cosine reach 0 (and stay)", "LR decay steps", metavar="STEPS",
+            default_help="poros train: --steps; elsewhere required by linear and cosine", report_default=False),
+    Setting("weight_decay", 0.0, COMPUTED, non_negative_number, "AdamW's decoupled weight decay", "Weight decay",
+            report_default=False),
+    Setting("max_grad_norm", None, COMPUTED, optional_positive_number,
+            "clip the LoRA gradients to this global L2 norm before each optimizer step (after the data-parallel "
+            "all-reduce)", "Gradient clipping (global norm)", metavar="NORM", default_help="none: no clipping",
+            report_default=False),
+    Setting("lora_dropout", 0.0, COMPUTED, dropout_share,
+            "dropout on the LoRA input; each mask is drawn from (seed, step, micro-batch, module), so every method "
+            "and every recompute draws the same one", "LoRA dropout", metavar="P", report_default=False),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
             "shape allows, else memory-efficient, else math)", "Attention"),
@@ -329,8 +395,9 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                                     help=f"turn off {s.flag}")
         else:
             parser.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar or s.name.upper(),
-                                type=int if s.check in (positive_int, seed_int) else
-                                float if s.check is positive_number else str, help=help_)
+                                type=int if s.check in (positive_int, seed_int, non_negative_int) else
+                                float if s.check in (positive_number, non_negative_number, dropout_share) else str,
+                                help=help_)
 
 
 def from_arguments(args) -> dict:

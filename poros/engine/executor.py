@@ -325,6 +325,7 @@ class PorosTrainer(Trainer):
 
     def _forward(self, op: P.Op) -> None:
         i, m, step = op.layer, op.micro, self._step
+        self.dropout_micro(m, len(step.batches))  # a recompute draws its forward's LoRA dropout masks
         if i == 0:
             step.micro = m
             self._run_model(_Pass.PROLOGUE, step.batches[m])
@@ -345,6 +346,7 @@ class PorosTrainer(Trainer):
 
     def _backward(self, op: P.Op) -> None:
         i, m, step = op.layer, op.micro, self._step
+        self.dropout_micro(m, len(step.batches))
         self.buffers.acquire(self.plan.groups[op.group].buffer)
         k = step.backwards = step.backwards + 1
         for key in self._backward_keys[k: k + self.saved.window]:  # offloaded inputs, a window ahead

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from poros.config import TrainConfig
+from poros.engine.dropout import DropoutKeys, key_lora_dropout
 from poros.engine.head import use_chunked_loss
 from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
@@ -107,6 +108,7 @@ class QLoRAModel:
 
             use_chunked_loss(model, cfg.loss_chunk)
         self.hf = model
+        self.dropout_keys = DropoutKeys(cfg.seed)  # what the LoRA dropout masks are drawn from (lora_dropout > 0)
 
     def bind(self, slot: QuantSlot, tensors: SlotTensors) -> None:
         """Point `slot`'s Linear4bit at `tensors` (on the device)."""
@@ -124,12 +126,14 @@ class QLoRAModel:
         lcfg = LoraConfig(
             r=self.cfg.lora_rank,
             lora_alpha=self.cfg.lora_alpha,
-            lora_dropout=0.0,
+            lora_dropout=self.cfg.lora_dropout,
             target_modules=list(self.cfg.lora_targets),
             bias="none",
             task_type="CAUSAL_LM",
         )
         self.peft = get_peft_model(self.hf, lcfg)
+        if self.cfg.lora_dropout > 0:  # peft's nn.Dropout draws from the global generator: keyed masks instead
+            key_lora_dropout(self.peft, self.cfg.lora_dropout, self.dropout_keys)
         gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
         with torch.no_grad():
             for name, p in self.peft.named_parameters():

@@ -22,6 +22,7 @@ from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
 from poros.engine.plan import Plan
 from poros.engine.qlora import QLoRAModel
+from poros.engine.schedule import learning_rate
 from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
 from poros.store.arena import NF4Store
@@ -137,7 +138,8 @@ class Trainer(abc.ABC):
         self.params = self.qlora.lora_parameters()
         # fused: one kernel, no foreach temporaries the size of the AdamW state (HF Trainer's
         # default, adamw_torch_fused); the same optimizer for every method, so parity holds
-        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=cfg.lr, weight_decay=0.0, fused=True)
+        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=learning_rate(cfg, 0),
+                                           weight_decay=cfg.weight_decay, fused=True)
         self.steps_done = 0
         if world.distributed:
             self._distribute()
@@ -168,6 +170,7 @@ class Trainer(abc.ABC):
         (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python).
         Compiled layers are not recorded: the recorder, a Python function in place of SDPA, would split each
         layer's compiled graph at its attention call on that step (and compile it again after)."""
+        self.qlora.dropout_keys.step = self.steps_done
         if self.attention_backends is not None or self.cfg.compile:
             return self.accumulate(batches)
         with BackendLog() as log:
@@ -175,7 +178,33 @@ class Trainer(abc.ABC):
         self.attention_backends = log.seen
         return losses
 
+    def dropout_micro(self, k: int, per_rank: int) -> None:
+        """The LoRA dropout masks drawn from now on are micro-batch `k`'s of this rank's `per_rank`
+        (keyed by its index among every rank's: the masks of a data-parallel run are a single run's)."""
+        self.qlora.dropout_keys.micro = self.world.rank * per_rank + k
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Scale the LoRA gradients to at most `max_grad_norm` in global L2 norm (torch's
+        clip_grad_norm_ arithmetic, one tensor at a time in parameter order: the same bits for every
+        method). The scaled gradients are new tensors: the accumulated ones, which the gate compares,
+        stay as they were. Returns the norm before clipping (None without max_grad_norm)."""
+        if self.cfg.max_grad_norm is None:
+            return None
+        grads = [p.grad for _, p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        scale = torch.clamp(self.cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+        for _, p in self.params:
+            if p.grad is not None:
+                p.grad = p.grad * scale.to(p.grad.device)
+        return norm
+
     def optimizer_step(self) -> None:
+        """Clip, set the step's learning rate (poros/engine/schedule.py), update, drop the gradients.
+        Under data parallelism the gradients are all-reduced already (in `accumulate`)."""
+        self.clip_gradients()
+        lr = learning_rate(self.cfg, self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -278,10 +307,12 @@ class ResidentTrainer(Trainer):
     def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
         """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
         `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
-        if self.ddp is None:
-            return [self.forward_backward(b) for b in batches]
         losses = []
         for k, b in enumerate(batches):
+            self.dropout_micro(k, len(batches))
+            if self.ddp is None:
+                losses.append(self.forward_backward(b))
+                continue
             with self.ddp.no_sync() if k < len(batches) - 1 else contextlib.nullcontext():
                 losses.append(self.forward_backward(b))
         return losses

@@ -34,7 +34,7 @@ from poros.config import BY_NAME, Method, TrainConfig
 from poros.engine.methods import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
 from poros.harness.matrix import load_yaml
-from poros.settings import Attention, Device
+from poros.settings import Attention, Device, LRSchedule
 
 MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
 RUN_KEYS = ("model", "data", "out", "steps", "method", "save_every", "eval_data", "eval_split")
@@ -50,6 +50,7 @@ OTHER_NAMES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps"
                "sequence_len": "seq_len", "max_seq_length": "seq_len", "max_seq_len": "seq_len",
                "save_steps": "save_every", "val_set_size": "eval_split"}
 _FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
+DECAYING = (LRSchedule.LINEAR, LRSchedule.LINEAR.value, LRSchedule.COSINE, LRSchedule.COSINE.value)
 RUN_FILE = "run.yaml"  # the resolved configuration, in the run folder
 
 
@@ -202,8 +203,10 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     values.setdefault("device", Device.CUDA if cuda_available else Device.CPU)
     chosen: tuple[str, ...] = ()
     if _is_cuda(values["device"]):
-        chosen = tuple(k for k in CUDA_DEFAULTS if values.get(k) is None)
+        chosen = tuple(k for k in CUDA_DEFAULTS if values.get(k) is None and not _dropout_without(k, values))
         values.update({k: CUDA_DEFAULTS[k] for k in chosen})
+    if values.get("lr_schedule") in DECAYING and values.get("decay_steps") is None:
+        values["decay_steps"] = values["steps"]  # the schedule decays over the run (run.yaml records it)
     run = {k: values.pop(k) for k in RUN_KEYS if values.get(k) is not None}
     model = run.pop("model")
     if not isinstance(model, str) or not model:
@@ -220,6 +223,12 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     if problems:
         raise ConfigError(problems, "poros train")
     return fc, chosen
+
+
+def _dropout_without(key: str, values: dict) -> bool:
+    """CUDA-graph layers stay off by default under LoRA dropout (a replayed graph draws no new masks)."""
+    p = values.get("lora_dropout")
+    return key == "cuda_graphs" and isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
 
 
 def _is_cuda(device) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from poros.config import COMPUTED_NAMES
+from poros.config import BY_NAME, COMPUTED_NAMES
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
 from poros.engine.methods import make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
@@ -128,11 +129,17 @@ def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
     return before
 
 
+def _as_recorded(value):
+    """A setting's value as config.json records it (TrainConfig.as_dict)."""
+    return value.value if isinstance(value, enum.Enum) else list(value) if isinstance(value, tuple) else value
+
+
 def _check_resume(before: dict, now: dict) -> None:
     """Name every setting whose change would break exactness."""
     diffs = []
-    for k in EXACT_FIELDS:
-        a, b = before["settings"]["train"].get(k), now["settings"]["train"].get(k)
+    for k in EXACT_FIELDS:  # a setting newer than the run reads as its default
+        a = before["settings"]["train"].get(k, _as_recorded(BY_NAME[k].default) if k in BY_NAME else None)
+        b = now["settings"]["train"].get(k)
         if a != b:
             diffs.append(f"{k} {a} (now {b})")
     a, b = before["settings"].get("eval_split"), now["settings"]["eval_split"]
@@ -264,14 +271,19 @@ def eval_loss(trainer, batches) -> float:
     (gradients are None between optimizer steps)."""
     accum = trainer.cfg.grad_accum
     total, count = 0.0, 0
-    for i in range(0, len(batches) - accum + 1, accum):
-        group = [b.to(trainer.device) for b in batches[i : i + accum]]
-        losses = trainer.accumulate(group)
-        for _, p in trainer.params:
-            p.grad = None
-        for b, loss in zip(group, losses):
-            n = int((b.labels[:, 1:] != -100).sum())
-            total, count = total + float(loss) * accum * n, count + n
+    keys = trainer.qlora.dropout_keys
+    keys.enabled = False  # the eval loss is the model's, without LoRA dropout
+    try:
+        for i in range(0, len(batches) - accum + 1, accum):
+            group = [b.to(trainer.device) for b in batches[i : i + accum]]
+            losses = trainer.accumulate(group)
+            for _, p in trainer.params:
+                p.grad = None
+            for b, loss in zip(group, losses):
+                n = int((b.labels[:, 1:] != -100).sum())
+                total, count = total + float(loss) * accum * n, count + n
+    finally:
+        keys.enabled = True
     return total / count
 
 

@@ -320,6 +320,8 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
         if not configs:
             continue
         show = lambda c: s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default)  # noqa: E731
+        if not s.report_default and all(show(c) == s.show(s.default) for c in configs):
+            continue
         if s.kind == COMPUTED:  # a method that ran with its own value (a matrix's method_settings) is named
             by_method: dict = {}
             for c, m in zip(df["config"], df["method"]):
