@@ -84,11 +84,11 @@ def test_the_process_total_covers_the_nvml_peaks_measured(q72):
     rows = list(kept_rows())
     assert len(rows) == 7
     for row in rows:
-        assert row["cuda_graphs"] and row["seq_len"] == 512
+        assert row["config"]["cuda_graphs"] and row["config"]["seq_len"] == 512
         m = P.Memory(**{k: round(v * GB) for k, v in row["predicted_memory_gb"].items()},
                      graph_pool=pool).with_costs(CUDA)
         nvml, reserved = row["peak_vram_nvml_gb"] * GB, row["peak_reserved_gb"] * GB
-        assert m.total >= nvml, (row["vram_budget"], m.total, nvml)
+        assert m.total >= nvml, (row["config"]["vram_budget"], m.total, nvml)
         assert m.allocator >= reserved - 0.1 * GB
         assert m.allocated < nvml  # negative control
 
