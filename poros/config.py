@@ -42,6 +42,9 @@ def _post_init(self) -> None:
                         f"keep_activations; got kept_layers={self.kept_layers} without it")
     if self.cuda_graphs is True and getattr(self.device, "value", self.device) != "cuda":
         problems.append(f"cuda_graphs: needs device cuda, got {getattr(self.device, 'value', self.device)!r}")
+    if self.shard_stream is True and isinstance(self.gpus, int) and self.gpus < 2:
+        problems.append(f"shard_stream: shares each streamed copy among data-parallel ranks, so it needs gpus > 1; "
+                        f"got gpus={self.gpus}")
     if problems:
         raise ConfigError(problems, source="TrainConfig")
 

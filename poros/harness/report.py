@@ -231,6 +231,8 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
         if not configs:
             continue
         shown = [s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default) for c in configs]
+        if s.quiet and set(shown) == {s.show(s.default)}:
+            continue
         out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(shown, "; ")))
     return out
 
