@@ -146,8 +146,8 @@ def _measure_cell(session, cell, cfg, benchmark):
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
 
 
-def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str) -> None:
-    row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan)
+def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:
+    row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan, alone=alone)
     session.writer.append(row)
     benchmark.extra_info.update({k: row[k] for k in (
         "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
@@ -167,6 +167,7 @@ def _measure_ranks(session, cell, cfg, benchmark, gate) -> None:
             "passes": m.passes, "warmup": m.warmup_passes}
     report = run_ranks(spec, cfg.gpus, log=progress)
     meas = Measurement(**report["measurement"])
-    _write(session, cell, cfg, benchmark, gate, meas, report["plan"], report["arch"])
+    alone = Measurement(**report["alone"]) if report.get("alone") else None
+    _write(session, cell, cfg, benchmark, gate, meas, report["plan"], report["arch"], alone)
     if gate is not None:
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"

@@ -12,10 +12,12 @@ EPILOG = """examples:
   poros plan --model qwen2.5-72b --vram-budget 24GB
   poros plan --model qwen3-32b --grad-accum 8 --json
   poros plan --model ./my-checkpoint --seq-len 4096      # config.json alone suffices
+  poros plan --model qwen2.5-72b --gpus 2 --shard-stream  # bytes each rank copies and gathers
 
 Prints which layers stream and which stay resident, the bytes copied host->device per optimizer
 step and the predicted peak device memory by part; --json prints one object (keys include
-h2d_bytes_per_step, peak_vram_bytes, resident_layers, streamed_layers, block_size).
+h2d_bytes_per_step, gathered_bytes_per_step, peak_vram_bytes, resident_layers, streamed_layers,
+block_size; with --gpus N --shard-stream the bytes and the peak are each rank's).
 A budget below the smallest plan is refused, naming the smallest budget that would work.
 """
 
@@ -24,6 +26,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="show the plan (residency, bytes per step, predicted peak) before running",
                        epilog=EPILOG)
     add_train_args(p)
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="data-parallel ranks the plan is for (with --shard-stream: each copies 1/N of every "
+                        "streamed block and all-gathers the rest; default: 1)")
     p.add_argument("--json", action="store_true", help="print the plan's summary as one JSON object")
     p.add_argument("--ops", action="store_true", help="also list the operations of one optimizer step")
     p.set_defaults(run=run)
