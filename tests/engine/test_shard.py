@@ -227,3 +227,24 @@ def test_gpu_shared_stream(model, tmp_path):
     report = launch(tmp_path / "ranks.json", model, "cuda", mode="shard")
     print(report["gate"])
     check_shared_stream(report)
+
+
+@pytest.mark.slow  # a matrix suite under torchrun: minutes on two cores
+def test_a_shared_stream_matrix_row_records_its_bytes_and_scaling(tmp_path):
+    """`gpus: 2, shard_stream: true` on the CPU (gloo): the poros row carries each rank's bytes from the host and
+    from its peer, and `scaling` over rank 0's one-device figure timed in the same run."""
+    from tests.harness.test_bench import TINY, _suite
+
+    matrix = {**TINY, "steps": 1, "passes": 1, "warmup_passes": 0, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
+              "shard_stream": True, "methods": ["poros", "resident"], "models": ["tiny-qwen3"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
+    poros, resident = rows["poros"], rows["resident"]
+    assert poros["parity"] == "PASS" and poros["world_size"] == 2 and poros["shard_stream"] is True
+    assert poros["plan"]["shards"] == 2
+    assert poros["h2d_bytes_per_rank"] == poros["plan"]["h2d_bytes_per_step"] > 0
+    assert poros["gathered_bytes_per_rank"] == poros["plan"]["gathered_bytes_per_step"] > 0
+    alone_tokens = 64 * 2 / poros["alone_s_per_step_median"]  # one device's step: seq x grad_accum
+    assert abs(poros["scaling"] - poros["tokens_per_s"] / alone_tokens) < 1e-9 * poros["scaling"]
+    assert "scaling" not in resident and "gathered_bytes_per_rank" not in resident
