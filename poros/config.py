@@ -15,6 +15,7 @@ from poros.settings import (  # noqa: F401  (re-exported: the config's vocabular
     Accumulation,
     Attention,
     Device,
+    LRSchedule,
     Placement,
     check_values,
 )
@@ -45,8 +46,29 @@ def _post_init(self) -> None:
     if self.shard_stream is True and isinstance(self.gpus, int) and self.gpus < 2:
         problems.append(f"shard_stream: shares each streamed copy among data-parallel ranks, so it needs gpus > 1; "
                         f"got gpus={self.gpus}")
+    if self.cuda_graphs is True and isinstance(self.lora_dropout, float) and self.lora_dropout > 0:
+        problems.append(f"lora_dropout: its masks are drawn per call, which a replayed CUDA graph does not do; "
+                        f"drop cuda_graphs (--no-cuda-graphs) or lora_dropout, got lora_dropout={self.lora_dropout}")
+    problems += _schedule_problems(self)
     if problems:
         raise ConfigError(problems, source="TrainConfig")
+
+
+def _schedule_problems(cfg) -> list[str]:
+    """The learning-rate schedule's settings taken together (each one already checked alone)."""
+    schedule, decay, warmup = cfg.lr_schedule, cfg.decay_steps, cfg.warmup_steps
+    if not isinstance(schedule, LRSchedule) or not isinstance(warmup, int) or not (decay is None or
+                                                                                   isinstance(decay, int)):
+        return []  # named already
+    if schedule is LRSchedule.CONSTANT:
+        return [] if decay is None else [f"decay_steps: only linear and cosine decay; got decay_steps={decay} with "
+                                         "lr_schedule constant (leave it out, or pick linear or cosine)"]
+    if decay is None:
+        return [f"decay_steps: lr_schedule {schedule.value} decays to 0 at decay_steps; give it (poros train takes "
+                "its --steps)"]
+    if warmup >= decay:
+        return [f"warmup_steps: expected fewer than decay_steps ({decay}), got {warmup}"]
+    return []
 
 
 def _replace(self, **changes) -> "TrainConfig":

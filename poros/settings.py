@@ -15,6 +15,7 @@ configuration table labels it. A setting is one of three kinds:
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -50,6 +51,15 @@ class Placement(str, enum.Enum):
 
     TAIL = "tail"  # the last layers: used at the turn from forward to backward, never copied
     SPREAD = "spread"  # streamed layers spread among resident ones: each copy also runs behind resident forwards
+
+
+class LRSchedule(str, enum.Enum):
+    """How the learning rate moves over a run, after `warmup_steps` of linear warm-up
+    (the formulas of Hugging Face's get_{constant,linear,cosine}_schedule_with_warmup; poros/engine/schedule.py)."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"  # linearly to 0 at decay_steps
+    COSINE = "cosine"  # half a cosine to 0 at decay_steps
 
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,22 +102,80 @@ def format_size(n: int | str | None) -> str:
 
 # --- value checkers: return the coerced value or raise ValueError(what was expected, got what) ----
 
+MAX_COUNT = 2**31 - 1  # counts and lengths: torch sizes them in int32 in places (and none is near it)
+MAX_SEED = 2**32 - 1  # seeds are combined with strides of about 2**20 into torch's 64-bit seeds
+
+
 def positive_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0, got {v!r}")
+        raise ValueError(f"expected an integer > 0, got {_short(v)}")
+    if v > MAX_COUNT:
+        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, got {_short(v)}")
     return v
 
 
-def any_int(v):
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"expected an integer, got {v!r}")
+def seed_int(v):
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SEED:
+        raise ValueError(f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {_short(v)}")
     return v
 
 
 def positive_number(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"expected a number > 0, got {v!r}")
-    return float(v)
+    """A finite number > 0 (inf and nan are refused: a step with them writes NaN everywhere)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected a number > 0, got {_short(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond a float's range
+        raise ValueError(f"expected a finite number > 0, got {_short(v)}") from None
+    if not math.isfinite(f) or not f > 0:
+        raise ValueError(f"expected a finite number > 0, got {_short(v)}")
+    return f
+
+
+def non_negative_int(v):
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
+        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, got {_short(v)}")
+    return v
+
+
+def _number(v, what: str, ok: Callable[[float], bool]) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected {what}, got {_short(v)}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"expected a finite {what.removeprefix('a ')}, got {_short(v)}") from None
+    if not math.isfinite(f) or not ok(f):
+        raise ValueError(f"expected {what}, got {_short(v)}")
+    return f
+
+
+def non_negative_number(v):
+    return _number(v, "a finite number >= 0", lambda f: f >= 0)
+
+
+def dropout_share(v):
+    """A share of the inputs zeroed: 0 (off) up to, not including, 1."""
+    return _number(v, "a number from 0 up to (not including) 1", lambda f: 0 <= f < 1)
+
+
+def optional_positive_number(v):
+    if v is None or v == "none":
+        return None
+    if isinstance(v, str):  # as a flag gives it
+        try:
+            v = float(v)
+        except ValueError:
+            raise ValueError(f"expected a number > 0 or none, got {v!r:.80}") from None
+    return _number(v, "a finite number > 0 or none", lambda f: f > 0)
+
+
+def _short(v) -> str:
+    """A value as an error shows it: a huge integer by its size, not its 400 digits."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**20:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return f"{v!r:.80}"
 
 
 def flag(v):
@@ -129,6 +197,8 @@ def one_of(enum_cls: type[enum.Enum]) -> Callable:
 
 
 def module_names(v):
+    if isinstance(v, str):  # q_proj,v_proj as a flag gives it
+        v = [t.strip() for t in v.split(",")]
     if not isinstance(v, (list, tuple)) or not v or not all(isinstance(t, str) and t for t in v):
         raise ValueError(f"expected a non-empty list of module names, got {v!r}")
     return tuple(v)
@@ -144,7 +214,9 @@ def optional_positive_int(v):
     if isinstance(v, str) and v.isdigit():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0 or none, got {v!r}")
+        raise ValueError(f"expected an integer > 0 or none, got {_short(v)}")
+    if v > MAX_COUNT:
+        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
     return v
 
 
@@ -162,7 +234,8 @@ class Setting:
     cli: bool = True  # a flag of `poros parity/plan/train`
     metavar: str | None = None
     gpu_only: bool = False  # means nothing without a device (CPU reports leave it out)
-    quiet: bool = False  # a report leaves it out where every row has its default
+    default_help: str | None = None  # how --help words the default, where its value alone says too little
+    report_default: bool = True  # False: a report's configuration table names it only where a run changed it
 
     @property
     def flag(self) -> str:
@@ -194,28 +267,61 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("grad_accum", 1, COMPUTED, positive_int, "micro-batches per optimizer step", "Gradient accumulation"),
     Setting("lora_rank", 16, COMPUTED, positive_int, "LoRA rank", "LoRA rank"),
     Setting("lora_alpha", 32, COMPUTED, positive_int, "LoRA alpha", "LoRA alpha"),
-    Setting("lora_targets", LORA_TARGETS, COMPUTED, module_names, "modules that get LoRA adapters", "LoRA targets",
-            cli=False),
+    Setting("lora_targets", LORA_TARGETS, COMPUTED, module_names,
+            "modules of the decoder layers that get LoRA adapters, by name, comma-separated (the default also takes "
+            "fused projections such as qkv_proj, gate_up_proj where a model has them)", "LoRA targets",
+            metavar="NAMES"),
     Setting("lr", 1e-4, COMPUTED, positive_number, "AdamW learning rate", "Learning rate"),
+    Setting("lr_schedule", LRSchedule.CONSTANT, COMPUTED, one_of(LRSchedule),
+            "learning rate over the run after the warm-up: constant, linear or cosine (both decay to 0 at "
+            "decay_steps)", "LR schedule", report_default=False),
+    Setting("warmup_steps", 0, COMPUTED, non_negative_int,
+            "optimizer steps of linear warm-up from 0 to lr (step s of the warm-up takes lr x s / warmup_steps)",
+            "Warm-up steps", metavar="STEPS", report_default=False),
+    Setting("decay_steps", None, COMPUTED, optional_positive_int,
+            "the optimizer step at which linear and cosine reach 0 (and stay)", "LR decay steps", metavar="STEPS",
+            default_help="poros train: --steps; elsewhere required by linear and cosine", report_default=False),
+    Setting("weight_decay", 0.0, COMPUTED, non_negative_number, "AdamW's decoupled weight decay", "Weight decay",
+            report_default=False),
+    Setting("max_grad_norm", None, COMPUTED, optional_positive_number,
+            "clip the LoRA gradients to this global L2 norm before each optimizer step (after the data-parallel "
+            "all-reduce)", "Gradient clipping (global norm)", metavar="NORM", default_help="none: no clipping",
+            report_default=False),
+    Setting("lora_dropout", 0.0, COMPUTED, dropout_share,
+            "dropout on the LoRA input; each mask is drawn from (seed, step, micro-batch, module), so every method "
+            "and every recompute draws the same one", "LoRA dropout", metavar="P", report_default=False),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
             "shape allows, else memory-efficient, else math)", "Attention"),
     Setting("deterministic", False, COMPUTED, flag,
             "strict torch.use_deterministic_algorithms for every method (repeatable attention backward; an op "
             "without a deterministic kernel is an error)", "Deterministic algorithms"),
+    Setting("compile", False, COMPUTED, flag,
+            "regional compilation for every method alike: each decoder layer runs as torch.compile builds it "
+            "(`layer.compile()`); compiled bits differ from eager ones, so compiled runs compare only with compiled "
+            "runs", "Compiled decoder layers"),
     Setting("gpus", 1, COMPUTED, positive_int,
             "data-parallel ranks on this host, one per GPU (on the CPU: processes); `poros bench` starts them with "
             "torchrun; each trains its share of every step (world_size x grad_accum micro-batches a step)",
             "Data-parallel ranks", cli=False),
     Setting("loss_chunk", None, COMPUTED, optional_positive_int,
             "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
-            "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike) "
-            "(none: the model's own head)", "Loss chunk (tokens)", metavar="TOKENS"),
+            "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike)",
+            "Loss chunk (tokens)", metavar="TOKENS", default_help="none: the model's own head"),
+    # Off by default: a double-quantized store holds other absmax values (bitsandbytes expands the nested
+    # absmax to float32 before each use, which differs slightly from the original), so the weights and every
+    # result bit differ from a plain store's; off keeps results comparable with runs recorded without it.
+    Setting("double_quant", False, COMPUTED, flag,
+            "quantize the NF4 absmax again as bitsandbytes' compress_statistics does (the QLoRA paper's double "
+            "quantization: the store and every copy about a twelfth smaller; every method alike; a double-quantized "
+            "NF4 checkpoint is then read as it is, without: its absmax expanded to float32)",
+            "Double quantization"),
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
     Setting("vram_budget", None, SCHEDULE, optional_size,
-            "poros: device memory the plan may use (24GB, 40GiB, 300MB or auto); layers that fit stay "
-            "resident, the rest stream (default: stream every layer)", "VRAM budget", metavar="SIZE", gpu_only=True),
+            "poros: device memory the process may use as nvidia-smi counts it (24GB, 40GiB, 300MB, or auto: "
+            "what the card has free); layers that fit stay resident, the rest stream", "VRAM budget", metavar="SIZE",
+            gpu_only=True, default_help="none: stream every layer"),
     Setting("overlap_backward", True, SCHEDULE, flag,
             "poros: enqueue the next layer's recompute while the current layer's backward runs",
             "Overlapped backward"),
@@ -231,8 +337,8 @@ SETTINGS: tuple[Setting, ...] = (
             "memory)", "Kept activations (resident layers)"),
     Setting("kept_layers", None, SCHEDULE, optional_positive_int,
             "poros, with keep_activations: at most this many resident layers keep their activations, spread "
-            "evenly among them; the others recompute (none: every resident layer)", "Kept-activation layers",
-            metavar="N"),
+            "evenly among them; the others recompute", "Kept-activation layers",
+            metavar="N", default_help="none: every resident layer"),
     Setting("placement", Placement.TAIL, SCHEDULE, one_of(Placement),
             "poros, with resident layers: tail (the last layers stay) or spread (the streamed layers spread among "
             "the resident ones, so a copy runs behind resident layers' forward as well as their backward)",
@@ -240,14 +346,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shard_stream", False, SCHEDULE, flag,
             "poros, data-parallel (gpus > 1): each rank copies 1/gpus of every streamed block from host memory "
             "over its own link and the ranks all-gather the rest (same bytes on every rank, fewer over each link)",
-            "Sharded stream (all-gather)", quiet=True),
+            "Sharded stream (all-gather)", report_default=False),
     Setting("accumulation", Accumulation.LAYER, SCHEDULE, one_of(Accumulation),
             "poros, grad_accum > 1: layer (each block loaded once for all micro-batches) or micro "
             "(each micro-batch through the whole model)", "Accumulation order"),
     # where and from what
-    Setting("device", Device.CPU, RUN, one_of(Device), "cpu or cuda (default: cuda when available)", "Device"),
-    Setting("seed", 0, RUN, any_int, "seed of the synthetic weights and the LoRA init", "Seed"),
-    Setting("data_seed", 1234, RUN, any_int, "seed of the synthetic data", "Data seed", cli=False),
+    Setting("device", Device.CPU, RUN, one_of(Device), "cpu or cuda", "Device",
+            default_help="cuda when available, else cpu"),
+    Setting("seed", 0, RUN, seed_int, "seed of the synthetic weights and the LoRA init", "Seed"),
+    Setting("data_seed", 1234, RUN, seed_int, "seed of the synthetic data", "Data seed", cli=False),
     Setting("pin_memory", True, RUN, flag, "page-lock the host store (pageable copies are much slower)",
             "Pinned host store"),
 )
@@ -271,13 +378,20 @@ def check_values(values: dict, where: str = "") -> tuple[dict, list[str]]:
     return out, problems
 
 
-def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None = None) -> None:
-    """Command-line flags for the settings of `kinds` (each flag's default is None: unset)."""
+def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None = None,
+                  default_text: dict | None = None) -> None:
+    """Command-line flags for the settings of `kinds` (each flag's default is None: unset). `defaults`
+    shows other default values, `default_text` words them (a command whose defaults depend on the device)."""
     for s in SETTINGS:
         if not s.cli or s.kind not in kinds:
             continue
-        shown = (defaults or {}).get(s.name, s.default)
-        help_ = f"{s.help} (default: {s.show(shown) if shown is not None else 'none'})"
+        if default_text and s.name in default_text:
+            shown = default_text[s.name]
+        elif defaults and s.name in defaults:
+            shown = s.show(defaults[s.name])
+        else:
+            shown = s.default_help or s.show(s.default)
+        help_ = f"{s.help} (default: {shown})"
         if s.check is flag:
             parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True, help=help_)
             if s.default:  # a flag on by default gets a --no- form
@@ -285,8 +399,9 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                                     help=f"turn off {s.flag}")
         else:
             parser.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar or s.name.upper(),
-                                type=int if s.check in (positive_int, any_int) else
-                                float if s.check is positive_number else str, help=help_)
+                                type=int if s.check in (positive_int, seed_int, non_negative_int) else
+                                float if s.check in (positive_number, non_negative_number, dropout_share) else str,
+                                help=help_)
 
 
 def from_arguments(args) -> dict:

@@ -2,7 +2,7 @@
 # One resumable chunk of the H200 matrix, run on the GPU machine from the repo root, e.g.
 #   scripts/h200_chunk.sh "qwen2.5-32b or qwen3-32b" 20 3
 # MATRIX (default matrices/h200.yaml) and RESULTS (default results/h200) pick another matrix, e.g.
-#   MATRIX=matrices/h200-offload.yaml RESULTS=results/h200-offload scripts/h200_chunk.sh qwen 10 3
+#   MATRIX=matrices/h200-long.yaml RESULTS=results/h200-long scripts/h200_chunk.sh qwen 10 3
 # Finished cells are appended to $RESULTS/results.jsonl and kept when the chunk is cut off by
 # its time budget (BUDGET seconds, default 540); copy that file back into the checkout after each
 # call so the next chunk's --resume skips them. Needs .devpkgs carried (scripts/stage_device.sh).

@@ -8,7 +8,7 @@ Builds the model once; per method runs one warm-up step, then profiles one step 
 JSON line: wall time, the share of it the GPU spent in compute kernels and in host->device copies
 (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
 kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
-kernels by total device time. --variant takes schedule settings as `sweep.py` does. With --out DIR
+kernels by total device time. --variant takes schedule settings (scripts/variant.py). With --out DIR
 the full tables are written there too. On CPU only the wall time and the operator table mean anything.
 """
 
@@ -29,7 +29,7 @@ from poros.config import Method, TrainConfig
 from poros.engine.trainer import enable_determinism
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sweep import echo, parse_variant  # noqa: E402  (one parser for schedule settings)
+from variant import echo, parse_variant  # noqa: E402  (one parser for schedule settings)
 
 
 def _union_us(ranges: list[tuple[float, float]]) -> float:
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--loss-chunk", type=int)
-    p.add_argument("--variant", default="", help="schedule settings for poros, KEY=VALUE,... as in sweep.py")
+    p.add_argument("--variant", default="", help="schedule settings for poros, KEY=VALUE,... (e.g. cuda_graphs=true,vram_budget=24GB)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.deterministic:

@@ -27,7 +27,7 @@ from poros.provenance import provenance
 from poros.engine.trainer import enable_determinism
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sweep import echo, parse_variant  # noqa: E402  (one parser for schedule settings)
+from variant import echo, parse_variant  # noqa: E402  (one parser for schedule settings)
 
 GB = 1e9
 

@@ -14,8 +14,8 @@ Each stage is skipped when its output is already in --out, so a cut-off check co
      NF4 model with peft: no missing or unexpected keys, the same tensors, and a lower eval loss with
      the adapter than without.
 Prints one JSON line per method and a final summary (also OUT/summary.json); exits 0 only if every
-check passes. On the H200 use --attention math (the default here on cuda): cuDNN's and flash's
-attention backward are not run-to-run repeatable there (README, "Running on a GPU").
+check passes. On cuda both runs take poros train's defaults (attention fast under strict determinism,
+repeatable; poros also CUDA-graph layers and vram_budget auto) unless flags here say otherwise.
 
 Under a time limit per command, run it in parts with the same --out (each part reuses what is there):
     python3 scripts/train_gpu_check.py --methods '' --skip-peft       # data and the NF4 checkpoint
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--attention", default=None, help="default: math on cuda, default on cpu")
+    p.add_argument("--attention", default=None, help="default: poros train's (fast, deterministic, on cuda)")
     p.add_argument("--cuda-graphs", action="store_true", help="poros: replay layers from CUDA graphs")
     p.add_argument("--vram-budget", metavar="SIZE", help="poros: device memory its plan may use (e.g. 24GB)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms in both runs")
@@ -110,8 +110,9 @@ def run_method(out: Path, model: Path, method: str, args) -> dict:
         cmd = [sys.executable, "-m", "poros", "train", "--model", str(model), "--data", str(out / "data.jsonl"),
                "--eval-data", str(out / "eval.jsonl"), "--out", str(run), "--steps", str(args.steps),
                "--seq-len", str(args.seq_len), "--lr", repr(args.lr), "--block-size", str(args.block_size),
-               "--method", method, "--device", args.device, "--attention", args.attention,
-               "--save-every", str(max(1, args.steps // 2))]
+               "--method", method, "--device", args.device, "--save-every", str(max(1, args.steps // 2))]
+        if args.attention:  # else poros train's default: on cuda attention fast under strict determinism
+            cmd += ["--attention", args.attention]
         if args.cuda_graphs and method == "poros":
             cmd.append("--cuda-graphs")
         if args.vram_budget and method == "poros":
@@ -199,7 +200,6 @@ def check_peft(model_dir: Path, adapter: Path, eval_path: Path, device: str, seq
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.attention = args.attention or ("math" if args.device == "cuda" else "default")
     methods = [m for m in args.methods.split(",") if m]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,15 +7,28 @@ one compact line (its outcome), the per-step detail only with -v (or in `poros b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
 import pytest
 
-from poros.harness import bench, preflight
-from poros.harness.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, set_progress_writer
+from poros.engine.methods import METHODS, method_unavailable
 from poros.errors import PorosError
-from poros.harness.results import OutputLock, ensure_folder
+from poros.harness import bench, preflight
+from poros.harness.bench import (
+    Cell,
+    ResultsWriter,
+    StoreCache,
+    matrix_cells,
+    matrix_device,
+    model_unavailable,
+    set_progress_writer,
+)
+from poros.harness.results import OutputLock, PassLog, ensure_folder, passes_path
+
+OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
 
 
 def _matrix(config):
@@ -33,6 +46,24 @@ def pytest_configure(config):
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
         config.option.benchmark_json = results.with_name("benchmark.json")
+    config._poros_benchmarks = _earlier_benchmarks(config)
+
+
+def _json_path(config) -> Path | None:
+    target = getattr(config.option, "benchmark_json", None)
+    return Path(target) if isinstance(target, (str, Path)) else None
+
+
+def _earlier_benchmarks(config) -> list[dict]:
+    """With --resume, the benchmarks the earlier runs wrote: pytest-benchmark rewrites its JSON with this
+    session's alone, and they are appended back at the end."""
+    path = _json_path(config)
+    if not config.getoption("--resume") or path is None or not path.is_file():
+        return []
+    try:
+        return json.loads(path.read_text()).get("benchmarks", [])
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return []
 
 
 def pytest_sessionstart(session):
@@ -82,9 +113,18 @@ def _preflight(config) -> None:
     warning = lock.stale_warning()
     if warning:
         bench.progress(warning)
-    warning = ResultsWriter(results).repair()  # appending after a torn line would glue two rows together
+    writer = ResultsWriter(results)
+    warning = writer.repair()  # appending after a torn line would glue two rows together
     if warning:
         bench.progress(warning)
+    if config.getoption("--resume"):
+        preflight.check_resume(writer.rows(), m, results)
+    warning = ResultsWriter(passes_path(results)).repair()
+    if warning:
+        bench.progress(warning)
+    minutes = config.getoption("--max-minutes")
+    if minutes is not None and not minutes > 0:
+        raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
 
 
 def pytest_generate_tests(metafunc):
@@ -93,15 +133,27 @@ def pytest_generate_tests(metafunc):
     _, m = _matrix(metafunc.config)
     gate = metafunc.function.__name__ == "test_parity"
     cells = [c for c in matrix_cells(m) if (c.method is None) == gate]
+    # a matrix without a gate (one method) leaves test_parity no cell: pytest's empty-parameter item
+    # is deselected below
     metafunc.parametrize("cell", cells, ids=[c.id for c in cells])
+
+
+def _cell(item):
+    spec = getattr(item, "callspec", None)
+    cell = spec.params.get("cell") if spec is not None else None
+    return cell if isinstance(cell, Cell) else None
 
 
 def pytest_collection_modifyitems(config, items):
     cells = [c.key for c in matrix_cells(_matrix(config)[1])]
     order = {k: i for i, k in enumerate(cells)}
+    empty = [item for item in items if "cell" in getattr(item, "fixturenames", ()) and _cell(item) is None]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if item not in empty]
 
     def key(item):
-        cell = getattr(item, "callspec", None) and item.callspec.params.get("cell")
+        cell = _cell(item)
         return order.get(cell.key, len(order)) if cell else -1
 
     items.sort(key=key)
@@ -109,20 +161,19 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     config = session.config
-    cells = [item.callspec.params["cell"] for item in session.items if "cell" in getattr(item, "fixturenames", ())]
+    cells = [c for c in map(_cell, session.items) if c is not None]
     config._poros_cells, config._poros_index = len(cells), 0
     m = _matrix(config)[1]
     device = matrix_device(m)
-    runnable = {c.model for c in cells if not c.stack.mismatch() and not bench.model_unavailable(c.model, device)}
+    state = _session(config)
+    why = [state.unrunnable(c) for c in cells]
+    if cells and all(why):  # nothing would run: one line, not a run of skips that exits 0
+        raise pytest.UsageError(f"{m.source}: no selected cell can run here: {why[0]}")
+    runnable = {c.model for c, w in zip(cells, why) if not w}
     try:  # only the models this session will build (-k may select a few)
         preflight.check_host_memory(sorted(runnable), device)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
-
-
-def _cell(item):
-    spec = getattr(item, "callspec", None)
-    return spec.params.get("cell") if spec is not None else None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -147,19 +198,25 @@ def _outcome(item, report) -> str:
         return f"skipped: {reason.removeprefix('Skipped: ')}"
     session = item.funcargs.get("session") if hasattr(item, "funcargs") else None
     if cell.method is None:
-        gate = session.gates.get((cell.model, cell.stack.name)) if session is not None else None
-        if gate is not None and not isinstance(gate, Exception):
-            detail = (f"{gate.method} vs {gate.gate}: {gate.tensors_compared} tensors, "
-                      f"{gate.steps} step{'s' if gate.steps != 1 else ''}")
-            if not gate.ok:
-                detail += f", first mismatch {gate.first_mismatch}, max |diff| {gate.max_abs_diff:.3e}"
-            return f"parity {gate.parity} ({detail}){took}"
+        gates = session.gates.get(cell.gate_key) if session is not None else None
+        outcomes = [(p, g) for p, g in (gates or {}).items() if not isinstance(g, Exception)]
+        if outcomes:
+            parts = []
+            for plan, gate in outcomes:
+                detail = (f"{gate.method} vs {gate.gate}: {gate.tensors_compared} tensors, "
+                          f"{gate.steps} step{'s' if gate.steps != 1 else ''}")
+                if not gate.ok:
+                    detail += f", first mismatch {gate.first_mismatch}, max |diff| {gate.max_abs_diff:.3e}"
+                parts.append(("" if plan is None else f"{plan}: ") + f"parity {gate.parity} ({detail})")
+            return "; ".join(parts) + took
     row = session.writer.last if session is not None else None
-    if row is not None and (row.get("model"), row.get("stack_name"), row.get("method")) != cell.key:
+    if row is not None and bench.row_key(row) != cell.key:
         row = None  # the row of an earlier cell: this one wrote none
     if report.passed and row is not None and row.get("s_per_step_median") is not None:
         vram = f", peak {row['peak_vram_gb']:.2f} GB" if row.get("peak_vram_gb") is not None else ""
         return f"{row['s_per_step_median']:.4f} s/step{vram}{took}"
+    if report.passed and row is not None and not row.get("timed", True):
+        return f"gate {row.get('parity') or 'not gated'}, not timed{took}"
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = crash.message.splitlines()[0] if crash is not None and crash.message else "see the log"
@@ -183,29 +240,91 @@ def pytest_keyboard_interrupt(excinfo):
     bench.end_cell("interrupted")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    state = getattr(session.config, "_poros_session", None)
+    if state is not None and state.stopped and exitstatus == 0:
+        session.exitstatus = OUT_OF_TIME
+
+
 def pytest_unconfigure(config):
+    earlier, path = getattr(config, "_poros_benchmarks", []), _json_path(config)
+    if earlier and path is not None and path.is_file():  # pytest-benchmark has written this session's
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            mine = {b.get("fullname") for b in data.get("benchmarks", [])}
+            data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=4))
+            tmp.replace(path)
     set_progress_writer(None)
     if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
         bench.set_status_writer(None)
 
 
 class Session:
-    """State shared by the cells of one run: matrix, results file, store cache, gate outcomes."""
+    """State shared by the cells of one run: matrix, results file, pass log, store cache, gate outcomes,
+    the time budget."""
 
     def __init__(self, config):
+        self.config = config
         self.full, self.matrix = _matrix(config)
         self.reduced = (self.matrix.steps, self.matrix.passes) != (self.full.steps, self.full.passes)
         given = config.getoption("--parity-steps")  # 0 is refused at session start, never replaced
         self.parity_steps = self.matrix.parity_steps if given is None else given
-        self.writer = ResultsWriter(config.getoption("--results"))
+        results = Path(config.getoption("--results"))
+        self.writer = ResultsWriter(results)
+        self.passlog = PassLog(passes_path(results))
         self.resume = config.getoption("--resume")
+        self.timed = not getattr(config.option, "benchmark_disable", False)
         self.device = matrix_device(self.matrix)
         self.stores = StoreCache(self.device)
-        self.gates: dict[tuple, object] = {}
-        self.total = getattr(config, "_poros_cells", None) or len(matrix_cells(self.matrix))
+        self.gates: dict[tuple, dict] = {}
+        self.cells = matrix_cells(self.matrix)
         self.index = 0
+        self.max_minutes = config.getoption("--max-minutes")
+        self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
+        self.stopped = False  # a cell stopped at the time budget
+
+    @property
+    def total(self) -> int:
+        return getattr(self.config, "_poros_cells", None) or len(self.cells)
+
+    def out_of_time(self) -> bool:
+        return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def unrunnable(self, cell) -> str | None:
+        """Why `cell` cannot run on this machine (None when it can)."""
+        why = cell.stack.mismatch() or model_unavailable(cell.model, self.device)
+        if why or cell.method is None:
+            return why
+        why = method_unavailable(cell.method, self.device)
+        if why:
+            return why
+        gpus = self.matrix.settings_for(cell.model, dict(cell.point), cell.method).get("gpus", 1)
+        if gpus > 1 and not METHODS[cell.method].in_process:
+            return f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods"
+        return None
+
+    @staticmethod
+    def fingerprint(*parts) -> str:
+        """What a cell runs with, hashed: passes and gate outcomes recorded under another are never reused."""
+        text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def cell_fingerprint(self, cell, cfg) -> str:
+        return self.fingerprint(self.matrix.name, cfg.as_dict(), self.matrix.steps)
+
+
+def _session(config) -> Session:
+    if getattr(config, "_poros_session", None) is None:
+        config._poros_session = Session(config)
+    return config._poros_session
 
 
 @pytest.fixture(scope="session")
 def session(request):
-    return Session(request.config)
+    return _session(request.config)

@@ -22,3 +22,4 @@ def requires_module(name: str):
 
 
 requires_bitsandbytes = requires_module("bitsandbytes")
+requires_datasets = requires_module("datasets")  # the `data` extra: pip install -e '.[data]'

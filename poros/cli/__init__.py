@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 import warnings
@@ -14,7 +15,7 @@ from poros.errors import PorosError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
 
-SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train")
+SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate")
 
 # Third-party notices that read like failures to a new user but change nothing Poros does; the
 # command line hides them (`poros bench` keeps pytest's warning summary in its log).
@@ -37,11 +38,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("poros")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="poros",
         description="QLoRA with blockwise residency: benchmark and validate bitwise parity.",
     )
+    parser.add_argument("--version", action="version", version=f"poros {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"poros.cli.{name}").add_parser(sub)
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if launched() and args.command not in RANKED:
             raise PorosError(f"runs as one process, not under torchrun: data-parallel runs are `torchrun ... poros "
-                             f"{' / '.join(RANKED)}`, `scripts/sweep.py` under torchrun, or a matrix's `gpus: N`")
+                             f"{' / '.join(RANKED)}`, or a matrix's `gpus: N`")
         if wants_determinism(args):
             # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
 

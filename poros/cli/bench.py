@@ -21,15 +21,23 @@ from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
 from poros.harness.results import OutputLock, ResultsWriter, ensure_folder, keep_earlier
 
+OUT_OF_TIME = 75  # the suites' exit status when --max-minutes stopped them with cells left
+
 EPILOG = """examples:
   poros bench matrix matrices/cpu.yaml -o out/
-  poros bench matrix matrices/h200.yaml -o out/h200 --steps 20 --passes 3 -k qwen2.5-32b
+  poros bench matrix matrices/h200.yaml -o out/h200 --steps 20 --passes 3 -k model:qwen2.5-32b
+  poros bench matrix matrices/h200.yaml -o out/h200 -k "method:poros and plan:24GB"
   poros bench matrix matrices/h200.yaml -o out/h200 --resume      # continue a killed run
+  poros bench matrix matrices/h200.yaml -o out/h200 --resume --max-minutes 8   # in parts: repeat until exit 0
 
-Writes OUT/results.jsonl (one line per finished cell), OUT/bench.log (the full log),
-OUT/benchmark.json (pytest-benchmark) and OUT/report.md (+ report.png); shows one line per cell.
-An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time
-owns OUT. Exits non-zero if any cell failed, parity FAIL included.
+Cell ids read model:M-stack:S[-SETTING:V...]-method:M[-plan:P] (or gate:parity) and -k selects by any
+part of them. Writes OUT/results.jsonl (one line per finished cell), OUT/passes.jsonl (each timed pass
+and gate outcome as it ends), OUT/bench.log (the full log), OUT/benchmark.json (pytest-benchmark, one
+entry per timed cell, kept across --resume) and OUT/report.md (+ report.png); shows one line per cell.
+An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time owns
+OUT. --resume continues a cell after its last finished pass, and refuses rows measured with other
+settings. Exits 1 if any cell failed (parity FAIL included), 75 when --max-minutes stopped it with
+cells left (run the same command again).
 """
 
 SUITES = Path(__file__).resolve().parent.parent.parent / "suites"
@@ -41,11 +49,16 @@ def add_parser(sub) -> None:
     m = bsub.add_parser("matrix", help="run every cell of a matrix file", epilog=EPILOG)
     m.add_argument("file", help="matrix file or name (cpu, h200, b300, a100)")
     m.add_argument("-o", "--out", default="out", help="output folder (default: out/)")
-    m.add_argument("--steps", type=int, help="steps per pass (reduced run; flagged in the report)")
-    m.add_argument("--passes", type=int, help="timed passes (reduced run; flagged in the report)")
-    m.add_argument("--parity-steps", type=int, help="optimizer steps of the parity gate (default: the matrix's, 3)")
+    m.add_argument("--steps", type=int, help="steps per pass (default: the matrix's; fewer is a reduced run, flagged "
+                                             "in the report)")
+    m.add_argument("--passes", type=int, help="timed passes (default: the matrix's; fewer is a reduced run)")
+    m.add_argument("--parity-steps", type=int, help="optimizer steps of the parity gate (default: the matrix's "
+                                                    "parity_steps)")
     m.add_argument("-k", dest="keyword", help="pytest -k expression over cell ids, e.g. 'qwen2.5-32b and poros'")
-    m.add_argument("--resume", action="store_true", help="skip cells already in OUT/results.jsonl")
+    m.add_argument("--resume", action="store_true",
+                   help="skip cells already in OUT/results.jsonl, continue unfinished ones after their last pass")
+    m.add_argument("--max-minutes", type=float, metavar="MIN",
+                   help="stop between passes before MIN minutes have passed (exit 75; --resume continues)")
     add_reference_argument(m)
     m.set_defaults(run=run)
 
@@ -54,9 +67,9 @@ def command_line(args, resume: bool) -> str:
     """The command that runs this benchmark again (`--resume`: continuing it)."""
     prog = "poros" if Path(sys.argv[0]).name == "poros" else f"{shlex.quote(sys.executable)} -m poros"
     words = ["bench", "matrix", args.file, "-o", args.out]
-    for opt in ("steps", "passes", "parity_steps"):
-        if getattr(args, opt) is not None:
-            words += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+    for opt in ("steps", "passes", "parity_steps", "max_minutes"):
+        if getattr(args, opt, None) is not None:
+            words += [f"--{opt.replace('_', '-')}", f"{getattr(args, opt):g}"]
     if args.keyword:
         words += ["-k", args.keyword]
     if args.reference:
@@ -125,6 +138,8 @@ def _preflight(args):
 
     m = preflight.load_matrix(args.file)
     preflight.check_counts("poros bench", steps=args.steps, passes=args.passes, parity_steps=args.parity_steps)
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {args.max_minutes:g}")
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
@@ -166,14 +181,14 @@ def _run_locked(args, m, out: Path, lock) -> int:
         if warning:
             say(warning)
         preflight.check_resume(writer.rows(), m, results)
-        kept, names = keep_earlier(out, ("benchmark.json",))  # pytest-benchmark would overwrite it
+        kept, names = None, []  # the suites append this run's benchmarks to benchmark.json
     else:
         kept, names = keep_earlier(out)
     if kept is not None:
         say(f"kept the earlier run's {', '.join(names)} in {kept}/")
     argv = [str(SUITES), f"--matrix={resolve_matrix_path(args.file)}", f"--results={results}",
             f"--benchmark-json={out / 'benchmark.json'}", "-p", "no:cacheprovider", "-q", "-rs"]
-    for opt in ("steps", "passes", "parity_steps"):
+    for opt in ("steps", "passes", "parity_steps", "max_minutes"):
         if getattr(args, opt) is not None:
             argv.append(f"--{opt.replace('_', '-')}={getattr(args, opt)}")
     if args.keyword:
@@ -204,7 +219,12 @@ def _run_locked(args, m, out: Path, lock) -> int:
         say(f"poros bench: no cell matched -k {args.keyword!r}" if args.keyword else "poros bench: no cells")
         return 1
     say(f"{tally.summary()} in {time.perf_counter() - t0:.0f} s; full log: {log.path}")
+    if code == OUT_OF_TIME:
+        say(f"poros bench: stopped at the time budget (--max-minutes {args.max_minutes:g}) with cells left; finished "
+            f"passes are kept in {out / 'passes.jsonl'}. Continue with:\n  {command_line(args, resume=True)}")
     if not (results.exists() and ResultsWriter(results).rows()):
+        if code == OUT_OF_TIME:
+            return OUT_OF_TIME
         say("poros bench: no cell produced a result")
         return 1
 

@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
+from poros.errors import PorosError
 from poros.harness.preflight import check_reference, check_report_paths
 from poros.harness.report import (
     OFFICIAL_REFERENCE,
+    failures,
     latest,
     load_results,
     results_table,
     write_report,
 )
-from poros.harness.sweep_report import write_sweep_report
 
 EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md
   poros report out/results.jsonl -o reports/h200.md --reference        # beside the official figures
   poros report out/results.jsonl -o reports/h200.md --reference my_reference.csv
   poros report out/pr.jsonl out/un.jsonl -o reports/b300.md --title "Poros — Official Validation Results"
+  poros report out/results.jsonl -o reports/h200-plans.md --sweep --title "Poros — plans on the H200"
 
-Later files win: a row repeating a (matrix, model, stack, method) cell replaces the earlier one.
+Later files win: a row repeating a (matrix, model, stack, method, plan, sweep point) cell replaces the
+earlier one. Exits 1 when a cell FAILs (a failed run or a parity FAIL), after writing the report.
 --reference alone takes the official validation figures (reports/reference/official.csv, B300 and
 A100); give it after the results files, or name a CSV in that format.
 The PNG is written beside the Markdown (same stem) and linked from it: s/step against peak VRAM,
 or on CPU, where there is no device memory, s/step per model and method. -o must be a .md file
-that is none of the inputs. --sweep renders schedule sweeps (scripts/sweep.py) instead.
+that is none of the inputs.
+--sweep renders a sweep page instead: every row (each poros plan and sweep point, every run and GPU),
+each compared only with the reference of its own run on its own GPU, and a PNG per plot the rows hold
+(STEM-budget: s/step against VRAM over the plans' budgets; STEM-seq, STEM-accum, STEM-gpus: tokens/s
+against sequence length, gradient accumulation and GPUs).
 """
 
 
@@ -49,23 +59,28 @@ def add_parser(sub) -> None:
     add_reference_argument(p)
     p.add_argument("--title", metavar="T", help="title prefix (default: 'Poros — Validation Results')")
     p.add_argument("--sweep", action="store_true",
-                   help="the files are schedule sweeps (scripts/sweep.py): one table of plans, a plot against VRAM")
+                   help="a sweep page: every row, ratios within one run on one GPU, a plot per swept axis")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     reference = reference_path(args.reference)
     check_report_paths(args.results, args.output, reference)  # never over its own input
-    if args.sweep:
-
-        out = write_sweep_report(args.results, args.output, title=args.title)
-        print(f"wrote {out} and {out.with_suffix('.png')}")
-        return 0
+    if reference and args.sweep:
+        raise PorosError("--reference and --sweep: a sweep page has no reference table; leave one out")
     if reference:
         check_reference(reference)
-    out = write_report(args.results, args.output, reference_csv=reference, title=args.title)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    df = latest(load_results(args.results))
-    for hw, g in df.groupby("hardware", sort=False):
-        print(f"\nResults — {hw}\n{results_table(g)}")
+    out = write_report(args.results, args.output, reference_csv=reference, title=args.title, sweep=args.sweep)
+    df = load_results(args.results)
+    if args.sweep:
+        pngs = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", out.read_text())
+        print(f"wrote {out}" + "".join(f", {out.with_name(p)}" for p in pngs))
+    else:
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+        for hw, g in latest(df).groupby("hardware", sort=False):
+            print(f"\nResults — {hw}\n{results_table(g)}")
+    failed = failures(df, sweep=args.sweep)
+    if failed:
+        print(f"poros report: {len(failed)} cell(s) FAIL: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0

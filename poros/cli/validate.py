@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from poros.errors import ConfigError
 from poros.harness import preflight
+from poros.harness.bench import matrix_cells
 
 EPILOG = """examples:
   poros validate matrices/h200.yaml
@@ -33,6 +34,8 @@ def run(args) -> int:
             for p in e.problems:
                 print(f"  - {p}")
             continue
-        cells = len(m.models) * len(m.stacks) * len(m.methods)
-        print(f"ok   {m.source}: {len(m.models)} models × {len(m.stacks)} stacks × {len(m.methods)} methods = {cells} cells")
+        cells = sum(c.method is not None for c in matrix_cells(m))
+        axes = [f"{len(m.models)} models", f"{len(m.stacks)} stacks", f"{len(m.methods)} methods",
+                *([f"{len(m.points())} sweep points"] if m.sweep else []), *([f"{len(m.plans)} poros plans"] if m.plans else [])]
+        print(f"ok   {m.source}: {' × '.join(axes)} = {cells} timed cells")
     return 1 if bad else 0

@@ -188,7 +188,8 @@ def _host_group(world: World):
     return mine
 
 
-def share_store(model, *, seed: int, device: str, world: World, progress: bool | None = None):
+def share_store(model, *, seed: int, device: str, world: World, progress: bool | None = None,
+                double_quant: bool = False):
     """The NF4 store of `model` (a name, folder or poros.models.checkpoint.Source), one copy per host: built (or read)
     by the host's first rank into shared memory and mapped by the others. Without several ranks,
     `build_store` itself.
@@ -198,7 +199,7 @@ def share_store(model, *, seed: int, device: str, world: World, progress: bool |
     """
 
     if not world.distributed:
-        return build_store(model, seed=seed, device=device, progress=progress)
+        return build_store(model, seed=seed, device=device, progress=progress, double_quant=double_quant)
     group, leader = _host_group(world)
     if world.rank == leader:
         shared: list[SharedBytes] = []
@@ -208,7 +209,8 @@ def share_store(model, *, seed: int, device: str, world: World, progress: bool |
             return shared[-1].tensor
 
         try:
-            store, stats = build_store(model, seed=seed, device=device, progress=progress, allocate=allocate)
+            store, stats = build_store(model, seed=seed, device=device, progress=progress, allocate=allocate,
+                                       double_quant=double_quant)
             index, offset, seen = {}, 0, {}
             for name, t in store.dense.items():
                 if t.data_ptr() in seen:
@@ -223,7 +225,7 @@ def share_store(model, *, seed: int, device: str, world: World, progress: bool |
                 t.copy_(store.dense[name])
             store.dense = dense
             meta = {"arena": (shared[0].path, store.nbytes), "dense": (dense_mem.path, offset), "index": index,
-                    "config": store.config, "layers": store.layers, "code": store.code, "source": store.source,
+                    "config": store.config, "layers": store.layers, "code": store.code, "nested_code": store.nested_code, "source": store.source,
                     "buffers": store.buffers, "stats": stats}
         except Exception as e:
             dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=leader, group=group)
@@ -244,7 +246,7 @@ def share_store(model, *, seed: int, device: str, world: World, progress: bool |
     dense = {name: _view(dense_bytes, *where) for name, where in meta["index"].items()}
     stats: BuildStats = meta["stats"]
     store = NF4Store(meta["config"], meta["layers"], arena, dense, meta["code"], source=meta["source"],
-                     buffers=meta["buffers"])
+                     buffers=meta["buffers"], nested_code=meta["nested_code"])
     return store, stats
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import warnings
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,12 +38,14 @@ from poros.engine.buffers import HEAD_KEY, DeviceBuffers, SavedInputs
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall
+from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
-from poros.engine.qlora import QLoRAModel, bind_nf4
+from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.trainer import Trainer
-from poros.errors import CapabilityError
-from poros.store.arena import absmax_view, weight_view
+from poros.engine.trainer import Trainer, compile_layers
+from poros.errors import BudgetError, CapabilityError
+from poros.settings import format_size
+from poros.store.arena import slot_tensors
 
 
 class _Captured(Exception):
@@ -75,20 +77,58 @@ class _Step:
 
 def geometry_of_store(store, cfg) -> P.Geometry:
     """The planner's view of a built store (the same numbers `Geometry.of_config` derives from shapes)."""
-    return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets)
+    return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets, store.double_quant)
 
 
-GRAPH_POOL_WARN = 0.25  # a budget's share beyond which the CUDA graphs' own pool is worth a warning
+def set_allocator_settings(conf: str) -> None:
+    """torch's caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF's syntax), applied now: they hold for every
+    segment the allocator creates afterwards. torch.cuda.memory._set_allocator_settings became
+    torch._C._accelerator_setAllocatorSettings (torch 2.10); neither is public yet."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(conf)
 
 
-def warn_graph_pool(plan: P.Plan) -> None:
-    """A budget holds the allocated peak; CUDA graphs also reserve a pool of their own beside it. Where that
-    pool is a large share of the budget (long context), say so: the device needs both."""
-    if plan.budget and plan.graph_pool > GRAPH_POOL_WARN * plan.budget:
-        warnings.warn(f"under cuda_graphs the layer templates' pool reserves at least {plan.graph_pool / 1e9:.1f} GB "
-                      f"beyond the {plan.budget / 1e9:.1f} GB budget (it holds the allocated peak only); at this "
-                      "length graphs save little: drop cuda_graphs (and overlap_backward) to stay within the budget",
-                      RuntimeWarning, stacklevel=3)
+class AllocatorLimit:
+    """Keeps torch's caching allocator on a CUDA device within what a plan's budget leaves it: the budget less
+    the memory the process holds outside the allocator (`Memory.fixed`: context, NCCL).
+
+    - A per-process memory fraction caps what the allocator reserves, CUDA graphs' pools included: past
+      it, the allocator releases its cached blocks and tries again, and raises out-of-memory where that
+      fails, instead of growing beyond the budget.
+    - Expandable segments (unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF names the setting): one
+      growing mapping per stream instead of hundreds of fixed segments, so a released block returns its
+      pages and fragmentation does not hold memory that the cap would count. They are switched on at
+      run time, not through the environment, because the setting holds for segments created after it
+      and the trainer makes it before its first device allocation: it works for the CLI, scripts and
+      library use alike, whatever touched CUDA first.
+
+    Both are process-wide: `release` restores them, so a trainer built after this one (a parity gate's
+    resident reference) runs on the allocator as it found it.
+    """
+
+    def __init__(self, plan: P.Plan, device: torch.device):
+        self.fraction, self.expandable = None, False
+        # set_per_process_memory_fraction takes an index: a bare "cuda" names the current device
+        self.device = device = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+        if device.type != "cuda" or plan.budget is None:
+            return
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        if "expandable_segments" not in conf:
+            set_allocator_settings("expandable_segments:True")
+            self.expandable = True
+        total = torch.cuda.get_device_properties(device).total_memory
+        self.fraction = min(1.0, max(0.0, (plan.budget - plan.memory.fixed) / total))
+        torch.cuda.set_per_process_memory_fraction(self.fraction, device)
+
+    def release(self) -> None:
+        if self.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.fraction = None
+        if self.expandable:
+            set_allocator_settings("expandable_segments:False")
+            self.expandable = False
 
 
 class PorosTrainer(Trainer):
@@ -115,9 +155,9 @@ class PorosTrainer(Trainer):
     def _make_model(self) -> QLoRAModel:
         self._refuse_shared_kv()
         self.plan = self._given_plan or self._plan_for_device()
-        warn_graph_pool(self.plan)
         if self._check_plan:
             self._refuse_unsafe(self.plan)
+        self.allocator_limit = AllocatorLimit(self.plan, self.device)  # before the first device allocation
         model = self._host_model()
         self._shared_stream()
         self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight,
@@ -125,9 +165,11 @@ class PorosTrainer(Trainer):
         self._bind_weights(model)
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
-        self.templates = LayerTemplates(capture=True) if self.cfg.cuda_graphs else None
+        self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
         self.runners = self._runners(model.layers)
+        if self.cfg.compile:
+            compile_layers(model.layers)
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
         self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
@@ -143,8 +185,8 @@ class PorosTrainer(Trainer):
                                   "a time")
 
     def _plan_for_device(self) -> P.Plan:
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, free, ranks=self.world.size)
+        device = device_memory(self.device) if self.device.type == "cuda" else None
+        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, device, ranks=self.world.size)
 
     def _shared_stream(self) -> None:
         """With copies shared among the ranks: the same plan on every rank, and the gathers' process group."""
@@ -185,15 +227,14 @@ class PorosTrainer(Trainer):
             buf = self.buffers.views[g.buffer]
             for i in g.layers:
                 for slot in self.store.layers[i].slots:
-                    bind_nf4(model.linear4bit[slot.name], weight_view(buf, slot, base=g.start),
-                             absmax_view(buf, slot, base=g.start), model.code, slot.shape)
+                    model.bind(slot, slot_tensors(buf, slot, base=g.start))
 
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""
-        t, worker = self.templates, self._worker
-        recompute = Recompute(layers, worker, self.saved) if t is None else TemplateRecompute(layers, worker,
-                                                                                              self.saved, t)
-        kept = Kept(layers, worker) if t is None else TemplateKept(layers, worker, t)
+        t, worker, compiled = self.templates, self._worker, self.cfg.compile
+        recompute = Recompute(layers, worker, self.saved, compiled) if t is None else TemplateRecompute(
+            layers, worker, self.saved, t, compiled)
+        kept = Kept(layers, worker, compiled) if t is None else TemplateKept(layers, worker, t, compiled)
         return [kept if i in self.plan.kept_layers else recompute for i in range(len(layers))]
 
     def _load_setup(self) -> None:
@@ -254,7 +295,9 @@ class PorosTrainer(Trainer):
     def _run_model(self, what: _Pass, batch):
         self._pass = what
         try:
-            return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
+            # compiled layers only record or hand on here: eagerly (their compiled code is the runners')
+            with torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext():
+                return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
         except _Captured:
             return None
         finally:
@@ -301,6 +344,7 @@ class PorosTrainer(Trainer):
 
     def _forward(self, op: P.Op) -> None:
         i, m, step = op.layer, op.micro, self._step
+        self.dropout_micro(m, len(step.batches))  # a recompute draws its forward's LoRA dropout masks
         if i == 0:
             step.micro = m
             self._run_model(_Pass.PROLOGUE, step.batches[m])
@@ -321,6 +365,7 @@ class PorosTrainer(Trainer):
 
     def _backward(self, op: P.Op) -> None:
         i, m, step = op.layer, op.micro, self._step
+        self.dropout_micro(m, len(step.batches))
         self.buffers.acquire(self.plan.groups[op.group].buffer)
         k = step.backwards = step.backwards + 1
         for key in self._backward_keys[k: k + self.saved.window]:  # offloaded inputs, a window ahead
@@ -338,7 +383,15 @@ class PorosTrainer(Trainer):
     def step(self, batches=None):
         self.buffers.reset_counters()
         self.saved.bytes_d2h = self.saved.bytes_h2d = 0
-        return super().step(batches)
+        try:
+            return super().step(batches)
+        except torch.OutOfMemoryError as e:
+            if self.allocator_limit.fraction is None:
+                raise
+            raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
+                              f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB), and the allocator is held "
+                              "to the budget: give a larger --vram-budget, or drop --cuda-graphs or "
+                              "--keep-activations") from e
 
     def counters(self) -> dict:
         out = self.buffers.counters()
@@ -370,6 +423,7 @@ class PorosTrainer(Trainer):
         release_group(self._gathers)
         self._gathers = None
         super().close()
+        self.allocator_limit.release()  # after the device memory is freed, so nothing allocates past the cap
 
     @contextlib.contextmanager
     def alone(self):
@@ -392,6 +446,6 @@ class PorosTrainer(Trainer):
         """Run every layer's forward, and its recompute + backward, through layer templates
         (poros/engine/graphs.py): replayed from CUDA graphs with `capture` (what `cuda_graphs: true` selects),
         eagerly without (CPU tests)."""
-        self.templates = LayerTemplates(capture=capture)
+        self.templates = LayerTemplates(capture=capture, compiled=self.cfg.compile)
         self._stop_worker()
         self.runners = self._runners(self.qlora.layers)

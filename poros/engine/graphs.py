@@ -21,6 +21,13 @@ The kernels are the ones eager recompute + backward launches, in the same order,
 data, so the result is bitwise the same; the parity gate checks that on the GPU. Without capture
 (`capture=False`, the CPU tests) the template runs eagerly: the same copies in and out, which is
 what the CPU gate verifies.
+
+Compiled layers (`compile`): a template compiles its own copy (`layer.compile()`, as resident does), its
+forward runs the training graph (with autograd, dropped, as poros's eager runners do: poros/engine/runners.py),
+and it runs at least one warm-up call before its capture, so dynamo and inductor compile outside the capture
+and the graph records only the compiled kernels; a replay never re-enters Python, so no guard runs then
+(a template's tensors, shapes and arguments are fixed, which is what the guards would check). A layer whose
+input requires no gradient (the first) is not templated under `compile`: its graph differs from the others'.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from poros.engine.layer_call import LayerCall, hidden_of
 # allocated for good (scripts/memtrace.py traces it) and capture succeeds without them, so none by
 # default. The environment variable is for probes, not a setting.
 WARMUP = int(os.environ.get("POROS_GRAPH_WARMUP", "0"))
+COMPILED_WARMUP = 1  # compiled layers: calls before a capture, so that dynamo and inductor compile outside it
 IGNORED_ATTRS = {"layer_idx", "training"}  # per-layer attributes that do not change the kernels
 
 
@@ -138,7 +146,7 @@ class LayerTemplate:
     the layer's recompute + backward; without, its forward without autograd."""
 
     def __init__(self, layer: nn.Module, capture: bool, pool=None, backward: bool = True,
-                 statics: Statics | None = None):
+                 statics: Statics | None = None, compiled: bool = False):
         shared = {}
         for p in _nf4_params(layer):
             shared[id(p)] = p
@@ -148,6 +156,10 @@ class LayerTemplate:
                 shared[id(m.quant_state)] = m.quant_state
         self.module = copy.deepcopy(layer, shared)
         self.module.__dict__.pop("forward", None)  # the streaming engine's patched forward stays on the original
+        self.module._compiled_call_impl = None  # a compiled original's call, copied as is, would run the original
+        self.compiled = compiled
+        if compiled:
+            self.module.compile()
         self.nf4 = {id(p) for p in _nf4_params(layer)}
         self.capture, self.pool, self.backward = capture, pool, backward
         self.statics = statics or Statics()
@@ -243,8 +255,9 @@ class LayerTemplate:
 
     def _setup(self, x, tensors, grad, skeleton) -> None:
         self.skeleton = skeleton
-        # a leaf of its own (its own .grad) over the shared input's memory
-        self.static_x = self.statics.get("input", x).detach().requires_grad_(self.backward)
+        # a leaf of its own (its own .grad) over the shared input's memory; a compiled forward's requires grad,
+        # as in resident's training graph
+        self.static_x = self.statics.get("input", x).detach().requires_grad_(self.backward or self.compiled)
         self.static_grad = self.statics.get("grad_output", grad) if self.backward else None
         self.static_args = [self.statics.get(("arg", k), t) for k, t in enumerate(tensors)]
         if self.backward:
@@ -273,7 +286,7 @@ class LayerTemplate:
                 self._put(self.static_dx, self.static_x.grad)
             self.static_x.grad = None  # the graph's own gradient buffer is free for the next capture
             return
-        with torch.no_grad():
+        with torch.enable_grad() if self.compiled else torch.no_grad():  # compiled: the training graph, dropped
             out = self._call()
         if isinstance(out, tuple):
             if any(torch.is_tensor(o) for o in _tensors(out[1:], [])):
@@ -298,7 +311,7 @@ class LayerTemplate:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(WARMUP):
+            for _ in range(max(WARMUP, COMPILED_WARMUP if self.compiled else 0)):
                 self._body()
                 self._clear_grads()
         torch.cuda.current_stream().wait_stream(side)
@@ -324,8 +337,9 @@ class KeptTemplate(LayerTemplate):
     Without capture (`capture=False`) both halves run eagerly, with a new autograd graph every forward.
     """
 
-    def __init__(self, layer: nn.Module, capture: bool, pool=None, statics: Statics | None = None):
-        super().__init__(layer, capture, pool, backward=True, statics=statics)
+    def __init__(self, layer: nn.Module, capture: bool, pool=None, statics: Statics | None = None,
+                 compiled: bool = False):
+        super().__init__(layer, capture, pool, backward=True, statics=statics, compiled=compiled)
         self.phase = "forward"
         self.graphs: dict[str, object] = {}
         self.out_h: torch.Tensor | None = None  # the forward's output, its autograd graph kept for backward
@@ -434,8 +448,8 @@ class LayerTemplates:
     runs; its inputs (the static tensors and its own parameters) live outside the pool.
     """
 
-    def __init__(self, capture: bool):
-        self.capture = capture
+    def __init__(self, capture: bool, compiled: bool = False):
+        self.capture, self.compiled = capture, compiled
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.kept_pool = torch.cuda.graph_pool_handle() if capture else None  # kept templates' alone
         self.statics = Statics()
@@ -458,7 +472,8 @@ class LayerTemplates:
             return None
         tpl = self.kept.get((i, m))
         if tpl is None:
-            tpl = self.kept[(i, m)] = KeptTemplate(layer, self.capture, self.kept_pool, statics=self.statics)
+            tpl = self.kept[(i, m)] = KeptTemplate(layer, self.capture, self.kept_pool, statics=self.statics,
+                                                   compiled=self.compiled)
         out = tpl.forward(refs, x, call)
         if out is None:
             self.fallbacks += 1
@@ -481,7 +496,7 @@ class LayerTemplates:
         tpl = self.templates.get(key)
         if tpl is None:
             tpl = self.templates[key] = LayerTemplate(layer, self.capture, self.pool, backward=grad is not None,
-                                                      statics=self.statics)
+                                                      statics=self.statics, compiled=self.compiled)
         out = tpl.run(refs, x, call, grad)
         if out is None:
             self.fallbacks += 1

@@ -66,8 +66,12 @@ def make_trainer(method: Method, store, cfg: TrainConfig, world: World | None = 
 
 def config_for(method: Method, cfg: TrainConfig) -> TrainConfig:
     """The settings `method` runs with: a method the gate does not hold to resident's bits (Unsloth) runs
-    as its users run it, without strict determinism (which would only slow it or refuse its kernels)."""
-    return cfg if METHODS[method].gated or not cfg.deterministic else cfg.replace(deterministic=False)
+    as its users run it, without strict determinism (which would only slow it or refuse its kernels) and
+    without poros's regional `compile` (Unsloth compiles its own kernels and modules, always: its row says
+    compile off, as it never runs torch.compile over stock decoder layers)."""
+    if METHODS[method].gated or not (cfg.deterministic or cfg.compile):
+        return cfg
+    return cfg.replace(deterministic=False, compile=False)
 
 
 def method_unavailable(method: Method, device: str) -> str | None:

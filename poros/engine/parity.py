@@ -13,7 +13,7 @@ from poros.config import Method, TrainConfig
 from poros.engine.distributed import SINGLE, agree, share_store
 from poros.engine.methods import make_trainer
 from poros.engine.trainer import Trainer, deterministic_kernels
-from poros.store.arena import absmax_view, weight_view
+from poros.store.arena import slot_tensors
 
 
 @dataclass
@@ -91,8 +91,12 @@ def compare_base_weights(cmp: Comparator, resident: Trainer, poros: Trainer) -> 
     arena = poros.store.arena
     for slot in poros.store.slots():
         w = resident.qlora.linear4bit[slot.name].weight
-        ok &= cmp.equal(f"{slot.name}.weight", w.data, weight_view(arena, slot))
-        ok &= cmp.equal(f"{slot.name}.weight.absmax", w.quant_state.absmax, absmax_view(arena, slot))
+        t, state = slot_tensors(arena, slot), w.quant_state
+        ok &= cmp.equal(f"{slot.name}.weight", w.data, t.weight)
+        ok &= cmp.equal(f"{slot.name}.weight.absmax", state.absmax, t.absmax)
+        if slot.double_quant:
+            ok &= cmp.equal(f"{slot.name}.weight.nested_absmax", state.state2.absmax, t.nested_absmax)
+            ok &= cmp.equal(f"{slot.name}.weight.offset", state.offset, t.offset)
     return ok
 
 
@@ -227,7 +231,8 @@ def parity(
 
     world = world or SINGLE
     if store is None:
-        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world, progress=progress)
+        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world, progress=progress,
+                               double_quant=cfg.double_quant)
     method = reference if control else method
     if sequential:
         if mutate is not None:

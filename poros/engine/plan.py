@@ -106,14 +106,15 @@ class Geometry:
         return len(self.layer_starts)
 
     @classmethod
-    def of_config(cls, name: str, config, lora_targets) -> "Geometry":
+    def of_config(cls, name: str, config, lora_targets, double_quant: bool = False) -> "Geometry":
+        """From `config`'s shapes; `double_quant`: the store's slots are double-quantized (smaller)."""
         from torch import nn
 
 
         model = skeleton(config)
         list_name, layers = decoder_layers(model)
         linears = [layer_linears(layer, f"{list_name}.{i}") for i, layer in enumerate(layers)]
-        layouts, _ = plan_layout(linears)
+        layouts, _ = plan_layout(linears, double_quant)
         head = model.get_output_embeddings().weight
         lora = tuple(a + b for layer in linears for n, (b, a) in layer if n.rsplit(".", 1)[-1] in lora_targets)
         dense = 0
@@ -153,11 +154,64 @@ HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
 # the softmax's row sums (float32 per token x head). It matters at long context only
 # (tests/engine/test_plan.py holds it to the peaks in results/h200-reserved-memory).
 FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
+# The CUDA graphs' private pool holds one layer's recompute and backward intermediates as captured, plus what
+# the captures do not share (each graph's own outputs, blocks freed on one capture's stream), in percent of
+# one layer's transient bytes: fitted to the pools' reserved bytes in results/h200-reserved-memory, rounded up
+# (tests/engine/test_budget.py holds it to them).
+GRAPH_POOL_PER_LAYER = 115
+
+
+# What a CUDA process holds beside its tensors, which a budget (what nvidia-smi shows for the process) counts
+# too. CUDA_CONTEXT: the context, the kernel modules loaded as the step first runs them and the library handles
+# (cuBLAS with CUBLAS_WORKSPACE_CONFIG :4096:8, cuDNN, flash attention), taken as NVML's peak for the process
+# less torch's reserved peak in the H200 rows of results/h200-kept-activations, rounded up to a whole GB; the
+# workspaces themselves come from torch's allocator, so the allocator's share below holds them. Where a
+# device exists the executor measures the context at run time and plans for the larger of the two.
+CUDA_CONTEXT = 10**9
+# NCCL_BUFFERS: what a data-parallel rank's NCCL communicator allocates outside torch's allocator (its
+# channels' buffers: NCCL_BUFFSIZE, 4 MiB, for each channel, peer and protocol, plus its work queues),
+# an estimate from NCCL's default channel count on one host, not a measurement: rows of data-parallel runs
+# record the NVML peak beside the reserved one, which checks it.
+NCCL_BUFFERS = 5 * 10**8
+# ALLOCATOR_SLACK: the caching allocator's reserve beyond what it has handed out (page rounding, blocks
+# cached on one stream that another cannot use, holes between live blocks), as a share of the allocator's
+# planned bytes. The executor holds the allocator to the budget less the fixed costs (a per-process memory
+# fraction, expandable segments), so past that share it releases its cache and maps again instead of
+# growing; the slack keeps that rare (results/h200-reserved-memory: reserved against allocated peaks).
+ALLOCATOR_SLACK = 0.05
+
+
+@dataclass(frozen=True)
+class ProcessCosts:
+    """What a run's process holds on its device beside the allocator's memory (none on the CPU)."""
+
+    context: int = 0  # CUDA context, kernel modules, library handles
+    nccl: int = 0  # NCCL's buffers (data-parallel ranks)
+    slack: float = 0.0  # the allocator's reserve, a share of its planned bytes
+
+    @classmethod
+    def cuda(cls, ranks: int = 1, measured_context: int | None = None) -> "ProcessCosts":
+        """A CUDA process's: the context as measured where that is larger than CUDA_CONTEXT."""
+        return cls(context=max(CUDA_CONTEXT, measured_context or 0), nccl=NCCL_BUFFERS if ranks > 1 else 0,
+                   slack=ALLOCATOR_SLACK)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory as the run found it (poros/engine/nvml.py `device_memory`), bytes."""
+
+    total: int
+    free: int  # what no process holds
+    process: int = 0  # what this process holds already (NVML; 0 where NVML does not list it)
+    context: int | None = None  # of which not torch's allocator's: the context so far (None: not measured)
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Predicted peak device memory, by part (bytes)."""
+    """Predicted peak device memory of the process, by part (bytes): the allocator's tensors (`allocated`,
+    what torch.cuda.max_memory_allocated measures), the CUDA graphs' pool and the allocator's reserve
+    (with them, what torch.cuda.max_memory_reserved measures), and the fixed costs beside the allocator
+    (with all, `total`: what NVML and nvidia-smi show for the process, and what a budget holds)."""
 
     weight_buffers: int  # streamed groups' buffers (and the lm_head pad)
     resident_weights: int  # resident layers and a resident lm_head
@@ -167,16 +221,46 @@ class Memory:
     transient: int  # the larger of the head and one (two, overlapped) layers' backward
     templates: int = 0  # CUDA-graph layer templates: LoRA copies of resident layers' own, shared static tensors
     kept_activations: int = 0  # activations resident layers keep from forward to backward (keep_activations)
+    # under CUDA graphs the layer templates' intermediates live in the graphs' private pool: reserved, never
+    # counted as allocated; at least one layer's recompute and backward
+    graph_pool: int = 0
+    allocator_reserve: int = 0  # the caching allocator's reserve beyond its tensors and pool (ALLOCATOR_SLACK)
+    context: int = 0  # CUDA context, kernel modules, library handles (CUDA_CONTEXT or as measured)
+    nccl: int = 0  # NCCL's buffers, outside torch's allocator (NCCL_BUFFERS)
+
+    @property
+    def allocated(self) -> int:
+        """The allocator's peak of live tensors."""
+        return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
+                + self.transient + self.templates + self.kept_activations)
+
+    @property
+    def allocator(self) -> int:
+        """What torch's allocator may reserve: its tensors, the graphs' pool and its reserve; the executor
+        holds it to this (plus what the budget leaves over)."""
+        return self.allocated + self.graph_pool + self.allocator_reserve
+
+    @property
+    def fixed(self) -> int:
+        """The process's device memory outside torch's allocator."""
+        return self.context + self.nccl
 
     @property
     def total(self) -> int:
-        return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
-                + self.transient + self.templates + self.kept_activations)
+        """The process's device memory as the driver counts it (nvidia-smi, NVML)."""
+        return self.allocator + self.fixed
 
     def parts(self) -> dict:
         return {"weight_buffers": self.weight_buffers, "resident_weights": self.resident_weights, "lora": self.lora,
                 "dense": self.dense, "saved_inputs": self.saved_inputs, "transient": self.transient,
-                "templates": self.templates, "kept_activations": self.kept_activations}
+                "templates": self.templates, "kept_activations": self.kept_activations,
+                "graph_pool": self.graph_pool, "allocator_reserve": self.allocator_reserve,
+                "context": self.context, "nccl": self.nccl}
+
+    def with_costs(self, costs: ProcessCosts) -> "Memory":
+        """These tensors and pool in a process with `costs`."""
+        reserve = -(-int(costs.slack * 1000) * (self.allocated + self.graph_pool) // 1000)
+        return replace(self, allocator_reserve=reserve, context=costs.context, nccl=costs.nccl)
 
 
 def lora_bytes(geo: Geometry, rank: int) -> int:
@@ -245,9 +329,6 @@ class Plan:
     # resident layers that keep their activations from forward to backward: no recompute, resident
     # QLoRA's own forward with autograd and its backward from the kept output
     kept_layers: tuple[int, ...] = ()
-    # under CUDA graphs the layer templates' intermediates live in the graphs' private pool: reserved, not
-    # allocated, so outside the peak a budget holds; at least one layer's recompute and backward
-    graph_pool: int = 0
     # data-parallel ranks that share every streamed copy (shard_stream): each loads one contiguous share of
     # a group's (or the streamed lm_head's) bytes and a gather brings the others'; 1: each rank copies all
     shards: int = 1
@@ -262,6 +343,10 @@ class Plan:
 
     def gathered_size(self, nbytes: int) -> int:
         return gathered_size(nbytes, self.shards)
+
+    @property
+    def graph_pool(self) -> int:
+        return self.memory.graph_pool
 
     @property
     def resident_layers(self) -> list[int]:
@@ -323,8 +408,9 @@ class Plan:
             "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
             "shards": self.shards, "gathered_bytes_per_step": self.gathered_bytes_per_step,
-            "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.total,
-            "memory": self.memory.parts(), "vram_budget": self.budget, "graph_pool_bytes": self.graph_pool,
+            "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.allocated,
+            "process_vram_bytes": self.memory.total, "memory": self.memory.parts(), "vram_budget": self.budget,
+            "graph_pool_bytes": self.graph_pool,
             "buffers": [{"index": b.index, "bytes": b.nbytes, "resident": b.resident} for b in self.buffers],
         }
 
@@ -473,33 +559,44 @@ class PlanRequest:
     deterministic: bool = False
     resident_layers: int = 0
     head_resident: bool | None = None  # None: resident unless two buffers rotate
-    budget: int | None = None  # bytes; recorded on the plan (and what `plan_for_budget` fits)
+    budget: int | None = None  # bytes of the process's device memory; recorded on the plan, fitted by `plan_for_budget`
+    process: ProcessCosts = ProcessCosts()  # what the process holds beside the allocator's tensors
     shards: int = 1  # ranks sharing every streamed copy (shard_stream); see Plan.shards
 
     @classmethod
-    def of_config(cls, cfg, free_bytes: int | None = None, ranks: int | None = None) -> "PlanRequest":
-        """The request `cfg` (a TrainConfig) makes; `free_bytes` is the device's free memory, which a
-        `vram_budget: auto` plans a share (AUTO_SHARE) of; `ranks`, the data-parallel ranks running it
-        (default `cfg.gpus`), share every streamed copy under `shard_stream`.
+    def of_config(cls, cfg, device: DeviceMemory | None = None, ranks: int | None = None) -> "PlanRequest":
+        """The request `cfg` (a TrainConfig) makes: on a CUDA device for the whole process (its context measured
+        in `device` where given, NCCL's buffers for several ranks); `vram_budget: auto` is what `device` has
+        free (`auto_budget`); `ranks`, the data-parallel ranks running it (default `cfg.gpus`), share every
+        streamed copy under `shard_stream`.
 
         Raises:
             CapabilityError: `vram_budget: auto` without a device to measure.
         """
         budget = cfg.vram_budget
         if budget == "auto":
-            if free_bytes is None:
+            if device is None:
                 raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
-            budget = int(free_bytes * AUTO_SHARE)
+            budget = auto_budget(device)
+        ranks = ranks or cfg.gpus
+        cuda = getattr(cfg.device, "value", cfg.device) == "cuda"
+        process = ProcessCosts.cuda(ranks, device.context if device else None) if cuda else ProcessCosts()
         return cls(block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
                    seq_len=cfg.seq_len, batch_size=cfg.batch_size, lora_rank=cfg.lora_rank,
                    attention=cfg.attention.value, overlap_backward=cfg.overlap_backward, cuda_graphs=cfg.cuda_graphs,
                    offload_inputs=True if cfg.offload_inputs else None, loss_chunk=cfg.loss_chunk or 0,
                    keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
-                   deterministic=cfg.deterministic, budget=budget,
-                   shards=(ranks or cfg.gpus) if getattr(cfg, "shard_stream", False) else 1)
+                   deterministic=cfg.deterministic, budget=budget, process=process,
+                   shards=ranks if getattr(cfg, "shard_stream", False) else 1)
 
 
-AUTO_SHARE = 0.9  # `vram_budget: auto` plans for this share of the device's free memory
+AUTO_HEADROOM = 0.02  # share of the device's memory `vram_budget: auto` leaves free (others' growth, the driver's)
+
+
+def auto_budget(device: DeviceMemory) -> int:
+    """`vram_budget: auto`: what the card has free for this process (its free memory and what this process
+    holds already), less AUTO_HEADROOM of the card."""
+    return max(0, device.free + device.process - int(AUTO_HEADROOM * device.total))
 
 
 def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
@@ -563,10 +660,11 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         templates=((resident_layers - len(kept)) * template_bytes(geo, r.lora_rank)
                    + len(kept) * live * (template_bytes(geo, r.lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
-        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention))
+        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention),
+        graph_pool=-(-layer_t * GRAPH_POOL_PER_LAYER // 100) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
-                one_input, window, kept, graph_pool=layer_t if graphs else 0, shards=shards)
+                one_input, window, kept, shards=shards)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
@@ -589,16 +687,18 @@ def resident_memory(geo: Geometry, request: PlanRequest) -> int:
             + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
 
 
-def make_plan(geo: Geometry, cfg, free_bytes: int | None = None, ranks: int | None = None) -> Plan:
-    """The plan a TrainConfig `cfg` asks for: every layer streamed, or the fastest that fits `cfg.vram_budget`
-    (`free_bytes`: the device's free memory, for `vram_budget: auto`; `ranks`: the data-parallel ranks that
-    run it, default `cfg.gpus`)."""
-    request = PlanRequest.of_config(cfg, free_bytes, ranks)
+def make_plan(geo: Geometry, cfg, device: DeviceMemory | None = None, ranks: int | None = None) -> Plan:
+    """The plan a TrainConfig `cfg` asks for: every layer streamed, or the fastest whose process fits
+    `cfg.vram_budget` (`device`: the CUDA device as the run found it, for its context and `vram_budget: auto`;
+    `ranks`: the data-parallel ranks that run it, default `cfg.gpus`)."""
+    request = PlanRequest.of_config(cfg, device, ranks)
     return build_plan(geo, request) if request.budget is None else plan_for_budget(geo, request)
 
 
 def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
-    """The plan that copies the fewest bytes per step and whose predicted peak fits `request.budget`: the
+    """The plan that copies the fewest bytes per step and whose process's predicted peak (`Memory.total`: the
+    allocator's tensors, the CUDA graphs' pool, the allocator's reserve and the fixed costs) fits
+    `request.budget`: the
     lm_head resident first (it saves its own copy and a reload), then as many layers as fit (placed as
     `placement` says: from the last one down, or spread), with the largest block size up to `block_size`
     that fits; saved inputs where `offload_inputs` says, or (None) wherever copies fewer bytes.
@@ -626,11 +726,19 @@ def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
         if fit is not None and (best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step):
             best = fit
     if best is None:
+        m = smallest.memory
+        beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
+                  m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
+        graphs = " or drop --cuda-graphs" if m.graph_pool else ""
         raise BudgetError(f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name} "
-                          f"({format_size(smallest.memory.total)} predicted: block size {smallest.block_size}, "
-                          f"every layer streamed, saved inputs in host memory); use --vram-budget {_size_at_least(smallest.memory.total)} "
-                          f"or more, or a shorter --seq-len")
+                          f"({gb(m.total)} for the process: {gb(m.allocated)} of tensors with block size {smallest.block_size}, "
+                          f"every layer streamed, saved inputs in host memory" + "".join(f", {b}" for b in beside)
+                          + f"); use --vram-budget {_size_at_least(m.total)} or more, or a shorter --seq-len{graphs}")
     return best
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 def _size_at_least(n: int) -> str:
@@ -768,9 +876,16 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+BESIDE_TENSORS = {  # the parts of a process's device memory that are not the allocator's tensors
+    "graph_pool": "reserved by CUDA graphs: the layer templates' intermediates",
+    "allocator_reserve": "the caching allocator's reserve beyond its tensors",
+    "context": "CUDA context, kernel modules, library handles",
+    "nccl": "NCCL's buffers",
+}
+
+
 def describe(plan: Plan) -> str:
-    """`poros plan`'s text: residency, bytes per step and the predicted peak by part."""
-    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    """`poros plan`'s text: residency, bytes per step and the process's predicted peak by part."""
     res, st = plan.resident_layers, plan.streamed_layers
     span = lambda xs: "none" if not xs else f"{_ranges(xs)} ({len(xs)})"  # noqa: E731
     lines = [
@@ -787,11 +902,12 @@ def describe(plan: Plan) -> str:
            f"block from host memory (above: rank 0's) and all-gathers {gb(plan.gathered_bytes_per_step)} per "
            "optimizer step from the others, in place into the stream buffers"] if plan.shards > 1 else []),
         f"  saved layer inputs: {'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
-        f"  predicted peak device memory: {gb(plan.memory.total)}"
-        + (f" (budget {format_size(plan.budget)})" if plan.budget else ""),
     ]
-    lines += [f"    {k:17s} {gb(v)}" for k, v in plan.memory.parts().items()]
-    if plan.graph_pool:
-        lines.append(f"  CUDA-graph pool: at least {gb(plan.graph_pool)} more reserved (the layer templates' "
-                     "intermediates: held by the graphs, not allocated, so not in the peak above)")
+    m = plan.memory
+    parts = m.parts()
+    lines.append(f"  predicted peak device memory of the process: {gb(m.total)}"
+                 + (f" (budget {format_size(plan.budget)})" if plan.budget else ""))
+    lines.append(f"    {'tensors':21s} {gb(m.allocated)} (allocated)")
+    lines += [f"      {k:19s} {gb(v)}" for k, v in parts.items() if k not in BESIDE_TENSORS]
+    lines += [f"    {k:21s} {gb(parts[k])} ({what})" for k, what in BESIDE_TENSORS.items() if parts[k]]
     return "\n".join(lines)

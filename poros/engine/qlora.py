@@ -8,9 +8,12 @@ import torch
 from torch import nn
 
 from poros.config import TrainConfig
+from poros.engine.dropout import DropoutKeys, key_lora_dropout
 from poros.engine.head import use_chunked_loss
+from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
-from poros.store.arena import NF4_BLOCKSIZE, NF4Store, absmax_view, weight_view
+from poros.store.arena import NF4_BLOCKSIZE, NF4Store, QuantSlot, SlotTensors, slot_tensors
+from poros.store.quantize import quant_state
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -19,7 +22,7 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def _to_linear4bit(list_name: str, layers: nn.ModuleList) -> dict[str, nn.Module]:
+def _to_linear4bit(list_name: str, layers: nn.ModuleList, double_quant: bool) -> dict[str, nn.Module]:
     """Swap every nn.Linear inside the decoder layers for a (still empty) bnb Linear4bit."""
     import bitsandbytes as bnb
 
@@ -34,7 +37,7 @@ def _to_linear4bit(list_name: str, layers: nn.ModuleList) -> dict[str, nn.Module
                 bias=m.bias is not None,
                 compute_dtype=torch.bfloat16,
                 quant_type="nf4",
-                compress_statistics=False,
+                compress_statistics=double_quant,
                 device="meta",
             )
             owner, _, leaf = name.rpartition(".")
@@ -43,25 +46,19 @@ def _to_linear4bit(list_name: str, layers: nn.ModuleList) -> dict[str, nn.Module
     return swapped
 
 
-def bind_nf4(module: nn.Module, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape) -> None:
-    """Point a Linear4bit at NF4 bytes (a private copy for resident, a block-buffer view for poros)."""
+def bind_nf4(module: nn.Module, tensors: SlotTensors, code: torch.Tensor, nested_code: torch.Tensor | None,
+             shape) -> None:
+    """Point a Linear4bit at one NF4 matrix's tensors (private copies for resident, views of a block buffer for
+    poros), with the QuantState bitsandbytes gives such a linear (double-quantized: its nested state)."""
     import bitsandbytes as bnb
-    from bitsandbytes.functional import QuantState
 
-    state = QuantState(
-        absmax=absmax,
-        shape=torch.Size(shape),
-        code=code,
-        blocksize=NF4_BLOCKSIZE,
-        quant_type="nf4",
-        dtype=torch.bfloat16,
-    )
+    state = quant_state(tensors, code, nested_code, shape)
     module.weight = bnb.nn.Params4bit(
-        packed,
+        tensors.weight,
         requires_grad=False,
         quant_state=state,
         blocksize=NF4_BLOCKSIZE,
-        compress_statistics=False,
+        compress_statistics=state.nested,
         quant_type="nf4",
         module=module,
         bnb_quantized=True,
@@ -84,10 +81,14 @@ class QLoRAModel:
     """
 
     def __init__(self, store: NF4Store, cfg: TrainConfig, device: torch.device, host_io: bool = False):
+        if store.double_quant != cfg.double_quant:
+            raise ConfigError([f"double_quant: the run asks for {cfg.double_quant}, the store of {store.source} was "
+                               f"built with {store.double_quant}; build it with build_store(..., "
+                               f"double_quant={cfg.double_quant})"], source="TrainConfig")
         self.store, self.cfg, self.device = store, cfg, torch.device(device)
         model = skeleton(store.config)
         self.list_name, self.layers = decoder_layers(model)
-        self.linear4bit = _to_linear4bit(self.list_name, self.layers)
+        self.linear4bit = _to_linear4bit(self.list_name, self.layers, store.double_quant)
         # host_io: embeddings and lm_head stay in host memory (the streaming engine moves them)
         self.host_names = io_param_names(model) if host_io else set()
         for name, t in store.dense.items():
@@ -102,17 +103,21 @@ class QLoRAModel:
                 if buf is not None and not buf.is_meta:
                     module._buffers[bname] = buf.to(self.device)
         self.code = store.code.to(self.device)
+        self.nested_code = None if store.nested_code is None else store.nested_code.to(self.device)
         if cfg.loss_chunk is not None:  # before the LoRA wrapper, which calls the model's forward
 
             use_chunked_loss(model, cfg.loss_chunk)
         self.hf = model
+        self.dropout_keys = DropoutKeys(cfg.seed)  # what the LoRA dropout masks are drawn from (lora_dropout > 0)
+
+    def bind(self, slot: QuantSlot, tensors: SlotTensors) -> None:
+        """Point `slot`'s Linear4bit at `tensors` (on the device)."""
+        bind_nf4(self.linear4bit[slot.name], tensors, self.code, self.nested_code, slot.shape)
 
     def materialize_resident(self) -> None:
         """Ordinary QLoRA: every NF4 matrix copied to the device as its own tensors."""
         for slot in self.store.slots():
-            packed = weight_view(self.store.arena, slot).to(self.device, copy=True)
-            absmax = absmax_view(self.store.arena, slot).to(self.device, copy=True)
-            bind_nf4(self.linear4bit[slot.name], packed, absmax, self.code, slot.shape)
+            self.bind(slot, slot_tensors(self.store.arena, slot).to(self.device))
 
     def add_lora(self) -> nn.Module:
         """Wrap with peft LoRA and initialise adapters from cfg.seed, independent of device."""
@@ -121,12 +126,14 @@ class QLoRAModel:
         lcfg = LoraConfig(
             r=self.cfg.lora_rank,
             lora_alpha=self.cfg.lora_alpha,
-            lora_dropout=0.0,
+            lora_dropout=self.cfg.lora_dropout,
             target_modules=list(self.cfg.lora_targets),
             bias="none",
             task_type="CAUSAL_LM",
         )
         self.peft = get_peft_model(self.hf, lcfg)
+        if self.cfg.lora_dropout > 0:  # peft's nn.Dropout draws from the global generator: keyed masks instead
+            key_lora_dropout(self.peft, self.cfg.lora_dropout, self.dropout_keys)
         gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
         with torch.no_grad():
             for name, p in self.peft.named_parameters():

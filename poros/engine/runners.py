@@ -10,6 +10,12 @@
                   the same through layer templates (poros/engine/graphs.py), replayed from CUDA graphs
                   under capture; a call a template declines runs as the eager runner runs it.
 
+With compiled layers (`compile`) a layer's first forward runs the graph resident's forward runs: inductor
+compiles a layer called with autograd (its training graph) into other kernels than one called without (its
+inference graph), with other bits, so the Recompute forward runs with autograd and drops what it kept; and a
+layer's input requires grad exactly where resident's does (not the first layer's, which the frozen embeddings
+feed), as the graph also depends on that.
+
 Every runner keys its state by (layer, micro-batch). `backward` takes `grad`, a function giving the
 gradient at the layer's output (it waits for the backward before this one), and returns a pending
 result whose `result()` is the gradient at the layer's input.
@@ -43,10 +49,21 @@ class Done:
 
 class Runner(abc.ABC):
     """The common interface: `forward` returns the layer's output hidden state, `backward` a pending
-    gradient at its input; `len` counts the (layer, micro-batch) states held between the two."""
+    gradient at its input; `len` counts the (layer, micro-batch) states held between the two.
 
-    def __init__(self, layers: nn.ModuleList, worker: ThreadPoolExecutor | None):
-        self.layers, self.worker = layers, worker
+    Args:
+        compiled: the layers are compiled (`compile`): forwards run resident's graph (see above).
+    """
+
+    def __init__(self, layers: nn.ModuleList, worker: ThreadPoolExecutor | None, compiled: bool = False):
+        self.layers, self.worker, self.compiled = layers, worker, compiled
+
+    def input_grad(self, key: Key, x: torch.Tensor) -> bool:
+        """Whether layer key[0]'s input is a leaf requiring grad, as in resident's graph where that matters
+        (compiled): there every layer after the first takes the output of a layer with LoRA parameters, and
+        the first its embeddings' output, which requires grad only if they train. Eager layers compute the
+        same bits either way and keep the gradient at every input."""
+        return not self.compiled or key[0] > 0 or x.requires_grad
 
     @abc.abstractmethod
     def forward(self, key: Key, x: torch.Tensor, call: LayerCall) -> torch.Tensor:
@@ -74,24 +91,29 @@ class Runner(abc.ABC):
 
 
 class Recompute(Runner):
-    def __init__(self, layers, worker, saved: SavedInputs):
-        super().__init__(layers, worker)
+    def __init__(self, layers, worker, saved: SavedInputs, compiled: bool = False):
+        super().__init__(layers, worker, compiled)
         self.saved = saved
-        self.calls: dict[Key, LayerCall] = {}
+        self.calls: dict[Key, tuple[LayerCall, bool]] = {}  # the call and whether its input requires grad
 
     def forward(self, key, x, call):
         self.saved.put(key, x)
-        self.calls[key] = call
+        self.calls[key] = (call, self.input_grad(key, x))
         return self._forward(key, x, call)
 
     def _forward(self, key, x, call):
-        with torch.no_grad():
-            return hidden_of(call(self.layers[key[0]], x))
+        if not self.compiled:
+            with torch.no_grad():
+                return hidden_of(call(self.layers[key[0]], x))
+        with torch.enable_grad():  # the training graph (module docstring); its saved activations dropped here
+            leaf = x.detach().requires_grad_(self.calls[key][1])
+            return hidden_of(call(self.layers[key[0]], leaf)).detach()
 
     def recompute(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's forward again, with autograd, from its saved input: (input leaf, output)."""
-        x = self.saved.take(key).detach().requires_grad_(True)
-        return x, hidden_of(self.calls.pop(key)(self.layers[key[0]], x))
+        call, wants = self.calls.pop(key)
+        x = self.saved.take(key).detach().requires_grad_(wants)
+        return x, hidden_of(call(self.layers[key[0]], x))
 
     def backward(self, key, grad):
         x, h = self.recompute(key)  # enqueued while the backward in flight runs (overlap_backward)
@@ -105,17 +127,22 @@ class Recompute(Runner):
 
 
 class TemplateRecompute(Recompute):
-    def __init__(self, layers, worker, saved, templates: LayerTemplates):
-        super().__init__(layers, worker, saved)
+    def __init__(self, layers, worker, saved, templates: LayerTemplates, compiled: bool = False):
+        super().__init__(layers, worker, saved, compiled)
         self.templates = templates
 
     def _forward(self, key, x, call):
+        if not self.calls[key][1]:  # compiled, its input without a gradient: not templated (graphs.py)
+            return super()._forward(key, x, call)
         out = self.templates.run(key[0], self.layers[key[0]], x, call)
         return super()._forward(key, x, call) if out is None else hidden_of(out)
 
     def backward(self, key, grad):
         g = grad()
-        out = self.templates.run(key[0], self.layers[key[0]], self.saved.peek(key), self.calls[key], g)
+        if not self.calls[key][1]:
+            x, h = self.recompute(key)
+            return self._backpropagate(x, h, g)
+        out = self.templates.run(key[0], self.layers[key[0]], self.saved.peek(key), self.calls[key][0], g)
         if out is not None:
             self.saved.take(key)
             del self.calls[key]
@@ -125,12 +152,12 @@ class TemplateRecompute(Recompute):
 
 
 class Kept(Runner):
-    def __init__(self, layers, worker):
-        super().__init__(layers, worker)
+    def __init__(self, layers, worker, compiled: bool = False):
+        super().__init__(layers, worker, compiled)
         self.kept: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # (input leaf, output)
 
     def forward(self, key, x, call):
-        leaf = x.detach().requires_grad_(True)
+        leaf = x.detach().requires_grad_(self.input_grad(key, x))
         with torch.enable_grad():
             h = hidden_of(call(self.layers[key[0]], leaf))
         self.kept[key] = (leaf, h)
@@ -151,12 +178,14 @@ class TemplateKept(Kept):
     """A kept layer in its own template per micro-batch (two graphs: forward and backward), which holds
     its activations; a forward the template declines runs eagerly and keeps them here."""
 
-    def __init__(self, layers, worker, templates: LayerTemplates):
-        super().__init__(layers, worker)
+    def __init__(self, layers, worker, templates: LayerTemplates, compiled: bool = False):
+        super().__init__(layers, worker, compiled)
         self.templates = templates
         self.in_template: set[Key] = set()
 
     def forward(self, key, x, call):
+        if not self.input_grad(key, x):  # compiled, its input without a gradient: not templated (graphs.py)
+            return super().forward(key, x, call)
         out = self.templates.kept_forward(*key, self.layers[key[0]], x, call)
         if out is None:
             return super().forward(key, x, call)

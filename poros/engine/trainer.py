@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
@@ -20,6 +22,7 @@ from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
 from poros.engine.plan import Plan
 from poros.engine.qlora import QLoRAModel
+from poros.engine.schedule import learning_rate
 from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
 from poros.store.arena import NF4Store
@@ -55,6 +58,22 @@ def enable_determinism() -> None:
     """
     set_cublas_workspace()
     torch.use_deterministic_algorithms(True)
+
+
+def enable_deterministic_compile() -> None:
+    """Inductor's deterministic mode, process-wide, for runs with both `deterministic` and `compile`: no
+    benchmark-driven choice between kernels (autotuning, padding), whose winner can change with timing and
+    with it the bits of a compiled layer."""
+    import torch._inductor.config  # deferred: inductor is only imported when a run compiles
+
+    torch._inductor.config.deterministic = True
+
+
+def compile_layers(layers) -> None:
+    """Regional compilation as users run it: every decoder layer `layer.compile()`d (torch.compile of the
+    module's call, so hooks and forward run compiled; the layers of one kind share compiled code)."""
+    for layer in layers:
+        layer.compile()
 
 
 def kernel_refusal(error: BaseException) -> CapabilityError | None:
@@ -107,6 +126,8 @@ class Trainer(abc.ABC):
         check_seq_len(store.config, cfg.seq_len)
         if cfg.deterministic:
             enable_determinism()
+            if cfg.compile:
+                enable_deterministic_compile()
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
@@ -117,7 +138,8 @@ class Trainer(abc.ABC):
         self.params = self.qlora.lora_parameters()
         # fused: one kernel, no foreach temporaries the size of the AdamW state (HF Trainer's
         # default, adamw_torch_fused); the same optimizer for every method, so parity holds
-        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=cfg.lr, weight_decay=0.0, fused=True)
+        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=learning_rate(cfg, 0),
+                                           weight_decay=cfg.weight_decay, fused=True)
         self.steps_done = 0
         if world.distributed:
             self._distribute()
@@ -145,15 +167,44 @@ class Trainer(abc.ABC):
 
     def accumulate_step(self, batches: list[Batch]) -> list[torch.Tensor]:
         """`accumulate`, recording on the first call which SDPA backend each attention shape runs on
-        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python)."""
-        if self.attention_backends is not None:
+        (`attention_backends`; with CUDA-graph layers the first call is the one that still runs Python).
+        Compiled layers are not recorded: the recorder, a Python function in place of SDPA, would split each
+        layer's compiled graph at its attention call on that step (and compile it again after)."""
+        self.qlora.dropout_keys.step = self.steps_done
+        if self.attention_backends is not None or self.cfg.compile:
             return self.accumulate(batches)
         with BackendLog() as log:
             losses = self.accumulate(batches)
         self.attention_backends = log.seen
         return losses
 
+    def dropout_micro(self, k: int, per_rank: int) -> None:
+        """The LoRA dropout masks drawn from now on are micro-batch `k`'s of this rank's `per_rank`
+        (keyed by its index among every rank's: the masks of a data-parallel run are a single run's)."""
+        self.qlora.dropout_keys.micro = self.world.rank * per_rank + k
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Scale the LoRA gradients to at most `max_grad_norm` in global L2 norm (torch's
+        clip_grad_norm_ arithmetic, one tensor at a time in parameter order: the same bits for every
+        method). The scaled gradients are new tensors: the accumulated ones, which the gate compares,
+        stay as they were. Returns the norm before clipping (None without max_grad_norm)."""
+        if self.cfg.max_grad_norm is None:
+            return None
+        grads = [p.grad for _, p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        scale = torch.clamp(self.cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+        for _, p in self.params:
+            if p.grad is not None:
+                p.grad = p.grad * scale.to(p.grad.device)
+        return norm
+
     def optimizer_step(self) -> None:
+        """Clip, set the step's learning rate (poros/engine/schedule.py), update, drop the gradients.
+        Under data parallelism the gradients are all-reduced already (in `accumulate`)."""
+        self.clip_gradients()
+        lr = learning_rate(self.cfg, self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -227,7 +278,12 @@ class ResidentTrainer(Trainer):
     def _make_model(self) -> QLoRAModel:
         model = QLoRAModel(self.store, self.cfg, self.device)
         model.materialize_resident()
+        if self.cfg.compile:
+            self._compile(model)
         return model
+
+    def _compile(self, model: QLoRAModel) -> None:
+        compile_layers(model.layers)
 
     def _distribute(self) -> None:
         """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
@@ -251,10 +307,12 @@ class ResidentTrainer(Trainer):
     def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
         """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
         `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
-        if self.ddp is None:
-            return [self.forward_backward(b) for b in batches]
         losses = []
         for k, b in enumerate(batches):
+            self.dropout_micro(k, len(batches))
+            if self.ddp is None:
+                losses.append(self.forward_backward(b))
+                continue
             with self.ddp.no_sync() if k < len(batches) - 1 else contextlib.nullcontext():
                 losses.append(self.forward_backward(b))
         return losses
@@ -270,6 +328,8 @@ class ResidentGCTrainer(ResidentTrainer):
 
     def _make_model(self) -> QLoRAModel:
         model = super()._make_model()
+        if self.cfg.compile:
+            return model  # checkpointed around the compiled layers instead (`_compile`)
         checkpointing = {"use_reentrant": False}
         hf = model.hf
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.24; the older name is deprecated
@@ -277,3 +337,12 @@ class ResidentGCTrainer(ResidentTrainer):
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         return model
+
+    def _compile(self, model: QLoRAModel) -> None:
+        """Each layer's call compiled and checkpointed from outside: the same non-reentrant checkpoint, whose
+        forward and recompute run resident's compiled training graph. (The model's own checkpointing sits inside
+        the layer's forward, so `layer.compile()` would trace it into the graph: torch.compile's activation
+        checkpointing, other kernels and other bits than resident's compiled layers.)"""
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpoint, torch.compile(type(layer).forward.__get__(layer)),
+                                              use_reentrant=False)

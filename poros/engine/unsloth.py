@@ -5,7 +5,8 @@ model, so every Unsloth cell runs in its own child process (`python -m poros.eng
 the resident and poros cells of the same session keep running stock code. The child loads the
 same NF4 weights, written by `poros.store.export` as a pre-quantized bitsandbytes checkpoint, through
 FastLanguageModel, adds LoRA on the same projections with Unsloth's default gradient
-checkpointing, and trains on the same synthetic batches with the same AdamW.
+checkpointing, and trains on the same synthetic batches with the same AdamW. `compile` does not reach it:
+Unsloth compiles its own kernels and modules as its users run it (poros/engine/methods.py `config_for`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""`poros train`: fine-tune a local checkpoint on a JSON Lines file and keep an adapter peft loads.
+"""`poros train`: fine-tune a local checkpoint on your data and keep an adapter peft loads.
 
 The run folder holds `config.json` (resolved settings, fingerprints of model and data, provenance of
-every invocation), `log.csv` and `loss.png`, `checkpoint/` (peft adapter, AdamW state, data position,
+every invocation), `run.yaml` (the resolved configuration as a run file: `poros train --config
+RUN/run.yaml --resume` continues the run), `log.csv` and `loss.png`, `checkpoint/` (peft adapter, AdamW state, data position,
 RNG states; written every `save_every` steps, at the end and on Ctrl-C) and, at the end, `adapter/`.
 
 Exactness: the batches of step s are a function of (data, seed, s) alone (poros.finetune.data), the
@@ -9,7 +10,7 @@ adapter starts from --seed, and a checkpoint holds every tensor the next step re
 run ends torch.equal to an uninterrupted one, and poros and resident (the same arithmetic) end
 torch.equal to each other. Settings that would change that arithmetic are refused on --resume.
 
-Under `torchrun --nproc-per-node N -m poros train ...` the run is data-parallel (poros.engine.distributed):
+Under `poros train --gpus N` (or `torchrun --nproc-per-node N -m poros train ...`) the run is data-parallel (poros.engine.distributed):
 each step takes N x batch x grad_accum sequences, every rank trains its contiguous share, and rank 0
 alone writes the run folder. The number of ranks is part of the arithmetic (`gpus` in config.json):
 --resume refuses another.
@@ -17,25 +18,34 @@ alone writes the run folder. The number of ranks is part of the arithmetic (`gpu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import enum
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from poros.config import COMPUTED_NAMES, Method, TrainConfig
+from poros.config import BY_NAME, COMPUTED_NAMES
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
-from poros.engine.methods import FINETUNE_METHODS, METHODS, make_trainer
+from poros.engine.methods import make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
-from poros.finetune.data import file_sha256, load_data, load_tokenizer
+from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file  # noqa: F401  (FinetuneConfig: re-exported)
+from poros.finetune.data import CACHE_DIR, TOKENIZER_META, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
+from poros.finetune.plan_line import dry_plan, plan_line
+from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
+from poros.harness.results import LOCK_NAME, OutputInUse, OutputLock
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.provenance import provenance
@@ -43,60 +53,15 @@ from poros.provenance import provenance
 # settings that change what a step computes (--seed also draws the LoRA init and the data order);
 # --resume refuses a change to any of them and accepts new schedule settings
 EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
-TOKENIZER_META = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                  "tokenizer.model", "vocab.json", "merges.txt")
-
-
-_FINETUNE_CHOICES = " or ".join(m.value for m in FINETUNE_METHODS)  # as errors name them
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """A `poros train` run: the training configuration plus data, run folder and schedule.
-
-    Raises:
-        ConfigError: listing every invalid field at once.
-    """
-
-    train: TrainConfig
-    data: Path
-    out: Path
-    steps: int
-    method: Method = Method.POROS
-    save_every: int = 100  # 0: only at the end and on Ctrl-C
-    eval_data: Path | None = None
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps <= 0:
-            problems.append(f"steps: expected an integer > 0, got {self.steps!r}")
-        if not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 0:
-            problems.append(f"save_every: expected an integer >= 0 (0: only at the end), got {self.save_every!r}")
-        try:
-            object.__setattr__(self, "method", Method(self.method))
-        except ValueError:
-            problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method!r}")
-        else:
-            if not METHODS[self.method].finetune:
-                problems.append(f"method: expected {_FINETUNE_CHOICES}, got {self.method.value!r}")
-        object.__setattr__(self, "data", Path(self.data))
-        object.__setattr__(self, "out", Path(self.out))
-        if self.eval_data is not None:
-            object.__setattr__(self, "eval_data", Path(self.eval_data))
-        if problems:
-            raise ConfigError(problems, source="FinetuneConfig")
-
-    def settings(self) -> dict:
-        return {"model": str(Path(self.train.model).resolve()), "data": str(self.data.resolve()),
-                "eval_data": None if self.eval_data is None else str(self.eval_data.resolve()),
-                "out": str(self.out.resolve()), "steps": self.steps, "method": self.method.value,
-                "save_every": self.save_every, "train": self.train.as_dict()}
+WEIGHT_SAMPLES = 64  # windows of each weight file read for the base's fingerprint
+WEIGHT_WINDOW = 1 << 16
 
 
 @dataclass
 class RunSummary:
     step: int  # optimizer steps done
     interrupted: bool
+    signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
     losses: list[float] = field(default_factory=list)  # this invocation's steps
     tokens_per_s: float | None = None  # median over this invocation's steps
     peak_memory_gb: float | None = None
@@ -110,6 +75,23 @@ class RunSummary:
 
 
 # --- fingerprints and the run folder -----------------------------------------------------------
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """The weight files by content, sampled: each file's safetensors header and WEIGHT_SAMPLES windows
+    spread over its data (a few MB read for any size). Two checkpoints of the same shapes differ here."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}".encode())
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + fh.read(min(n, 1 << 24)))
+            for k in range(WEIGHT_SAMPLES):
+                fh.seek(size * k // WEIGHT_SAMPLES)
+                h.update(fh.read(WEIGHT_WINDOW))
+    return h.hexdigest()
 
 
 def model_fingerprint(folder: Path) -> str:
@@ -127,7 +109,7 @@ def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
     """Check the run folder; on resume return its config.json (settings of the run so far) with the
     checkpoint's state.json under "checkpoint"."""
     if not resume:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if out.exists() and (not out.is_dir() or any(p.name != LOCK_NAME for p in out.iterdir())):
             if (out / "config.json").is_file():
                 raise ConfigError([f"{out} holds another run (config.json, checkpoint/); pass --resume to continue "
                                    "it or choose another --out"], "--out")
@@ -147,20 +129,34 @@ def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
     return before
 
 
+def _as_recorded(value):
+    """A setting's value as config.json records it (TrainConfig.as_dict)."""
+    return value.value if isinstance(value, enum.Enum) else list(value) if isinstance(value, tuple) else value
+
+
 def _check_resume(before: dict, now: dict) -> None:
     """Name every setting whose change would break exactness."""
     diffs = []
-    for k in EXACT_FIELDS:
-        a, b = before["settings"]["train"].get(k), now["settings"]["train"].get(k)
+    for k in EXACT_FIELDS:  # a setting newer than the run reads as its default
+        a = before["settings"]["train"].get(k, _as_recorded(BY_NAME[k].default) if k in BY_NAME else None)
+        b = now["settings"]["train"].get(k)
         if a != b:
             diffs.append(f"{k} {a} (now {b})")
+    a, b = before["settings"].get("eval_split"), now["settings"]["eval_split"]
+    if a != b:  # which records train and which are held out
+        diffs.append(f"eval_split {a} (now {b})")
     for k in ("model", "data"):
         a, b = before["fingerprints"][k], now["fingerprints"][k]
         if a != b:
             diffs.append(f"{k} {now['settings'][k]} (other content than the run's: sha256 {b[:12]}, was {a[:12]})")
+    a, b = before["fingerprints"].get("weights"), now["fingerprints"]["weights"]
+    if a is not None and a != b and before["fingerprints"]["model"] == now["fingerprints"]["model"]:
+        diffs.append(f"model {now['settings']['model']} (other weights than the run's base, in files of the same "
+                     f"names and sizes: sampled sha256 {b[:12]}, was {a[:12]})")
     if diffs:
         raise ConfigError([f"settings differ from the run in {now['settings']['out']} and would change its result: "
-                           f"{', '.join(diffs)}; use the run's settings (its config.json) or a new --out"], "--resume")
+                           f"{', '.join(diffs)}; use the run's settings (its run.yaml: poros train --config "
+                           f"{now['settings']['out']}/run.yaml --resume) or a new --out"], "--resume")
 
 
 # --- checkpoint --------------------------------------------------------------------------------
@@ -212,11 +208,15 @@ def save_checkpoint(trainer, run: Path, state: dict, base_model: str) -> Path:
     """Write checkpoint/ whole or not at all: into checkpoint.partial/, then swapped in."""
     tmp, final, old = run / "checkpoint.partial", run / "checkpoint", run / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_adapter(trainer, tmp / "adapter", base_model)
-    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    try:
+        tmp.mkdir()
+        write_adapter(trainer, tmp / "adapter", base_model)
+        torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    except BaseException:  # a full disk, say: the previous checkpoint stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         final.rename(old)
     tmp.rename(final)
@@ -271,33 +271,86 @@ def eval_loss(trainer, batches) -> float:
     (gradients are None between optimizer steps)."""
     accum = trainer.cfg.grad_accum
     total, count = 0.0, 0
-    for i in range(0, len(batches) - accum + 1, accum):
-        group = [b.to(trainer.device) for b in batches[i : i + accum]]
-        losses = trainer.accumulate(group)
-        for _, p in trainer.params:
-            p.grad = None
-        for b, loss in zip(group, losses):
-            n = int((b.labels[:, 1:] != -100).sum())
-            total, count = total + float(loss) * accum * n, count + n
+    keys = trainer.qlora.dropout_keys
+    keys.enabled = False  # the eval loss is the model's, without LoRA dropout
+    try:
+        for i in range(0, len(batches) - accum + 1, accum):
+            group = [b.to(trainer.device) for b in batches[i : i + accum]]
+            losses = trainer.accumulate(group)
+            for _, p in trainer.params:
+                p.grad = None
+            for b, loss in zip(group, losses):
+                n = int((b.labels[:, 1:] != -100).sum())
+                total, count = total + float(loss) * accum * n, count + n
+    finally:
+        keys.enabled = True
     return total / count
 
 
 def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None = None,
-             resume_command: str | None = None, on_step=None) -> RunSummary:
-    """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`.
+             resume_command: str | None = None, on_step=None, dry_run: bool = False,
+             cuda_defaults: tuple[str, ...] = ()) -> RunSummary:
+    """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`, which it owns
+    for the run (a second run into it is refused, naming this one).
 
     Args:
         progress: a bar on stderr (None: only when it is a terminal; False: plain lines).
-        resume_command: printed when Ctrl-C stops the run.
+        resume_command: printed when Ctrl-C (or SIGTERM) stops the run.
         on_step: called with the step number after each optimizer step (tests).
+        dry_run: check everything, print the plan and what the data holds on stdout, and return
+            before building the model; the run folder is neither locked nor written.
+        cuda_defaults: the settings that took the GPU's defaults (the plan line names them).
     Raises:
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
 
     world = init_world(fc.train.device.value)
     if world.distributed:
+        if fc.train.gpus not in (1, world.size):
+            raise ConfigError([f"gpus {fc.train.gpus}, but this process is one of {world.size} ranks; give the same "
+                               "number (or leave gpus out under torchrun)"], "gpus")
         fc = dataclasses.replace(fc, train=fc.train.replace(gpus=world.size))
-    cfg, out = fc.train, fc.out
+    elif fc.train.gpus > 1 and not dry_run:
+        raise ConfigError([f"gpus {fc.train.gpus} needs one process a rank: run `poros train --gpus "
+                           f"{fc.train.gpus}` (it starts them) or torchrun --nproc-per-node {fc.train.gpus} -m poros "
+                           "train"], "gpus")
+    if dry_run:  # tokens of data in a read-only folder go to a scratch folder, removed after
+        with tempfile.TemporaryDirectory(prefix="poros-dry-run-") as scratch:
+            return _finetune(fc, world, resume, progress, resume_command, on_step, Path(scratch), cuda_defaults)
+    with own_run_folder(fc.out, world):
+        return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
+
+
+@contextlib.contextmanager
+def own_run_folder(out: Path, world):
+    """Hold the run folder's lock (poros.harness.results.OutputLock, rank 0) for the run; a folder
+    the run created and left empty (a refused run) is removed again."""
+    created = not out.exists()
+    lock, problem = None, None
+    if world.main:
+        lock = OutputLock(out)
+        try:
+            lock.acquire()
+        except OutputInUse as e:
+            problem = OutputInUse(str(e).replace("pass another -o", "pass another --out"))
+        except PorosError as e:
+            problem = e
+    if any_rank(problem is not None, world):
+        raise problem or PorosError(f"rank 0 cannot take the run folder {out}")
+    try:
+        if lock is not None and lock.stale_warning():
+            print(lock.stale_warning(), file=sys.stderr, flush=True)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+
+
+def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cuda_defaults) -> RunSummary:
+    """The run; a dry run (`scratch`: its folder for tokens) returns before building the model."""
+    cfg, out, given, dry_run = fc.train, fc.out, fc, scratch is not None
     before = _prepare_out(out, resume, fc.steps)
     barrier(world)  # every rank has checked the folder before rank 0 writes into it
     src = resolve(cfg.model)
@@ -305,29 +358,35 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         raise ConfigError([f"{cfg.model} is a registered shape, with no tokenizer or trained weights; pass a "
                            "checkpoint folder (config.json, safetensors and tokenizer files)"], "--model")
     check_seq_len(src.config, cfg.seq_len)
+    linears = layer_linear_names(src.config)
+    cfg = cfg.replace(lora_targets=resolve_targets(linears, cfg.lora_targets))
+    fc = dataclasses.replace(fc, train=cfg)
+    start = before["checkpoint"]["step"] if before is not None else 0
+    bar = Progress(fc.steps, start, tty=progress) if world.main and not dry_run else _Quiet()
     tok = load_tokenizer(src.checkpoint)
-    vocab = src.config.vocab_size
-    data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab)
-    evals = None
-    if fc.eval_data is not None:
-        evals = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab).in_order(cfg.batch_size)
-        if len(evals) < cfg.grad_accum:
-            raise ConfigError([f"{fc.eval_data} holds fewer sequences than one step (--batch-size {cfg.batch_size} x "
-                               f"--grad-accum {cfg.grad_accum})"], "--eval-data")
     record = {"settings": fc.settings(),
-              "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data)},
-              "data": {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}}
+              "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data),
+                               "weights": weights_fingerprint(src.checkpoint)}}
     if before is not None:
         _check_resume(before, record)
+    data, evals = _load_all(fc, tok, src, record["fingerprints"]["data"], world, bar.message, scratch)
+    record["data"] = {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}
+    if dry_run:
+        per_step = _sequences_per_step(cfg)
+        for line in (plan_line(fc, dry_plan(fc, src), cuda_defaults),
+                     *(d.description for d in (data, evals) if d is not None),
+                     f"steps {start + 1}-{fc.steps}: {per_step} sequences of {cfg.seq_len} tokens a step, "
+                     f"{(fc.steps - start) * per_step / data.blocks:.2f} passes over the data; "
+                     f"{describe_targets(linears, cfg.lora_targets)} (rank {cfg.lora_rank})"):
+            print(line, flush=True)
+        return RunSummary(step=start, interrupted=False)
     base_model = record["settings"]["model"]
-    start = before["checkpoint"]["step"] if before is not None else 0
-    bar = Progress(fc.steps, start, tty=progress) if world.main else _Quiet()
-    bar.message(f"poros train: {data.blocks} sequences of {cfg.seq_len} tokens from {data.records} records; "
+    for line in (data.description, *([evals.description] if evals is not None else [])):
+        bar.message(line)
+    bar.message(f"poros train: {describe_targets(linears, cfg.lora_targets)} (rank {cfg.lora_rank}); "
                 f"loading {src.name} on {cfg.device.value}")
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
     store, stats = share_store(src, seed=cfg.seed, device=cfg.device.value, world=world,
-                               progress=progress if world.main else False)
+                               progress=progress if world.main else False, double_quant=cfg.double_quant)
     if cfg.device.value == "cuda":  # the log's peak is training's, not the build's
         torch.cuda.reset_peak_memory_stats()
     trainer = make_trainer(fc.method, store, cfg, world)
@@ -341,13 +400,63 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
                                                             "provenance": provenance()}]
         if world.main:
-            (out / "config.json").write_text(json.dumps(record, indent=1, default=str))
+            _write_atomic(out / "config.json", json.dumps(record, indent=1, default=str))
+            _write_atomic(out / RUN_FILE, dump_run_file(dataclasses.replace(given, train=given.train.replace(
+                gpus=cfg.gpus))))
+        bar.message(plan_line(fc, getattr(trainer, "plan", None), cuda_defaults))
         log = RunLog(out / "log.csv", start) if world.main else None
-        summary = _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats)
+        batches = evals.in_order(cfg.batch_size) if evals is not None else None
+        summary = _loop(fc, trainer, data, batches, start, log, base_model, bar, resume_command, on_step, stats)
         barrier(world)  # rank 0 has written the run folder
         return summary
     finally:
         trainer.close()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, never a part (a full disk fails the write, not the file)."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PorosError(f"{path}: cannot be written ({e.strerror or e}); free space or pass another --out") from None
+
+
+def _load_all(fc, tok, src, data_sha, world, say, scratch=None):
+    """The training data and the eval batches. Rank 0 tokenizes first (into the cache beside the
+    data, or in the run folder where the data's folder is read-only); the other ranks then read it."""
+
+    def load():
+        cfg = fc.train
+        vocab, tid = src.config.vocab_size, tokenizer_fingerprint(src.checkpoint)
+        cache = None if os.access(fc.data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
+        data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, data_sha256=data_sha,
+                         tokenizer_id=tid, cache_root=cache, say=say, eval_split=fc.eval_split)
+        evals, flag = data.held_out, "--eval-split"
+        if fc.eval_data is not None:
+            cache = None if os.access(fc.eval_data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
+            evals, flag = load_data(fc.eval_data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab,
+                                    tokenizer_id=tid, cache_root=cache, say=say), "--eval-data"
+        if evals is not None and len(evals.in_order(cfg.batch_size)) < cfg.grad_accum:
+            held = fc.eval_data or f"the eval split {fc.eval_split} of {fc.data}"
+            raise ConfigError([f"{held} holds fewer sequences than one step (--batch-size {cfg.batch_size} x "
+                               f"--grad-accum {cfg.grad_accum})" + ("; raise --eval-split" if fc.eval_split else "")],
+                              flag)
+        return data, evals
+
+    if not world.distributed:
+        return load()
+    failed = None
+    if world.main:
+        try:
+            loaded = load()
+        except PorosError as e:
+            failed = e
+    if any_rank(failed is not None, world):
+        raise failed or PorosError("rank 0 could not read the data")
+    return loaded if world.main else load()
 
 
 def _sequences_per_step(cfg) -> int:
@@ -361,8 +470,21 @@ class _Quiet:
     def message(self, text: str) -> None:
         pass
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, memory: str = "") -> None:
         pass
+
+
+def _non_finite(trainer) -> str | None:
+    """The first LoRA weight or AdamW state tensor holding NaN/inf, by name (None: all finite)."""
+    for name, p in trainer.params:
+        if not bool(torch.isfinite(p).all()):
+            return name
+    names = {id(p): n for n, p in trainer.params}
+    for p, state in trainer.optimizer.state.items():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                return f"AdamW {k} of {names.get(id(p), '?')}"
+    return None
 
 
 def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command, on_step, stats) -> RunSummary:
@@ -372,7 +494,10 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     bar.message(f"poros train: {fc.method.value}, {stats.layers} layers ({_size(stats.store_bytes)} NF4), "
                 f"steps {start + 1}-{fc.steps}")
     summary = RunSummary(step=start, interrupted=False)
+    again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
+    saved = start  # the step of the checkpoint on disk
     speeds = []
+    memory_kind = "on cuda" if cfg.device.value == "cuda" else "host RSS (cpu)"
     with StopRequest(bar.message) as stop:
         for step in range(start, fc.steps):
             t0 = time.perf_counter()
@@ -385,28 +510,40 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                 raise PorosError(f"step {done}: the loss is {result.loss}; lower --lr (now {cfg.lr}) and start a new "
                                  "run")
             summary.losses.append(result.loss)
+            peak = _peak_memory_gb(cfg.device.value)
             row = {"step": done, "loss": f"{result.loss:.6f}", "lr": trainer.optimizer.param_groups[0]["lr"],
-                   "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{_peak_memory_gb(cfg.device.value):.3f}"}
-            bar.update(done, result.loss, speeds[-1])
+                   "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{peak:.3f}"}
+            bar.update(done, result.loss, speeds[-1], f"peak {peak:.2f} GB {memory_kind}")
             if on_step:
                 on_step(done)
             last = done == fc.steps
             stopping = any_rank(stop.requested, world)
-            if last or stopping or (fc.save_every and done % fc.save_every == 0):
+            saving = last or stopping or (fc.save_every and done % fc.save_every == 0)
+            if saving:
+                bad = _non_finite(trainer)
+                if bad is not None:
+                    kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint was written"
+                    raise PorosError(f"step {done}: {bad} holds NaN/inf after the update, so it is not saved ({kept}); "
+                                     f"lower --lr (now {cfg.lr}) and start a new run")
                 if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
                     summary.eval_loss = eval_loss(trainer, evals)
                     row["eval_loss"] = f"{summary.eval_loss:.6f}"
                     bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
-                if world.main:
+            try:
+                if saving and world.main:
                     save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
                                     base_model)
+                    saved = done
                     log.append(row)
                     plot_loss(log, out / "loss.png")
-            elif world.main:
-                log.append(row)
+                elif world.main:
+                    log.append(row)
+            except OSError as e:  # a full disk, most often: one line, the last checkpoint intact
+                kept = f"the checkpoint of step {saved} is intact" if saved else "no checkpoint was written"
+                raise PorosError(f"step {done}: writing into {out} failed ({e.strerror or e}); {kept}; free space, "
+                                 f"then resume with: {again}") from None
             if stopping and not last:
-                summary.interrupted = True
-                again = resume_command or f"poros train ... --out {out} --resume (with this run's settings)"
+                summary.interrupted, summary.signal = True, stop.signum
                 bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
                             f"resume with:\n  {again}")
                 break
@@ -414,7 +551,11 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
     summary.tokens_per_s = timed[len(timed) // 2] if timed else None
     summary.peak_memory_gb = _peak_memory_gb(cfg.device.value)
     if not summary.interrupted and world.main:
-        summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
+        try:
+            summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
+        except OSError as e:
+            raise PorosError(f"writing {out / 'adapter'} failed ({e.strerror or e}); the same adapter is in "
+                             f"{out / 'checkpoint' / 'adapter'} (step {saved})") from None
         bar.message(f"done: adapter in {summary.adapter} (PeftModel.from_pretrained(base_model, "
                     f"{summary.adapter!r}))")
     return summary

@@ -62,7 +62,7 @@ def _duration(s: float) -> str:
 
 
 class Progress:
-    """A one-line bar on a terminal (step, loss, tokens/s, time left); plain lines otherwise."""
+    """A one-line bar on a terminal (step, loss, tokens/s, time left, memory); plain lines otherwise."""
 
     def __init__(self, total: int, start: int, stream=None, tty: bool | None = None):
         self.total, self.start, self.stream = total, start, stream or sys.stderr
@@ -71,13 +71,15 @@ class Progress:
         self.t0 = None
         self._bar_drawn = False  # the terminal's line holds the bar: a message starts a new line
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, memory: str = "") -> None:
+        """`memory`: the peak memory so far as the line shows it (`peak 61.2 GB on cuda`)."""
         now = time.perf_counter()
         if self.t0 is None:  # time left from the steps after the first (which carries the warm-up)
             self.t0, self.first = now, step
         rate = (now - self.t0) / (step - self.first) if step > self.first else None
         left = "--:--" if rate is None else _duration(rate * (self.total - step))
-        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left"
+        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left" + \
+            (f" {memory}" if memory else "")
         if self.tty:
             done = int(20 * step / self.total)
             print(f"\r[{'#' * done}{'.' * (20 - done)}] {text}  ", end="", file=self.stream, flush=True)
@@ -91,23 +93,29 @@ class Progress:
 
 
 class StopRequest:
-    """The first Ctrl-C asks the loop to save a checkpoint and stop after the current step; a
-    second aborts at once. Only the main thread receives signals; elsewhere nothing is installed."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what schedulers and preemption send) asks the loop to save a
+    checkpoint and stop after the current step; a second aborts at once. Only the main thread receives
+    signals; elsewhere nothing is installed."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, say):
-        self.requested, self.say, self.previous = False, say, None
+        self.requested, self.say, self.previous = False, say, {}
+        self.signum: int | None = None
 
     def _handler(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        self.say("Ctrl-C: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
+        self.requested, self.signum = True, signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.say(f"{name}: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handler)
+            self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}

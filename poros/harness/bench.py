@@ -16,35 +16,59 @@ from poros.engine.methods import gate_of, gated
 from poros.engine.nvml import NvmlPeak
 from poros.harness.matrix import Matrix, Stack
 from poros.harness.results import ResultsWriter  # noqa: F401  (re-exported: the suites and tests import it here)
+from poros.harness.results import point_id, row_key, show_value  # noqa: F401  (row_key: re-exported)
 from poros.models.shapes import SHAPES
 from poros.provenance import provenance
+from poros.settings import COMPUTED_NAMES
 from poros.store.build import build_store
+
+SCHEMA = 2  # results rows: 2 adds plan_name, sweep, timed, weight_bytes_h2d_per_step and pass-level resume
 
 
 @dataclass(frozen=True)
 class Cell:
     model: str
     stack: Stack
-    method: Method | None  # None: the parity gate of this model × stack
+    method: Method | None  # None: the parity gate of this model × stack × sweep point
+    point: tuple[tuple[str, object], ...] = ()  # the swept values of this cell
+    plan: str | None = None  # poros's plan by name (None: the matrix's own schedule)
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.stack.name, self.method.value if self.method else "parity")
+        """What identifies the cell's row: `row_key` of the row it writes."""
+        return (self.model, self.stack.name, self.method.value if self.method else "parity", self.plan,
+                point_id(self.point))
+
+    @property
+    def gate_key(self) -> tuple:
+        """The gate this cell belongs to: one reference per model, stack and sweep point."""
+        return (self.model, self.stack.name, point_id(self.point))
 
     @property
     def id(self) -> str:
-        what = f"method={self.method.value}" if self.method else "gate=parity"
-        return f"model={self.model}-stack={self.stack.name}-{what}"
+        """Reads like a report row and selects with -k: `model:qwen3-32b-stack:current-seq_len:512-method:poros-plan:24GB`."""
+        parts = [f"model:{self.model}", f"stack:{self.stack.name}"]
+        if self.point:
+            parts.append(point_id(self.point))
+        parts.append(f"method:{self.method.value}" if self.method else "gate:parity")
+        if self.plan is not None:
+            parts.append(f"plan:{self.plan}")
+        return "-".join(parts)
 
 
 def matrix_cells(m: Matrix) -> list[Cell]:
-    """Model by model: the parity gate, then each method (so one store build serves them all)."""
+    """Model by model, point by point: the parity gate, then each method (poros once per plan), so one
+    store build serves them all."""
     cells = []
     for model in m.models:
         for stack in m.stacks:
-            if gated(m.methods):
-                cells.append(Cell(model, stack, None))
-            cells.extend(Cell(model, stack, meth) for meth in m.methods)
+            for point in m.points():
+                pt = tuple(point.items())
+                if gated(m.methods):
+                    cells.append(Cell(model, stack, None, pt))
+                for meth in m.methods:
+                    plans = m.plan_names() if meth is Method.POROS else [None]
+                    cells.extend(Cell(model, stack, meth, pt, plan) for plan in plans)
     return cells
 
 
@@ -54,8 +78,26 @@ def matrix_device(m: Matrix) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train_config(m: Matrix, model: str) -> TrainConfig:
-    return TrainConfig.from_settings(m.settings_for(model), model=model, device=matrix_device(m))
+def train_config(m: Matrix, model: str, point=None, method: Method | None = None, plan: str | None = None) -> TrainConfig:
+    """The settings a cell runs with (`Matrix.settings_for`)."""
+    point = dict(point or ())
+    return TrainConfig.from_settings(m.settings_for(model, point, method, plan), model=model, device=matrix_device(m))
+
+
+def cell_config(m: Matrix, cell: Cell) -> TrainConfig:
+    return train_config(m, cell.model, cell.point, cell.method, cell.plan)
+
+
+def gate_config(m: Matrix, cell: Cell, plan: str | None = None) -> TrainConfig:
+    """What a gate runs both sides with: the gated method's settings (and its plan)."""
+    pair = gate_of(m.methods)
+    return train_config(m, cell.model, cell.point, pair[1] if pair else None, plan)
+
+
+def computed_of(cfg: TrainConfig) -> dict:
+    """The computed settings of a config: runs that agree on them compute the same bits."""
+    d = cfg.as_dict()
+    return {k: d[k] for k in COMPUTED_NAMES if k in d}
 
 
 CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU
@@ -71,18 +113,18 @@ def model_unavailable(model: str, device: str) -> str | None:
 
 
 class StoreCache:
-    """Keeps the most recently built NF4 store (host memory) so a model is built once."""
+    """Keeps the most recently built NF4 store (host memory) so a model is built once (per `double_quant`)."""
 
     def __init__(self, device: str):
         self.device, self.key, self.store, self.stats = device, None, None, None
 
-    def get(self, model: str):
-        if self.key != model:
+    def get(self, model: str, double_quant: bool = False):
+        if self.key != (model, double_quant):
 
             self.store = self.stats = None
             gc.collect()
-            self.store, self.stats = build_store(model, device=self.device, progress=None)
-            self.key = model
+            self.store, self.stats = build_store(model, device=self.device, progress=None, double_quant=double_quant)
+            self.key = (model, double_quant)
         return self.store
 
 
@@ -114,6 +156,9 @@ class Measurement:
     attention_backends: dict | None = None  # attention shape -> the SDPA backend it ran on
     # torch's reserved peak: CUDA graphs' private pools hold their intermediates as reserved, not allocated
     peak_reserved_gb: float | None = None
+    # what the NVML peak measured: "process" (this process's memory, what a budget holds) or "device" (every
+    # process's, where NVML does not list this one)
+    peak_vram_nvml_source: str | None = None
 
 
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
@@ -187,66 +232,127 @@ class StatusLine:
         self.stream.flush()
 
 
-def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, benchmark=None, label: str = "") -> Measurement:
-    """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes."""
-    out = Measurement()
-    done = {"n": 0}
+class OutOfTime(Exception):
+    """The next pass would end past the run's time budget (`--max-minutes`): the cell stops between passes,
+    its finished passes kept, and `--resume` continues it."""
 
-    def one_pass():
-        _sync(cfg.device.value)
+
+def _peaks(device: str, nvml) -> dict:
+    """The device peaks so far (torch's allocated and reserved, and NVML's)."""
+    out = dict.fromkeys(PEAKS)
+    if nvml is not None and nvml.peak is not None:
+        out["peak_vram_nvml_gb"] = nvml.peak / 1e9
+    if device == "cuda":
+        out["peak_vram_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    return out
+
+
+def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, label: str = "", *,
+            warmup_steps: int | None = None, earlier: list[dict] = (), on_pass=None,
+            deadline: float | None = None) -> Measurement:
+    """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes (of `warmup_steps`
+    steps each, default `steps`).
+
+    `earlier`: passes a killed or budgeted run already timed ({"seconds", "counters", peaks}); only the
+    rest are run (after the warm-up, which every process runs). `on_pass(record)` gets each timed pass as
+    soon as it ends. `deadline` (time.monotonic()): a pass that would end past it is not started
+    (`OutOfTime`), judged by the last pass (or the warm-up's pace).
+
+    Raises:
+        OutOfTime: the budget ran out between passes.
+    """
+    device = cfg.device.value
+    out = Measurement()
+    for rec in earlier:
+        out.per_pass_s.append(rec["seconds"])
+        out.counters.extend(rec.get("counters") or [])
+    todo = passes - len(out.per_pass_s)
+    wsteps = steps if warmup_steps is None else warmup_steps
+    pace = {"s_per_step": None}
+    peaks = [{k: rec.get(k) for k in PEAKS} for rec in earlier]
+
+    def one_pass(kind: str, n: int, nvml) -> tuple[float, list]:
+        if deadline is not None and pace["s_per_step"] is not None and \
+                time.monotonic() + pace["s_per_step"] * n > deadline:
+            raise OutOfTime(f"{kind} would end past the time budget")
+        _sync(device)
         t0 = time.perf_counter()
         counters = []
-        kind = "warm-up" if done["n"] < warmup else f"pass {done['n'] - warmup + 1}/{passes}"
-        for s in range(steps):
+        for s in range(n):
             r = trainer.step()
             counters.append(r.counters)
-            status(f"{kind}, step {s + 1}/{steps}")
-            if (s + 1) % max(1, steps // 4) == 0 or s + 1 == steps:
-                progress(f"  {label} {kind}: step {s + 1}/{steps} loss {r.loss:.4f}")
-        _sync(cfg.device.value)
+            status(f"{kind}, step {s + 1}/{n}")
+            if (s + 1) % max(1, n // 4) == 0 or s + 1 == n:
+                progress(f"  {label} {kind}: step {s + 1}/{n} loss {r.loss:.4f}")
+        _sync(device)
         elapsed = time.perf_counter() - t0
-        if done["n"] >= warmup:
-            out.per_pass_s.append(elapsed)
-            out.counters.extend(counters)
-        done["n"] += 1
-
+        pace["s_per_step"] = elapsed / n
+        return elapsed, counters
 
     with NvmlPeak() as nvml:
-        if benchmark is not None:
-            benchmark.pedantic(one_pass, rounds=passes, warmup_rounds=warmup, iterations=1)
-        else:
-            for _ in range(warmup + passes):
-                one_pass()
+        if todo > 0:
+            for w in range(warmup):
+                one_pass("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps, nvml)
+        for i in range(len(out.per_pass_s), passes):
+            elapsed, counters = one_pass(f"pass {i + 1}/{passes}", steps, nvml)
+            out.per_pass_s.append(elapsed)
+            out.counters.extend(counters)
+            peaks.append(_peaks(device, nvml))
+            if on_pass is not None:
+                on_pass({"index": i, "seconds": elapsed, "counters": counters, **peaks[-1]})
+    for k in PEAKS:
+        values = [p[k] for p in peaks if p.get(k) is not None]
+        setattr(out, k, max(values) if values else None)
     if nvml.peak is not None:
-        out.peak_vram_nvml_gb = nvml.peak / 1e9
-    if cfg.device.value == "cuda":
-        out.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
-        out.peak_reserved_gb = torch.cuda.max_memory_reserved() / 1e9
+        out.peak_vram_nvml_source = nvml.source
     out.attention_backends = getattr(trainer, "attention_backends", None) or None
     return out
 
 
+def add_benchmark_stats(benchmark, per_pass_s: list[float]) -> None:
+    """Record passes timed here, by a child process or by ranks as one pytest-benchmark round each.
+    pytest-benchmark has no public way to add times measured outside its own runner, so this uses its
+    fixture's `_make_stats` (pytest-benchmark 5)."""
+    if benchmark is None:
+        return
+    if getattr(benchmark, "disabled", True) or not per_pass_s:
+        benchmark.skipped = True  # nothing to record: not "a fixture never used"
+        return
+    benchmark._mode = "benchmark.pedantic(...)"  # used once, as pytest-benchmark counts it
+    stats = benchmark._make_stats(1)
+    for t in per_pass_s:
+        stats.update(t)
+
+
 def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, parity, *, reduced: bool,
            status: str = "ok", error: str | None = None, arch: str = "", plan: dict | None = None,
-           alone: Measurement | None = None) -> dict:
-    """One results row (the schema `poros report` reads). `plan`: the poros plan's summary, so the row
-    carries the predicted peak and bytes beside the measured ones; `alone`: a data-parallel cell's one-GPU
-    measurement in the same run (its rank 0 by itself), which `scaling` divides by."""
+           timed: bool = True, alone: Measurement | None = None) -> dict:
+    """One results row (the schema `poros report` reads, version `SCHEMA`). `plan`: the poros plan's summary,
+    so the row carries the predicted peak and bytes beside the measured ones; `parity`: the gate this cell
+    took part in (None: none); `alone`: a data-parallel cell's one-GPU measurement in the same run (its rank 0
+    by itself), which `scaling` divides by."""
 
     steps = m.steps
     pair = gate_of(m.methods)  # (reference, method) of this matrix's gate
-    gate_applies = pair is not None and (cell.method is None or cell.method in pair)
+    gate_applies = pair is not None and parity is not None
     per_step = [t / steps for t in meas.per_pass_s] if meas else []
     row = {
+        "schema": SCHEMA,
         "matrix": m.name,
         "model": cell.model,
         "arch": arch,
         "method": cell.method.value if cell.method else "parity",
+        "plan_name": cell.plan,
+        "sweep": {k: show_value(v) if not isinstance(v, (int, float)) or isinstance(v, bool) else v
+                  for k, v in cell.point},
         "stack": cell.stack.label(),
         "stack_name": cell.stack.name,
         "steps": steps,
         "passes": m.passes,
         "warmup_passes": m.warmup_passes,
+        "warmup_steps": steps if m.warmup_steps is None else m.warmup_steps,
+        "timed": timed,
         "reduced": reduced,
         "s_per_step_median": statistics.median(per_step) if per_step else None,
         "s_per_step_std": statistics.stdev(per_step) if len(per_step) > 1 else (0.0 if per_step else None),
@@ -255,6 +361,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
         "shard_stream": cfg.shard_stream,
         **{k: getattr(meas, k) if meas else None for k in PEAKS},
+        "peak_vram_nvml_source": meas.peak_vram_nvml_source if meas else None,
         "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
         "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
@@ -262,6 +369,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "parity_first_mismatch": None if parity is None else parity.first_mismatch,
         "parity_steps": None if cell.method is Method.UNSLOTH or parity is None else parity.steps,
         "bytes_h2d_per_step": None,
+        "weight_bytes_h2d_per_step": None,
         "copy_gbps": None,
         "copy_hidden_share": None,
         "status": status,
@@ -269,9 +377,11 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
-            "peak_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes", "shards",
-            "gathered_bytes_per_step")},
-        "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,
+            "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",
+            "shards", "gathered_bytes_per_step")},
+        "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,  # the allocated peak
+        # the process's, what the budget holds and the NVML peak measures
+        "predicted_process_vram_gb": None if plan is None else plan["process_vram_bytes"] / 1e9,
         "resident_layers": None if plan is None else len(plan["resident_layers"]),
         "provenance": provenance(),
     }
@@ -284,19 +394,27 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
 
 
 def copy_summary(step_counters: list[dict]) -> dict:
-    """Where a poros step's copy time went, from the engine's per-step counters: bytes host->device
-    per step, achieved GB/s, the share of copy time hidden behind compute and the wait per step.
-    Empty for methods without counters."""
+    """Where a poros step's copy time went, from the engine's per-step counters: bytes host->device per
+    step (weights and, with inputs kept in host memory, the saved layer inputs brought back), the weight
+    bytes alone, the copy rate, the share of copy time hidden behind compute and the wait per step.
+
+    The copy rate (`copy_gbps`) is the weight bytes divided by the time those copies took on the copy
+    stream, each from its start to its end event: the link's achieved bandwidth while it copied weights.
+    The engine times only the weight copies (`copy_s`), so the saved inputs' bytes are left out of the
+    rate: counted in, they would be bytes copied outside the timed window, and the rate could read above
+    what the link can carry. Empty for methods without counters."""
     counters = [c for c in step_counters if c.get("bytes_h2d") is not None]
     if not counters:
         return {}
     n = len(counters)
     copied = sum(c["bytes_h2d"] for c in counters)
+    weights = copied - sum(c.get("input_bytes_h2d", 0) for c in counters)
     copy_s = sum(c.get("copy_s", 0.0) for c in counters)
     wait_s = sum(c.get("copy_wait_s", 0.0) for c in counters)
     out = {
         "bytes_h2d_per_step": copied // n,
-        "copy_gbps": copied / copy_s / 1e9 if copy_s > 0 else None,
+        "weight_bytes_h2d_per_step": weights // n,
+        "copy_gbps": weights / copy_s / 1e9 if copy_s > 0 else None,
         "copy_hidden_share": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
         "copy_wait_s_per_step": wait_s / n,
     }

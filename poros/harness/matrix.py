@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import itertools
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from poros.config import Device, Method
 from poros.errors import ConfigError
 from poros.models.shapes import SHAPES
 from poros.provenance import stack_label
-from poros.settings import BY_NAME, RUN, SCHEDULE_NAMES, SETTINGS, check_values
+from poros.settings import BY_NAME, COMPUTED_NAMES, RUN, SCHEDULE_NAMES, SETTINGS, check_values
 
 MATRICES = Path(__file__).resolve().parents[2] / "matrices"
 DATASETS = ("synthetic",)
@@ -73,6 +75,14 @@ class Matrix:
     parity_steps: int = 3
     # per-model schedule settings that differ from the matrix's: ((model, ((key, value), ...)), ...)
     model_overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    # computed settings swept: ((key, (value, ...)), ...); every combination is a point of cells
+    sweep: tuple[tuple[str, tuple], ...] = ()
+    # poros's schedules by name: ((name, ((key, value), ...)), ...); each is a poros cell of its own
+    plans: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    # computed settings one method's timed cells run with instead of the matrix's (a gate runs both sides
+    # with the gated method's): ((method, ((key, value), ...)), ...)
+    method_settings: tuple[tuple[Method, tuple[tuple[str, object], ...]], ...] = ()
+    warmup_steps: int | None = None  # steps of each warm-up pass (None: `steps`)
     source: str = ""
 
     def __getattr__(self, name: str):  # matrix.seq_len etc.: the settings by name
@@ -85,9 +95,27 @@ class Matrix:
         """The schedule settings `model` runs with instead of the matrix's."""
         return dict(next((kv for m, kv in self.model_overrides if m == model), ()))
 
-    def settings_for(self, model: str) -> dict:
-        """Every setting `model`'s cells run with."""
-        return {**self.settings, **self.overrides_for(model)}
+    def points(self) -> list[dict]:
+        """Every combination of the swept values ([{}] without a sweep), in the order the axes are given."""
+        keys = [k for k, _ in self.sweep]
+        return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in self.sweep))]
+
+    def plan_names(self) -> list[str | None]:
+        """The poros plans by name ([None]: the matrix's own schedule, without a `plans:` axis)."""
+        return [name for name, _ in self.plans] or [None]
+
+    def plan_settings(self, plan: str | None) -> dict:
+        return dict(next((kv for n, kv in self.plans if n == plan), ()))
+
+    def method_overrides(self, method: Method | None) -> dict:
+        return dict(next((kv for m, kv in self.method_settings if m is method), ()))
+
+    def settings_for(self, model: str, point: dict | None = None, method: Method | None = None,
+                     plan: str | None = None) -> dict:
+        """Every setting a cell of `model` runs with: the matrix's, the sweep point's, the method's, the
+        model's schedule overrides and the plan's, later ones winning."""
+        return {**self.settings, **(point or {}), **self.method_overrides(method), **self.overrides_for(model),
+                **self.plan_settings(plan)}
 
     def with_overrides(self, steps: int | None = None, passes: int | None = None) -> "Matrix":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -99,7 +127,9 @@ class Matrix:
 
 
 _REQUIRED = ("name", "steps", "passes", "dataset", "methods", "models", "stacks")
-_OPTIONAL = ("hardware", "precision", "warmup_passes", "device", "parity_steps", "model_overrides")
+_OPTIONAL = ("hardware", "precision", "warmup_passes", "warmup_steps", "device", "parity_steps", "model_overrides",
+             "sweep", "plans", "method_settings")
+PLAN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+]*")  # readable in cell ids and selectable with -k
 _MATRIX_SETTINGS = tuple(s.name for s in SETTINGS if s.kind != RUN)  # settings a matrix may set
 # what `model_overrides` may set per model: how poros schedules its work, never what is computed
 
@@ -125,6 +155,69 @@ def _parse_overrides(value, models: list[str], problems: list[str]) -> tuple:
         problems += bad
         out.append((model, tuple(values.items())))
     return tuple(out)
+
+
+def _parse_sweep(value, top_level: dict, problems: list[str]) -> tuple:
+    if not isinstance(value, dict) or not value:
+        problems.append(f"sweep: expected a mapping of computed settings to lists of values, got {value!r}")
+        return ()
+    out = []
+    for k, values in value.items():
+        where = f"sweep.{k}"
+        if k not in COMPUTED_NAMES:
+            problems.append(f"{where}: not a computed setting (a sweep varies what is computed: "
+                            f"{', '.join(COMPUTED_NAMES)}; poros's schedules go under plans:)")
+            continue
+        if k in top_level:
+            problems.append(f"{where}: also set at the top level; give it in one place")
+            continue
+        if not isinstance(values, list) or not values:
+            problems.append(f"{where}: expected a non-empty list of values, got {values!r}")
+            continue
+        checked = []
+        for i, v in enumerate(values):
+            got, bad = check_values({k: v}, f"{where}[{i}].")
+            problems += [b.replace(f"{where}[{i}].{k}:", f"{where}[{i}]:") for b in bad]
+            checked += got.values()
+        if len(checked) == len(values):
+            if len(set(map(str, checked))) != len(checked):
+                problems.append(f"{where}: a value is given twice ({values!r})")
+            else:
+                out.append((k, tuple(checked)))
+    return tuple(out)
+
+
+def _parse_named(value, key: str, names, what: str, problems: list[str], name_check=None) -> tuple:
+    """A mapping of names to settings mappings, each setting one of `names` (plans:, method_settings:)."""
+    if not isinstance(value, dict) or not value:
+        problems.append(f"{key}: expected a non-empty mapping, got {value!r}")
+        return ()
+    out = []
+    for name, settings in value.items():
+        where = f"{key}.{name}"
+        if name_check is not None:
+            why = name_check(name)
+            if why:
+                problems.append(f"{where}: {why}")
+                continue
+        settings = {} if settings is None else settings
+        if not isinstance(settings, dict):
+            problems.append(f"{where}: expected a mapping of settings ({{}} for none), got {settings!r}")
+            continue
+        for k in settings:
+            if k not in names:
+                problems.append(f"{where}.{k}: not {what} ({', '.join(names)})")
+        values, bad = check_values({k: v for k, v in settings.items() if k in names}, f"{where}.")
+        problems += bad
+        out.append((name, tuple(values.items())))
+    return tuple(out)
+
+
+def _plan_name_problem(name) -> str | None:
+    if not isinstance(name, str) or not PLAN_NAME.fullmatch(name):
+        return (f"expected a plan name of letters, digits, '_', '.' or '+' (it is part of cell ids, "
+                f"e.g. 24GB or streamed), got {name!r}")
+    return None
 
 
 def _is_int(v) -> bool:
@@ -174,7 +267,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
             problems.append(f"{k}: missing required key")
     settings, bad = check_values({k: v for k, v in data.items() if k in _MATRIX_SETTINGS})
     problems += bad
-    for k in ("steps", "passes", "warmup_passes", "parity_steps"):
+    for k in ("steps", "passes", "warmup_passes", "warmup_steps", "parity_steps"):
         least = 0 if k == "warmup_passes" else 1
         if k in data and not (_is_int(data[k]) and data[k] >= least):
             problems.append(f"{k}: expected an integer >= {least}, got {data[k]!r}")
@@ -207,6 +300,28 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
                     models.append(m)
     stacks = _parse_stacks(data["stacks"], problems) if "stacks" in data else ()
     overrides = _parse_overrides(data["model_overrides"], models, problems) if "model_overrides" in data else ()
+    sweep = _parse_sweep(data["sweep"], settings, problems) if "sweep" in data else ()
+    plans = ()
+    if "plans" in data:
+        plans = _parse_named(data["plans"], "plans", SCHEDULE_NAMES, "a schedule setting", problems,
+                             _plan_name_problem)
+        if Method.POROS not in methods and "methods" in data:
+            problems.append("plans: are poros's schedules, and poros is not among this matrix's methods")
+    method_settings = ()
+    if "method_settings" in data:
+        swept = {k for k, _ in sweep}
+
+        def method_problem(name):
+            try:
+                meth = Method(name)
+            except ValueError:
+                return f"unknown method (known: {', '.join(x.value for x in Method)})"
+            return None if meth in methods else "not one of this matrix's methods"
+
+        named = _parse_named(data["method_settings"], "method_settings",
+                             tuple(k for k in COMPUTED_NAMES if k not in swept and k != "gpus"),
+                             "a computed setting that is neither swept nor gpus", problems, method_problem)
+        method_settings = tuple((Method(name), kv) for name, kv in named)
     device = None
     if data.get("device") is not None:
         try:
@@ -221,7 +336,8 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         settings={**{k: BY_NAME[k].default for k in _MATRIX_SETTINGS}, **settings},
         hardware=data.get("hardware"), precision=data.get("precision", "nf4").lower(),
         warmup_passes=data.get("warmup_passes", 1), device=device, parity_steps=data.get("parity_steps", 3),
-        model_overrides=overrides, source=source,
+        model_overrides=overrides, sweep=sweep, plans=plans, method_settings=method_settings,
+        warmup_steps=data.get("warmup_steps"), source=source,
     )
 
 
@@ -236,11 +352,26 @@ def resolve_matrix_path(name_or_path: str) -> Path:
     raise ConfigError([f"matrix {name_or_path!r} is neither a file nor one of: {known}"], "matrix")
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading numbers as YAML 1.2 does: `1e-4` and `2e9` are numbers (YAML 1.1, which
+    PyYAML follows, needs a dot and a signed exponent, so it reads them as strings)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str):
+    return yaml.load(text, Loader=YamlLoader)
+
+
 def load_matrix(name_or_path: str) -> Matrix:
     """Load and validate a matrix by name (`cpu`) or path (`matrices/cpu.yaml`)."""
     path = resolve_matrix_path(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError([f"not valid YAML: {str(e).splitlines()[0]}"], str(path)) from None
     return parse_matrix(data, str(path))

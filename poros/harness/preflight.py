@@ -3,16 +3,19 @@ expected, what came in and what to do. Used by the CLI and by the matrix suites'
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from poros.config import LORA_TARGETS
+from poros.config import LORA_TARGETS, Method
+from poros.engine.methods import config_for
 from poros.errors import CapabilityError, ConfigError, PorosError
-from poros.harness.bench import model_unavailable
+from poros.harness.bench import cell_config, matrix_cells, model_unavailable, point_id, row_key
 from poros.harness.matrix import load_matrix as load
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import load_reference
 from poros.models.checkpoint import resolve
+from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
     check_seq_len,
     check_supported,
@@ -92,7 +95,8 @@ def check_matrix(m) -> None:
     Raises:
         ConfigError: listing every problem.
     """
-    problems = model_problems(m.models, m.seq_len)
+    seq_len = max(p.get("seq_len", m.seq_len) for p in m.points())  # the longest the sweep asks for
+    problems = model_problems(m.models, seq_len)
     if problems:
         raise ConfigError(problems, m.source)
 
@@ -179,11 +183,12 @@ def check_report_paths(inputs, output, reference=None) -> None:
 
 
 def check_resume(rows: list[dict], m, path) -> None:
-    """`--resume` continues one run: rows of another matrix, or measured with other steps or
-    passes, would be mixed into its results and stand in for cells it never ran.
+    """`--resume` continues one run: every row it keeps must be a cell of this matrix, measured with the
+    same steps and passes, every computed setting, the same plan (poros's schedule settings) and the same
+    stack; anything else would be mixed into its results and stand in for cells it never ran.
 
     Raises:
-        PorosError: naming what the file holds and what this run would be.
+        PorosError: naming the first cell that differs, what differs, and what to do.
     """
     other = sorted({str(r.get("matrix")) for r in rows if r.get("matrix") != m.name})
     if other:
@@ -194,6 +199,26 @@ def check_resume(rows: list[dict], m, path) -> None:
         steps, passes = differ[0]
         raise PorosError(f"--resume: {path} has rows of {steps} steps x {passes} passes, this run would measure "
                          f"{m.steps} x {m.passes}; pass --steps {steps} --passes {passes}, or another -o")
+    cells = {c.key: c for c in matrix_cells(m) if c.method is not None}
+    fix = "restore the matrix as it was, or pass another -o (a new run keeps nothing of the old)"
+    for n, r in enumerate(rows, 1):
+        cell = cells.get(row_key(r))
+        what = f"{r.get('model')} {r.get('method')}" + (f" plan {r['plan_name']}" if r.get("plan_name") else "") + \
+            (f" at {point_id(r['sweep'])}" if isinstance(r.get("sweep"), dict) and r["sweep"] else "")
+        if cell is None:
+            raise PorosError(f"--resume: {path}:{n} holds {what} (stack {r.get('stack_name')}), a cell this matrix "
+                             f"does not have (a swept value, plan, model or method changed); {fix}")
+        want = json.loads(json.dumps(config_for(cell.method, cell_config(m, cell)).as_dict()))
+        names = COMPUTED_NAMES + (SCHEDULE_NAMES if cell.method is Method.POROS else ())
+        have = r.get("config") if isinstance(r.get("config"), dict) else {}
+        changed = [f"{k}: the rows have {have.get(k)!r}, the matrix {want.get(k)!r}" for k in names
+                   if k in have and have.get(k) != want.get(k)]
+        if changed:
+            raise PorosError(f"--resume: {path}:{n} ({what}) was measured with other settings "
+                             f"({'; '.join(changed)}); {fix}")
+        if r.get("stack") != cell.stack.label():
+            raise PorosError(f"--resume: {path}:{n} ({what}) ran on stack {r.get('stack')!r}, this environment is "
+                             f"{cell.stack.label()!r}; resume on that stack, or {fix}")
 
 
 def check_reference(path) -> None:

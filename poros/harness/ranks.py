@@ -89,7 +89,8 @@ def main(argv: list[str]) -> int:
     if world.size != cfg.gpus:
         raise CapabilityError(f"gpus: {cfg.gpus} but {world.size} ranks were started")
     try:
-        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world)
+        store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world,
+                               double_quant=cfg.double_quant)
         if spec["kind"] == "gate":
             result = parity(cfg, steps=spec["steps"], store=store, method=Method(spec["method"]),
                             reference=Method(spec["reference"]), sequential=spec["sequential"], world=world)

@@ -70,10 +70,51 @@ def load_results(paths) -> pd.DataFrame:
             if row["method"] not in METHODS or row["status"] not in STATUSES:
                 raise PorosError(f"{path}:{n}: method must be one of {', '.join(METHODS)} and status one of "
                                  f"{', '.join(STATUSES)}, got {row['method']!r} / {row['status']!r}")
-            records.append(row)
+            bad = field_problems(row)
+            if bad:
+                raise PorosError(f"{path}:{n}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") +
+                                 "; fix or remove that row (rows are written by poros bench)")
+            records.append({**row, "plan_name": row.get("plan_name"),
+                            "sweep": row.get("sweep") if isinstance(row.get("sweep"), dict) else {}})
     if not records:
         raise PorosError(f"no result rows in {', '.join(map(str, paths))}")
     return pd.DataFrame.from_records(records)
+
+
+NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",
+           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s")
+SECTIONS = ("config", "provenance")  # mappings every row holds
+TEXTS = ("matrix", "model", "stack", "arch")
+
+
+def field_problems(row: dict) -> list[str]:
+    """Fields of a row the report could not read as their kind: a number that is text, a section that is
+    null or not a mapping. Each names the field, what it holds and what it should."""
+    out = []
+    for k in NUMBERS:
+        v = row.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            out.append(f"field {k}: expected a number or null, got {v!r}")
+    for k in SECTIONS:
+        if not isinstance(row.get(k), dict):
+            out.append(f"field {k}: expected a mapping, got {row.get(k)!r}")
+    for k in TEXTS:
+        if not isinstance(row.get(k), str):
+            out.append(f"field {k}: expected text, got {row.get(k)!r}")
+    if row.get("parity") not in (None, "PASS", "FAIL"):
+        out.append(f"field parity: expected PASS, FAIL or null, got {row['parity']!r}")
+    return out
+
+
+def failures(df: pd.DataFrame, sweep: bool = False) -> list[str]:
+    """The cells of the latest rows (of a sweep page's, with `sweep`) that FAIL (a failed run or a parity FAIL),
+    as `model method` lines."""
+    out = []
+    for r in (sweep_rows(df) if sweep else latest(df)).to_dict("records"):
+        if r["status"] == "failed" or r["parity"] == "FAIL":
+            why = "parity FAIL" if r["parity"] == "FAIL" else f"failed: {str(r.get('error') or '')[:120]}"
+            out.append(f"{r['model']} {r['method']}{' plan ' + r['plan_name'] if r.get('plan_name') else ''}: {why}")
+    return out
 
 
 def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
@@ -128,9 +169,16 @@ def on_cpu(df: pd.DataFrame) -> bool:
                for c, p in zip(df["config"], df["provenance"]))
 
 
+def _point(sweep) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (sweep or {}).items())
+
+
 def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """The last row per (matrix, model, stack, method) — a re-run replaces the earlier cell."""
-    df = df.drop_duplicates(subset=list(KEY), keep="last").copy()
+    """The last row per (matrix, model, stack, method, plan, sweep point) — a re-run replaces the earlier cell."""
+    df = df.copy()
+    df["point"] = [_point(x) for x in df["sweep"]]
+    df["plan_key"] = df["plan_name"].fillna("")
+    df = df.drop_duplicates(subset=[*KEY, "plan_key", "point"], keep="last").copy()
     df["hardware"] = [_hardware(r) for r in df.to_dict("records")]
     return df
 
@@ -141,6 +189,21 @@ def _table(columns, rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows])
 
 
+SPREAD = 0.10  # a timed CPU cell whose passes spread more than this share of their median is flagged
+SPREAD_MARK = "†"
+SPREAD_NOTE = (f"{SPREAD_MARK} passes spread more than {SPREAD:.0%} of their median (fastest to slowest): "
+               "the CPU was shared or busy; compare these timings with care.")
+
+
+def spread(row) -> bool:
+    """Whether a timed CPU row's passes spread more than `SPREAD` of their median."""
+    passes = [t for t in (row.get("per_pass_s") or []) if isinstance(t, (int, float))]
+    if len(passes) < 2 or (row.get("config") or {}).get("device", "cpu") != "cpu":
+        return False
+    med = sorted(passes)[len(passes) // 2] if len(passes) % 2 else sum(sorted(passes)[len(passes) // 2 - 1:][:2]) / 2
+    return med > 0 and (max(passes) - min(passes)) / med > SPREAD
+
+
 def _s_step(row, with_std: bool = False) -> str:
     if row is None or row["status"] == "skipped":
         return DASH
@@ -149,7 +212,8 @@ def _s_step(row, with_std: bool = False) -> str:
     med, std = _num(row["s_per_step_median"]), _num(row["s_per_step_std"])
     if med is None:
         return DASH
-    return f"{med:.4f}±{std:.4f}" if with_std and std is not None else f"{med:.4f}"
+    mark = SPREAD_MARK if spread(row) else ""
+    return (f"{med:.4f}±{std:.4f}" if with_std and std is not None else f"{med:.4f}") + mark
 
 
 def _ok(row, field: str) -> float | None:
@@ -172,42 +236,67 @@ def _parity(row) -> str:
 
 
 def _cells(df: pd.DataFrame) -> dict:
-    """{(model, stack): {method: row}} in order of first appearance (later rows win)."""
+    """{(model, stack, point): {method: row, "plans": {plan: poros row}}} in order of first appearance
+    (later rows win); `poros` is the first plan's row."""
     cells: dict = {}
     for r in df.to_dict("records"):
-        cells.setdefault((r["model"], r["stack"]), {"arch": r["arch"]})[r["method"]] = r
+        c = cells.setdefault((r["model"], r["stack"], r.get("point", "")), {"arch": r["arch"], "plans": {}})
+        if r["method"] == "poros":
+            c["plans"][r.get("plan_name")] = r
+            c.setdefault("poros", r)
+        else:
+            c[r["method"]] = r
     return cells
 
 
+def _baseline(c: dict):
+    """The reference a poros row is compared with: resident QLoRA, else resident_gc."""
+    return c.get("resident") or c.get("resident_gc")
+
+
 def results_table(df: pd.DataFrame) -> str:
-    """The official results table, one row per model × stack; on CPU without the VRAM columns."""
+    """The official results table, one row per model × stack × sweep point × poros plan; columns of the
+    methods the rows hold (resident_gc where plain resident is absent); on CPU without the VRAM columns."""
+    present = set(df["method"])
+    ref = "resident" if "resident" in present or "resident_gc" not in present else "resident_gc"
+    others = [m for m in (ref, "unsloth") if m in present or m == ref]
+    points = any(df.get("point", pd.Series([""])).astype(bool))
+    plans = df["plan_name"].notna().any()
+    columns = ["Model", "Arch", "Stack", *(["Settings"] if points else []), *(["Plan"] if plans else []),
+               "Bitwise parity", "poros s/step (median±std)", *(f"{m} s/step" + (" (median±std)" if m == ref else "")
+                                                               for m in others),
+               *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
+               *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
     rows = []
-    for (model, stack), c in _cells(df).items():
-        p, r, u = c.get("poros"), c.get("resident"), c.get("unsloth")
-        ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
-        speed = [DASH if ps is None or _ok(o, "s_per_step_median") is None
-                 else f"{ps / _ok(o, 's_per_step_median'):.2f}×" for o in (r, u)]
-        cut = [DASH if pv is None or not _ok(o, "peak_vram_gb")
-               else f"{(1 - pv / _ok(o, 'peak_vram_gb')) * 100:.1f}%" for o in (r, u)]
-        rows.append([model, c["arch"], stack, _parity(p or r), _s_step(p, True), _s_step(r, True), _s_step(u),
-                     *speed, *(_gb(_ok(x, "peak_vram_gb")) for x in (p, r, u)), *cut])
+    for (model, stack, point), c in _cells(df).items():
+        o = [c.get(m) for m in others]
+        for plan, p in (c["plans"] or {None: None}).items():
+            ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
+            speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
+                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×" for x in o]
+            cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
+                   else f"{(1 - pv / _ok(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
+            rows.append([model, c["arch"], stack, *([point or DASH] if points else []),
+                         *([plan or DASH] if plans else []), _parity(p or o[0]), _s_step(p, True),
+                         *(_s_step(x, i == 0) for i, x in enumerate(o)), *speed, _gb(pv),
+                         *(_gb(_ok(x, "peak_vram_gb")) for x in o), *cut])
     if on_cpu(df):
-        return _table(RESULTS_COLUMNS[:-VRAM_COLUMNS], [r[:-VRAM_COLUMNS] for r in rows])
-    return _table(RESULTS_COLUMNS, rows)
+        vram = 1 + 2 * len(others)
+        return _table(columns[:-vram], [r[:-vram] for r in rows])
+    return _table(columns, rows)
 
 
 def _time_table(df: pd.DataFrame) -> str:
     rows = []
-    for (model, stack), c in _cells(df).items():
-        if "poros" not in c:
-            continue
-        h2d, gbps, hidden, tps = (_ok(c["poros"], f) for f in
-                                  ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
-        row = [model, stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
-               DASH if gbps is None else f"{gbps:.1f} GB/s",
-               DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"]
-        rows.append(row)
-    columns = ["Model", "Stack", "Host→device per step (weights)", "Copy GB/s", "Copy hidden behind compute",
+    for (model, stack, point), c in _cells(df).items():
+        for plan, p in c["plans"].items():
+            h2d, gbps, hidden, tps = (_ok(p, f) for f in
+                                      ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
+            name = ", ".join(x for x in (point, plan and f"plan {plan}") if x)
+            rows.append([model + (f" ({name})" if name else ""), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
+                         DASH if gbps is None else f"{gbps:.1f} GB/s",
+                         DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"])
+    columns = ["Model", "Stack", "Host→device per step", "Copy GB/s (weights)", "Copy hidden behind compute",
                "Tokens/s"]
     return _table(columns, rows)
 
@@ -230,10 +319,21 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
         configs = list(df["config"]) if s.kind == COMPUTED else poros
         if not configs:
             continue
-        shown = [s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default) for c in configs]
-        if s.quiet and set(shown) == {s.show(s.default)}:
+        show = lambda c: s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default)  # noqa: E731
+        if not s.report_default and all(show(c) == s.show(s.default) for c in configs):
             continue
-        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(shown, "; ")))
+        if s.kind == COMPUTED:  # a method that ran with its own value (a matrix's method_settings) is named
+            by_method: dict = {}
+            for c, m in zip(df["config"], df["method"]):
+                by_method.setdefault(m, []).append(show(c))
+            values = {m: _uniq(v, "; ") for m, v in by_method.items()}
+            if len(set(values.values())) > 1 and all("; " not in v for v in values.values()):
+                methods: dict = {}
+                for m, v in values.items():
+                    methods.setdefault(v, []).append(m)
+                out.append((s.label, "; ".join(f"{v} ({', '.join(ms)})" for v, ms in methods.items())))
+                continue
+        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", _uniq(map(show, configs), "; ")))
     return out
 
 
@@ -274,11 +374,12 @@ def _provenance_line(df: pd.DataFrame) -> str:
 def _reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
     cells, rows = _cells(df), []
     for r in ref.to_dict("records"):
-        measured = [c for (model, stack), c in cells.items() if model.lower() == str(r["model"]).lower()]
+        measured = [c for (model, stack, _), c in cells.items() if model.lower() == str(r["model"]).lower()]
         if not measured:
             continue
         # Compare like with like where the reference stack was measured; otherwise the first measured stack.
-        c = next((c for (m, s), c in cells.items() if m.lower() == r["model"].lower() and s == r["stack"]), measured[0])
+        c = next((c for (m, s, _), c in cells.items() if m.lower() == r["model"].lower() and s == r["stack"]),
+                 measured[0])
         med, std = _num(r["poros_s_step_median"]), _num(r["poros_s_step_std"])
         ref_poros = DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}")
         ref_res = _num(r["resident_s_step"])
@@ -307,6 +408,8 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
             parts.append(f"> **Reduced run: {_runs(reduced)} (the matrix file asks for more) — "
                          "not comparable to full runs.**")
         parts += [f"## Results — {hw}", results_table(g)]
+        if any(spread(r) for r in g.to_dict("records") if r["status"] == "ok"):
+            parts.append(SPREAD_NOTE)
         if not on_cpu(g):  # no host→device copy to account for on the CPU
             parts += ["## Where the time goes (poros)", _time_table(g)]
         if reference is not None:
@@ -389,11 +492,374 @@ def plot(df: pd.DataFrame, png_path) -> Path:
     return png_path
 
 
-def write_report(results_paths, out_md, reference_csv=None, title: str | None = None) -> Path:
-    """Write the Markdown report and, beside it, the PNG it embeds (same stem, `.png`)."""
+# A sweep page (`poros report --sweep`): every measured row of one or more sweeps, each compared only with the
+# reference of its own run on its own GPU, and a plot per swept axis.
+
+SWEEP_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Schedule",
+                 "Parity (gate)", "s/step", "vs resident", "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak",
+                 "Host→device per step", "Copy hidden", "Resident layers", "Block")
+SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs", "Tokens/s", "Tokens/s on 1 GPU",
+                   "Speed-up", "Per-GPU efficiency")
+ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
+                     "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
+REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
+TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk")  # what a row computes, but its GPUs
+SWEEP_INTRO = (
+    "Each poros plan first passed the parity gate against the reference's states recorded in the same run "
+    "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after discarded warm-up. "
+    "`vs resident` divides by the s/step of the reference (resident QLoRA, else resident_gc) of the same work "
+    "(model, sequence length, attention, gradient accumulation, number of GPUs) in the same run on the same GPU; "
+    "the GPU column names a run's (first) GPU by its UUID's first 8 hex digits. Unsloth is timed on the same store "
+    "but not gated (its arithmetic differs); a control row gates the reference against its own recorded states. "
+    "Peak VRAM is torch's allocated peak, Peak reserved its reserved one (CUDA graphs keep their intermediates in "
+    "private pools, reserved but not allocated; rows from before it was recorded show —), Predicted peak the "
+    "planner's. Under data parallelism (GPUs > 1) every rank trains its own data: tokens/s counts every rank's "
+    "tokens, the peak is the largest rank's.")
+
+
+def schedule(config: dict) -> str:
+    """How a poros row scheduled its work, in words (from its settings)."""
+    budget = config.get("vram_budget")
+    parts = ["every layer streamed" if budget is None else
+             f"budget {budget / 1e9:g} GB" if isinstance(budget, (int, float)) else f"budget {budget}"]
+    parts += [*schedule_kind(config)]
+    return ", ".join(parts)
+
+
+def schedule_kind(config: dict) -> list[str]:
+    """A poros row's schedule but for its budget: plans of one kind differ in their budget only."""
+    parts = []
+    if config.get("placement") == "spread":
+        parts.append("spread")
+    if config.get("offload_inputs"):
+        parts.append("inputs in host memory")
+    if config.get("overlap_backward") is False:
+        parts.append("serial backward")
+    if config.get("accumulation") not in (None, "layer"):
+        parts.append(f"{config['accumulation']}-major accumulation")
+    if config.get("keep_activations"):
+        kept = config.get("kept_layers")
+        parts.append("activations kept" + ("" if kept is None else f" ({kept} layers)"))
+    if config.get("cuda_graphs"):
+        parts.append("CUDA graphs")
+    return parts
+
+
+def _sweep_row(r: dict) -> dict:
+    """A row with the columns a sweep page groups by: what it computed, where and in which run it ran."""
+    c, p = r["config"], r["provenance"]
+    gpus = p.get("gpus") or []
+    uuid = gpus[0]["uuid"] if gpus else "cpu"
+    poros, control = r["method"] == "poros", r.get("control") is True  # a column other rows lack reads NaN
+    out = {**r, **{k: c.get(k) for k in TASK[2:]}, "grad_accum": c.get("grad_accum") or 1,
+           "gpus": int(r.get("world_size") or c.get("gpus") or 1), "gpu": uuid,
+           "gpu_label": uuid.removeprefix("GPU-")[:8], "host": p.get("host"), "control": control,
+           "label": " ".join(x for x in (r["method"], poros and _text(r.get("plan_name")), control and "(control)")
+                             if x),
+           "schedule": schedule(c) if poros else DASH, "point": _point(r["sweep"]),
+           "timed_ok": r["status"] == "ok" and not control and _num(r["s_per_step_median"]) is not None}
+    # a run: one matrix (or sweep) on one machine and GPU; rows that name their run keep apart runs of one matrix
+    out["run"] = " ".join(str(x) for x in (r["matrix"], out["host"], uuid, _text(r.get("run")) or ""))
+    out["task"] = " | ".join(str(out[k]) for k in TASK)
+    out["work"] = f"{out['task']} | {out['gpus']}"
+    return out
+
+
+def sweep_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a sweep page, in order; a row repeating a cell of its run (work, method, plan, sweep point,
+    control or not) replaces the earlier one."""
+    rows = pd.DataFrame.from_records([_sweep_row(r) for r in df.to_dict("records")])
+    rows["plan_key"] = rows["plan_name"].fillna("")
+    keys = ["run", "work", "method", "plan_key", "point", "control"]
+    return rows.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
+
+
+def baselines(rows: pd.DataFrame) -> pd.Series:
+    """s/step of the reference per (run, work): plain resident over resident_gc."""
+    ref = rows[rows["method"].isin(REFERENCES) & rows["timed_ok"]]
+    ref = ref.assign(preference=ref["method"].map(REFERENCES.index)).sort_values("preference", kind="stable")
+    return ref.groupby(["run", "work"])["s_per_step_median"].first()
+
+
+def _steps(n) -> str:
+    return DASH if _num(n) is None else f"{int(n)} step" if int(n) == 1 else f"{int(n)} steps"
+
+
+def _sweep_parity(r: dict) -> str:
+    gate = f"vs {r['gate']}" + (f", gated under {int(r['alone_of'])} ranks" if _num(r.get("alone_of")) else "")
+    verdict = None if _text(r["parity"]) is None else f"{r['parity']} ({_steps(r.get('parity_steps'))}, {gate})"
+    if r["status"] != "ok":
+        reason = str(r.get("error") or r["status"]).split(":", 1)[-1].strip().replace("\n", " ")
+        return f"{verdict}; not timed: {reason}" if verdict else f"not run: {reason}"
+    if r["control"]:
+        return f"{r['parity']} (control: reference vs itself, {_steps(r.get('parity_steps'))})"
+    if r["method"] == "unsloth":
+        return "not gated (other arithmetic)"
+    return verdict or DASH
+
+
+def _fmt(v, fmt: str) -> str:
+    return DASH if _num(v) is None else fmt.format(_num(v))
+
+
+def _scaled(v, by: float, fmt: str) -> str:
+    return DASH if _num(v) is None else fmt.format(_num(v) * by)
+
+
+def sweep_table(rows: pd.DataFrame) -> str:
+    """Every row of the page; ratios against the reference of the same run, work and GPU."""
+    base = baselines(rows)
+    out = []
+    for r in rows.to_dict("records"):
+        head = [r["model"], str(r["gpus"]), r["gpu_label"], _fmt(r["seq_len"], "{:.0f}"), str(r["attention"]),
+                str(r["grad_accum"]), r["label"], r["schedule"], _sweep_parity(r)]
+        if not r["timed_ok"]:
+            out.append(head + [DASH] * (len(SWEEP_COLUMNS) - len(head)))
+            continue
+        s, ref = r["s_per_step_median"], base.get((r["run"], r["work"]))
+        plan = r.get("plan") if isinstance(r.get("plan"), dict) else {}
+        out.append(head + [f"{s:.4f}", DASH if ref is None else f"{s / ref:.2f}×", _fmt(r["tokens_per_s"], "{:.0f}"),
+                           _gb(_num(r["peak_vram_gb"])), _gb(_num(r.get("peak_reserved_gb"))),
+                           _gb(_num(r.get("predicted_peak_vram_gb"))), _scaled(r["bytes_h2d_per_step"], 1e-9, "{:.2f} GB"),
+                           _scaled(r["copy_hidden_share"], 100, "{:.0f}%"),
+                           _fmt(r.get("resident_layers"), "{:.0f}"), _fmt(plan.get("block_size"), "{:.0f}")])
+    return _table(SWEEP_COLUMNS, out)
+
+
+def scaling_pairs(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each data-parallel row beside the latest one-GPU row of the same task and method/plan on a GPU of the
+    same machine (columns `_many`, `_one`)."""
+    timed = rows[rows["timed_ok"] & rows["tokens_per_s"].notna()].reset_index()
+    many, one = timed[timed["gpus"] > 1], timed[timed["gpus"] == 1]
+    pairs = many.merge(one, on=["task", "label", "host"], suffixes=("_many", "_one"))
+    same = [o in {g["uuid"] for g in (p.get("gpus") or [])} or (o == "cpu" and not p.get("gpus"))
+            for o, p in zip(pairs["gpu_one"], pairs["provenance_many"])]
+    return pairs[same].drop_duplicates(subset="index_many", keep="last")
+
+
+def scaling_table(rows: pd.DataFrame) -> str | None:
+    """Tokens/s of each data-parallel row against the same plan on one GPU; None when there is no pair."""
+    out = []
+    for p in scaling_pairs(rows).to_dict("records"):
+        ratio, world = p["tokens_per_s_many"] / p["tokens_per_s_one"], p["gpus_many"]
+        gpus = p["provenance_many"].get("gpus") or []
+        out.append([p["model_many"], p["label"], _fmt(p["seq_len_many"], "{:.0f}"), str(p["grad_accum_many"]),
+                    gpus[0]["name"] if gpus else "cpu", str(world), f"{p['tokens_per_s_many']:.0f}",
+                    f"{p['tokens_per_s_one']:.0f}", f"{ratio:.2f}×", f"{ratio / world * 100:.0f}%"])
+    return _table(SCALING_COLUMNS, out) if out else None
+
+
+def attention_pairs(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each timed row of another attention setting beside the latest math row of the same run, method/plan and
+    work but for attention (columns `_other`, `_math`)."""
+    timed = rows[rows["timed_ok"]].reset_index()
+    timed = timed.assign(same=[" | ".join(str(r[k]) for k in ("run", "model", "stack", "seq_len", "grad_accum",
+                                                              "loss_chunk", "gpus", "label"))
+                               for r in timed.to_dict("records")])
+    other, math_ = timed[timed["attention"] != "math"], timed[timed["attention"] == "math"]
+    pairs = other.merge(math_, on="same", suffixes=("_other", "_math"))
+    return pairs.drop_duplicates(subset="index_other", keep="last")
+
+
+def attention_table(rows: pd.DataFrame) -> str | None:
+    out = [[p["model_other"], p["label_other"], _fmt(p["seq_len_other"], "{:.0f}"), p["gpu_label_other"],
+            str(p["attention_other"]), f"{p['s_per_step_median_other']:.4f}", f"{p['s_per_step_median_math']:.4f}",
+            f"{p['s_per_step_median_other'] / p['s_per_step_median_math']:.2f}×",
+            _fmt(p["tokens_per_s_other"], "{:.0f}"), _fmt(p["tokens_per_s_math"], "{:.0f}"),
+            _gb(_num(p["peak_vram_gb_other"])), _gb(_num(p["peak_vram_gb_math"]))]
+           for p in attention_pairs(rows).to_dict("records")]
+    return _table(ATTENTION_COLUMNS, out) if out else None
+
+
+def backends_table(rows: pd.DataFrame) -> str | None:
+    """Which SDPA backend ran for which attention shape, per model and attention setting, and for which methods."""
+    seen: dict[tuple, set] = {}
+    for r in rows.to_dict("records"):
+        for shape, backend in (r.get("attention_backends") or {}).items():
+            seen.setdefault((r["model"], str(r["attention"]), shape, backend), set()).add(r["method"])
+    if not seen:
+        return None
+    return _table(("Model", "Attention setting", "Layer shape", "Backend", "Methods"),
+                  [[*k, ", ".join(sorted(ms))] for k, ms in seen.items()])
+
+
+def render_sweep_markdown(df: pd.DataFrame, title: str | None = None, plots=()) -> str:
+    """The sweep page: every row, data-parallel scaling, math against the fast path, the attention backends,
+    provenance, then the plots (heading, PNG name) it links."""
+    rows = sweep_rows(df)
+    parts = [f"# {title or 'Poros — plans measured'}", SWEEP_INTRO, sweep_table(rows)]
+    sections = (("Data-parallel scaling", "Tokens/s under data parallelism against the same plan on one GPU of the "
+                 "same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling_table),
+                ("Attention: math against the fast path", "Each method or plan on another attention setting "
+                 "against the same run on math (same store, same GPU); `vs math` divides the s/step.",
+                 attention_table),
+                ("Attention backends", "The SDPA backend each attention shape ran on, as recorded on the first "
+                 "step of each timed row.", backends_table))
+    for heading, text, make in sections:
+        table = make(rows)
+        if table:
+            parts += [f"## {heading}\n\n{text}", table]
+    parts.append(_provenance_line(df))
+    parts += [f"## {heading}\n\n![{heading}]({png})" for heading, png in plots]
+    return "\n\n".join(parts) + "\n"
+
+
+# The sweep page's plots: one per swept axis with a line of two points or more.
+# (axis, column, heading, x label, y column, y label)
+AXES = (("seq", "seq_len", "Tokens/s against sequence length", "sequence length (tokens)"),
+        ("accum", "grad_accum", "Tokens/s against gradient accumulation", "gradient accumulation (micro-batches per step)"),
+        ("gpus", "gpus", "Tokens/s against GPUs", "GPUs (data-parallel ranks)"))
+LINE_CONTEXT = ("seq_len", "grad_accum", "attention", "gpus", "stack")  # what else a line of one axis holds fixed
+LINE_LABELS = {"seq_len": "seq {}", "grad_accum": "grad-accum {}", "attention": "{} attention", "gpus": "{} GPUs",
+               "stack": "{}"}
+MARKS = {"resident": ("*", "resident QLoRA"), "resident_gc": ("P", "resident_gc"), "unsloth": ("D", "unsloth")}
+
+
+def _new_figure(panels: int = 1):
+    """A figure of `panels` axes side by side (8 inches wide for one, 6 per panel for more)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8 if panels < 2 else 6 * panels, 5))
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+
+
+def _finish(fig, ax, **labels) -> None:
+    ax.set(**labels)
+    ax.grid(alpha=0.3)
+    n = len(ax.get_legend_handles_labels()[0])
+    if n:  # the legend under the axes, never over a point
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width, max(height, 4 + 0.2 * n))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
+    fig.tight_layout()
+
+
+def axis_lines(rows: pd.DataFrame, x: str) -> dict[str, list]:
+    """Tokens/s against `x`: sorted points per model, method/plan, hardware and everything else held fixed,
+    lines of two points or more (a repeated point: the later row). A label names a held field only where
+    the lines differ in it."""
+    context = [c for c in LINE_CONTEXT if c != x]
+    timed = rows[rows["timed_ok"] & rows["tokens_per_s"].notna()]
+    timed = timed.assign(hardware=[_hardware(r) for r in timed.to_dict("records")])
+    keys = ["model", "label", "hardware", *context]
+    lines = {}
+    for key, g in timed.groupby([timed[k].astype(str) for k in keys], sort=False):
+        pts = g.drop_duplicates(subset=x, keep="last").sort_values(x)
+        if len(pts) >= 2:
+            lines[key] = list(zip(pts[x], pts["tokens_per_s"]))
+    varying = [i for i in range(2, len(keys)) if len({k[i] for k in lines}) > 1]
+    return {", ".join([k[0], k[1], *((LINE_LABELS.get(keys[i], "{}").format(k[i])) for i in varying)]): pts
+            for k, pts in lines.items()}
+
+
+def axis_figure(rows: pd.DataFrame, x: str, xlabel: str, title: str):
+    """The figure of `axis_lines` (log2 x, ticks at the measured values); None without a line."""
+    lines = axis_lines(rows, x)
+    if not lines:
+        return None
+    fig, (ax,) = _new_figure()
+    for label, pts in lines.items():
+        ax.plot(*zip(*pts), marker="o", label=label)
+    xs = sorted({px for pts in lines.values() for px, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.minorticks_off()
+    _finish(fig, ax, xlabel=xlabel, ylabel="tokens/s", title=title)
+    return fig
+
+
+def budget_figure(rows: pd.DataFrame):
+    """s/step against peak VRAM of the poros plans of each run and work with two plans or more, a line per kind
+    of schedule over their VRAM budgets (a line style per kind, a colour per run and work; a lone plan of its
+    kind a point), the reference's and Unsloth's of the same run and work as marks. None when no kind has two
+    budgets in one run."""
+    timed = rows[rows["timed_ok"] & rows["peak_vram_gb"].notna()]
+    poros = timed[timed["method"] == "poros"]
+    kind = poros.assign(kind=[", ".join(schedule_kind(c)) or "recompute" for c in poros["config"]])
+    groups = kind.groupby(["run", "work", "kind"], sort=False)
+    if not any(len(g) >= 2 for _, g in groups):
+        return None
+    # the plans of a run and work with two plans or more (a lone plan at a length of its own is left out)
+    groups = [(key, g) for key, g in groups if kind["run"].eq(key[0]).mul(kind["work"].eq(key[1])).sum() >= 2]
+    shown = kind[[(r, w) in {k[:2] for k, _ in groups} for r, w in zip(kind["run"], kind["work"])]]
+
+    def name(r) -> str:  # model, and what tells its lines apart: length, attention, GPU, run start
+        same = shown[shown["model"] == r["model"]]
+        gpu = r["gpu_label"] + (f" {str(r['provenance'].get('time'))[11:16]}"
+                                if same[same["gpu"] == r["gpu"]]["run"].nunique() > 1 else "")
+        extra = [str(r["attention"]) if shown["attention"].nunique() > 1 else "",
+                 f"[{gpu}]" if same["run"].nunique() > 1 else ""]
+        return " ".join(x for x in [r["model"], *extra] if x)
+
+    seqs = sorted(shown["seq_len"].unique())  # a panel per sequence length: their s/step differ by orders
+    fig, panels = _new_figure(len(seqs))
+    axes = dict(zip(seqs, panels))
+    colours, styles = {}, {}
+    for (run, work, what), g in groups:
+        g = g.sort_values("peak_vram_gb")
+        style = styles.setdefault(what, ("-", "--", "-.", ":")[len(styles) % 4])
+        (line,) = axes[g["seq_len"].iloc[0]].plot(
+            g["peak_vram_gb"], g["s_per_step_median"], marker="o", linestyle=style, color=colours.get((run, work)),
+            label=f"{name(g.iloc[0].to_dict())} poros, {what}")
+        colours[(run, work)] = line.get_color()
+    for r in timed[timed["method"].isin(list(MARKS))].to_dict("records"):
+        if (r["run"], r["work"]) in colours:
+            marker, what = MARKS[r["method"]]
+            axes[r["seq_len"]].scatter([r["peak_vram_gb"]], [r["s_per_step_median"]], s=120, marker=marker,
+                                       color=colours[(r["run"], r["work"])], label=f"{name(r)} {what}")
+    for seq, ax in axes.items():
+        _finish(fig, ax, xlabel="peak VRAM (GB, torch max allocated)", ylabel="s/step (median)",
+                title=f"s/step against VRAM, seq {seq}")
+    return fig
+
+
+def attention_figure(rows: pd.DataFrame):
+    """s/step of each method/plan on math and on another attention setting in the same run (the pairs of the
+    page's attention table) as bars side by side; None without a pair."""
+    pairs = attention_pairs(rows)
+    if pairs.empty:
+        return None
+    fig, (ax,) = _new_figure()
+    xs = range(len(pairs))
+    ax.bar([x - 0.2 for x in xs], pairs["s_per_step_median_math"], 0.4, label="math", zorder=2)
+    for setting in pairs["attention_other"].unique():
+        at = [i for i, a in enumerate(pairs["attention_other"]) if a == setting]
+        ax.bar([x + 0.2 for x in at], pairs["s_per_step_median_other"].iloc[at], 0.4, label=str(setting), zorder=2)
+    ax.set_xticks(list(xs), [f"{m}\n{label}" for m, label in zip(pairs["model_other"], pairs["label_other"])],
+                  fontsize=7, rotation=30, ha="right")
+    _finish(fig, ax, ylabel="s/step (median)", title="s/step on math and on the fast attention path")
+    ax.legend(fontsize=8, loc="upper right")  # two entries: inside the axes, clear of the tick labels
+    fig.tight_layout()
+    return fig
+
+
+def sweep_figures(df: pd.DataFrame) -> list[tuple[str, str, object]]:
+    """(file suffix, heading, figure) of each plot the rows hold: budgets, attention settings, then each swept
+    axis of numbers."""
+    rows = sweep_rows(df)
+    out = [("budget", "s/step against VRAM", budget_figure(rows)),
+           ("attention", "s/step on math and on the fast path", attention_figure(rows))]
+    out += [(suffix, title, axis_figure(rows, x, xlabel, title)) for suffix, x, title, xlabel in AXES]
+    return [(s, h, f) for s, h, f in out if f is not None]
+
+
+def write_report(results_paths, out_md, reference_csv=None, title: str | None = None, sweep: bool = False) -> Path:
+    """Write the Markdown report and, beside it, the PNG it embeds (same stem, `.png`); with `sweep`, the sweep
+    page and a PNG per plot it holds (`STEM-budget.png`, `STEM-seq.png`, `STEM-accum.png`, `STEM-gpus.png`)."""
     df = load_results(results_paths)
-    reference = load_reference(reference_csv) if reference_csv is not None else None
     out_md = Path(out_md)
+    if sweep:
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        links = []
+        for suffix, heading, fig in sweep_figures(df):
+            png = out_md.with_name(f"{out_md.stem}-{suffix}.png")
+            fig.savefig(png, dpi=120)
+            links.append((heading, png.name))
+        out_md.write_text(render_sweep_markdown(df, title, links))
+        return out_md
+    reference = load_reference(reference_csv) if reference_csv is not None else None
     out_md.parent.mkdir(parents=True, exist_ok=True)
     png = plot(df, out_md.with_suffix(".png"))
     text = render_markdown(df, reference, title)

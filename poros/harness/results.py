@@ -22,7 +22,8 @@ from poros.errors import PorosError
 LOCK_NAME = ".poros.lock"
 EARLIER = "earlier"
 # what one `poros bench matrix` run writes into its output folder
-RUN_FILES = ("results.jsonl", "results.jsonl.torn", "benchmark.json", "bench.log", "report.md", "report.png")
+RUN_FILES = ("results.jsonl", "results.jsonl.torn", "passes.jsonl", "benchmark.json", "bench.log", "report.md",
+             "report.png")
 
 
 class OutputInUse(PorosError):
@@ -277,15 +278,34 @@ class ResultsWriter:
         return (f"warning: {self.path}:{torn + 1} is a partial row (a run was cut off while writing it): kept "
                 f"the {len(rows)} complete rows and moved the partial line to {side}")
 
-    def done(self, matrix: str) -> dict[tuple, dict]:
-        return {(r.get("model"), r.get("stack_name"), r.get("method")): r for r in self.rows()
-                if r.get("matrix") == matrix and r.get("status") == "ok"}
+    def done(self, matrix: str, timed: bool = True) -> dict[tuple, dict]:
+        """The finished cells of `matrix` by `row_key`; with `timed`, only rows that hold a timing (a run
+        under --benchmark-disable records gates, not timings)."""
+        return {row_key(r): r for r in self.rows() if r.get("matrix") == matrix and r.get("status") == "ok"
+                and (not timed or r.get("timed", True))}
 
     def _write_raw(self, data: bytes) -> None:
+        """Append `data` whole or not at all: a short or failed write (a full disk) is cut back off the
+        file, so every complete row stays as it was, and reported in one line.
+
+        Raises:
+            ResultsFileError: naming the file and why the write failed.
+        """
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, data)
+                if written != len(data):
+                    raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes were written")
+                os.fsync(fd)
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    pass
+                raise ResultsFileError(f"{self.path}: cannot append a row ({e.strerror or e}); every complete row "
+                                       f"is kept: free space (or pass another -o), then --resume") from None
         finally:
             os.close(fd)
 
@@ -293,6 +313,60 @@ class ResultsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write_raw((json.dumps(row) + "\n").encode())
         self.last = row
+
+
+def show_value(v) -> str:
+    """A setting's value as cell ids and row keys write it (no spaces: ids are selected with -k)."""
+    if isinstance(v, (list, tuple)):
+        return "+".join(map(show_value, v))
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(getattr(v, "value", v)).replace(" ", "")
+
+
+def point_id(point) -> str:
+    """A sweep point (mapping or pairs) as `seq_len:512-grad_accum:8` ('' without a sweep)."""
+    items = point.items() if isinstance(point, dict) else point
+    return "-".join(f"{k}:{show_value(v)}" for k, v in items)
+
+
+def row_key(row: dict) -> tuple:
+    """The cell a results row belongs to, as `Cell.key` (rows from before sweeps and plans: none of either)."""
+    sweep = row.get("sweep") if isinstance(row.get("sweep"), dict) else {}
+    return (row.get("model"), row.get("stack_name"), row.get("method"), row.get("plan_name"), point_id(sweep))
+
+
+def passes_path(results) -> Path:
+    """Where a run keeps the passes of cells it has not finished: `passes.jsonl` beside the results."""
+    return Path(results).with_name("passes.jsonl")
+
+
+class PassLog:
+    """What a cell has done before its row is written: each timed pass (`kind: pass`) and each gate
+    outcome (`kind: gate`), one whole line each, keyed by the cell and a fingerprint of everything it
+    runs with, so a killed or budgeted run loses at most the pass it was in and `--resume` continues
+    the cell where it stopped."""
+
+    def __init__(self, path):
+        self.writer = ResultsWriter(path)
+
+    def _records(self, kind: str, cell: str, fingerprint: str) -> list[dict]:
+        return [r for r in self.writer.rows()
+                if r.get("kind") == kind and r.get("cell") == cell and r.get("fingerprint") == fingerprint]
+
+    def passes(self, cell: str, fingerprint: str) -> list[dict]:
+        """The timed passes recorded for `cell`, by pass index (a repeated index: the later record)."""
+        by_index = {r["index"]: r for r in self._records("pass", cell, fingerprint)}
+        return [by_index[i] for i in sorted(by_index)]
+
+    def gate(self, cell: str, fingerprint: str) -> dict | None:
+        found = self._records("gate", cell, fingerprint)
+        return found[-1]["result"] if found else None
+
+    def add(self, kind: str, cell: str, fingerprint: str, **record) -> None:
+        self.writer.append({"kind": kind, "cell": cell, "fingerprint": fingerprint, **record})
 
 
 def _row(line: str) -> dict | None:

@@ -46,15 +46,52 @@ def resolve(model: str) -> Source:
     raise UnknownModelError(model)  # pragma: no cover
 
 
+# fields of config.json that Poros sizes a model with, and the JSON types each must have
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "layer_norm_eps")
+
+
+def config_type_problems(raw: dict) -> list[str]:
+    """Fields of a config.json (and of its text_config) whose JSON type is not what a model is sized with."""
+    problems = []
+    for prefix, d in (("", raw), ("text_config.", raw.get("text_config"))):
+        if not isinstance(d, dict):
+            continue
+        for k, v in d.items():
+            want = "an integer" if k in INT_FIELDS else "a number" if k in NUMBER_FIELDS else None
+            if want is None or v is None:
+                continue
+            ok = isinstance(v, int) if k in INT_FIELDS else isinstance(v, (int, float))
+            if not ok or isinstance(v, bool):
+                problems.append(f"{prefix}{k} is {json.dumps(v)[:40]} ({type(v).__name__}), expected {want}")
+    return problems
+
+
 def _checkpoint_config(path: Path):
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: missing config.json (expected a Hugging Face checkpoint folder)")
     try:
+        raw = json.loads((path / "config.json").read_bytes())
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}/config.json: not readable JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}/config.json: expected a JSON object, got {type(raw).__name__}")
+    problems = config_type_problems(raw)
+    if problems:
+        raise CheckpointError(f"{path}/config.json: {'; '.join(problems)}; correct config.json (numbers without "
+                              f"quotes)")
+    try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, OSError, TypeError) as e:
         raise CheckpointError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # huggingface_hub's strict dataclass validation (transformers 5) names the field
+        if type(e).__name__ != "StrictDataclassFieldValidationError":
+            raise
+        text = " ".join(line.strip() for line in str(e).splitlines()[:2])
+        raise CheckpointError(f"{path}/config.json: {text[:240]}; correct config.json") from None
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     config.use_cache = False
     return config

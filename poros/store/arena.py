@@ -1,13 +1,17 @@
 """The NF4 store: every decoder layer's packed weights and absmax in one exact-size host arena.
 
 Layers are laid out back to back in model order, so a block of consecutive layers is one
-contiguous byte range and moves host->device in a single copy.
+contiguous byte range and moves host->device in a single copy. With double quantization (the
+`double_quant` setting) each slot holds what bitsandbytes' `quantize_4bit(..., compress_statistics=True)`
+makes: the packed weight, the absmax quantized to uint8, and the nested state (a float32 absmax per
+NESTED_BLOCKSIZE absmax values, then the float32 offset subtracted before quantizing them).
 """
 
 from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -15,11 +19,20 @@ from poros.errors import PinningError
 
 ALIGN = 256  # bytes; keeps every view aligned for vectorised kernel loads
 NF4_BLOCKSIZE = 64  # bitsandbytes' QLoRA default (one float32 absmax per 64 weights)
+NESTED_BLOCKSIZE = 256  # bitsandbytes' blocksize for quantizing the absmax again (compress_statistics)
 
 
 def align(n: int) -> int:
     """`n` rounded up to a multiple of ALIGN."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_nbytes(numel: int, double_quant: bool) -> tuple[int, int, int]:
+    """Bytes of one NF4 matrix of `numel` weights: (packed weight, absmax, nested absmax + offset)."""
+    absmax = -(-numel // NF4_BLOCKSIZE)
+    if not double_quant:
+        return numel // 2, 4 * absmax, 0
+    return numel // 2, absmax, 4 * (-(-absmax // NESTED_BLOCKSIZE) + 1)
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,11 @@ class QuantSlot:
     shape: tuple[int, int]  # (out_features, in_features)
     weight_offset: int
     absmax_offset: int
+    nested_offset: int | None = None  # double quantization: the nested absmax, then the offset
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nested_offset is not None
 
     @property
     def numel(self) -> int:
@@ -37,11 +55,20 @@ class QuantSlot:
 
     @property
     def weight_nbytes(self) -> int:
-        return self.numel // 2
+        return slot_nbytes(self.numel, self.double_quant)[0]
 
     @property
     def absmax_numel(self) -> int:
         return -(-self.numel // NF4_BLOCKSIZE)
+
+    @property
+    def absmax_nbytes(self) -> int:
+        return slot_nbytes(self.numel, self.double_quant)[1]
+
+    @property
+    def nested_numel(self) -> int:
+        """float32 values of the nested absmax (double quantization only; the offset follows them)."""
+        return slot_nbytes(self.numel, self.double_quant)[2] // 4 - 1
 
 
 @dataclass(frozen=True)
@@ -56,11 +83,13 @@ class LayerLayout:
         return self.end - self.start
 
 
-def plan_layout(layer_linears: list[list[tuple[str, tuple[int, int]]]]) -> tuple[list[LayerLayout], int]:
+def plan_layout(layer_linears: list[list[tuple[str, tuple[int, int]]]],
+                double_quant: bool = False) -> tuple[list[LayerLayout], int]:
     """Assign arena offsets to every quantized matrix, layer after layer.
 
     Args:
         layer_linears: for each decoder layer, its (module name, (out, in)) linears in order.
+        double_quant: slots hold a uint8 absmax and its nested state instead of a float32 absmax.
     Returns:
         The per-layer layouts and the arena size in bytes.
     """
@@ -71,11 +100,14 @@ def plan_layout(layer_linears: list[list[tuple[str, tuple[int, int]]]]) -> tuple
             numel = shape[0] * shape[1]
             if numel % 2:
                 raise ValueError(f"{name}: NF4 needs an even element count, got shape {shape}")
+            weight, absmax, nested = slot_nbytes(numel, double_quant)
             w_off = offset
-            offset = align(offset + numel // 2)
+            offset = align(offset + weight)
             a_off = offset
-            offset = align(offset + 4 * -(-numel // NF4_BLOCKSIZE))
-            slots.append(QuantSlot(name, (int(shape[0]), int(shape[1])), w_off, a_off))
+            offset = align(offset + absmax)
+            n_off = offset if double_quant else None
+            offset = align(offset + nested)
+            slots.append(QuantSlot(name, (int(shape[0]), int(shape[1])), w_off, a_off, n_off))
         layouts.append(LayerLayout(index, start, offset, tuple(slots)))
     return layouts, offset
 
@@ -87,8 +119,33 @@ def weight_view(buf: torch.Tensor, slot: QuantSlot, base: int = 0) -> torch.Tens
 
 
 def absmax_view(buf: torch.Tensor, slot: QuantSlot, base: int = 0) -> torch.Tensor:
+    """The absmax of `slot`: float32, or with double quantization its uint8 codes."""
     o = slot.absmax_offset - base
-    return buf[o : o + 4 * slot.absmax_numel].view(torch.float32)
+    view = buf[o : o + slot.absmax_nbytes]
+    return view if slot.double_quant else view.view(torch.float32)
+
+
+class SlotTensors(NamedTuple):
+    """One NF4 matrix's tensors as bitsandbytes' QuantState holds them."""
+
+    weight: torch.Tensor  # packed NF4, uint8 (numel/2, 1)
+    absmax: torch.Tensor  # float32, or uint8 with double quantization
+    nested_absmax: torch.Tensor | None = None  # double quantization: float32, one per NESTED_BLOCKSIZE absmax
+    offset: torch.Tensor | None = None  # double quantization: float32 scalar added back to the absmax
+
+    def to(self, device) -> "SlotTensors":
+        """Each tensor copied to `device` as its own tensor (what a resident model holds)."""
+        return SlotTensors(*(None if t is None else t.to(device, copy=True) for t in self))
+
+
+def slot_tensors(buf: torch.Tensor, slot: QuantSlot, base: int = 0) -> SlotTensors:
+    """Views of `slot`'s tensors in `buf`, a copy of the arena from byte `base` on."""
+    weight, absmax = weight_view(buf, slot, base), absmax_view(buf, slot, base)
+    if not slot.double_quant:
+        return SlotTensors(weight, absmax)
+    o = slot.nested_offset - base
+    nested = buf[o : o + 4 * (slot.nested_numel + 1)].view(torch.float32)
+    return SlotTensors(weight, absmax, nested[:-1], nested[-1])
 
 
 def memlock_limit() -> str:
@@ -113,13 +170,23 @@ class NF4Store:
     # persistent buffers of the decoder layers (e.g. gemma4's layer_scalar), as built or as the
     # checkpoint has them; small, applied over the model skeleton's constructed values
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the lookup table of the nested absmax (bitsandbytes' dynamic map) when the slots are double-quantized
+    nested_code: torch.Tensor | None = None
     pinned: bool = False
     _registered: bool = field(default=False, repr=False)
     _pinned_dense: list = field(default_factory=list, repr=False)
 
+    def __post_init__(self):
+        if {slot.double_quant for slot in self.slots()} - {self.nested_code is not None}:
+            raise ValueError("NF4Store: the nested lookup table is given exactly when every slot is double-quantized")
+
     @property
     def nbytes(self) -> int:
         return self.arena.numel()
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nested_code is not None
 
     def slots(self):
         for layer in self.layers:
@@ -182,11 +249,15 @@ __all__ = [
     "ALIGN",
     "align",
     "NF4_BLOCKSIZE",
+    "NESTED_BLOCKSIZE",
     "LayerLayout",
     "NF4Store",
     "QuantSlot",
+    "SlotTensors",
     "absmax_view",
     "host_buffer",
     "plan_layout",
+    "slot_nbytes",
+    "slot_tensors",
     "weight_view",
 ]

@@ -22,18 +22,11 @@ from poros.models.skeleton import (
     persistent_buffers,
     skeleton,
 )
-from poros.store.arena import (
-    LayerLayout,
-    NF4Store,
-    absmax_view,
-    host_buffer,
-    plan_layout,
-    weight_view,
-)
+from poros.store.arena import LayerLayout, NF4Store, host_buffer, plan_layout
 from poros.store.host_memory import HostNeed, check_host_memory, host_need
 from poros.store.nf4_checkpoint import NF4CheckpointLayers, is_bnb_checkpoint
 from poros.store.progress import BuildStats, LayerProgress
-from poros.store.quantize import quantize_nf4
+from poros.store.quantize import Codes, quantize_nf4, write_slot
 
 LAYER_SEED_STRIDE = 1_000_003
 
@@ -64,7 +57,8 @@ class LayerSource(Protocol):
 
     what: str  # the progress line's verb ("building", "loading")
     config: object  # the model config the store is laid out by
-    code: torch.Tensor | None  # the NF4 lookup table, once a layer has given it
+    double_quant: bool  # the slots hold a double-quantized absmax (poros/store/arena.py)
+    codes: Codes  # the lookup tables, once a layer has given them
 
     def host_need(self, model: nn.Module, layers: nn.ModuleList, arena_bytes: int) -> HostNeed | None:
         """What the build takes in host memory (None: not checked)."""
@@ -84,10 +78,10 @@ class Bf16Layers:
 
     what = "building"
 
-    def __init__(self, src: Source, seed: int, device: torch.device):
-        self.config, self.seed, self.device = src.config, seed, device
+    def __init__(self, src: Source, seed: int, device: torch.device, double_quant: bool = False):
+        self.config, self.seed, self.device, self.double_quant = src.config, seed, device, double_quant
         self.reader = CheckpointReader(src.checkpoint) if src.checkpoint else None
-        self.code = None
+        self.codes = Codes()
 
     def host_need(self, model, layers, arena_bytes):
         return host_need(model, layers, arena_bytes, self.device)
@@ -97,10 +91,9 @@ class Bf16Layers:
         linears = dict(layer.named_modules())
         for slot in layout.slots:
             w = linears[slot.name[len(prefix) + 1 :]].weight.detach()
-            packed, state = quantize_nf4(w.to(torch.bfloat16))
-            weight_view(arena, slot).copy_(packed.reshape(-1, 1))
-            absmax_view(arena, slot).copy_(state.absmax.float())
-            self.code = state.code if self.code is None else self.code
+            packed, state = quantize_nf4(w.to(torch.bfloat16), self.double_quant)
+            write_slot(arena, slot, packed, state)
+            self.codes.take(state)
         for name, p in layer.named_parameters():
             if not (name.endswith(".weight") and isinstance(linears[name.rsplit(".", 1)[0]], nn.Linear)):
                 dense[f"{prefix}.{name}"] = p.detach().to("cpu", copy=True)
@@ -136,12 +129,15 @@ def build_store(
     *,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    double_quant: bool = False,
     progress: bool | None = None,
     on_layer: Callable[[int, int], None] | None = None,
     allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[NF4Store, BuildStats]:
     """Build the NF4 store of `source` layer by layer on `device`: seeded random weights, a bf16/fp16
     checkpoint quantized here, or a bitsandbytes NF4 checkpoint read as it is (poros/store/nf4_checkpoint.py).
+    With `double_quant` every slot's absmax is quantized again, as bitsandbytes' `compress_statistics` does
+    (the `double_quant` setting: a run's store must agree with it).
 
     `allocate(nbytes)` gives the zeroed host bytes of the arena (by default private memory;
     `poros.engine.distributed` passes memory the ranks of a host share).
@@ -152,9 +148,9 @@ def build_store(
     src = resolve(source) if isinstance(source, str) else source
     device = torch.device(device)
     if src.checkpoint is not None and is_bnb_checkpoint(src.checkpoint):  # already quantized: read, not built
-        layer_source = NF4CheckpointLayers(src, device)
+        layer_source = NF4CheckpointLayers(src, device, double_quant)
     else:
-        layer_source = Bf16Layers(src, seed, device)
+        layer_source = Bf16Layers(src, seed, device, double_quant)
     return build_from(src.name, layer_source, device=device, progress=progress, on_layer=on_layer,
                       allocate=allocate)
 
@@ -172,7 +168,7 @@ def build_from(name: str, source: LayerSource, *, device: torch.device, progress
         raise CheckpointError(f"{name}: {e}") from None
     check_supported(name, layers, list_name)
     prefixes = [f"{list_name}.{i}" for i in range(len(layers))]
-    layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)])
+    layouts, total = plan_layout([layer_linears(layer, p) for layer, p in zip(layers, prefixes)], source.double_quant)
     need = source.host_need(model, layers, total)
     if need is not None:
         check_host_memory(name, need)
@@ -188,5 +184,6 @@ def build_from(name: str, source: LayerSource, *, device: torch.device, progress
     report.done()
     source.fill_rest(model, layers, dense)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    store = NF4Store(source.config, layouts, arena, dense, source.code.to("cpu"), source=name, buffers=buffers)
+    store = NF4Store(source.config, layouts, arena, dense, source.codes.code, source=name, buffers=buffers,
+                     nested_code=source.codes.nested)
     return store, BuildStats(time.perf_counter() - t0, total, len(layers), str(device), peak)

@@ -2,7 +2,8 @@
 
 The folder (config.json with a bitsandbytes quantization_config, one safetensors shard per decoder
 layer plus one for the dense weights, an index, and a small word-level tokenizer) loads with
-`from_pretrained(..., load_in_4bit=True)` into exactly the store's NF4 bytes. Written layer by
+`from_pretrained(..., load_in_4bit=True)` into exactly the store's NF4 bytes (double-quantized where the
+store is). Written layer by
 layer, at NF4 size: a quarter of the bf16 checkpoint, which for a large model may not fit the disk.
 """
 
@@ -14,17 +15,18 @@ from pathlib import Path
 
 import torch
 
-from poros.store.arena import NF4_BLOCKSIZE, NF4Store, absmax_view, weight_view
+from poros.store.arena import NF4Store, slot_tensors
+from poros.store.quantize import quant_state
 
 TOKENIZER_VOCAB = 4096  # a stand-in tokenizer: the synthetic dataset feeds token ids directly
 
 
 def _quant_tensors(store: NF4Store, slot) -> dict[str, torch.Tensor]:
-    from bitsandbytes.functional import QuantState
-
-    state = QuantState(absmax=absmax_view(store.arena, slot), shape=torch.Size(slot.shape), code=store.code.clone(),
-                       blocksize=NF4_BLOCKSIZE, quant_type="nf4", dtype=torch.bfloat16)
-    out = {f"{slot.name}.weight": weight_view(store.arena, slot)}
+    """The packed weight and its quant state (with double quantization the nested state) as bitsandbytes
+    saves them."""
+    t = slot_tensors(store.arena, slot)
+    state = quant_state(t, store.code.clone(), store.nested_code, slot.shape)
+    out = {f"{slot.name}.weight": t.weight}
     out.update({f"{slot.name}.weight.{k}": v for k, v in state.as_dict(packed=True).items()})
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -56,7 +58,7 @@ def export_bnb4bit(store: NF4Store, folder: str | Path, *, progress=None) -> Pat
         "load_in_8bit": False,
         "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_compute_dtype": "bfloat16",
-        "bnb_4bit_use_double_quant": False,
+        "bnb_4bit_use_double_quant": store.double_quant,
         "bnb_4bit_quant_storage": "uint8",
         "llm_int8_skip_modules": ["lm_head"],
     }

@@ -70,17 +70,18 @@ def host_need(model: nn.Module, layers: nn.ModuleList, arena_bytes: int, device)
     return HostNeed(arena_bytes, _nbytes(outside) + _nbytes(layer_dense) + _nbytes(buffers), transient)
 
 
-def config_host_need(config, device) -> HostNeed:
+def config_host_need(config, device, double_quant: bool = False) -> HostNeed:
     """What building `config` on `device` takes in host memory, from its shapes alone."""
     model = skeleton(config)
     list_name, layers = decoder_layers(model)
-    _, total = plan_layout([layer_linears(layer, f"{list_name}.{i}") for i, layer in enumerate(layers)])
+    _, total = plan_layout([layer_linears(layer, f"{list_name}.{i}") for i, layer in enumerate(layers)],
+                           double_quant)
     return host_need(model, layers, total, device)
 
 
-def store_bytes(config) -> int:
+def store_bytes(config, double_quant: bool = False) -> int:
     """Host bytes of the NF4 store of `config` (arena, dense weights, buffers), from its shapes alone."""
-    return config_host_need(config, "meta").store
+    return config_host_need(config, "meta", double_quant).store
 
 
 def available_host_memory() -> int | None:

@@ -4,9 +4,11 @@ A folder whose config.json carries a bitsandbytes 4-bit `quantization_config` (w
 `save_pretrained` writes for a `load_in_4bit` model, and what poros/store/export.py writes) holds each
 quantized linear as packed uint8 bytes plus its quant state (`.absmax`, `.quant_map`, and with
 double quantization `.nested_absmax`, `.nested_quant_map`). The bytes are copied into the arena as
-they are; a double-quantized absmax is expanded to float32 exactly as bitsandbytes does before
-every dequantization, so the store dequantizes to the checkpoint's weights bit for bit. Linears the
-checkpoint left unquantized are quantized here, as a bf16 build would.
+they are where the store's form (the `double_quant` setting) is the checkpoint's; otherwise a
+double-quantized absmax is expanded to float32 exactly as bitsandbytes does before every
+dequantization (the store dequantizes to the checkpoint's weights bit for bit), and a plain one is
+quantized again as bitsandbytes' `compress_statistics` does. Linears the checkpoint left unquantized
+are quantized here, as a bf16 build would.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch import nn
 from poros.errors import CheckpointError
 from poros.models.checkpoint import CheckpointReader
 from poros.models.skeleton import persistent_buffers
-from poros.store.arena import NF4_BLOCKSIZE, absmax_view, weight_view
-from poros.store.quantize import quantize_nf4
+from poros.store.arena import NF4_BLOCKSIZE
+from poros.store.quantize import Codes, as_stored, quantize_nf4, write_slot
 
 QUANT_STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
                     "quant_state.bitsandbytes__fp4")
@@ -54,8 +56,8 @@ def _check_config(path: Path, q: dict) -> None:
 
 
 def _quant_state(reader, name: str, path: Path):
-    """The bitsandbytes QuantState stored next to the packed weight `name`, absmax as float32."""
-    from bitsandbytes.functional import QuantState, dequantize_blockwise
+    """The bitsandbytes QuantState stored next to the packed weight `name`."""
+    from bitsandbytes.functional import QuantState
 
     parts = {k: reader.get(f"{name}.{k}") for k in QUANT_STATE_KEYS if reader.has(f"{name}.{k}")}
     if "absmax" not in parts:
@@ -67,17 +69,14 @@ def _quant_state(reader, name: str, path: Path):
     if state.quant_type != "nf4" or state.blocksize != NF4_BLOCKSIZE:
         raise CheckpointError(f"{path}: {name} is {state.quant_type} with blocksize {state.blocksize}; poros holds "
                               f"nf4 with blocksize {NF4_BLOCKSIZE}: use the bf16/fp16 checkpoint")
-    absmax = state.absmax
-    if state.nested:  # as bitsandbytes' dequantize_4bit expands it
-        absmax = dequantize_blockwise(state.absmax, state.state2)
-        absmax += state.offset
-    return state, absmax.float()
+    return state
 
 
 class NF4CheckpointLayers:
     """The layers of a bitsandbytes 4-bit checkpoint folder `src` (a poros.models.checkpoint.Source), for the
-    build loop (poros/store/build.py `build_from`): packed bytes and absmax copied into the arena as they are,
-    linears the checkpoint left unquantized quantized on `device`.
+    build loop (poros/store/build.py `build_from`): packed bytes and quant state copied into the arena as they
+    are (the absmax expanded or quantized again where `double_quant` asks for the other form), linears the
+    checkpoint left unquantized quantized on `device`.
 
     Raises:
         CheckpointError: 8-bit or fp4 quantization, another blocksize, a missing tensor or quant state,
@@ -86,15 +85,15 @@ class NF4CheckpointLayers:
 
     what = "loading"
 
-    def __init__(self, src, device: torch.device):
+    def __init__(self, src, device: torch.device, double_quant: bool = False):
         self.path = Path(src.checkpoint)
         _check_config(self.path, quantization_config(self.path))
         self.config = copy.deepcopy(src.config)
         if hasattr(self.config, "quantization_config"):  # the store is plain NF4 data; no model is quantized again
             del self.config.quantization_config
         self.reader = CheckpointReader(self.path)
-        self.device = device
-        self.code = None
+        self.device, self.double_quant = device, double_quant
+        self.codes = Codes()
 
     def host_need(self, model, layers, arena_bytes):
         return None
@@ -105,24 +104,27 @@ class NF4CheckpointLayers:
         for slot in layout.slots:
             w = reader.get(f"{slot.name}.weight")
             if w.is_floating_point():  # left unquantized by the checkpoint: quantize as a build does
-                packed, state = quantize_nf4(w.to(device=self.device, dtype=torch.bfloat16))
-                absmax = state.absmax
+                packed, state = quantize_nf4(w.to(device=self.device, dtype=torch.bfloat16), self.double_quant)
             else:
-                state, absmax = _quant_state(reader, f"{slot.name}.weight", path)
+                state = _quant_state(reader, f"{slot.name}.weight", path)
                 if tuple(state.shape) != slot.shape:
                     raise CheckpointError(f"{path}: {slot.name}.weight has shape {tuple(state.shape)}, the config "
                                           f"gives {slot.shape}")
                 packed = w.view(torch.uint8)
-            if packed.numel() != slot.weight_nbytes or absmax.numel() != slot.absmax_numel:
+                if self.double_quant and not state.nested:  # quantized again where a build quantizes: the
+                    state.to(self.device)  # offset is a mean, its last bits the device's
+                state = as_stored(state, self.double_quant)
+            if packed.numel() != slot.weight_nbytes or state.absmax.numel() != slot.absmax_numel:
                 raise CheckpointError(f"{path}: {slot.name}.weight holds {packed.numel()} bytes and "
-                                      f"{absmax.numel()} absmax values, expected {slot.weight_nbytes} and "
+                                      f"{state.absmax.numel()} absmax values, expected {slot.weight_nbytes} and "
                                       f"{slot.absmax_numel}")
-            self.code = state.code.to("cpu") if self.code is None else self.code
-            if not torch.equal(state.code.to("cpu"), self.code):
-                raise CheckpointError(f"{path}: {slot.name}.weight uses another NF4 lookup table than the layers "
+            if not self.codes.take(state):
+                raise CheckpointError(f"{path}: {slot.name}.weight uses other lookup tables than the layers "
                                       "before it")
-            weight_view(arena, slot).copy_(packed.reshape(-1, 1))
-            absmax_view(arena, slot).copy_(absmax.float())
+            try:
+                write_slot(arena, slot, packed, state)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
         for name, p in layer.named_parameters():
             if name not in linear_weights:
                 dense[f"{prefix}.{name}"] = reader.get(f"{prefix}.{name}").to(p.dtype).clone()

@@ -55,3 +55,37 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
         main(["frobnicate"])
     assert e.value.code == 2
     assert "frobnicate" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import pytest
+
+    from poros.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("poros ")
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_help_shows_one_default_per_flag(capsys, command):
+    """Every option that takes a value and may be left out says its default once; none says two."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    options = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1].split("\n\n")[0])
+    checked = 0
+    for opt in options:
+        flag = opt.split()[0].rstrip(",")
+        words = " ".join(opt.split())
+        shown = words.count("(default: ")
+        assert shown <= 1, f"{flag}: {shown} defaults in {words!r}"
+        takes_value = len(opt.split("  ")[0].split()) > 1 and not flag.startswith("-h")
+        if takes_value and flag not in ("--model", "--data", "--out", "--steps"):
+            assert shown == 1, f"{flag}: no default in {words!r}"
+            checked += 1
+    assert checked >= 15, options
+    if command == "plan":
+        assert "(default: cpu)" in " ".join(text.split())

@@ -208,6 +208,7 @@ def _bench(*argv, cwd=REPO, **kw) -> subprocess.CompletedProcess:
                           text=True, timeout=600, **kw)
 
 
+@pytest.mark.slow  # `poros bench` end to end in a subprocess
 def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -251,10 +252,13 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     assert (out / "results.jsonl.torn").read_text() == torn + "\n"
     resumed = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert resumed[0] == rows[0] and [r["method"] for r in resumed] == ["poros", "resident"]
-    assert (out / "earlier" / "2" / "benchmark.json").is_file()  # the first run's, not overwritten
+    names = sorted(b["name"] for b in json.loads((out / "benchmark.json").read_text())["benchmarks"])
+    # the first run's poros benchmark kept beside the resumed run's resident one (it was overwritten before)
+    assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1], names
     assert (out / "bench.log").read_text().startswith(log)  # the log goes on
 
 
+@pytest.mark.slow  # `poros bench` end to end in a subprocess
 def test_ctrl_c_says_how_to_resume(tmp_path):
     out = tmp_path / "out"
     m = _matrix(tmp_path, steps=400)
@@ -300,3 +304,49 @@ def test_one_process_commands_refuse_to_run_under_torchrun(monkeypatch, capsys):
     assert err.startswith("poros plan: error: runs as one process, not under torchrun") and "gpus: N" in err
     monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc-per-node 1: one process after all
     assert main(["plan", "--model", "tiny-qwen3"]) == 0
+
+
+# --- poros train: one run per folder, SIGTERM from outside ------------------------------------------
+
+
+def _wait_for(what: str, ready, proc, timeout: float = 300) -> None:
+    """Wait until `ready()` (a state of the run), failing early if the process ended."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def test_a_second_train_into_a_busy_folder_is_refused_and_sigterm_checkpoints(capsys, tmp_path):
+    """A run owns its folder: a second one is refused naming the first (pid and command). SIGTERM then
+    stops the first like Ctrl-C: a checkpoint, the resume command, exit 143. Both wait for the state they
+    need (a logged step), never for a time."""
+    from tests.fixtures import generated_texts, tiny_checkpoint, write_jsonl
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", "tiny-qwen2", generated_texts(100))
+    data = write_jsonl(tmp_path / "data.jsonl", [{"text": t} for t in generated_texts(80)])
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(ckpt), "--data", str(data), "--out", str(out), "--seq-len", "64",
+            "--device", "cpu", "--save-every", "0"]
+    first = subprocess.Popen([sys.executable, "-m", "poros", *argv, "--steps", "100000"], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out / "log.csv"
+        _wait_for("a logged step", lambda: log.is_file() and len(log.read_text().splitlines()) > 1, first)
+        capsys.readouterr()
+        _refused(capsys, [*argv, "--steps", "3"], f"output folder {out} is in use by another run: pid "
+                 f"{first.pid}", "--steps 100000", "pass another --out")
+        assert (out / LOCK_NAME).is_file()
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 143, stderr[-3000:]
+    assert "SIGTERM: saving a checkpoint" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert json.loads(stdout.strip().splitlines()[-1])["interrupted"] is True
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] >= 1
+    assert "resume with:" in stderr and stderr.strip().splitlines()[-1].strip().endswith("--resume")
+    assert not (out / LOCK_NAME).exists()

@@ -39,6 +39,7 @@ def check_two_ranks(report: dict) -> None:
     test_one_store_per_host(report)
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun
 def test_poros_matches_resident_ddp_on_every_rank(two_ranks):
     gate = two_ranks["gate"]
     assert two_ranks["world_size"] == 2 and gate["world_size"] == 2
@@ -51,17 +52,20 @@ def test_poros_matches_resident_ddp_on_every_rank(two_ranks):
     assert 0 < budget["resident_layers"] < 5
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun
 def test_ranks_train_on_their_own_share(two_ranks):
     rank0, rank1 = two_ranks["losses"]
     assert len(rank0) == len(rank1) == 4 and rank0 != rank1
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun
 def test_unreduced_layer_fails_the_gate(two_ranks):
     control = two_ranks["control"]
     assert control["parity"] == "FAIL" and control["ranks"] == ["FAIL", "FAIL"]
     assert "layers.0." in control["first_mismatch"] and ".grad:" in control["first_mismatch"]
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun
 def test_one_store_per_host(two_ranks):
     assert two_ranks["arena_shared"] and two_ranks["dense_shared"]  # both ranks map the memfd
     assert two_ranks["checksums_equal"]

@@ -39,11 +39,16 @@ def plan_for(store, cfg, **kw):
                         seq_len=cfg.seq_len, **kw))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
-       order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
-       overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans(),
-       kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]))
+PLAN_SPACE = dict(
+    family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
+    order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
+    overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans(),
+    kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]))
+HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@settings(max_examples=4, **HYPOTHESIS)
+@given(**PLAN_SPACE)
 def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep,
                                kept, placement):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
@@ -61,6 +66,14 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     result, _ = gate(store, cfg, plan)
     assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
                        f"head={head} overlap={overlap} offload={offload} keep={keep}/{kept}: {result.first_mismatch}")
+
+
+@pytest.mark.slow  # each plan builds its own store and runs the gate
+@settings(max_examples=24, **HYPOTHESIS)
+@given(**PLAN_SPACE)
+def test_many_plans_keep_parity(**plan):
+    """The property of test_any_plan_keeps_parity over more plans."""
+    test_any_plan_keeps_parity.hypothesis.inner_test(**plan)
 
 
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")

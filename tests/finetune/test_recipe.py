@@ -20,7 +20,7 @@ import poros.cli.train
 import poros.finetune.recipe
 import poros.finetune.data
 from poros.cli import main
-from tests.capabilities import requires_bitsandbytes
+from tests.capabilities import requires_bitsandbytes, requires_datasets
 from tests.fixtures import (generated_chats, generated_texts, one_line_refusal, tiny_checkpoint, train_tokenizer,
                             write_jsonl)
 from tests.store.test_build import assert_all_equal
@@ -179,20 +179,25 @@ def test_resume_ends_equal_to_an_uninterrupted_run(files, reference, monkeypatch
     assert_differs("resumed from a nudged adapter", run_state(reference), run_state(nudged))
 
 
-def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, reference, monkeypatch, capsys):
+@pytest.mark.parametrize("signum,said", [(signal.SIGINT, "Ctrl-C: saving"), (signal.SIGTERM, "SIGTERM: saving")],
+                         ids=["signal=SIGINT", "signal=SIGTERM"])
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, reference, monkeypatch, capsys, signum,
+                                                                 said):
+    """Ctrl-C, and SIGTERM (what schedulers and preemption send), stop after the step they arrive in."""
     real = poros.finetune.recipe.finetune
 
     def interrupted(*args, **kwargs):
-        return real(*args, **kwargs, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT))
+        return real(*args, **kwargs, on_step=lambda step: step == 2 and signal.raise_signal(signum))
 
     monkeypatch.setattr(poros.cli.train, "finetune", interrupted)
-    out = files["root"] / "ctrl-c"
-    assert train(files, out, "--save-every", "0") == 130
+    out = files["root"] / f"stopped-{signum.name}"
+    assert train(files, out, "--save-every", "0") == 128 + signum
     err = capsys.readouterr().err
-    assert "Ctrl-C" in err
+    assert said in err
     assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
     assert not (out / "adapter").exists(), "adapter/ is the finished run's"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the Ctrl-C handler is removed"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the SIGTERM handler is removed"
     lines = err.splitlines()
     command = lines[lines.index(next(l for l in lines if l.endswith("resume with:"))) + 1].strip()
     argv = shlex.split(command)
@@ -310,7 +315,8 @@ _refused = one_line_refusal
     "content,named",
     [("", ["data.jsonl", "empty"]),
      ('{"text": "a b c"}\n{"text": oops}\n', ["data.jsonl:2", "not JSON"]),
-     ('{"text": "a b c"}\n{"prompt": "a"}\n', ["data.jsonl:2", '"text" or "messages"']),
+     ('{"text": "a b c"}\n{"prompt": "a"}\n', ["data.jsonl:2", '"text", "messages", or "prompt" and "completion"',
+                                              "got keys ['prompt']"]),
      ('{"text": "the cat sat"}\n', ["tokens after tokenization", "--seq-len 64"])],
     ids=["data=empty", "data=not-json", "data=neither-text-nor-messages", "data=shorter-than-a-sequence"],
 )
@@ -328,7 +334,7 @@ def test_messages_need_a_chat_template(files, tmp_path, capsys):
         if f.name.startswith(("tokenizer", "chat_template")):
             f.unlink()
     train_tokenizer(folder, generated_texts(50), chat_template=False)
-    _refused(capsys, train(files, tmp_path / "run", model=folder), "record 61", "no chat template")
+    _refused(capsys, train(files, tmp_path / "run", model=folder), "data.jsonl:61:", "no chat template")
 
 
 def test_a_model_folder_without_tokenizer_files(files, tmp_path, capsys):
@@ -431,6 +437,7 @@ def two_ranks(files):
     return root
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun, twice
 def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, two_ranks):
     """Two ranks: poros and resident (under DistributedDataParallel) end equal; stopped at step 2 and
     resumed on two ranks, equal to the uninterrupted run; the run records its ranks. Negative control:
@@ -449,8 +456,271 @@ def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, t
     assert len(log_rows(root / "poros")) == STEPS  # one writer: no row twice
 
 
+def test_gpus_starts_the_ranks_itself(files, two_ranks, capfd):
+    """`poros train --gpus 2` runs what `torchrun --nproc-per-node 2 -m poros train` runs: the same bits,
+    one summary line, gpus 2 in the resolved configuration."""
+    out = two_ranks / "by-gpus"
+    assert train(files, out, "--gpus", "2") == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["step"] == STEPS
+    assert_all_equal("--gpus 2 vs torchrun on two ranks", run_state(two_ranks / "poros"), run_state(out))
+    from poros.finetune.config import read_run_file
+
+    assert read_run_file(out / "run.yaml")["gpus"] == 2
+
+
 def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
     out = two_ranks / "poros"
     assert train(files, out, "--resume", steps=STEPS + 2) == 2
     err = capsys.readouterr().err
     assert "would change its result" in err and "gpus 2 (now 1)" in err
+
+
+# --- refused before work, and never saved non-finite -------------------------------------------------
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--lr", "inf"], "lr: expected a finite number > 0, got inf"),
+    (["--lr", "nan"], "lr: expected a finite number > 0, got nan"),
+    (["--seed", str(2**70)], "seed: expected an integer from 0 to 4294967295"),
+    (["--seed", "-1"], "seed: expected an integer from 0 to 4294967295 (2**32 - 1), got -1"),
+    (["--lora-rank", str(2**40)], "lora_rank: expected an integer > 0 and at most 2147483647"),
+], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40"])
+def test_settings_no_run_can_take_are_refused_before_work(files, tmp_path, capsys, flags, named):
+    _refused(capsys, train(files, tmp_path / "run", *flags), named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_state(files, tmp_path, capsys, monkeypatch):
+    import poros.engine.methods
+
+    real = poros.engine.methods.make_trainer
+
+    def blowing_up(method, store, cfg, world=None):
+        trainer = real(method, store, cfg, world)
+        step = trainer.step
+
+        def stepped(batches):
+            result = step(batches)
+            if trainer.steps_done == 4:  # the update of step 4 leaves an inf (the loss came before it)
+                with torch.no_grad():
+                    trainer.params[3][1].view(-1)[0] = float("inf")
+            return result
+        trainer.step = stepped
+        return trainer
+
+    monkeypatch.setattr(poros.finetune.recipe, "make_trainer", blowing_up)
+    out = tmp_path / "run"
+    code = train(files, out, steps=4)
+    line = _refused_last(capsys, code)
+    assert line.startswith("poros train: error: step 4: ") and "holds NaN/inf after the update" in line, line
+    assert "the checkpoint of step 2 is kept" in line
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    saved = run_state(out)
+    assert all(bool(torch.isfinite(v).all()) for v in saved.values())
+    assert not (out / "adapter").exists()
+
+
+def _refused_last(capsys, code) -> str:
+    """Exit 2 and the last line of stderr (a run that started prints its progress before the refusal)."""
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    return err.strip().splitlines()[-1]
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(files, reference, tmp_path, capsys, monkeypatch):
+    import errno
+
+    real, calls = torch.save, []
+
+    def filling(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 3:  # the optimizer state of the second checkpoint (step 4)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling)
+    out = tmp_path / "run"
+    line = _refused_last(capsys, train(files, out))
+    monkeypatch.undo()
+    assert line.startswith(f"poros train: error: step 4: writing into {out} failed (No space left on device); "
+                           "the checkpoint of step 2 is intact; free space, then resume with: "), line
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    assert train(files, out, "--resume") == 0  # the intact checkpoint resumes to the reference's end
+    assert_all_equal("resumed after a full disk vs uninterrupted", run_state(reference), run_state(out))
+
+
+def test_resume_on_another_base_of_the_same_shapes_is_refused(files, reference, tmp_path, capsys):
+    other = tiny_checkpoint(tmp_path / "other", "tiny-qwen2", generated_texts(150), seed=1)
+    assert (other / "config.json").read_bytes() == (files["ckpt"] / "config.json").read_bytes()
+    assert poros.finetune.recipe.model_fingerprint(other) == poros.finetune.recipe.model_fingerprint(files["ckpt"])
+    run = _resume_copy(reference, tmp_path / "run")
+    capsys.readouterr()  # what saving the checkpoint printed
+    code = train(files, run, "--resume", model=other, steps=STEPS + 2)
+    _refused(capsys, code, "--resume: settings differ", f"model {other.resolve()} (other weights than the run's base")
+    # control: the same weights in another folder resume
+    same = Path(shutil.copytree(files["ckpt"], tmp_path / "same"))
+    assert train(files, run, "--resume", model=same, steps=STEPS + 1) == 0
+
+
+# --- what the run says, and which modules train ----------------------------------------------------
+
+
+def test_the_run_says_what_it_takes_from_the_data_and_where_adapters_go(files, tmp_path, capsys):
+    mixed = [{"text": t} for t in generated_texts(40)]
+    for m in generated_chats(30):
+        mixed.append({"messages": [{**x, "role": {"assistant": "gpt", "user": "human"}.get(x["role"], x["role"])}
+                                   for x in m]})
+    data = write_jsonl(tmp_path / "mixed.jsonl", mixed)
+    assert train(files, tmp_path / "run", data=data, steps=1) == 0
+    err = capsys.readouterr().err
+    line = next(l for l in err.splitlines() if l.startswith(str(data)))
+    assert ": 70 records (40 text, 30 chat); " in line and "learned" in line, line
+    assert "roles mapped: 'gpt' -> assistant" in line and "'human' -> user" in line, line
+    assert ("LoRA adapters on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (rank 16)" in err), err
+
+
+def _tiny_phi3(folder: Path) -> Path:
+    """A Phi-3 style checkpoint (fused qkv_proj and gate_up_proj) with a tokenizer."""
+    import transformers
+
+    tok = train_tokenizer(folder, generated_texts(150))
+    config = transformers.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                     bos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(str(folder))
+    return folder
+
+
+def test_fused_projections_carry_adapters_exactly(files, tmp_path, capsys):
+    ckpt = _tiny_phi3(tmp_path / "phi3")
+    assert train(files, tmp_path / "poros", model=ckpt, steps=2) == 0
+    err = capsys.readouterr().err
+    assert "LoRA adapters on o_proj, qkv_proj, gate_up_proj, down_proj (rank 16)" in err, err
+    state = run_state(tmp_path / "poros")
+    for name in ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"):
+        assert sum(f".{name}.lora_B." in k for k in state) == 3, name
+    targets = json.loads((tmp_path / "poros/config.json").read_text())["settings"]["train"]["lora_targets"]
+    assert "qkv_proj" in targets and "gate_up_proj" in targets
+    assert train(files, tmp_path / "resident", "--method", "resident", model=ckpt, steps=2) == 0
+    assert_all_equal("resident vs poros (Phi-3 style)", state, run_state(tmp_path / "resident"))
+    # lora_targets names them; naming the parts of a fused linear is refused by name
+    assert train(files, tmp_path / "qkv", "--lora-targets", "qkv_proj", model=ckpt, steps=1) == 0
+    assert {k.split(".")[-3] for k in run_state(tmp_path / "qkv") if k.startswith("adapter:")} == {"qkv_proj"}
+    capsys.readouterr()
+    _refused(capsys, train(files, tmp_path / "q", "--lora-targets", "q_proj,v_proj", model=ckpt, steps=1),
+             "lora_targets:", "fuses q_proj, k_proj, v_proj into qkv_proj: name qkv_proj")
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(files, tmp_path, capsys):
+    folder = Path(shutil.copytree(files["ckpt"], tmp_path / "ckpt"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    named = (f"{folder}/config.json: num_hidden_layers is \"2\" (str), expected an integer",)
+    _refused(capsys, train(files, tmp_path / "run", model=folder), *named)
+    _refused(capsys, main(["plan", "--model", str(folder)]), *named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_that_is_not_utf8_or_is_gzip_compressed(files, tmp_path, capsys):
+    import gzip
+
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(files["data"].read_bytes() + '{"text": "déjà vu"}\n'.encode("latin-1"))
+    _refused(capsys, train(files, tmp_path / "run", data=bad), f"{bad}:101: not UTF-8 text")
+    _refused(capsys, train(files, tmp_path / "run", "--eval-data", str(bad)), f"{bad}:101: not UTF-8 text")
+    packed = tmp_path / "data.jsonl.gz"
+    packed.write_bytes(gzip.compress(files["data"].read_bytes()))
+    assert train(files, tmp_path / "gz", "--eval-data", str(packed), data=packed, steps=1) == 0
+
+
+# --- the run file, the resolved configuration and the dry run ---------------------------------------
+
+
+def test_a_run_file_is_the_same_run_and_the_run_folder_keeps_it(files, reference, tmp_path, capsys):
+    from poros.finetune.config import read_run_file
+
+    out = tmp_path / "run"
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(f"model: {files['ckpt']}\ndata: {files['data']}\nout: {out}\nsteps: 4\nseq_len: 64\n"
+                        "grad_accum: 2\nlr: 3e-3\nblock_size: 2\nsave_every: 1\n")
+    assert main(["train", "--config", str(run_file), "save_every=2", "--device", "cpu"]) == 0
+    assert_all_equal("run file vs flags", run_state(reference), run_state(out))
+    saved = read_run_file(out / "run.yaml")
+    assert saved["lr"] == 3e-3 and saved["save_every"] == 2 and saved["device"] == "cpu"
+    assert saved["model"] == str(files["ckpt"].resolve()) and saved["steps"] == 4
+    capsys.readouterr()
+    # resuming from it with a changed computed setting is refused by name; nothing is written
+    before = (out / "config.json").read_text()
+    code = main(["train", "--config", str(out / "run.yaml"), "--resume", "steps=6", "lr=1e-3", "lora_rank=8"])
+    _refused(capsys, code, "--resume: settings differ", "lr 0.003 (now 0.001)", "lora_rank 16 (now 8)")
+    assert (out / "config.json").read_text() == before
+    code = main(["train", "--config", str(run_file), "learning_rate=1e-3"])
+    _refused(capsys, code, "learning_rate: not a setting of poros train (did you mean lr?)")
+
+
+def test_a_dry_run_prints_plan_and_data_and_writes_nothing(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(files, out, "--dry-run") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "plan: poros on cpu; attention default; 5 layers: 0 resident, 5 streamed in blocks of 2, " \
+                       "predicted peak 4.37 MB; eager layers", lines
+    assert lines[1].startswith(f"{files['data']}: 100 records (60 text, 40 chat); ") and "sequences of 64" in lines[1]
+    assert lines[2].startswith("steps 1-4: 2 sequences of 64 tokens a step")
+    assert len(lines) == 3 and not out.exists()
+
+
+def test_a_dry_run_for_cuda_shows_the_fast_path_it_would_take(files, tmp_path, capsys, monkeypatch):
+    """The choice on a GPU, made on the CPU: no schedule flags, a device with 100 GB free."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # restored after: deterministic sets it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 10**9, 141 * 10**9))
+    argv = ["train", "--model", str(files["ckpt"]), "--data", str(files["data"]), "--out", str(tmp_path / "run"),
+            "--steps", "10", "--seq-len", "64", "--dry-run"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("plan: poros on cuda; attention fast (deterministic); 5 layers: 5 resident, 0 streamed"), line
+    assert "(budget auto: 90 GB)" in line and "; CUDA-graph layers; " in line
+    assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs, vram_budget (set one to change it)")
+
+
+# --- more data forms -------------------------------------------------------------------------------
+
+
+def test_an_eval_split_is_scored_and_equals_training_without_its_records(files, reference, tmp_path, capsys):
+    from poros.finetune.data import held_out, read_records
+
+    out = tmp_path / "split"
+    assert train(files, out, "--eval-split", "0.2") == 0
+    assert [int(r["step"]) for r in log_rows(out) if r["eval_loss"]] == [2, 4]
+    assert json.loads((out / "config.json").read_text())["settings"]["eval_split"] == 0.2
+    # the run is the run on the file less the held-out records: they are never trained on
+    kept = [r for i, r in enumerate(read_records(files["data"])) if not held_out(0, i, 0.2)]
+    assert 60 <= len(kept) < 100
+    rest = train(files, tmp_path / "rest", data=write_jsonl(tmp_path / "rest.jsonl", kept))
+    assert rest == 0
+    assert_all_equal("eval split vs the file less its held-out records", run_state(tmp_path / "rest"),
+                     run_state(out))
+    assert_differs("eval split vs the whole file", run_state(reference), run_state(out))
+    capsys.readouterr()
+    _refused(capsys, train(files, out, "--resume", "--eval-split", "0.1", steps=6), "eval_split 0.2 (now 0.1)")
+    _refused(capsys, train(files, tmp_path / "both", "--eval-split", "0.1", "--eval-data", str(files["eval"])),
+             "eval_split: takes the eval records from the training data, so it goes without eval_data")
+
+
+@requires_datasets
+def test_prompt_completion_records_in_parquet_train_as_in_json_lines(files, tmp_path):
+    import datasets
+
+    recs = [{"prompt": f"Tell me about {t.split('.')[0].lower()}.", "completion": " " + t}
+            for t in generated_texts(80, seed=4)]
+    datasets.Dataset.from_list(recs).to_parquet(str(tmp_path / "pc.parquet"))
+    assert train(files, tmp_path / "parquet", data=tmp_path / "pc.parquet", steps=2) == 0
+    assert train(files, tmp_path / "jsonl", data=write_jsonl(tmp_path / "pc.jsonl", recs), steps=2) == 0
+    assert_all_equal("Parquet vs JSON Lines", run_state(tmp_path / "jsonl"), run_state(tmp_path / "parquet"))
+    config = json.loads((tmp_path / "parquet/config.json").read_text())
+    assert config["data"]["records"] == 80

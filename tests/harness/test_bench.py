@@ -30,8 +30,12 @@ def test_cells_run_model_by_model_parity_first():
 def test_cell_ids_read_like_report_rows():
     m = load_matrix("cpu")
     ids = [c.id for c in matrix_cells(m)]
-    assert "model=tiny-qwen3-stack=current-gate=parity" in ids
-    assert "model=tiny-qwen3-stack=current-method=poros" in ids
+    assert "model:tiny-qwen3-stack:current-gate:parity" in ids
+    assert "model:tiny-qwen3-stack:current-method:poros" in ids
+    from _pytest.mark.expression import Expression
+
+    for expr in ("method:resident", "model:tiny-qwen3 and method:poros", "stack:current and gate:parity"):
+        Expression.compile(expr)  # the -k forms the ids are made for parse (`method=resident` did not)
 
 
 def test_real_shapes_are_gated_off_the_cpu():
@@ -60,7 +64,7 @@ def test_results_writer_appends_and_reports_done(tmp_path):
     w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok"})
     w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "resident", "status": "failed"})
     w.append({"matrix": "u", "model": "a", "stack_name": "current", "method": "resident", "status": "ok"})
-    assert set(w.done("t")) == {("a", "current", "poros")}
+    assert set(w.done("t")) == {("a", "current", "poros", None, "")}
     assert len(w.rows()) == 3
 
 
@@ -96,13 +100,14 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     assert "already in results (--resume)" in again.stdout
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
     """Long-context matrices run poros and resident_gc (plain resident does not fit): the gate compares
     them, and both rows say which reference it ran against."""
     matrix = {**TINY, "methods": ["poros", "resident_gc"], "models": ["tiny-gemma3"]}
     assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [
-        "model=tiny-gemma3-stack=current-gate=parity", "model=tiny-gemma3-stack=current-method=poros",
-        "model=tiny-gemma3-stack=current-method=resident_gc"]
+        "model:tiny-gemma3-stack:current-gate:parity", "model:tiny-gemma3-stack:current-method:poros",
+        "model:tiny-gemma3-stack:current-method:resident_gc"]
     proc, results = _suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "parity PASS (poros vs resident_gc (recorded): " in proc.stdout, proc.stdout[-2000:]
@@ -120,6 +125,7 @@ def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
     return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_parity_fail_fails_the_suite(tmp_path):
     """Negative control: with a plan that refills a buffer before its backward, run unchecked, the cells
     fail and rows say FAIL."""
@@ -141,6 +147,7 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
     assert rows and all(r["parity"] == "FAIL" for r in rows)
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     """Nothing is lost: an exception in a cell (here: poros setup) is recorded as a `failed` row with
     its message, the suite exits 1, the report shows FAIL, and --resume retries the cell."""
@@ -164,6 +171,7 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_suite_records_the_plan_beside_the_measurement(tmp_path):
     """A budget and layer-major accumulation in a matrix: rows record the settings, the plan's
     predicted peak and bytes, the resident layer count and how many parity steps ran."""
@@ -180,6 +188,7 @@ def test_suite_records_the_plan_beside_the_measurement(tmp_path):
     assert rows["resident"]["plan"] is None
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     """A chunk's time budget ends it with SIGINT (KeyboardInterrupt) mid-benchmark: finished cells
     keep their rows and pytest-benchmark still writes its JSON (the half-run cell left out) instead
@@ -203,7 +212,7 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert [r["method"] for r in rows] == ["poros"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
-    assert len(names) == 1 and "method=poros" in names[0]
+    assert len(names) == 1 and "method:poros" in names[0]
 
 
 def test_model_overrides_change_only_that_models_schedule():
@@ -235,6 +244,7 @@ def test_bad_model_overrides_are_refused_with_every_problem():
         assert needle in text, text
 
 
+@pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
     """`gpus: 2` (two gloo processes on the CPU): the gate and each method run under torchrun; rows
     record world_size and count both ranks' tokens; Unsloth, one process, is skipped with its reason."""
@@ -262,3 +272,147 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         check_ranks(2, "cuda", "m.yaml: gpus")
     check_ranks(2, "cpu", "m.yaml: gpus")  # processes on the CPU
     check_ranks(1, "cuda", "m.yaml: gpus")
+
+
+def _rows(results: Path) -> list[dict]:
+    return [json.loads(x) for x in results.read_text().splitlines()]
+
+
+def test_a_matrix_of_one_method_runs(tmp_path):
+    """One method, no gate: test_parity has no cell (pytest's empty-parameter item was an INTERNALERROR)."""
+    proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]})
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = _rows(results)
+    assert [r["method"] for r in rows] == ["poros"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
+
+
+def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
+    proc, results = _suite(tmp_path, {**TINY, "methods": ["unsloth"], "models": ["tiny-qwen2"]})
+    assert proc.returncode == 4, proc.stdout[-2000:]  # pytest's usage error, not 0 with every cell skipped
+    assert "no selected cell can run here: unsloth needs a CUDA GPU" in proc.stdout + proc.stderr
+    assert not results.exists()
+
+
+SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "passes": 1, "methods": ["poros", "resident"], "models": ["tiny-qwen3"],
+         "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}}}
+
+
+def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
+    m = parse_matrix(SWEPT)
+    ids = [c.id for c in matrix_cells(m)]
+    assert ids[:4] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:streamed",
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b1",
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:resident"]
+    assert len(ids) == 8
+    proc, results = _suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or method:resident)")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rows = _rows(results)
+    assert [(r["method"], r["plan_name"], r["sweep"]) for r in rows] == [
+        ("poros", "b1", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
+    assert rows[0]["config"]["block_size"] == 1 and rows[0]["config"]["grad_accum"] == 2
+    assert all(r["parity"] == "PASS" and r["schema"] == 2 for r in rows)
+    gates = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
+    gates = [g for g in gates if g["kind"] == "gate"]
+    # one reference recorded once, then both plans gated against it
+    assert sorted(g["cell"].rsplit("/", 1)[1] for g in gates) == ["b1", "streamed"]
+    assert all(g["result"]["gate"] == "resident (recorded)" for g in gates)
+
+
+def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma4"]}
+    proc, results = _suite(tmp_path, matrix, "--benchmark-disable")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rows = _rows(results)
+    assert [r["method"] for r in rows] == ["poros", "resident"]  # one row per cell, none failed
+    for r in rows:
+        assert r["status"] == "ok" and r["timed"] is False and r["parity"] == "PASS"
+        assert r["s_per_step_median"] is None and r["per_pass_s"] == []
+
+
+CUT_PASS = """import os
+import poros.engine.trainer as t
+orig = t.ResidentTrainer.step
+def step(self, batches=None):
+    # the resident cell: warm-up (2 steps), pass 1 (2 steps), then cut off inside pass 2
+    if self.steps_done == 5 and os.environ.get("CUT_OFF"):
+        raise KeyboardInterrupt
+    return orig(self, batches)
+t.ResidentTrainer.step = step
+"""
+
+
+def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
+    """Killed in its second pass, a cell keeps its first (passes.jsonl); --resume runs only the rest, and
+    benchmark.json keeps the cells of both runs."""
+    import os
+
+    (tmp_path / "cut_pass.py").write_text(CUT_PASS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "benchmark.json"
+    proc, results = _suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}",
+                           env={**env, "CUT_OFF": "1"})
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert [r["method"] for r in _rows(results)] == ["poros"]
+    kept = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
+    first = [k for k in kept if k["kind"] == "pass" and "method:resident" in k["cell"]]
+    assert [k["index"] for k in first] == [0]
+    again, _ = _suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}", "--resume", env=env)
+    assert again.returncode == 0, again.stdout[-2000:]
+    resident = next(r for r in _rows(results) if r["method"] == "resident")
+    assert len(resident["per_pass_s"]) == 2 and resident["per_pass_s"][0] == first[0]["seconds"]
+    names = sorted(b["name"] for b in json.loads(bench_json.read_text())["benchmarks"])
+    assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1]
+
+
+def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    proc, results = _suite(tmp_path, matrix, "--max-minutes", "0.0001")
+    assert proc.returncode == 75, proc.stdout[-2000:]  # stopped with cells left: run it again
+    assert "time budget reached" in proc.stdout
+    assert not results.exists() or not _rows(results)
+    again, _ = _suite(tmp_path, matrix, "--resume")
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert {r["method"] for r in _rows(results)} == {"poros", "resident"}
+
+
+def test_resume_refuses_rows_of_other_computed_settings_plans_or_stacks(tmp_path):
+    from poros.errors import PorosError
+    from poros.harness.bench import cell_config, record
+    from poros.harness.preflight import check_resume
+
+    m = parse_matrix(SWEPT)
+    cell = [c for c in matrix_cells(m) if c.plan == "b1"][1]  # at grad_accum 2
+    row = record(m, cell, cell_config(m, cell), None, None, reduced=False)
+    check_resume([row], m, "r.jsonl")  # its own row: kept
+    for change, named in ((dict(sweep={"grad_accum": [1, 4]}), "a cell this matrix does not have"),
+                          (dict(sweep={"grad_accum": [1, 2]}, lora_rank=8), "lora_rank: the rows have 4, the matrix 8"),
+                          (dict(plans={"streamed": {}, "b1": {"block_size": 2}}), "block_size: the rows have 1"),
+                          (dict(plans={"streamed": {}}), "a cell this matrix does not have")):
+        with pytest.raises(PorosError, match=named):
+            check_resume([row], parse_matrix({**SWEPT, **change}), "r.jsonl")
+    with pytest.raises(PorosError, match="ran on stack 'torch 0.0'"):
+        check_resume([{**row, "stack": "torch 0.0"}], m, "r.jsonl")
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    from poros.harness.matrix import load_matrix
+
+    path = tmp_path / "m.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump({**TINY, "methods": ["poros"], "models": ["tiny-qwen2"]}) + "lr: 1e-4\n")
+    assert yaml.safe_load(path.read_text())["lr"] == "1e-4"  # PyYAML's own reading: a string
+    assert load_matrix(str(path)).lr == 1e-4
+
+
+def test_copy_rate_counts_only_the_bytes_its_time_covers():
+    """With saved inputs in host memory, their bytes come back on the copy stream outside the timed
+    weight copies: counting them in read 63.6 GB/s on a 55 GB/s link."""
+    from poros.harness.bench import copy_summary
+
+    step = {"bytes_h2d": 110, "input_bytes_h2d": 55, "copy_s": 1e-9, "copy_wait_s": 0.0}
+    out = copy_summary([step, step])
+    assert out["bytes_h2d_per_step"] == 110 and out["weight_bytes_h2d_per_step"] == 55
+    assert out["copy_gbps"] == pytest.approx(55.0)

@@ -117,8 +117,11 @@ def test_a_bad_k_expression_is_refused_before_the_run():
 
 
 def test_resume_refuses_rows_of_another_matrix_or_other_steps(tmp_path):
+    from poros.harness.bench import cell_config, matrix_cells, record
+
     m = parse_matrix(TINY, "m.yaml")
-    row = {"matrix": "t", "steps": 1, "passes": 1}
+    cell = next(c for c in matrix_cells(m) if c.method is not None)
+    row = record(m, cell, cell_config(m, cell), None, None, reduced=False)
     preflight.check_resume([row], m, "r.jsonl")  # the same run
     with pytest.raises(PorosError) as e:
         preflight.check_resume([dict(row, matrix="h200")], m, "r.jsonl")

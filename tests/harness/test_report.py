@@ -17,7 +17,8 @@ RESULTS_HEADER = (
     "| unsloth s/step | Slowdown vs resident | vs unsloth | poros VRAM | resident VRAM | unsloth VRAM "
     "| VRAM cut vs resident | vs unsloth |"
 )
-CPU_HEADER = RESULTS_HEADER.split(" poros VRAM |")[0]
+CPU_HEADER = ("| Model | Arch | Stack | Bitwise parity | poros s/step (median±std) | resident s/step (median±std) "
+              "| Slowdown vs resident |")
 STACK = "torch 2.11.0+cu130 / transformers 5.17.0"
 OTHER_STACK = "torch 2.10.0+cu128 / transformers 5.5.0"
 
@@ -130,20 +131,83 @@ def test_pass_row_formats_like_official_table(tmp_path):
     assert cells[7] == "3.57×" and cells[12] == "69.2%"  # hand-computed: 1.2345/0.3456, 1-12.34/40.12
 
 
-def test_missing_method_renders_dash(tmp_path):
+def test_a_method_without_cells_gets_no_columns(tmp_path):
+    """No unsloth cell: no unsloth columns of dashes (they were there before)."""
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", three_methods()[:2])))
-    (cells,) = table_rows(md, "qwen2.5-32b")
+    (cells,) = table_rows(md, "qwen2.5-32b", 10)
+    assert "unsloth" not in md.split("## Results")[1].split("\n\n")[1]
+    assert cells[5] != "—" and cells[6] == "3.57×" and cells[9] == "69.2%"
+
+
+def test_a_missing_cell_of_a_present_method_renders_dash(tmp_path):
+    rows = three_methods() + [fixture_row(model="qwen3-32b", method=m) for m in ("poros", "resident")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen3-32b")
     assert cells[6] == cells[8] == cells[11] == cells[13] == "—"
     assert cells[5] != "—" and cells[7] != "—"
+
+
+def test_resident_gc_gets_the_timing_column_where_resident_is_absent(tmp_path):
+    rows = [fixture_row(method="poros"), {**fixture_row(method="resident"), "method": "resident_gc"}]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert "| resident_gc s/step (median±std) | Slowdown vs resident_gc |" in md
+    (cells,) = table_rows(md, "qwen2.5-32b", 10)
+    assert cells[5] == "0.3456±0.0012" and cells[6] == "3.57×"
+
+
+def test_plans_and_sweep_points_are_rows_of_their_own(tmp_path):
+    rows = [{**fixture_row(method=m), "plan_name": plan, "sweep": {"seq_len": seq}}
+            for seq in (512, 1024) for m, plan in (("poros", "streamed"), ("poros", "24GB"), ("resident", None))]
+    rows[1]["s_per_step_median"] = 0.5
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    got = table_rows(md, "qwen2.5-32b", 12)
+    assert [(c[3], c[4]) for c in got] == [("seq_len 512", "streamed"), ("seq_len 512", "24GB"),
+                                           ("seq_len 1024", "streamed"), ("seq_len 1024", "24GB")]
+    assert got[1][6] == "0.5000±0.0123" and got[1][8] == f"{0.5 / 0.3456:.2f}×"
+
+
+def test_a_cpu_cell_whose_passes_spread_is_flagged(tmp_path):
+    rows = [{**r, "config": {**r["config"], "device": "cpu"}, "provenance": {**r["provenance"], "gpus": []}}
+            for r in three_methods()[:2]]
+    rows[0]["per_pass_s"] = [1.0, 1.5, 1.1]  # 50% of the median 1.1
+    rows[1]["per_pass_s"] = [1.0, 1.02, 1.01]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    (cells,) = table_rows(md, "qwen2.5-32b", 7)
+    assert cells[4].endswith("†") and not cells[5].endswith("†")
+    assert "passes spread more than 10% of their median" in md
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"s_per_step_median": "1.2"}, "field s_per_step_median: expected a number or null, got '1.2'"),
+    ({"config": None}, "field config: expected a mapping, got None"),
+    ({"provenance": "x"}, "field provenance: expected a mapping"),
+])
+def test_a_row_with_an_odd_field_is_one_line_naming_file_line_and_field(tmp_path, capsys, change, named):
+    rows = three_methods()
+    rows[1] = {**rows[1], **change}
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    assert main(["report", str(path), "-o", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path}:2: {named}" in err, err
+
+
+def test_report_exits_non_zero_when_a_cell_fails(tmp_path, capsys):
+    rows = three_methods()
+    rows[0] = {**rows[0], "parity": "FAIL"}
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    assert main(["report", str(path), "-o", str(tmp_path / "r.md")]) == 1
+    assert "1 cell(s) FAIL: qwen2.5-32b poros: parity FAIL" in capsys.readouterr().err
+    assert (tmp_path / "r.md").is_file()  # the report is still written
+    assert main(["report", str(write_jsonl(tmp_path / "ok.jsonl", three_methods())), "-o", str(tmp_path / "o.md")]) == 0
 
 
 def test_parity_fail_and_failed_status(tmp_path):
     rows = [fixture_row(parity="FAIL", parity_max_abs_diff=1.2e-3),
             fixture_row(method="resident", status="failed", s_per_step_median=None, error="CUDA OOM")]
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
-    (cells,) = table_rows(md, "qwen2.5-32b")
+    (cells,) = table_rows(md, "qwen2.5-32b", 10)
     assert cells[3] == "FAIL (max |diff| 1.20e-03)"
-    assert cells[5] == "FAIL" and cells[7] == "—"
+    assert cells[5] == "FAIL" and cells[6] == "—"
 
 
 def test_last_row_wins(tmp_path):
@@ -271,14 +335,14 @@ def test_distinct_schedules_share_one_configuration_cell(tmp_path):
 
 
 def test_cpu_report_leaves_out_device_memory_and_copies(tmp_path):
-    rows = [cpu_row(method=m) for m in ("poros", "resident")]
+    rows = [{**cpu_row(method=m), "per_pass_s": [1.0, 1.0]} for m in ("poros", "resident")]
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
     assert CPU_HEADER in md.splitlines()
     for absent in ("VRAM", "Where the time goes", "Host→device", "Copy GB/s", "hidden behind compute", "CUDA",
                    "GPU"):
         assert absent not in md, f"{absent!r} in a CPU report"
-    (cells_,) = table_rows(md, "qwen2.5-32b", ncols=9)
-    assert cells_[4:6] == ["1.2345±0.0123", "0.3456±0.0012"] and cells_[7] == "3.57×"
+    (cells_,) = table_rows(md, "qwen2.5-32b", ncols=7)
+    assert cells_[4:6] == ["1.2345±0.0123", "0.3456±0.0012"] and cells_[6] == "3.57×"
     # The same rows on a GPU keep all of it.
     gpu = render_markdown(load_results(write_jsonl(tmp_path / "g.jsonl", three_methods())))
     assert "Where the time goes" in gpu and "CUDA 13.0" in gpu and RESULTS_HEADER in gpu.splitlines()
@@ -350,9 +414,9 @@ def test_resident_gc_rows_are_labelled_and_name_their_gate(tmp_path):
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
     (cells,) = table_rows(md, "qwen2.5-32b")
     assert cells[3] == "PASS vs resident_gc (0.00e+00)"
-    assert cells[5] == "—"  # no plain resident in this matrix
+    assert cells[5] == "0.3456±0.0012"  # no plain resident: resident_gc has the reference's timing column
     assert "| Methods | poros (blockwise residency), resident + gradient checkpointing, unsloth |" in md
     (ax,) = figure(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).axes
     assert {c.get_label() for c in ax.collections if len(c.get_offsets())} == {"poros", "resident_gc", "unsloth"}
     plain = render_markdown(load_results(write_jsonl(tmp_path / "p.jsonl", [fixture_row(gate="resident")])))
-    assert table_rows(plain, "qwen2.5-32b")[0][3] == "PASS (0.00e+00)"  # the usual reference goes unnamed
+    assert table_rows(plain, "qwen2.5-32b", 10)[0][3] == "PASS (0.00e+00)"  # the usual reference goes unnamed

@@ -3,6 +3,7 @@ results files and reference that reports/manifest.yaml names for it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,10 @@ def test_manifest_lists_every_committed_report():
         assert set(entry) <= keys, f"{report}: unknown key(s) {set(entry) - keys}"
         for path in [*entry["results"], *([entry["reference"]] if entry.get("reference") else [])]:
             assert (ROOT / path).is_file(), f"{report}: {path} does not exist"
-        assert (ROOT / report).with_suffix(".png").is_file(), f"{report}: its PNG is not committed"
+        linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (ROOT / report).read_text())
+        assert linked, f"{report}: links no plot"
+        for png in linked:
+            assert (ROOT / report).with_name(png).is_file(), f"{report}: its {png} is not committed"
 
 
 @pytest.mark.parametrize("report", sorted(MANIFEST), ids=lambda r: f"report={Path(r).stem}")

@@ -156,3 +156,31 @@ def test_a_read_only_output_folder_is_refused(tmp_path):
         assert "not writable" in _one_line(e.value)
     finally:
         ro.chmod(0o755)
+
+
+def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monkeypatch):
+    """The disk fills mid-row: the part written is cut back off, the error is one line, earlier rows stay."""
+    import errno
+    import os
+
+    import poros.harness.results as results_module
+    from poros.harness.results import ResultsFileError, ResultsWriter
+
+    w = ResultsWriter(tmp_path / "results.jsonl")
+    w.append({"matrix": "t", "model": "a", "method": "poros", "status": "ok"})
+    before = w.path.read_bytes()
+    real = os.write
+
+    def full(fd, data):
+        real(fd, data[:7])  # part of the line reaches the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results_module.os, "write", full)
+    with pytest.raises(ResultsFileError) as e:
+        w.append({"matrix": "t", "model": "b", "method": "poros", "status": "ok"})
+    assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
+    assert w.path.read_bytes() == before
+    monkeypatch.setattr(results_module.os, "write", lambda fd, data: real(fd, data[:3]))  # a short write
+    with pytest.raises(ResultsFileError, match="only 3 of"):
+        w.append({"matrix": "t", "model": "c", "method": "poros", "status": "ok"})
+    assert w.path.read_bytes() == before

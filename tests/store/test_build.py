@@ -183,9 +183,9 @@ def test_build_materialises_one_layer_at_a_time(monkeypatch):
 
     seen_during_quantize: list[tuple[list[int], list[str]]] = []
 
-    def quantize(w):
+    def quantize(w, double_quant):
         seen_during_quantize.append((live_layers(), live_outside_layers()))
-        return real_quantize(w)
+        return real_quantize(w, double_quant)
 
     seen_on_layer: list[tuple[int, int, list[int]]] = []
     monkeypatch.setattr(poros.store.build, "skeleton", skeleton)

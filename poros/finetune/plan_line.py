@@ -1,0 +1,47 @@
+"""The plan a `poros train` run takes, in one line: method and device, what is computed (attention,
+determinism), how poros schedules it (layers resident and streamed, predicted peak, CUDA graphs), and
+which settings took the GPU's defaults."""
+
+from __future__ import annotations
+
+from poros.config import Method
+from poros.engine.plan import Geometry, Plan, make_plan
+from poros.settings import format_size
+
+
+def dry_plan(fc, source) -> Plan | None:
+    """The plan poros would run for `fc` on the model `source` (None for resident). `vram_budget: auto`
+    reads the device's free memory, so without a device it is left to the run."""
+    cfg = fc.train
+    if fc.method is not Method.POROS:
+        return None
+    free = None
+    if cfg.vram_budget == "auto":
+        import torch
+
+        if cfg.device.value != "cuda" or not torch.cuda.is_available():
+            return None
+        free = torch.cuda.mem_get_info()[0]
+    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant), cfg, free)
+
+
+def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str:
+    """One line: `plan: poros on cuda; attention fast (deterministic); 64 layers: 40 resident, 24
+    streamed in blocks of 4, predicted peak 118.2 GB (budget auto: 121.0 GB); CUDA-graph layers; ...`."""
+    cfg = fc.train
+    parts = [f"{fc.method.value} on {cfg.device.value}" + (f", {cfg.gpus} ranks" if cfg.gpus > 1 else ""),
+             f"attention {cfg.attention.value}" + (" (deterministic)" if cfg.deterministic else "")]
+    if fc.method is Method.POROS:
+        if plan is not None:
+            budget = f" (budget {'auto: ' if cfg.vram_budget == 'auto' else ''}{format_size(plan.budget)})" \
+                if plan.budget else ""
+            parts.append(f"{plan.n_layers} layers: {len(plan.resident_layers)} resident, {len(plan.streamed_layers)} "
+                         f"streamed in blocks of {plan.block_size}, predicted peak "
+                         f"{format_size(plan.memory.total)}{budget}")
+        elif cfg.vram_budget == "auto":
+            parts.append(f"vram_budget auto (planned from the free device memory at the start), blocks of "
+                         f"{cfg.block_size}")
+        parts.append("CUDA-graph layers" if cfg.cuda_graphs else "eager layers")
+    if cuda_defaults:
+        parts.append(f"defaults for cuda: {', '.join(cuda_defaults)} (set one to change it)")
+    return "plan: " + "; ".join(parts)

@@ -1,0 +1,294 @@
+"""A budget is what nvidia-smi shows for the process: the planner's process total and its parts, held to
+the measured H200 rows; the refusal naming the smallest budget; `vram_budget: auto`; the allocator held
+within the budget before the trainer's first device allocation; NVML reading this process's memory."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from poros.cli import main
+from poros.config import TrainConfig
+from poros.engine import executor as X
+from poros.engine import nvml as N
+from poros.engine import plan as P
+from poros.errors import BudgetError
+from poros.models.checkpoint import resolve
+from poros.settings import LORA_TARGETS
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+GB = 10**9
+CUDA = P.ProcessCosts.cuda()
+
+
+@pytest.fixture(scope="module")
+def q72():
+    return P.Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)
+
+
+def request(**kw) -> P.PlanRequest:
+    return P.PlanRequest(**{"block_size": 4, "attention": "fast", "deterministic": True, "process": CUDA, **kw})
+
+
+# --- the process total ----------------------------------------------------------------------------
+
+def test_the_process_total_is_its_parts(q72):
+    plan = P.build_plan(q72, request(cuda_graphs=True, overlap_backward=False, resident_layers=10))
+    m = plan.memory
+    assert m.total == m.allocated + m.graph_pool + m.allocator_reserve + m.context + m.nccl
+    assert m.allocated == sum(v for k, v in m.parts().items() if k not in P.BESIDE_TENSORS)
+    assert m.context == P.CUDA_CONTEXT and m.nccl == 0 and m.graph_pool > 0
+    assert m.allocator_reserve == -(-(m.allocated + m.graph_pool) * 5 // 100)  # ALLOCATOR_SLACK of what it holds
+    assert plan.summary()["process_vram_bytes"] == m.total and plan.summary()["peak_vram_bytes"] == m.allocated
+
+
+def test_data_parallel_ranks_add_nccl_buffers_and_a_measured_context_wins_when_larger():
+    assert P.ProcessCosts.cuda(ranks=2).nccl == P.NCCL_BUFFERS > 0 == P.ProcessCosts.cuda(ranks=1).nccl
+    assert P.ProcessCosts.cuda(measured_context=3 * GB).context == 3 * GB
+    assert P.ProcessCosts.cuda(measured_context=GB // 10).context == P.CUDA_CONTEXT
+
+
+def test_a_cpu_run_has_no_process_costs(q72):
+    """On the CPU a budget bounds the tensors alone (the tiny-model tests' budgets of a few MB)."""
+    cpu = P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cpu", vram_budget="24GB"))
+    cuda = P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB"))
+    two = P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB").replace(gpus=2))
+    assert cpu.process == P.ProcessCosts() and cuda.process == CUDA and two.process.nccl == P.NCCL_BUFFERS
+    plan = P.build_plan(q72, cpu)
+    assert plan.memory.total == plan.memory.allocated
+
+
+def kept_rows():
+    """The H200 rows of plans that ran on a GPU nothing else used (results/h200-kept-activations: CUDA graphs,
+    kept activations, spread, seq 512, the default allocator and no cap)."""
+    folder = RESULTS / "h200-kept-activations"
+    for name in ("sweep_qwen2.5-72b_budget_kept.jsonl", "sweep_qwen2.5-72b_floor.jsonl"):
+        for line in (folder / name).read_text().splitlines():
+            row = json.loads(line)
+            if row["method"] == "poros":
+                yield row
+
+
+def test_the_process_total_covers_the_nvml_peaks_measured(q72):
+    """Each plan that ran, its parts as recorded and its graph pool as now predicted, in a CUDA process: the
+    predicted total covers the NVML peak measured for the process, and the allocator's share covers torch's
+    reserved peak within 0.1 GB. Negative control: the tensors alone, what a budget held before, fall short
+    of every NVML peak."""
+    _, layer = P.transient_bytes(q72, 512, 1, "fast", overlap=False, deterministic=True)
+    pool = -(-layer * P.GRAPH_POOL_PER_LAYER // 100)
+    rows = list(kept_rows())
+    assert len(rows) == 7
+    for row in rows:
+        cfg = row["config"]
+        assert cfg["cuda_graphs"] and cfg["seq_len"] == 512
+        m = P.Memory(**{k: round(v * GB) for k, v in row["predicted_memory_gb"].items()},
+                     graph_pool=pool).with_costs(CUDA)
+        nvml, reserved = row["peak_vram_nvml_gb"] * GB, row["peak_reserved_gb"] * GB
+        assert m.total >= nvml, (cfg["vram_budget"], m.total, nvml)
+        assert m.allocator >= reserved - 0.1 * GB
+        assert m.allocated < nvml  # negative control
+
+
+def test_the_graph_pool_covers_the_pools_measured(q72):
+    """results/h200-reserved-memory measured the CUDA graphs' pool at 16,384 tokens; the plan's pool covers
+    both lines, and one layer's transient bytes alone (the pool's lower bound printed before) do not."""
+    rows = [json.loads(line) for line in
+            (RESULTS / "h200-reserved-memory/reserved_qwen2.5-72b_seq16384.jsonl").read_text().splitlines()]
+    pools = [p["reserved_gb"] * GB for r in rows for name, p in r["pools"].items() if name.startswith("graph pool")]
+    assert len(pools) == 2
+    plan = P.build_plan(q72, request(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False,
+                                     offload_inputs=True))
+    _, layer = P.transient_bytes(q72, 16384, 1, "fast", overlap=False, deterministic=True)
+    assert all(plan.graph_pool >= p > layer for p in pools)
+
+
+# --- budgets --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq, budget, graphs", [(512, 24, False), (512, 24, True), (512, 40, False),
+                                                 (512, 40, True), (16384, 24, False)],
+                         ids=lambda v: str(v))
+def test_a_budget_holds_the_process_total(q72, seq, budget, graphs):
+    """The plans the GPU tests run: the process total fits; the plan the tensors-only planner picks for the
+    same budget (negative control) does not, in the same process."""
+    kw = dict(seq_len=seq, cuda_graphs=graphs, overlap_backward=not graphs and seq == 512,
+              loss_chunk=4096 if seq > 512 else 0, offload_inputs=True if seq > 512 else None, budget=budget * GB)
+    plan = P.plan_for_budget(q72, request(**kw))
+    assert plan.memory.total <= budget * GB and plan.memory.context == P.CUDA_CONTEXT
+    old = P.plan_for_budget(q72, request(process=P.ProcessCosts(), **kw))
+    again = P.build_plan(q72, request(**{**kw, "budget": None, "offload_inputs": old.offload_inputs},
+                                      block_size=old.block_size, resident_layers=len(old.resident_layers),
+                                      head_resident=old.head_resident))
+    assert again.memory.total > budget * GB
+
+
+def test_a_budget_that_cannot_be_kept_is_refused_naming_the_smallest_that_can(q72):
+    kw = dict(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False, offload_inputs=True)
+    with pytest.raises(BudgetError) as refused:
+        P.plan_for_budget(q72, request(budget=24 * GB, **kw))
+    text = str(refused.value)
+    assert "CUDA-graph pool" in text and "CUDA context" in text and "drop --cuda-graphs" in text
+    smallest = text.split("use --vram-budget ")[1].split()[0]
+    assert smallest.endswith("GB") and float(smallest[:-2]) > 24
+    named = round(float(smallest[:-2]) * GB)
+    assert P.plan_for_budget(q72, request(budget=named, **kw)).memory.total <= named
+    with pytest.raises(BudgetError):
+        P.plan_for_budget(q72, request(budget=named - GB // 10, **kw))
+
+
+# --- auto -----------------------------------------------------------------------------------------
+
+def test_auto_is_what_the_card_has_free_less_a_headroom(q72):
+    device = P.DeviceMemory(total=150 * GB, free=100 * GB, process=GB, context=GB // 2)
+    assert P.auto_budget(device) == 100 * GB + GB - 3 * GB  # AUTO_HEADROOM: 2% of the card
+    cfg = TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="auto")
+    req = P.PlanRequest.of_config(cfg, device)
+    assert req.budget == 98 * GB and req.process.context == P.CUDA_CONTEXT
+    assert P.make_plan(q72, cfg, device).memory.total <= 98 * GB
+    small = P.DeviceMemory(total=24 * GB, free=4 * GB)
+    with pytest.raises(BudgetError, match=r"vram_budget 3.52 GB is below the smallest plan .* use --vram-budget 9.5GB"):
+        P.make_plan(q72, cfg, small)
+
+
+class FakeNvml:
+    """pynvml's calls the module makes, over one device with the given processes."""
+
+    def __init__(self, procs, used=70 * GB, uuids=("GPU-aaa", "GPU-bbb")):
+        self.procs, self.used, self.uuids = procs, used, uuids
+        self.shut = 0
+
+    def nvmlDeviceGetCount(self):
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return self.uuids[h].encode()
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=n) for pid, n in self.procs.get(h, [])]
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(used=self.used)
+
+    def nvmlShutdown(self):
+        self.shut += 1
+
+
+def test_nvml_reads_this_process_on_torch_s_device(monkeypatch):
+    """torch's device 0 is NVML's device 1 under CUDA_VISIBLE_DEVICES=1: matched by UUID. This process's
+    memory where NVML lists it; else the device's, said so."""
+    nvml = FakeNvml({0: [(os.getpid(), 60 * GB)], 1: [(4242, 9 * GB), (os.getpid(), 3 * GB)]})
+    monkeypatch.setattr(N.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="bbb"))
+    h = N.handle(nvml, 0)
+    assert h == 1 and N.used(nvml, h) == (3 * GB, N.PROCESS)
+    assert N.used(FakeNvml({1: [(4242, 9 * GB)]}), 1) == (70 * GB, N.DEVICE)
+
+
+def test_device_memory_measures_the_context(monkeypatch):
+    """`auto`'s arithmetic from a mocked mem_get_info: NVML's reading for the process less torch's reserved
+    bytes is the context so far; where NVML does not list the process, nothing is claimed of it."""
+    nvml = FakeNvml({0: [(os.getpid(), 2 * GB)]}, uuids=("GPU-aaa",))
+    monkeypatch.setattr(N, "_nvml", lambda: nvml)
+    monkeypatch.setattr(N.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="aaa"))
+    monkeypatch.setattr(N.torch.cuda, "mem_get_info", lambda d=None: (100 * GB, 150 * GB))
+    monkeypatch.setattr(N.torch.cuda, "memory_reserved", lambda d=None: GB // 2)
+    d = N.device_memory(torch.device("cuda", 0))
+    assert d == P.DeviceMemory(total=150 * GB, free=100 * GB, process=2 * GB, context=3 * GB // 2)
+    assert P.auto_budget(d) == 99 * GB and nvml.shut == 1
+    nvml.procs = {}
+    assert N.device_memory(torch.device("cuda", 0)) == P.DeviceMemory(total=150 * GB, free=100 * GB)
+
+
+# --- the allocator held within the budget ---------------------------------------------------------
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(X, "set_allocator_settings", lambda conf: calls.append(("settings", conf)))
+    monkeypatch.setattr(X.torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(("fraction", f)))
+    monkeypatch.setattr(X.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GB))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    return calls
+
+
+def test_the_allocator_is_capped_at_the_budget_less_the_fixed_costs(q72, fake_cuda, monkeypatch):
+    plan = P.plan_for_budget(q72, request(budget=24 * GB, process=P.ProcessCosts.cuda(ranks=2)))
+    limit = X.AllocatorLimit(plan, torch.device("cuda", 0))
+    assert fake_cuda == [("settings", "expandable_segments:True"),
+                         ("fraction", (24 * GB - P.CUDA_CONTEXT - P.NCCL_BUFFERS) / (100 * GB))]
+    limit.release()
+    assert fake_cuda[2:] == [("fraction", 1.0), ("settings", "expandable_segments:False")]
+    fake_cuda.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's word stands
+    X.AllocatorLimit(plan, torch.device("cuda", 0)).release()
+    assert [c[0] for c in fake_cuda] == ["fraction", "fraction"]
+    fake_cuda.clear()
+    X.AllocatorLimit(P.build_plan(q72, request()), torch.device("cuda", 0))  # no budget: nothing held
+    X.AllocatorLimit(plan, torch.device("cpu"))
+    assert fake_cuda == []
+
+
+def test_the_allocator_is_held_before_the_trainer_s_first_device_allocation(stores, monkeypatch):
+    """The cap and expandable segments hold for what the allocator creates after them: the trainer sets them
+    after planning and before it makes its model or its device buffers."""
+    events = []
+
+    class Limit(X.AllocatorLimit):
+        def __init__(self, plan, device):
+            events.append("limit")
+            super().__init__(plan, device)
+
+    class Buffers(X.DeviceBuffers):
+        def __init__(self, *a, **k):
+            events.append("buffers")
+            super().__init__(*a, **k)
+
+    host_model = X.PorosTrainer._host_model
+    monkeypatch.setattr(X, "AllocatorLimit", Limit)
+    monkeypatch.setattr(X, "DeviceBuffers", Buffers)
+    monkeypatch.setattr(X.PorosTrainer, "_host_model", lambda self: events.append("model") or host_model(self))
+    trainer = X.PorosTrainer(stores("tiny-qwen2"), TrainConfig(model="tiny-qwen2", seq_len=64, vram_budget="5MB"))
+    trainer.close()
+    assert events == ["limit", "model", "buffers"]
+
+
+def test_a_step_past_the_cap_is_a_budget_error():
+    """An allocation the cap refuses ends in one line naming the budget, not a CUDA traceback; without a
+    cap (no budget) the allocator's own error stands."""
+    trainer = object.__new__(X.PorosTrainer)
+    trainer.buffers = SimpleNamespace(reset_counters=lambda: None)
+    trainer.saved = SimpleNamespace()
+    trainer.plan = SimpleNamespace(budget=24 * GB, memory=SimpleNamespace(total=23 * GB))
+    trainer.allocator_limit = SimpleNamespace(fraction=0.15)
+
+    def oom(self, batches=None):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(X.Trainer, "step", oom)
+        with pytest.raises(BudgetError, match="vram_budget 24 GB needed more device memory"):
+            trainer.step()
+        trainer.allocator_limit.fraction = None
+        with pytest.raises(torch.OutOfMemoryError):
+            trainer.step()
+
+
+# --- poros plan -----------------------------------------------------------------------------------
+
+def test_poros_plan_prints_the_process_total_and_its_parts(capsys):
+    assert main(["plan", "--model", "qwen2.5-72b", "--vram-budget", "40GB", "--cuda-graphs"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak device memory of the process" in out
+    for part in ("tensors", "graph_pool", "allocator_reserve", "context"):
+        assert f"    {part} " in out
+    assert main(["plan", "--model", "qwen2.5-72b", "--vram-budget", "40GB", "--cuda-graphs", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["process_vram_bytes"] == sum(summary["memory"].values()) <= 40 * GB
+    assert summary["memory"]["context"] == P.CUDA_CONTEXT and summary["memory"]["graph_pool"] > 0
