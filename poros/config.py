@@ -43,6 +43,9 @@ def _post_init(self) -> None:
                         f"keep_activations; got kept_layers={self.kept_layers} without it")
     if self.cuda_graphs is True and getattr(self.device, "value", self.device) != "cuda":
         problems.append(f"cuda_graphs: needs device cuda, got {getattr(self.device, 'value', self.device)!r}")
+    if self.shard_stream is True and isinstance(self.gpus, int) and self.gpus < 2:
+        problems.append(f"shard_stream: shares each streamed copy among data-parallel ranks, so it needs gpus > 1; "
+                        f"got gpus={self.gpus}")
     if self.cuda_graphs is True and isinstance(self.lora_dropout, float) and self.lora_dropout > 0:
         problems.append(f"lora_dropout: its masks are drawn per call, which a replayed CUDA graph does not do; "
                         f"drop cuda_graphs (--no-cuda-graphs) or lora_dropout, got lora_dropout={self.lora_dropout}")

@@ -343,6 +343,10 @@ SETTINGS: tuple[Setting, ...] = (
             "poros, with resident layers: tail (the last layers stay) or spread (the streamed layers spread among "
             "the resident ones, so a copy runs behind resident layers' forward as well as their backward)",
             "Resident layer placement"),
+    Setting("shard_stream", False, SCHEDULE, flag,
+            "poros, data-parallel (gpus > 1): each rank copies 1/gpus of every streamed block from host memory "
+            "over its own link and the ranks all-gather the rest (same bytes on every rank, fewer over each link)",
+            "Sharded stream (all-gather)", report_default=False),
     Setting("accumulation", Accumulation.LAYER, SCHEDULE, one_of(Accumulation),
             "poros, grad_accum > 1: layer (each block loaded once for all micro-batches) or micro "
             "(each micro-batch through the whole model)", "Accumulation order"),

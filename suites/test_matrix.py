@@ -213,8 +213,8 @@ def _measure_cell(session, cell, cfg, benchmark):
     store = session.stores.get(cell.model, cfg.double_quant) if cfg.gpus == 1 else None
     arch = store.config.model_type if store is not None else ""
 
-    def write(meas, plan=None, arch=arch) -> None:
-        _write(session, cell, cfg, benchmark, gate, meas, plan, arch)
+    def write(meas, plan=None, arch=arch, alone=None) -> None:
+        _write(session, cell, cfg, benchmark, gate, meas, plan, arch, alone)
 
     if not session.timed:  # --benchmark-disable: the gate decides, nothing is timed
         write(None)
@@ -278,9 +278,9 @@ def _measure_child(session, cell, cfg, store, write) -> None:
                       peak_reserved_gb=peak("peak_reserved_gb")))
 
 
-def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str) -> None:
+def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:
     row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan,
-                 timed=meas is not None)
+                 timed=meas is not None, alone=alone)
     session.writer.append(row)
     if meas is None:
         progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
@@ -303,4 +303,5 @@ def _measure_ranks(session, cell, cfg, gate, write) -> None:
     spec = {"kind": "measure", "config": cfg.as_dict(), "method": cell.method.value, "steps": m.steps,
             "passes": m.passes, "warmup": m.warmup_passes}
     report = run_ranks(spec, cfg.gpus, log=progress)
-    write(Measurement(**report["measurement"]), report["plan"], report["arch"])
+    alone = Measurement(**report["alone"]) if report.get("alone") else None
+    write(Measurement(**report["measurement"]), report["plan"], report["arch"], alone)

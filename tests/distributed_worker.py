@@ -1,8 +1,11 @@
 """One rank of the data-parallel checks (tests/engine/test_distributed.py runs it under torchrun on the CPU, gloo):
 poros against resident QLoRA under DistributedDataParallel, a negative control that leaves one layer's
-gradients unreduced, and the host's shared store. Rank 0 writes one JSON object to the path given.
+gradients unreduced, and the host's shared store; with `shard`, the shared stream (shard_stream: each rank
+copies its share of every streamed block, an all-gather completes it) against the same reference, a negative
+control whose gather leaves the other ranks' share stale, and the bytes each rank copies and gathers. Rank 0
+writes one JSON object to the path given.
 
-    torchrun --nproc-per-node 2 tests/distributed_worker.py OUT.json tiny-qwen3 [cpu|cuda]"""
+    torchrun --nproc-per-node 2 tests/distributed_worker.py OUT.json tiny-qwen3 [cpu|cuda] [shard]"""
 
 from __future__ import annotations
 
@@ -13,21 +16,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from poros.config import TrainConfig
+from poros.config import Method, TrainConfig
+from poros.engine import plan as P
 from poros.engine.distributed import close_world, init_world, share_store
+from poros.engine.methods import make_trainer
 from poros.engine.parity import parity
 
 
-def main(out: Path, model: str, device: str) -> None:
+def main(out: Path, model: str, device: str, shard: bool = False) -> None:
     world = init_world(device)
     store, _ = share_store(model, seed=0, device=device, world=world)
+    # math attention: the same kernels run to run on CUDA too (seq 64: bitsandbytes' CPU kernels need >= 64 tokens)
+    cfg = TrainConfig(model=model, seq_len=64, grad_accum=2, block_size=2, device=device, attention="math")
+    report = shared_stream(cfg, store, world) if shard else data_parallel(cfg, store, world, device)
+    if world.main:
+        out.write_text(json.dumps({"world_size": world.size, **report}))
+    close_world()
+
+
+def data_parallel(cfg, store, world, device) -> dict:
     maps = Path("/proc/self/maps").read_text()
     checksum = torch.tensor([int(store.arena[::4096].sum()), int(store.arena.sum())], dtype=torch.int64,
                             device=device)
     sums = [torch.zeros_like(checksum) for _ in range(world.size)]
     dist.all_gather(sums, checksum)
-    # math attention: the same kernels run to run on CUDA too (seq 64: bitsandbytes' CPU kernels need >= 64 tokens)
-    cfg = TrainConfig(model=model, seq_len=64, grad_accum=2, block_size=2, device=device, attention="math")
     gate = parity(cfg, steps=2, store=store, world=world)
     losses = [None] * world.size  # each rank's own micro-batch losses: its share of the step's data
     dist.all_gather_object(losses, gate.losses)
@@ -39,15 +51,37 @@ def main(out: Path, model: str, device: str) -> None:
         mine.reducer.skip = frozenset({0})
 
     control = parity(cfg, steps=1, store=store, world=world, mutate=unreduced)
-    if world.main:
-        out.write_text(json.dumps({
-            "world_size": world.size, "gate": gate.__dict__, "micro": micro.__dict__, "budget": budget.__dict__,
-            "control": control.__dict__,
+    return {"gate": gate.__dict__, "micro": micro.__dict__, "budget": budget.__dict__, "control": control.__dict__,
             "arena_shared": "poros-store-arena" in maps, "dense_shared": "poros-store-dense" in maps,
             "checksums_equal": all(torch.equal(s, sums[0]) for s in sums), "losses": losses,
-            "pinned": device == "cuda" and store.pinned}))
-    close_world()
+            "pinned": device == "cuda" and store.pinned}
+
+
+def shared_stream(cfg, store, world) -> dict:
+    cfg = cfg.replace(shard_stream=True, gpus=world.size)
+    gate = parity(cfg, steps=2, store=store, world=world)  # every layer streamed, the lm_head through a buffer
+    micro = parity(cfg.replace(accumulation="micro"), steps=1, store=store, world=world)
+    budget = parity(cfg.replace(vram_budget="3.45MB"), steps=1, store=store, world=world)  # some layers resident
+
+    def stale(ref, mine):  # negative control: the first group the step loads keeps the others' share stale
+        mine.buffers.stale = frozenset({next(op.group for op in mine.plan.step if op.kind == P.LOAD)})
+
+    control = parity(cfg, steps=1, store=store, world=world, mutate=stale)
+    trainer = make_trainer(Method.POROS, store, cfg, world)
+    plan = trainer.plan
+    shared = trainer.step().counters
+    with trainer.alone():  # the same plan on this rank alone: every byte over its own link, no gather
+        alone = trainer.step().counters
+    trainer.close()
+    counters = [None] * world.size
+    dist.all_gather_object(counters, {"shared": shared, "alone": alone,
+                                      "h2d_planned": sum(plan.op_bytes(op, world.rank) for op in plan.step)})
+    return {"gate": gate.__dict__, "micro": micro.__dict__, "budget": budget.__dict__, "control": control.__dict__,
+            "counters": counters, "plan": plan.summary(),
+            "unshared_h2d": P.replace(plan, shards=1).h2d_bytes_per_step, "gathers": sum(
+                op.kind in (P.GATHER, P.GATHER_HEAD) for op in plan.step)}
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "cpu")
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "cpu",
+         len(sys.argv) > 4 and sys.argv[4] == "shard")

@@ -15,14 +15,16 @@ EPILOG = """examples:
   poros plan --model qwen3-32b --grad-accum 8 --json
   poros plan --model qwen2.5-72b --double-quant            # absmax quantized again: fewer bytes per step
   poros plan --model ./my-checkpoint --seq-len 4096      # config.json alone suffices
+  poros plan --model qwen2.5-72b --gpus 2 --shard-stream  # bytes each rank copies and gathers
 
 Prints which layers stream and which stay resident, the bytes copied host->device per optimizer
 step and the predicted peak device memory of the process by part: the allocator's tensors, the CUDA
 graphs' pool, the allocator's reserve, the CUDA context and (several ranks) NCCL's buffers. A budget
 holds that total, what nvidia-smi shows for the process. --json prints one object (keys include
-h2d_bytes_per_step, process_vram_bytes, peak_vram_bytes (the tensors alone), memory (the parts),
-resident_layers, streamed_layers, block_size). A budget below the smallest plan is refused, naming the
-smallest budget that would work. The plan is for a CUDA device unless --device cpu.
+h2d_bytes_per_step, gathered_bytes_per_step, process_vram_bytes, peak_vram_bytes (the tensors alone),
+memory (the parts), resident_layers, streamed_layers, block_size; with --gpus N --shard-stream the bytes
+and the memory are each rank's). A budget below the smallest plan is refused, naming the smallest budget
+that would work. The plan is for a CUDA device unless --device cpu.
 """
 
 
@@ -31,6 +33,9 @@ def add_parser(sub) -> None:
                        epilog=EPILOG)
     p.add_argument("--model", required=True, help="registered name (see `poros build --list`) or checkpoint folder")
     add_arguments(p, defaults={"device": Device.CPU})  # a plan needs no device: it is made for the CPU unless asked
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="data-parallel ranks the plan is for; with --shard-stream each copies 1/N of every "
+                        "streamed block and all-gathers the rest (default: 1)")
     p.add_argument("--json", action="store_true", help="print the plan's summary as one JSON object")
     p.add_argument("--ops", action="store_true", help="also list the operations of one optimizer step")
     p.set_defaults(run=run)

@@ -14,6 +14,10 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT). NCCL on CUDA, gloo on the CPU.
   layout, ring position): the gate says whether they agree.
 - One host copy of the store per host (`share_store`): the host's first rank builds it into shared memory
   (memfd) and the host's other ranks map the same pages, each pinning them for its own GPU.
+- A shared stream (`shard_stream`): each rank copies its share of every streamed block from that host copy
+  and the ranks all-gather the rest (poros/engine/buffers.py) in a process group of their own
+  (`gather_group`), so the gathers and the gradients' all-reduces are two sequences of collectives, each
+  issued in one order on every rank.
 """
 
 from __future__ import annotations
@@ -99,6 +103,34 @@ def init_world(device: str) -> World:
     else:
         dist.init_process_group("gloo")
     return world
+
+
+def gather_group(world: World):
+    """A process group of every rank for the shared stream's gathers (every rank calls this, in the same
+    order). Apart from the default group: the reducer launches its all-reduces from the backward's thread,
+    the gathers come from the plan's, and one group's collectives must come in one order on every rank."""
+    return dist.new_group(list(range(world.size)))
+
+
+def release_group(group) -> None:
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+def same_on_every_rank(value: str, world: World, what: str) -> None:
+    """Raise unless every rank holds the same `value` (e.g. the plan whose copies they share).
+
+    Raises:
+        CapabilityError: naming the first rank that differs.
+    """
+    if not world.distributed:
+        return
+    values = [None] * world.size
+    dist.all_gather_object(values, value)
+    other = next((r for r, v in enumerate(values) if v != values[0]), None)
+    if other is not None:
+        raise CapabilityError(f"rank {other} runs another {what} than rank 0; the ranks must agree on it (give "
+                              "every rank the same settings, and a fixed vram_budget rather than auto)")
 
 
 def close_world() -> None:

@@ -8,6 +8,8 @@ operations then run the layers themselves:
 
   load, release       a group's NF4 bytes into its buffer, and the point after which the buffer may be
                       refilled (poros/engine/buffers.py: the copies and the events that order them);
+  gather              with copies shared among data-parallel ranks (shard_stream), the other ranks'
+                      shares of the load before, all-gathered into the buffer;
   forward, backward   a layer, by the runner of its kind (poros/engine/runners.py: recomputed or kept,
                       eagerly or through layer templates replayed from CUDA graphs);
   head                the Hugging Face forward again, each layer handing on its input and the last one
@@ -33,7 +35,7 @@ from poros.config import Method
 from poros.engine import plan as P
 from poros.engine.attention import sdpa_context
 from poros.engine.buffers import HEAD_KEY, DeviceBuffers, SavedInputs
-from poros.engine.distributed import SINGLE, GradReducer, World
+from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
@@ -141,7 +143,7 @@ class PorosTrainer(Trainer):
 
     def __init__(self, store, cfg, world: World = SINGLE, *, plan: P.Plan | None = None, check_plan: bool = True):
         self._given_plan, self._check_plan = plan, check_plan
-        self._pass, self._step = _Pass.PLAIN, None
+        self._pass, self._step, self._gathers = _Pass.PLAIN, None, None
         super().__init__(store, cfg, world)
 
     def _distribute(self) -> None:
@@ -157,7 +159,9 @@ class PorosTrainer(Trainer):
             self._refuse_unsafe(self.plan)
         self.allocator_limit = AllocatorLimit(self.plan, self.device)  # before the first device allocation
         model = self._host_model()
-        self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight)
+        self._shared_stream()
+        self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight,
+                                     self.world if self.plan.shards > 1 else SINGLE, self._gathers)
         self._bind_weights(model)
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
@@ -182,7 +186,19 @@ class PorosTrainer(Trainer):
 
     def _plan_for_device(self) -> P.Plan:
         device = device_memory(self.device) if self.device.type == "cuda" else None
-        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, device)
+        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, device, ranks=self.world.size)
+
+    def _shared_stream(self) -> None:
+        """With copies shared among the ranks: the same plan on every rank, and the gathers' process group."""
+        self._gathers = None
+        shards = self.plan.shards
+        if shards == 1:
+            return
+        if shards != self.world.size:
+            raise CapabilityError(f"the plan shares its copies among {shards} ranks but {self.world.size} run it: "
+                                  "plan with the ranks that train (gpus, torchrun --nproc-per-node)")
+        same_on_every_rank(" ".join(map(str, (*self.plan.setup, *self.plan.step))), self.world, "plan")
+        self._gathers = gather_group(self.world)
 
     @staticmethod
     def _refuse_unsafe(plan: P.Plan) -> None:
@@ -223,8 +239,10 @@ class PorosTrainer(Trainer):
 
     def _load_setup(self) -> None:
         """The loads every step starts from: resident groups, the first streamed ones, a resident lm_head."""
+        b = self.buffers
+        handlers = {P.LOAD: b.load, P.LOAD_HEAD: b.load_head, P.GATHER: b.gather, P.GATHER_HEAD: b.gather_head}
         for op in self.plan.setup:
-            (self.buffers.load_head if op.kind == P.LOAD_HEAD else self.buffers.load)(op)
+            handlers[op.kind](op)
         if self.plan.head_resident:
             self.buffers.load_head(None)
 
@@ -294,7 +312,8 @@ class PorosTrainer(Trainer):
         step = self._step = _Step(batches, [None] * len(batches))
         handlers = {P.LOAD: self.buffers.load, P.LOAD_HEAD: self.buffers.load_head, P.RELEASE: self._release,
                     P.RELEASE_HEAD: self._release, P.FORWARD: self._forward, P.HEAD: self._head,
-                    P.BACKWARD: self._backward}
+                    P.BACKWARD: self._backward, P.GATHER: self.buffers.gather,
+                    P.GATHER_HEAD: self.buffers.gather_head}
         with sdpa_context(self.cfg.attention):
             for op in self.plan.step:
                 handlers[op.kind](op)
@@ -401,8 +420,22 @@ class PorosTrainer(Trainer):
             self.templates.clear()
         self._stop_worker()
         del self.buffers
+        release_group(self._gathers)
+        self._gathers = None
         super().close()
         self.allocator_limit.release()  # after the device memory is freed, so nothing allocates past the cap
+
+    @contextlib.contextmanager
+    def alone(self):
+        """`Trainer.alone`, and with a shared stream each load copies every byte and no gather runs: the
+        same plan streamed over this device's link alone."""
+        held = self.buffers.world
+        self.buffers.world = SINGLE
+        try:
+            with super().alone():
+                yield self
+        finally:
+            self.buffers.world = held
 
     def _stop_worker(self) -> None:
         if self._worker is not None:

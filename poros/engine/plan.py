@@ -14,7 +14,10 @@ tested without a GPU:
   - order: per micro-batch, forwards ascend, the head follows the last forward, backwards descend
     after the head; per layer, micro-batch backwards run in micro-batch order, so every LoRA
     gradient is the same floating-point sum as resident QLoRA's;
-  - steady state: a step leaves the buffers as it found them, so every step is the same plan.
+  - steady state: a step leaves the buffers as it found them, so every step is the same plan;
+  - gathered (shard_stream, `shards` ranks): each rank loads its 1/shards of a streamed copy and a gather
+    completes it from the other ranks; no compute reads a buffer between its load and its gather, and a
+    gather, which writes the buffer as a load does, never comes before the release after the last read.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from poros.store.arena import align, plan_layout
 
 LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (
     "load", "release", "forward", "head", "backward", "load_head", "release_head")
+GATHER, GATHER_HEAD = "gather", "gather_head"  # the other ranks' shares of the load before (shard_stream)
 HEAD_SLOT = -1  # what a buffer lent to the lm_head weight holds
 
 
@@ -325,6 +329,20 @@ class Plan:
     # resident layers that keep their activations from forward to backward: no recompute, resident
     # QLoRA's own forward with autograd and its backward from the kept output
     kept_layers: tuple[int, ...] = ()
+    # data-parallel ranks that share every streamed copy (shard_stream): each loads one contiguous share of
+    # a group's (or the streamed lm_head's) bytes and a gather brings the others'; 1: each rank copies all
+    shards: int = 1
+
+    def shard_size(self, nbytes: int) -> int:
+        return shard_size(nbytes, self.shards)
+
+    def shard(self, nbytes: int, rank: int) -> tuple[int, int]:
+        """The byte range [lo, hi) of an `nbytes` copy that `rank` loads from host memory (empty past the end)."""
+        s = self.shard_size(nbytes)
+        return min(rank * s, nbytes), min((rank + 1) * s, nbytes)
+
+    def gathered_size(self, nbytes: int) -> int:
+        return gathered_size(nbytes, self.shards)
 
     @property
     def graph_pool(self) -> int:
@@ -342,17 +360,35 @@ class Plan:
     def group_of(self) -> dict[int, Group]:
         return {i: g for g in self.groups for i in g.layers}
 
-    def op_bytes(self, op: Op) -> int:
-        if op.kind == LOAD:
-            return self.groups[op.group].nbytes
-        if op.kind == LOAD_HEAD:
-            return self.head_bytes
-        return 0
+    def _op_nbytes(self, op: Op) -> int:
+        return self.groups[op.group].nbytes if op.kind in (LOAD, GATHER) else self.head_bytes
+
+    def op_bytes(self, op: Op, rank: int = 0) -> int:
+        """Bytes `op` copies host->device on `rank` (its share, when the copy is sharded)."""
+        if op.kind not in (LOAD, LOAD_HEAD):
+            return 0
+        nbytes = self._op_nbytes(op)
+        if self.shards == 1 or op.kind == LOAD and self.groups[op.group].resident:
+            return nbytes
+        lo, hi = self.shard(nbytes, rank)
+        return hi - lo
+
+    def gather_bytes(self, op: Op) -> int:
+        """Bytes a gather brings a rank from the others (their padded shares)."""
+        if op.kind not in (GATHER, GATHER_HEAD):
+            return 0
+        return (self.shards - 1) * self.shard_size(self._op_nbytes(op))
 
     @property
     def h2d_bytes_per_step(self) -> int:
+        """Host->device bytes of one step on rank 0 (with shards, the rank whose share is never short)."""
         inputs = self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
         return sum(self.op_bytes(op) for op in self.step) + inputs
+
+    @property
+    def gathered_bytes_per_step(self) -> int:
+        """Bytes of one step each rank receives from the other ranks' shares (0 without shards)."""
+        return sum(self.gather_bytes(op) for op in self.step)
 
     @property
     def d2h_bytes_per_step(self) -> int:
@@ -371,11 +407,24 @@ class Plan:
             "kept_layers": list(self.kept_layers),
             "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
+            "shards": self.shards, "gathered_bytes_per_step": self.gathered_bytes_per_step,
             "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.allocated,
             "process_vram_bytes": self.memory.total, "memory": self.memory.parts(), "vram_budget": self.budget,
             "graph_pool_bytes": self.graph_pool,
             "buffers": [{"index": b.index, "bytes": b.nbytes, "resident": b.resident} for b in self.buffers],
         }
+
+
+def shard_size(nbytes: int, shards: int) -> int:
+    """Bytes of one rank's share of an `nbytes` copy split over `shards` ranks: equal shares, each aligned
+    (the last one padded), as an all-gather needs them."""
+    return align(-(-nbytes // shards)) if shards > 1 else nbytes
+
+
+def gathered_size(nbytes: int, shards: int) -> int:
+    """Device bytes a sharded copy spans with its padding: every rank's share, what the gather fills (the
+    gather runs in place: each rank's share is its own slice of the buffer it receives the others' into)."""
+    return shards * shard_size(nbytes, shards)
 
 
 def _evenly(n: int, k: int) -> list[int]:
@@ -429,11 +478,13 @@ def _place(groups: list[Group], n_stream: int) -> list[Group]:
 
 
 def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_buffer: int | None,
-              head_resident: bool, holds: dict[int, int]) -> tuple[list[Op], dict[int, int]]:
+              head_resident: bool, holds: dict[int, int], shards: int = 1) -> tuple[list[Op], dict[int, int]]:
     """One optimizer step from buffer state `holds` (buffer -> group or HEAD_SLOT); returns the ops and
     the state they leave. A streamed group's load is enqueued when the streamed group before it in the
     pass starts (right after the release of the buffer's previous contents), so the copy runs while the
-    compute stream works on that group and on any resident layers between the two."""
+    compute stream works on that group and on any resident layers between the two. With `shards` ranks each
+    load of a streamed group (or of the lm_head) is this rank's share, its gather follows at once: the gather
+    runs behind the copy on a stream of its own, the compute stream waits for the gather."""
     holds = dict(holds)
     ops: list[Op] = []
     stream = [g for g in groups if not g.resident]
@@ -441,7 +492,15 @@ def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_bu
     def load(g: Group) -> None:
         if holds.get(g.buffer) != g.index:
             ops.append(Op(LOAD, group=g.index, buffer=g.buffer))
+            if shards > 1:
+                ops.append(Op(GATHER, group=g.index, buffer=g.buffer))
             holds[g.buffer] = g.index
+
+    def load_head() -> None:
+        ops.append(Op(LOAD_HEAD, buffer=head_buffer))
+        if shards > 1:
+            ops.append(Op(GATHER_HEAD, buffer=head_buffer))
+        holds[head_buffer] = HEAD_SLOT
 
     def passes(micros, forward: bool) -> None:
         seq = groups if forward else groups[::-1]
@@ -454,8 +513,7 @@ def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_bu
                 if nxt is not None and nxt.buffer != g.buffer:
                     load(nxt)  # prefetch into the other buffer, released by the streamed group before this one
             if forward and head_buffer is not None and not head_resident and g is stream[-1]:
-                ops.append(Op(LOAD_HEAD, buffer=head_buffer))  # the buffer of the streamed group before the last
-                holds[head_buffer] = HEAD_SLOT
+                load_head()  # the buffer of the streamed group before the last
             layers = g.layers if forward else reversed(g.layers)
             for i in layers:
                 for m in micros:
@@ -464,8 +522,7 @@ def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_bu
 
     def head(micros) -> None:
         if head_buffer is not None and not head_resident and not stream:
-            ops.append(Op(LOAD_HEAD, buffer=head_buffer))
-            holds[head_buffer] = HEAD_SLOT
+            load_head()
         for m in micros:
             ops.append(Op(HEAD, micro=m))
         if not head_resident:
@@ -504,12 +561,14 @@ class PlanRequest:
     head_resident: bool | None = None  # None: resident unless two buffers rotate
     budget: int | None = None  # bytes of the process's device memory; recorded on the plan, fitted by `plan_for_budget`
     process: ProcessCosts = ProcessCosts()  # what the process holds beside the allocator's tensors
+    shards: int = 1  # ranks sharing every streamed copy (shard_stream); see Plan.shards
 
     @classmethod
-    def of_config(cls, cfg, device: DeviceMemory | None = None) -> "PlanRequest":
+    def of_config(cls, cfg, device: DeviceMemory | None = None, ranks: int | None = None) -> "PlanRequest":
         """The request `cfg` (a TrainConfig) makes: on a CUDA device for the whole process (its context measured
         in `device` where given, NCCL's buffers for several ranks); `vram_budget: auto` is what `device` has
-        free (`auto_budget`).
+        free (`auto_budget`); `ranks`, the data-parallel ranks running it (default `cfg.gpus`), share every
+        streamed copy under `shard_stream`.
 
         Raises:
             CapabilityError: `vram_budget: auto` without a device to measure.
@@ -519,14 +578,16 @@ class PlanRequest:
             if device is None:
                 raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
             budget = auto_budget(device)
+        ranks = ranks or cfg.gpus
         cuda = getattr(cfg.device, "value", cfg.device) == "cuda"
-        process = ProcessCosts.cuda(cfg.gpus, device.context if device else None) if cuda else ProcessCosts()
+        process = ProcessCosts.cuda(ranks, device.context if device else None) if cuda else ProcessCosts()
         return cls(block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
                    seq_len=cfg.seq_len, batch_size=cfg.batch_size, lora_rank=cfg.lora_rank,
                    attention=cfg.attention.value, overlap_backward=cfg.overlap_backward, cuda_graphs=cfg.cuda_graphs,
                    offload_inputs=True if cfg.offload_inputs else None, loss_chunk=cfg.loss_chunk or 0,
                    keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
-                   deterministic=cfg.deterministic, budget=budget, process=process)
+                   deterministic=cfg.deterministic, budget=budget, process=process,
+                   shards=ranks if getattr(cfg, "shard_stream", False) else 1)
 
 
 AUTO_HEADROOM = 0.02  # share of the device's memory `vram_budget: auto` leaves free (others' growth, the driver's)
@@ -559,7 +620,8 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     n_groups = sum(not g.resident for g in groups)  # streamed groups
     n_stream = min(2, n_groups)
     groups = _place(groups, n_stream)
-    stream_size = align(max((g.nbytes for g in groups if not g.resident), default=0))
+    shards = r.shards
+    stream_size = align(max((gathered_size(g.nbytes, shards) for g in groups if not g.resident), default=0))
     # the lm_head borrows the idle buffer during the head when two rotate; else it is resident
     if head_resident is None:
         head_resident = n_stream < 2
@@ -568,15 +630,18 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         head_buffer = (n_groups - 2) % 2
     elif not head_resident:
         head_resident = True  # a region of its own would be held all step: keep the lm_head there
-    head_pad = align(max(0, geo.head_bytes - stream_size)) if head_buffer is not None else 0
+    head_pad = align(max(0, gathered_size(geo.head_bytes, shards) - stream_size)) if head_buffer is not None else 0
     buffers = [Buffer(b, stream_size, False) for b in range(n_stream)]
     buffers += [Buffer(g.buffer, align(g.nbytes), True) for g in groups if g.resident]
     # steady state: run one step from empty buffers, then plan every step from where it ends
-    _, end = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, {})
-    step, after = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, end)
+    _, end = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, {}, shards)
+    step, after = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, end, shards)
     setup = [Op(LOAD, group=g.index, buffer=g.buffer) for g in groups if g.resident]
-    setup += [Op(LOAD, group=grp, buffer=b) for b, grp in sorted(end.items()) if grp != HEAD_SLOT
-              and not groups[grp].resident]
+    for b, grp in sorted(end.items()):
+        if grp != HEAD_SLOT and not groups[grp].resident:
+            setup.append(Op(LOAD, group=grp, buffer=b))
+            if shards > 1:
+                setup.append(Op(GATHER, group=grp, buffer=b))
     live = grad_accum if accumulation is Accumulation.LAYER else 1  # micro-batches whose inputs are kept at once
     one_input = seq_len * batch_size * geo.hidden * 2
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
@@ -599,7 +664,7 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         graph_pool=-(-layer_t * GRAPH_POOL_PER_LAYER // 100) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
-                one_input, window, kept)
+                one_input, window, kept, shards=shards)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
@@ -622,10 +687,11 @@ def resident_memory(geo: Geometry, request: PlanRequest) -> int:
             + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
 
 
-def make_plan(geo: Geometry, cfg, device: DeviceMemory | None = None) -> Plan:
+def make_plan(geo: Geometry, cfg, device: DeviceMemory | None = None, ranks: int | None = None) -> Plan:
     """The plan a TrainConfig `cfg` asks for: every layer streamed, or the fastest whose process fits
-    `cfg.vram_budget` (`device`: the CUDA device as the run found it, for its context and `vram_budget: auto`)."""
-    request = PlanRequest.of_config(cfg, device)
+    `cfg.vram_budget` (`device`: the CUDA device as the run found it, for its context and `vram_budget: auto`;
+    `ranks`: the data-parallel ranks that run it, default `cfg.gpus`)."""
+    request = PlanRequest.of_config(cfg, device, ranks)
     return build_plan(geo, request) if request.budget is None else plan_for_budget(geo, request)
 
 
@@ -689,9 +755,33 @@ def check(plan: Plan) -> list[str]:
     problems: list[str] = []
     holds: dict[int, int] = {}  # buffer -> group (or HEAD_SLOT)
     released: dict[int, bool] = {}  # buffer -> released since its last read
-    for op in plan.setup:
+    ungathered: set[int] = set()  # buffers holding this rank's share of a load, the others' not gathered yet
+
+    def shared(op: Op) -> bool:
+        return plan.shards > 1 and (op.kind == LOAD_HEAD or not plan.groups[op.group].resident)
+
+    def gather(where: str, op: Op) -> None:
+        b, want = op.buffer, (op.group if op.kind == GATHER else HEAD_SLOT)
+        if plan.shards == 1:
+            problems.append(f"{where}: a gather in a plan whose copies are not shared among ranks")
+        if holds.get(b) != want:
+            problems.append(f"{where}: gathers {'the lm_head' if want == HEAD_SLOT else f'group {want}'} into "
+                            f"buffer {b}, which holds {holds.get(b)}")
+        if b in ungathered:  # right behind its load, which came after the release
+            ungathered.discard(b)
+        elif not released.get(b, True):
+            problems.append(f"{where}: gathers into buffer {b} before the release after the last read of its "
+                            f"contents: a pending backward would read the other ranks' new bytes")
+        else:
+            problems.append(f"{where}: gathers buffer {b} with no share of a load awaiting it")
+
+    for pos, op in enumerate(plan.setup):
+        if op.kind in (GATHER, GATHER_HEAD):
+            gather(f"setup op {pos} ({op})", op)
+            continue
         holds[op.buffer] = op.group
         released[op.buffer] = True
+        (ungathered.add if shared(op) else ungathered.discard)(op.buffer)
     seen_fwd, seen_bwd, seen_head = set(), set(), set()
     last_bwd: dict[int, int] = {}
     group_of = plan.group_of
@@ -709,6 +799,9 @@ def check(plan: Plan) -> list[str]:
                 problems.append(f"{where}: reloads resident buffer {b}")
             holds[b] = op.group if op.kind == LOAD else HEAD_SLOT
             released[b] = False if op.kind == LOAD_HEAD else True
+            (ungathered.add if shared(op) else ungathered.discard)(b)
+        elif op.kind in (GATHER, GATHER_HEAD):
+            gather(where, op)
         elif op.kind in (RELEASE, RELEASE_HEAD):
             released[op.buffer] = True
         elif op.kind in (FORWARD, BACKWARD):
@@ -719,6 +812,9 @@ def check(plan: Plan) -> list[str]:
             if holds.get(g.buffer) != g.index:
                 problems.append(f"{where}: layer {op.layer}'s weights are not present (buffer {g.buffer} holds "
                                 f"{holds.get(g.buffer)}, not group {g.index})")
+            elif g.buffer in ungathered:
+                problems.append(f"{where}: reads buffer {g.buffer} before its gather: only this rank's share of "
+                                f"group {g.index} is there")
             released[g.buffer] = False
             key = (op.layer, op.micro)
             if op.kind == FORWARD:
@@ -746,6 +842,8 @@ def check(plan: Plan) -> list[str]:
                 problems.append(f"{where}: head before the last layer's forward of micro-batch {op.micro}")
             if not plan.head_resident and holds.get(plan.head_buffer if plan.head_buffer is not None else -1) != HEAD_SLOT:
                 problems.append(f"{where}: the lm_head weight is not present")
+            elif plan.head_buffer in ungathered:
+                problems.append(f"{where}: reads the lm_head before its gather: only this rank's share is there")
             if plan.head_buffer is not None:
                 released[plan.head_buffer] = False
             seen_head.add(op.micro)
@@ -762,6 +860,8 @@ def check(plan: Plan) -> list[str]:
         problems.append(f"step: not every (layer, micro-batch) has one forward and one backward; missing {missing[:4]}")
     if seen_head != set(range(plan.grad_accum)):
         problems.append("step: not every micro-batch has its head")
+    if ungathered:
+        problems.append(f"step: ends with buffer(s) {sorted(ungathered)} holding a share whose gather never came")
     return problems
 
 
@@ -798,6 +898,9 @@ def describe(plan: Plan) -> str:
         f"  lm_head:          {'resident' if plan.head_resident else f'streamed into buffer {plan.head_buffer}'}",
         f"  host->device per optimizer step: {gb(plan.h2d_bytes_per_step)} ({plan.loads_per_step} group loads"
         + (f", saved inputs back: {gb(plan.d2h_bytes_per_step)})" if plan.offload_inputs else ")"),
+        *([f"  shared stream over {plan.shards} ranks: each rank copies its 1/{plan.shards} of every streamed "
+           f"block from host memory (above: rank 0's) and all-gathers {gb(plan.gathered_bytes_per_step)} per "
+           "optimizer step from the others, in place into the stream buffers"] if plan.shards > 1 else []),
         f"  saved layer inputs: {'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
     ]
     m = plan.memory

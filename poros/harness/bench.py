@@ -327,10 +327,11 @@ def add_benchmark_stats(benchmark, per_pass_s: list[float]) -> None:
 
 def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, parity, *, reduced: bool,
            status: str = "ok", error: str | None = None, arch: str = "", plan: dict | None = None,
-           timed: bool = True) -> dict:
+           timed: bool = True, alone: Measurement | None = None) -> dict:
     """One results row (the schema `poros report` reads, version `SCHEMA`). `plan`: the poros plan's summary,
     so the row carries the predicted peak and bytes beside the measured ones; `parity`: the gate this cell
-    took part in (None: none)."""
+    took part in (None: none); `alone`: a data-parallel cell's one-GPU measurement in the same run (its rank 0
+    by itself), which `scaling` divides by."""
 
     steps = m.steps
     pair = gate_of(m.methods)  # (reference, method) of this matrix's gate
@@ -358,6 +359,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "per_pass_s": meas.per_pass_s if meas else [],
         "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
         "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
+        "shard_stream": cfg.shard_stream,
         **{k: getattr(meas, k) if meas else None for k in PEAKS},
         "peak_vram_nvml_source": meas.peak_vram_nvml_source if meas else None,
         "attention_backends": meas.attention_backends if meas else None,
@@ -375,7 +377,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
-            "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes")},
+            "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",
+            "shards", "gathered_bytes_per_step")},
         "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,  # the allocated peak
         # the process's, what the budget holds and the NVML peak measures
         "predicted_process_vram_gb": None if plan is None else plan["process_vram_bytes"] / 1e9,
@@ -383,6 +386,10 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "provenance": provenance(),
     }
     row.update(copy_summary(meas.counters if meas else []))
+    alone_steps = [t / steps for t in alone.per_pass_s] if alone else []
+    if alone_steps and row["tokens_per_s"]:  # the ranks' tokens/s together over one GPU's, same run
+        row["scaling"] = row["tokens_per_s"] / (step_tokens(cfg) / statistics.median(alone_steps))
+        row["alone_s_per_step_median"] = statistics.median(alone_steps)
     return row
 
 
@@ -411,6 +418,11 @@ def copy_summary(step_counters: list[dict]) -> dict:
         "copy_hidden_share": max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
         "copy_wait_s_per_step": wait_s / n,
     }
+    gathered = [c["bytes_gathered"] for c in counters if "bytes_gathered" in c]
+    if gathered:  # shared stream: each rank's share from the host, the others' from its peers
+        out["h2d_bytes_per_rank"] = out["bytes_h2d_per_step"]
+        out["gathered_bytes_per_rank"] = sum(gathered) // len(gathered)
+        out["gather_s_per_step"] = sum(c.get("gather_s", 0.0) for c in counters) / n
     reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
     if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
         out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)

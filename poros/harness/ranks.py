@@ -17,6 +17,7 @@ from poros.config import Method, TrainConfig
 from poros.engine.distributed import (
     LAUNCH_ENV,
     MULTICAST_OFF,
+    barrier,
     close_world,
     init_world,
     largest,
@@ -102,7 +103,14 @@ def main(argv: list[str]) -> int:
             meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])
             for k in PEAKS:  # the largest rank's
                 setattr(meas, k, largest(getattr(meas, k), world))
-            report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type}
+            alone = None
+            if cfg.shard_stream and trainer.plan is not None:  # the one-GPU figure `scaling` divides by: the same
+                if world.main:  # plan on rank 0 by itself, every byte over its own link (the others wait)
+                    with trainer.alone():
+                        alone = asdict(measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"],
+                                               label=f"{spec['method']} alone"))
+                barrier(world)
+            report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type, "alone": alone}
             trainer.close()
         if world.main:
             out.write_text(json.dumps(report, default=str))

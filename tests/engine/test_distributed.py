@@ -16,9 +16,10 @@ from poros.harness.ranks import launch_env, torchrun
 WORKER = Path(__file__).resolve().parents[1] / "distributed_worker.py"
 
 
-def launch(out: Path, model: str, device: str, nproc: int = 2) -> dict:
-    """Run tests/distributed_worker.py under torchrun; rank 0's report."""
-    cmd = torchrun(nproc) + [str(WORKER), str(out), model, device]
+def launch(out: Path, model: str, device: str, nproc: int = 2, mode: str = "") -> dict:
+    """Run tests/distributed_worker.py under torchrun (`mode` "shard": the shared stream's checks); rank 0's
+    report."""
+    cmd = torchrun(nproc) + [str(WORKER), str(out), model, device] + ([mode] if mode else [])
     proc = subprocess.run(cmd, env=launch_env(nproc), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
