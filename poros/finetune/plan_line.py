@@ -4,7 +4,10 @@ which settings took the GPU's defaults."""
 
 from __future__ import annotations
 
+import torch
+
 from poros.config import Method
+from poros.engine.nvml import device_memory
 from poros.engine.plan import Geometry, Plan, make_plan
 from poros.settings import format_size
 
@@ -15,14 +18,12 @@ def dry_plan(fc, source) -> Plan | None:
     cfg = fc.train
     if fc.method is not Method.POROS:
         return None
-    free = None
+    device = None
     if cfg.vram_budget == "auto":
-        import torch
-
         if cfg.device.value != "cuda" or not torch.cuda.is_available():
             return None
-        free = torch.cuda.mem_get_info()[0]
-    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant), cfg, free)
+        device = device_memory(torch.device("cuda"))
+    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant), cfg, device)
 
 
 def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str:

@@ -3,6 +3,8 @@ the CPU), the plan line, and the resolved configuration's round trip."""
 
 from __future__ import annotations
 
+from poros.settings import format_size
+
 import pytest
 
 from poros.config import Method
@@ -99,7 +101,8 @@ def test_the_cpu_keeps_the_table_defaults():
 
 
 def test_the_plan_line_names_the_plan_and_the_defaults_it_took():
-    fc, chosen = resolve({**BASE, "vram_budget": "6MB", "seq_len": 64}, cuda_available=True)
+    # on cuda a budget holds the process: the CUDA context and the allocator's reserve beside the tensors
+    fc, chosen = resolve({**BASE, "vram_budget": "1008MB", "seq_len": 64}, cuda_available=True)
     source = resolve_model("tiny-qwen2")
     plan = make_plan(Geometry.of_config("tiny-qwen2", source.config, fc.train.lora_targets), fc.train)
     line = plan_line(fc, plan, chosen)
@@ -107,7 +110,7 @@ def test_the_plan_line_names_the_plan_and_the_defaults_it_took():
     assert plan.resident_layers and plan.streamed_layers, "a plan that keeps some layers and streams others"
     assert (f"{len(plan.resident_layers)} resident, {len(plan.streamed_layers)} streamed in blocks of "
             f"{plan.block_size}, predicted peak") in line
-    assert "(budget 6 MB)" in line and "CUDA-graph layers" in line
+    assert f"(budget {format_size(plan.budget)})" in line and "CUDA-graph layers" in line
     assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs (set one to change it)")
     fc, chosen = resolve({**BASE, "method": "resident"}, cuda_available=True)
     assert plan_line(fc, None, chosen).startswith("plan: resident on cuda; attention fast (deterministic); defaults")
