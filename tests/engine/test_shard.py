@@ -192,6 +192,7 @@ def check_shared_stream(report: dict) -> None:
     test_each_rank_copies_its_share_and_gathers_the_rest(report)
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_shared_stream_matches_resident_ddp_on_every_rank(shard_ranks):
     assert shard_ranks["world_size"] == 2
     for name in ("gate", "micro", "budget"):  # layer-major, micro-batch-major, some layers resident

@@ -456,6 +456,7 @@ def test_data_parallel_training_is_exact_and_resumes_exactly(files, reference, t
     assert len(log_rows(root / "poros")) == STEPS  # one writer: no row twice
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_gpus_starts_the_ranks_itself(files, two_ranks, capfd):
     """`poros train --gpus 2` runs what `torchrun --nproc-per-node 2 -m poros train` runs: the same bits,
     one summary line, gpus 2 in the resolved configuration."""

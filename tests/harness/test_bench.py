@@ -81,6 +81,7 @@ def _suite(tmp_path, matrix: dict, *extra, env=None):
     return proc, results
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
     proc, results = _suite(tmp_path, matrix)
@@ -278,6 +279,7 @@ def _rows(results: Path) -> list[dict]:
     return [json.loads(x) for x in results.read_text().splitlines()]
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_matrix_of_one_method_runs(tmp_path):
     """One method, no gate: test_parity has no cell (pytest's empty-parameter item was an INTERNALERROR)."""
     proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]})
@@ -297,6 +299,7 @@ SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "pa
          "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}}}
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
     m = parse_matrix(SWEPT)
     ids = [c.id for c in matrix_cells(m)]
@@ -319,6 +322,7 @@ def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
     assert all(g["result"]["gate"] == "resident (recorded)" for g in gates)
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma4"]}
     proc, results = _suite(tmp_path, matrix, "--benchmark-disable")
@@ -342,6 +346,7 @@ t.ResidentTrainer.step = step
 """
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
     """Killed in its second pass, a cell keeps its first (passes.jsonl); --resume runs only the rest, and
     benchmark.json keeps the cells of both runs."""
@@ -366,6 +371,7 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
     assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1]
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     proc, results = _suite(tmp_path, matrix, "--max-minutes", "0.0001")

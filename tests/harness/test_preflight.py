@@ -164,6 +164,7 @@ def test_store_bytes_from_the_config_is_what_the_build_holds(stores, model):
     assert store_bytes(get_shape(model).config()) == held
 
 
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_build_that_would_not_fit_is_refused_before_allocating(monkeypatch):
     need = config_host_need(get_shape("qwen2.5-72b").config(), "cpu")
     assert 40e9 < need.total < 60e9, need  # the 39.5 GB store plus its bf16 embeddings and a layer
