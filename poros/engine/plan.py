@@ -179,6 +179,12 @@ NCCL_BUFFERS = 5 * 10**8
 # fraction, expandable segments), so past that share it releases its cache and maps again instead of
 # growing; the slack keeps that rare (results/h200-reserved-memory: reserved against allocated peaks).
 ALLOCATOR_SLACK = 0.05
+# TRANSIENT_SLACK: beyond that, a share of the transient bytes. One layer's backward frees and asks again for
+# intermediates of many sizes (at long context up to about a GB each), so the holes between its live blocks
+# grow with them: at 16,384 tokens a 72B layer's backward left 1.57 GB reserved but unallocated when it asked
+# for 0.54 GB more (results/h200-budget-nvml/oom_seq16384.json), 2.11 GB beyond its tensors where the 5% above
+# gave 1.08 GB: 8% of that plan's transient bytes covers the rest, and half again is kept to spare.
+TRANSIENT_SLACK = 0.12
 
 
 @dataclass(frozen=True)
@@ -188,12 +194,13 @@ class ProcessCosts:
     context: int = 0  # CUDA context, kernel modules, library handles
     nccl: int = 0  # NCCL's buffers (data-parallel ranks)
     slack: float = 0.0  # the allocator's reserve, a share of its planned bytes
+    transient_slack: float = 0.0  # and a share of the transient bytes (holes among a backward's intermediates)
 
     @classmethod
     def cuda(cls, ranks: int = 1, measured_context: int | None = None) -> "ProcessCosts":
         """A CUDA process's: the context as measured where that is larger than CUDA_CONTEXT."""
         return cls(context=max(CUDA_CONTEXT, measured_context or 0), nccl=NCCL_BUFFERS if ranks > 1 else 0,
-                   slack=ALLOCATOR_SLACK)
+                   slack=ALLOCATOR_SLACK, transient_slack=TRANSIENT_SLACK)
 
 
 @dataclass(frozen=True)
@@ -224,7 +231,8 @@ class Memory:
     # under CUDA graphs the layer templates' intermediates live in the graphs' private pool: reserved, never
     # counted as allocated; at least one layer's recompute and backward
     graph_pool: int = 0
-    allocator_reserve: int = 0  # the caching allocator's reserve beyond its tensors and pool (ALLOCATOR_SLACK)
+    # the caching allocator's reserve beyond its tensors and pool (ALLOCATOR_SLACK, TRANSIENT_SLACK)
+    allocator_reserve: int = 0
     context: int = 0  # CUDA context, kernel modules, library handles (CUDA_CONTEXT or as measured)
     nccl: int = 0  # NCCL's buffers, outside torch's allocator (NCCL_BUFFERS)
 
@@ -259,7 +267,8 @@ class Memory:
 
     def with_costs(self, costs: ProcessCosts) -> "Memory":
         """These tensors and pool in a process with `costs`."""
-        reserve = -(-int(costs.slack * 1000) * (self.allocated + self.graph_pool) // 1000)
+        reserve = (-(-int(costs.slack * 1000) * (self.allocated + self.graph_pool) // 1000)
+                   + -(-int(costs.transient_slack * 1000) * self.transient // 1000))
         return replace(self, allocator_reserve=reserve, context=costs.context, nccl=costs.nccl)
 
 
