@@ -5,7 +5,7 @@
 
 Builds a Qwen2.5-72B-shaped model cut to `--layers` decoder layers, then runs one forward and backward of
 one synthetic batch per variant and saves the loss and every LoRA gradient (and the step time of two more
-calls). A variant is a schedule and whether each decoder layer is `layer.compile()`d:
+calls, and the device memory each call held beyond the model's). A variant is a schedule and whether each decoder layer is `layer.compile()`d:
   plain     resident QLoRA: the model's own forward with autograd;
   nograd    poros's schedule today: the layer's forward without autograd, its input kept, the forward
             recomputed with autograd in backward;
@@ -84,16 +84,21 @@ def run_variant(trainer: ResidentTrainer, variant: str, batch) -> dict:
             layer.compile()
         if schedule != "plain":
             layers[i] = Scheduled(layer, grad_forward=schedule == "grad")
-    times, first = [], None
+    times, peaks, first = [], [], None
     try:
         for k in range(3):
             trainer.optimizer.zero_grad(set_to_none=True)
             sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
             with deterministic_kernels():
                 loss = trainer.forward_backward(batch)
             sync()
             times.append(time.perf_counter() - t0)
+            if torch.cuda.is_available():  # what the forward and backward held beyond the model: saved tensors
+                peaks.append((torch.cuda.max_memory_allocated() - base) / 1e9)
             if k == 0:
                 first = {"loss": loss.float().cpu(),
                          "grads": {n: g.detach().cpu().clone() for n, g in trainer.lora_grads().items()}}
@@ -102,7 +107,7 @@ def run_variant(trainer: ResidentTrainer, variant: str, batch) -> dict:
             layers[i] = layer
             if compiled:
                 layer._compiled_call_impl = None
-    return {**first, "seconds": times}
+    return {**first, "seconds": times, "peak_above_model_gb": peaks}
 
 
 def main() -> None:
@@ -133,6 +138,7 @@ def main() -> None:
         t0 = time.perf_counter()
         out[v] = run_variant(trainer, v, batch)
         print(json.dumps({"variant": v, "loss": float(out[v]["loss"]), "seconds": out[v]["seconds"],
+                          "peak_above_model_gb": out[v]["peak_above_model_gb"],
                           "wall": round(time.perf_counter() - t0, 1)}), flush=True)
     torch.save(out, args.out)
 
