@@ -42,7 +42,8 @@ from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.trainer import Trainer, compile_layers
+from poros.engine.compiling import compile_layers
+from poros.engine.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
 from poros.settings import format_size
 from poros.store.arena import slot_tensors

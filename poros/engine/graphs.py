@@ -39,6 +39,7 @@ import warnings
 import torch
 from torch import nn
 
+from poros.engine.compiling import compile_module
 from poros.engine.layer_call import LayerCall, hidden_of
 
 # Eager runs on a side stream before each capture, as PyTorch's examples do. They leave activations
@@ -159,7 +160,7 @@ class LayerTemplate:
         self.module._compiled_call_impl = None  # a compiled original's call, copied as is, would run the original
         self.compiled = compiled
         if compiled:
-            self.module.compile()
+            compile_module(self.module)
         self.nf4 = {id(p) for p in _nf4_params(layer)}
         self.capture, self.pool, self.backward = capture, pool, backward
         self.statics = statics or Statics()

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
+from poros.engine.compiling import compile_layers, enable_deterministic_compile
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
 from poros.engine.plan import Plan
@@ -58,22 +59,6 @@ def enable_determinism() -> None:
     """
     set_cublas_workspace()
     torch.use_deterministic_algorithms(True)
-
-
-def enable_deterministic_compile() -> None:
-    """Inductor's deterministic mode, process-wide, for runs with both `deterministic` and `compile`: no
-    benchmark-driven choice between kernels (autotuning, padding), whose winner can change with timing and
-    with it the bits of a compiled layer."""
-    import torch._inductor.config  # deferred: inductor is only imported when a run compiles
-
-    torch._inductor.config.deterministic = True
-
-
-def compile_layers(layers) -> None:
-    """Regional compilation as users run it: every decoder layer `layer.compile()`d (torch.compile of the
-    module's call, so hooks and forward run compiled; the layers of one kind share compiled code)."""
-    for layer in layers:
-        layer.compile()
 
 
 def kernel_refusal(error: BaseException) -> CapabilityError | None:

@@ -48,11 +48,13 @@ def test_deterministic_compile_sets_inductor_deterministic(stores, monkeypatch):
     from poros.engine import trainer
 
     monkeypatch.setattr(trainer, "enable_determinism", lambda: None)
-    monkeypatch.setattr(inductor, "deterministic", False)
-    ResidentTrainer(stores("tiny-qwen2"), TrainConfig(model="tiny-qwen2", seq_len=64, deterministic=True)).close()
-    assert inductor.deterministic is False  # not without compile
-    ResidentTrainer(stores("tiny-qwen2"), compiled("tiny-qwen2", deterministic=True)).close()
-    assert inductor.deterministic is True
+    # inductor's own patch, not monkeypatch: undoing a config attribute with delattr hides it from every
+    # later compile in the process
+    with inductor.patch(deterministic=False):
+        ResidentTrainer(stores("tiny-qwen2"), TrainConfig(model="tiny-qwen2", seq_len=64, deterministic=True)).close()
+        assert inductor.deterministic is False  # not without compile
+        ResidentTrainer(stores("tiny-qwen2"), compiled("tiny-qwen2", deterministic=True)).close()
+        assert inductor.deterministic is True
 
 
 def test_compiled_poros_matches_compiled_resident(stores):

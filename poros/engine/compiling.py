@@ -1,0 +1,81 @@
+"""Regional compilation (`compile`): every decoder layer `layer.compile()`d, for every method alike.
+
+Inductor partitions a compiled layer's training graph into a forward and a backward and chooses which
+intermediates the forward saves. bitsandbytes' 4-bit matmul dequantizes its weight in the forward and again
+in the backward; compiled, the two dequantizations are one node of the joint graph, and a custom op is
+never recomputed by default, so the forward would save every layer's weight in bf16 (about 1.6 GB a layer of
+a 72B model: resident QLoRA would hold the whole model in bf16 by the last forward). `RecomputeDequantization`
+marks those nodes to be recomputed in the backward, as the eager matmul does: the forward saves the packed
+weight and its statistics instead. Dequantization is exact, so recomputing it changes no value, and every
+method compiles its layers with the same pass, so compiled runs stay comparable bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+DEQUANTIZE_NAMESPACE = "bitsandbytes"  # the namespace of bitsandbytes' registered ops
+
+
+def is_dequantization(node: torch.fx.Node) -> bool:
+    """A bitsandbytes dequantization (4-bit weights, and the blockwise statistics of double quantization)."""
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == DEQUANTIZE_NAMESPACE
+            and target._opname.startswith("dequantize"))
+
+
+class RecomputeDequantization:
+    """A joint-graph pass (inductor's `joint_custom_pre_pass`, before the forward/backward partition): every
+    bitsandbytes dequantization is recomputed in the backward, not saved by the forward. A pass installed
+    before it (`previous`) runs first. Registered as inductor's `CustomGraphPass` when installed, so that its
+    graph cache keeps working (it keys compiled code by the passes' `uuid`)."""
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        for node in graph.nodes:
+            if node.op == "call_function" and is_dequantization(node):
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+    def uuid(self) -> str:
+        prior = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
+        return f"poros-recompute-dequantization-1:{prior}"
+
+
+def install_recompute_dequantization() -> None:
+    """Inductor runs `RecomputeDequantization` on every training graph it compiles from now on, in this
+    process (once: installing again changes nothing)."""
+    # deferred: inductor is only imported when a run compiles
+    import torch._inductor.config as inductor
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    CustomGraphPass.register(RecomputeDequantization)
+    if not isinstance(inductor.joint_custom_pre_pass, RecomputeDequantization):
+        inductor.joint_custom_pre_pass = RecomputeDequantization(inductor.joint_custom_pre_pass)
+
+
+def enable_deterministic_compile() -> None:
+    """Inductor's deterministic mode, process-wide, for runs with both `deterministic` and `compile`: no
+    benchmark-driven choice between kernels (autotuning, padding), whose winner can change with timing and
+    with it the bits of a compiled layer."""
+    import torch._inductor.config as inductor  # deferred: inductor is only imported when a run compiles
+
+    inductor.deterministic = True
+
+
+def compile_module(module: nn.Module) -> None:
+    """`module.compile()`, with dequantization recomputed in its backward."""
+    install_recompute_dequantization()
+    module.compile()
+
+
+def compile_layers(layers) -> None:
+    """Regional compilation as users run it: every decoder layer `layer.compile()`d (torch.compile of the
+    module's call, so hooks and forward run compiled; the layers of one kind share compiled code)."""
+    for layer in layers:
+        compile_module(layer)
