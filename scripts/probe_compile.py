@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from poros.config import TrainConfig
+from poros.engine.compiling import compile_module
 from poros.engine.trainer import ResidentTrainer, deterministic_kernels, enable_determinism
 from poros.models.checkpoint import Source
 from poros.models.shapes import get_shape
@@ -81,7 +82,7 @@ def run_variant(trainer: ResidentTrainer, variant: str, batch) -> dict:
     torch._dynamo.reset()
     for i, layer in enumerate(originals):
         if compiled:
-            layer.compile()
+            compile_module(layer)
         if schedule != "plain":
             layers[i] = Scheduled(layer, grad_forward=schedule == "grad")
     times, peaks, first = [], [], None

@@ -159,6 +159,13 @@ class PorosTrainer(Trainer):
         if self._check_plan:
             self._refuse_unsafe(self.plan)
         self.allocator_limit = AllocatorLimit(self.plan, self.device)  # before the first device allocation
+        try:
+            return self._make_within_limit()
+        except BaseException:  # a trainer never built is never closed: the cap goes now
+            self.allocator_limit.release()
+            raise
+
+    def _make_within_limit(self) -> QLoRAModel:
         model = self._host_model()
         self._shared_stream()
         self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight,

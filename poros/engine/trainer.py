@@ -252,6 +252,8 @@ class Trainer(abc.ABC):
         for _, p in self.params:
             p.grad = None
         del self.model, self.qlora, self.params, self.optimizer, self.ddp
+        if self.cfg.compile:  # dynamo's caches hold the compiled layers, and through them their weights
+            torch._dynamo.reset()
         gc.collect()
 
 
