@@ -28,6 +28,7 @@ from poros.harness.bench import (
     cell_config,
     computed_of,
     free_device_memory,
+    kept_failure,
     gate_config,
     measure,
     progress,
@@ -80,7 +81,7 @@ def _run_gate(session, cell) -> dict:
             try:
                 out[plan] = ParityResult(**run_ranks(spec, cfg.gpus, log=progress))
             except Exception as e:
-                out[plan] = e
+                out[plan] = kept_failure(e)
         return out
     store = session.stores.get(cell.model, cfgs[plans[0]].double_quant)
     if len(plans) == 1:
@@ -88,7 +89,7 @@ def _run_gate(session, cell) -> dict:
             out[plans[0]] = parity(cfgs[plans[0]], steps=session.parity_steps, store=store, method=method,
                                    reference=reference, sequential=sequential)
         except Exception as e:
-            out[plans[0]] = e
+            out[plans[0]] = kept_failure(e)
         return out
     # one reference for every plan: its states recorded in host memory once
     ref = make_trainer(reference, store, cfgs[plans[0]])
@@ -108,7 +109,7 @@ def _run_gate(session, cell) -> dict:
                 del trainer
                 free_device_memory()
         except Exception as e:
-            out[plan] = e
+            out[plan] = kept_failure(e)
     return out
 
 

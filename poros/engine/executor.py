@@ -119,6 +119,7 @@ class AllocatorLimit:
         if "expandable_segments" not in conf:
             set_allocator_settings("expandable_segments:True")
             self.expandable = True
+        torch.cuda.empty_cache()  # blocks cached before this trainer would count against its cap
         total = torch.cuda.get_device_properties(device).total_memory
         self.fraction = min(1.0, max(0.0, (plan.budget - plan.memory.fixed) / total))
         torch.cuda.set_per_process_memory_fraction(self.fraction, device)

@@ -7,6 +7,7 @@ import gc
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +138,24 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def kept_failure(error: BaseException) -> BaseException:
+    """`error`, to be kept after its handler ends (a gate's outcome, raised again for every cell that needs
+    it), with the locals of every frame of its tracebacks cleared, its causes' and contexts' too: those
+    frames hold the trainer that failed, and with it every tensor it had on the device, for as long as the
+    error is kept."""
+    seen = set()
+    e = error
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        stack += [e.__cause__, e.__context__]
+    return error
 
 
 PEAKS = ("peak_vram_gb", "peak_reserved_gb", "peak_vram_nvml_gb")  # the device peaks a Measurement records

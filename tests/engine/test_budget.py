@@ -273,6 +273,30 @@ def test_the_allocator_is_held_before_the_trainer_s_first_device_allocation(stor
     assert events == ["limit", "model", "buffers"]
 
 
+def test_a_trainer_that_fails_while_being_built_releases_its_cap(stores, monkeypatch):
+    """A trainer never built is never closed: the cap (process-wide) goes when its construction fails, so the
+    next trainer of the process (the next cell) runs on the allocator as it was."""
+    released = []
+
+    class Limit(X.AllocatorLimit):
+        def release(self):
+            released.append(True)
+            super().release()
+
+    class Buffers(X.DeviceBuffers):
+        def __init__(self, *a, **k):
+            raise torch.OutOfMemoryError("refused by the cap")
+
+    monkeypatch.setattr(X, "AllocatorLimit", Limit)
+    cfg = TrainConfig(model="tiny-qwen2", seq_len=64, vram_budget="5MB")
+    X.PorosTrainer(stores("tiny-qwen2"), cfg).close()
+    assert released == [True]  # a built trainer releases it when closed
+    monkeypatch.setattr(X, "DeviceBuffers", Buffers)
+    with pytest.raises(torch.OutOfMemoryError):
+        X.PorosTrainer(stores("tiny-qwen2"), cfg)
+    assert released == [True, True]
+
+
 def test_a_step_past_the_cap_is_a_budget_error():
     """An allocation the cap refuses ends in one line naming the budget, not a CUDA traceback; without a
     cap (no budget) the allocator's own error stands."""
