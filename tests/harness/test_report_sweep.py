@@ -1,4 +1,4 @@
-"""Sweep pages (`poros report --sweep`, poros/harness/report.py) from small fixture rows of schema 2 (made-up
+"""Sweep pages (`poros report --sweep`, poros/harness/report/) from small fixture rows of schema 2 (made-up
 numbers): which reference a row is compared with, the scaling and attention tables, which plots a page links."""
 
 from __future__ import annotations
