@@ -4,9 +4,12 @@ before today's cell ids used."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
+
+from pytest_benchmark.utils import parse_compare_fail as parse_check
 
 from poros.errors import ConfigError, PorosError
 
@@ -59,14 +62,10 @@ def parse_compare_fail(exprs) -> list:
     Raises:
         ConfigError: listing every expression it cannot read.
     """
-    import argparse
-
-    from pytest_benchmark.utils import parse_compare_fail as parse
-
     checks, problems = [], []
     for expr in exprs or ():
         try:
-            checks.append(parse(expr))
+            checks.append(parse_check(expr))
         except argparse.ArgumentTypeError:
             problems.append(f"{expr!r}: expected FIELD:N% (a whole percentage) or FIELD:SECONDS, FIELD one of min, "
                             f"max, mean, median, stddev, iqr; e.g. mean:10%")
@@ -74,8 +73,3 @@ def parse_compare_fail(exprs) -> list:
         raise ConfigError(problems, "--benchmark-compare-fail")
     return checks
 
-
-def compared_names(mapping: dict) -> set[str]:
-    """Every cell name a loaded compare source can match, in the earlier id form and today's."""
-    return {current_name(name) for names in mapping.values() for name in names} | \
-        {name for names in mapping.values() for name in names}

@@ -111,6 +111,19 @@ def test_compare_sources_and_thresholds_are_checked(tmp_path):
     assert e.value.problems[0].startswith("'mean:5.5%': expected FIELD:N%") and len(e.value.problems) == 2
 
 
+def test_bench_refuses_bad_compare_options_before_any_work(tmp_path, capsys):
+    from poros.cli import main
+    from tests.fixtures import one_line_refusal
+
+    matrix, out = _matrix(tmp_path, models=["tiny-qwen2"]), tmp_path / "out"
+    for extra, named in ((["--benchmark-compare-fail", GENEROUS], "needs --benchmark-compare PATH"),
+                         (["--benchmark-compare", str(tmp_path / "none.json")], "none.json: no such file"),
+                         (["--benchmark-compare", str(REPO / "results" / "cpu" / "benchmark.json"),
+                           "--benchmark-compare-fail", "mean:5.5%"], "'mean:5.5%': expected FIELD:N%")):
+        one_line_refusal(capsys, main(["bench", "matrix", str(matrix), "-o", str(out), *extra]), named)
+        assert not out.exists()
+
+
 def test_comparisons_that_would_compare_nothing_are_refused_before_any_cell(tmp_path):
     """pytest-benchmark alone warns and then passes every regression check; the suites refuse in one line."""
     matrix = _matrix(tmp_path, models=["tiny-qwen2"])
@@ -167,6 +180,12 @@ def test_bench_compares_with_an_earlier_run_and_fails_on_a_regression(tmp_path):
     lines = [x for x in slower.stderr.splitlines() if x.startswith(f"poros bench: slower than {fast}: ")]
     assert len(lines) == 2 and all("Field 'mean' has failed PercentageRegressionCheck" in x for x in lines), lines
     assert (now / "report.md").is_file() and _names(now / "benchmark.json") == cells  # nothing else lost
+
+    # the run before, in the same folder: its benchmark.json is moved aside first, and compared there
+    again = _bench(matrix, "-o", now, "--benchmark-compare", now / "benchmark.json", "--benchmark-compare-fail",
+                   GENEROUS)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"compared 2 timed cell(s) with {now / 'earlier' / '2' / 'benchmark.json'}, " in again.stderr, again.stderr
 
 
 @pytest.mark.slow  # the suites end to end in subprocesses
