@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pytest_benchmark.session import PerformanceRegression
 
 from poros.engine.methods import METHODS, method_unavailable
 from poros.errors import PorosError
@@ -26,6 +27,7 @@ from poros.harness.bench import (
     model_unavailable,
     set_progress_writer,
 )
+from poros.harness.compare import current_name, load_compare_source
 from poros.harness.results import OutputLock, PassLog, ensure_folder, passes_path
 
 OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
@@ -46,6 +48,12 @@ def pytest_configure(config):
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
         config.option.benchmark_json = results.with_name("benchmark.json")
+    compare = getattr(config.option, "benchmark_compare", None)
+    if isinstance(compare, str) and (compare.endswith(".json") or "/" in compare):
+        try:  # a file: pytest-benchmark would stop on a missing one with an internal error
+            load_compare_source(compare)
+        except PorosError as e:
+            raise pytest.UsageError(str(e)) from None
     config._poros_benchmarks = _earlier_benchmarks(config)
 
 
@@ -68,6 +76,7 @@ def _earlier_benchmarks(config) -> list[dict]:
 
 def pytest_sessionstart(session):
     config = session.config
+    config._poros_pytest_session = session  # its exit status is set when a benchmark comparison fails
     try:
         deterministic = _matrix(config)[1].deterministic
     except PorosError:  # the checks below refuse the matrix in one line
@@ -94,8 +103,53 @@ def pytest_sessionstart(session):
         config._poros_status = True
     try:
         _preflight(config)
+        _check_compare(config)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
+
+
+def _check_compare(config) -> None:
+    """`--benchmark-compare` / `--benchmark-compare-fail`: refused at the start where they would compare
+    nothing (pytest-benchmark only warns, and its regression check then passes by default); names recorded
+    under the earlier cell ids are matched under today's."""
+    bs = getattr(config, "_benchmarksession", None)  # pytest-benchmark's session, which loaded the source
+    if bs is None:
+        return
+    if bs.compare_fail and not bs.compare:
+        raise PorosError("--benchmark-compare-fail needs --benchmark-compare PATH: the benchmark.json of the run "
+                         "to compare with, e.g. --benchmark-compare=results/cpu/benchmark.json")
+    if not bs.compare:
+        return
+    if bs.compare_fail and bs.disabled:
+        raise PorosError("--benchmark-compare-fail with --benchmark-disable: nothing is timed to compare; drop one")
+    if not bs.compared_mapping:
+        if isinstance(bs.compare, str) and Path(bs.compare).exists():
+            load_compare_source(bs.compare)  # says what is wrong with the file
+        raise PorosError(f"--benchmark-compare {bs.compare if bs.compare is not True else ''}: no earlier run found "
+                         f"in {bs.storage}; pass the benchmark.json of the run to compare with, e.g. "
+                         f"--benchmark-compare=results/cpu/benchmark.json")
+    for names in bs.compared_mapping.values():
+        names.update({current_name(k): v for k, v in list(names.items())})
+
+
+def _check_compared_cells(config, items) -> None:
+    """A comparison must share cells with this selection: one sharing none compares nothing and its
+    regression check could not fail."""
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is None or not bs.compared_mapping:
+        return
+    timed = [item.nodeid for item in items if "benchmark" in getattr(item, "fixturenames", ())]
+    known = {name: bench for names in bs.compared_mapping.values() for name, bench in names.items()}
+    sources = ", ".join(map(str, bs.compared_mapping))
+    if timed and not set(known) & set(timed):
+        raise pytest.UsageError(f"--benchmark-compare {sources}: none of its cells is one of the {len(timed)} timed "
+                                f"cells selected here (it has e.g. {sorted(known)[0]}, this run e.g. {timed[0]}); "
+                                f"compare with a run of the same matrix")
+    steps = _matrix(config)[1].steps  # a benchmark round is one pass: passes of other lengths do not compare
+    other = sorted({(b.get("extra_info") or {}).get("steps") for name, b in known.items() if name in timed} - {steps, None})
+    if other:
+        raise pytest.UsageError(f"--benchmark-compare {sources}: its passes ran {other[0]} step(s) each, this run's "
+                                f"{steps}; pass --steps {other[0]}, or compare with a run of {steps}-step passes")
 
 
 def _preflight(config) -> None:
@@ -161,7 +215,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     config = session.config
-    cells = [c for c in map(_cell, session.items) if c is not None]
+    items = [item for item in session.items if _cell(item) is not None]
+    cells = [_cell(item) for item in items]
     config._poros_cells, config._poros_index = len(cells), 0
     m = _matrix(config)[1]
     device = matrix_device(m)
@@ -169,6 +224,7 @@ def pytest_collection_finish(session):
     why = [state.unrunnable(c) for c in cells]
     if cells and all(why):  # nothing would run: one line, not a run of skips that exits 0
         raise pytest.UsageError(f"{m.source}: no selected cell can run here: {why[0]}")
+    _check_compared_cells(config, [item for item, w in zip(items, why) if not w])
     runnable = {c.model for c, w in zip(cells, why) if not w}
     try:  # only the models this session will build (-k may select a few)
         preflight.check_host_memory(sorted(runnable), device)
@@ -245,6 +301,28 @@ def pytest_sessionfinish(session, exitstatus):
     state = getattr(session.config, "_poros_session", None)
     if state is not None and state.stopped and exitstatus == 0:
         session.exitstatus = OUT_OF_TIME
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """pytest-benchmark raises its regression out of pytest's session end, which skips every plugin's
+    unconfigure (benchmarks of resumed runs would not be appended back) and ends in a traceback: here it
+    fails the run (exit 1) after its table and lines naming each regression."""
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is not None and bs.compared_mapping:
+        config._poros_compared = sum(1 for b in bs.benchmarks if b and any(
+            b.fullname in names for names in bs.compared_mapping.values()))
+    try:
+        return (yield)
+    except PerformanceRegression:
+        config._poros_regressions = [f"{name} - {why}" for name, why in bs.performance_regressions]
+        session = getattr(config, "_poros_pytest_session", None)
+        if session is not None and session.exitstatus in (pytest.ExitCode.OK, OUT_OF_TIME):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        sources = ", ".join(map(str, bs.compared_mapping))
+        terminalreporter.write_line(f"benchmark comparison with {sources}: {len(bs.performance_regressions)} "
+                                    f"regression(s) past --benchmark-compare-fail; exit status 1", red=True)
+        return None
 
 
 def pytest_unconfigure(config):

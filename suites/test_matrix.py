@@ -287,8 +287,8 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
         progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
         return
     add_benchmark_stats(benchmark, meas.per_pass_s)
-    benchmark.extra_info.update({k: row[k] for k in (
-        "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
+    benchmark.extra_info.update({k: row[k] for k in (  # steps: a round is one pass of that many steps
+        "steps", "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
         "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "plan_name", "sweep")})
     shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
     progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "

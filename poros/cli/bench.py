@@ -17,6 +17,7 @@ from poros.harness.bench import (
     model_unavailable,
     set_status_writer,
 )
+from poros.harness.compare import load_compare_source, parse_compare_fail
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
 from poros.harness.results import OutputLock, ResultsWriter, ensure_folder, keep_earlier
@@ -29,6 +30,8 @@ EPILOG = """examples:
   poros bench matrix matrices/h200.yaml -o out/h200 -k "method:poros and plan:24GB"
   poros bench matrix matrices/h200.yaml -o out/h200 --resume      # continue a killed run
   poros bench matrix matrices/h200.yaml -o out/h200 --resume --max-minutes 8   # in parts: repeat until exit 0
+  poros bench matrix matrices/cpu.yaml -o out/now --benchmark-compare results/cpu/benchmark.json \
+      --benchmark-compare-fail mean:25%          # exit 1 if a cell's mean pass is 25 % slower than then
 
 Cell ids read model:M-stack:S[-SETTING:V...]-method:M[-plan:P] (or gate:parity) and -k selects by any
 part of them. Writes OUT/results.jsonl (one line per finished cell), OUT/passes.jsonl (each timed pass
@@ -36,8 +39,8 @@ and gate outcome as it ends), OUT/bench.log (the full log), OUT/benchmark.json (
 entry per timed cell, kept across --resume) and OUT/report.md (+ report.png); shows one line per cell.
 An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time owns
 OUT. --resume continues a cell after its last finished pass, and refuses rows measured with other
-settings. Exits 1 if any cell failed (parity FAIL included), 75 when --max-minutes stopped it with
-cells left (run the same command again).
+settings. Exits 1 if any cell failed (parity FAIL included) or regressed past --benchmark-compare-fail,
+75 when --max-minutes stopped it with cells left (run the same command again).
 """
 
 SUITES = Path(__file__).resolve().parent.parent.parent / "suites"
@@ -59,6 +62,12 @@ def add_parser(sub) -> None:
                    help="skip cells already in OUT/results.jsonl, continue unfinished ones after their last pass")
     m.add_argument("--max-minutes", type=float, metavar="MIN",
                    help="stop between passes before MIN minutes have passed (exit 75; --resume continues)")
+    m.add_argument("--benchmark-compare", metavar="PATH",
+                   help="compare each timed cell with the same cell in PATH, an earlier run's benchmark.json "
+                        "(the table is in OUT/bench.log)")
+    m.add_argument("--benchmark-compare-fail", metavar="EXPR", nargs="+", action="extend",
+                   help="with --benchmark-compare: fail (exit 1) when a cell regressed past EXPR, e.g. mean:10%% "
+                        "(10 %% slower) or min:0.5 (0.5 s slower per pass)")
     add_reference_argument(m)
     m.set_defaults(run=run)
 
@@ -74,6 +83,10 @@ def command_line(args, resume: bool) -> str:
         words += ["-k", args.keyword]
     if args.reference:
         words += ["--reference"] + ([] if args.reference is True else [args.reference])
+    if getattr(args, "benchmark_compare", None):
+        words += ["--benchmark-compare", args.benchmark_compare]
+    if getattr(args, "benchmark_compare_fail", None):
+        words += ["--benchmark-compare-fail", *args.benchmark_compare_fail]
     return " ".join([prog, shlex.join(words)] + (["--resume"] if resume else []))
 
 
@@ -117,10 +130,17 @@ class RunLog:
 
 
 class Tally:
-    """pytest plugin: each cell's outcome (passed, failed or skipped)."""
+    """pytest plugin: each cell's outcome (passed, failed or skipped), and the benchmark regressions the
+    suites found against --benchmark-compare."""
 
     def __init__(self):
         self.outcomes: dict[str, str] = {}
+        self.regressions: list[str] = []
+        self.compared = 0  # timed cells that had a cell to compare with
+
+    def pytest_unconfigure(self, config) -> None:
+        self.regressions = list(getattr(config, "_poros_regressions", []))
+        self.compared = getattr(config, "_poros_compared", 0)
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.failed or report.when == "call" or (report.when == "setup" and report.skipped):
@@ -146,6 +166,12 @@ def _preflight(args):
     preflight.check_keyword(args.keyword)
     if args.reference:
         preflight.check_reference(reference_path(args.reference))
+    if args.benchmark_compare_fail and not args.benchmark_compare:
+        raise PorosError("--benchmark-compare-fail needs --benchmark-compare PATH: the benchmark.json of the run "
+                         "to compare with, e.g. --benchmark-compare results/cpu/benchmark.json")
+    parse_compare_fail(args.benchmark_compare_fail)
+    if args.benchmark_compare:
+        load_compare_source(args.benchmark_compare)
     device = matrix_device(m)
     preflight.check_runnable(m, device)
     if not args.keyword:  # with -k the suites check the models it selects, after collecting them
@@ -186,6 +212,9 @@ def _run_locked(args, m, out: Path, lock) -> int:
         kept, names = keep_earlier(out)
     if kept is not None:
         say(f"kept the earlier run's {', '.join(names)} in {kept}/")
+    compare = args.benchmark_compare and Path(args.benchmark_compare).resolve()
+    if compare and kept is not None and compare.parent == out.resolve() and compare.name in names:
+        compare = kept / compare.name  # the earlier run compared with was just moved aside
     argv = [str(SUITES), f"--matrix={resolve_matrix_path(args.file)}", f"--results={results}",
             f"--benchmark-json={out / 'benchmark.json'}", "-p", "no:cacheprovider", "-q", "-rs"]
     for opt in ("steps", "passes", "parity_steps", "max_minutes"):
@@ -195,6 +224,10 @@ def _run_locked(args, m, out: Path, lock) -> int:
         argv += ["-k", args.keyword]
     if args.resume:
         argv.append("--resume")
+    if compare:
+        argv.append(f"--benchmark-compare={compare}")
+    if args.benchmark_compare_fail:
+        argv += ["--benchmark-compare-fail", *args.benchmark_compare_fail]
     tally = Tally()
     t0 = time.perf_counter()
     with RunLog(out / "bench.log") as log:
@@ -219,6 +252,12 @@ def _run_locked(args, m, out: Path, lock) -> int:
         say(f"poros bench: no cell matched -k {args.keyword!r}" if args.keyword else "poros bench: no cells")
         return 1
     say(f"{tally.summary()} in {time.perf_counter() - t0:.0f} s; full log: {log.path}")
+    if compare:
+        checks = f", against {' '.join(args.benchmark_compare_fail)}" if args.benchmark_compare_fail else ""
+        say(f"compared {tally.compared} timed cell(s) with {compare}{checks}: "
+            f"{len(tally.regressions) or 'no'} regression(s); the table is in {log.path}")
+    for line in tally.regressions:
+        say(f"poros bench: slower than {compare}: {line}")
     if code == OUT_OF_TIME:
         say(f"poros bench: stopped at the time budget (--max-minutes {args.max_minutes:g}) with cells left; finished "
             f"passes are kept in {out / 'passes.jsonl'}. Continue with:\n  {command_line(args, resume=True)}")

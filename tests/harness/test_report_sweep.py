@@ -1,4 +1,4 @@
-"""Sweep pages (`poros report --sweep`, poros/harness/report.py) from small fixture rows of schema 2 (made-up
+"""Sweep pages (`poros report --sweep`, poros/harness/report/) from small fixture rows of schema 2 (made-up
 numbers): which reference a row is compared with, the scaling and attention tables, which plots a page links."""
 
 from __future__ import annotations
@@ -101,6 +101,30 @@ def test_unsloth_control_and_rows_not_measured(tmp_path):
     assert stopped["Parity (gate)"] == ("PASS (1 step, vs resident); not timed: stopped by signal 15 "
                                         "(during timing)")
     assert set(list(below.values())[9:]) == set(list(stopped.values())[9:]) == {"—"}
+
+
+def test_a_row_without_the_planners_prediction_shows_dashes(tmp_path):
+    """Rows measured before plans were recorded (or by an engine without a planner) hold no predicted peak,
+    parts, plan or resident layer count: their prediction columns read —, never nan or another row's figure;
+    a row that recorded them shows its own (the control)."""
+    parts = {"weight_buffers": 3.949, "resident_weights": 0.0, "lora": 0.421, "dense": 0.016, "saved_inputs": 0.671,
+             "transient": 4.699, "templates": 0.0}
+    predicted = row(s=1.5, predicted_peak_vram_gb=9.756, predicted_memory_gb=parts, resident_layers=0)
+    predicted["plan"] = {"block_size": 4, "h2d_bytes_per_step": 75_556_454_400, "head_resident": False}
+    unrecorded = row(s=1.6, plan="previous_engine")  # no prediction keys at all
+    nulls = row(s=1.7, plan="older", predicted_peak_vram_gb=None, predicted_memory_gb=None, resident_layers=None)
+    nulls["plan"] = None
+    md = render(tmp_path, [row("resident", s=1.0), predicted, unrecorded, nulls])
+    got = {c["Method / plan"]: c for c in table(md)}
+    shown = ("Predicted peak", "Resident layers", "Block")
+    assert [got["poros streamed"][k] for k in shown] == ["9.76 GB", "0", "4"]
+    for label in ("poros previous_engine", "poros older"):
+        assert [got[label][k] for k in shown] == ["—", "—", "—"], got[label]
+        assert got[label]["Peak VRAM"] == "10.00 GB" and got[label]["vs resident"] != "—"  # measured: shown
+    assert not re.search(r"\bnan\b", md, re.IGNORECASE)
+    page = write_report([write_jsonl(tmp_path / "page.jsonl", [fixture_row(method="resident"), unrecorded])],
+                        tmp_path / "page.md").read_text()  # the matrix page does not show predictions: renders
+    assert not re.search(r"\bnan\b", page, re.IGNORECASE) and "previous_engine" in page
 
 
 def test_a_parity_fail_makes_the_report_exit_non_zero(tmp_path, capsys):

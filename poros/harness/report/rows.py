@@ -1,0 +1,151 @@
+"""Results rows in: reading and checking results files (JSON Lines) and reference figures (CSV), and the
+row facts every page uses (the latest row per cell, the hardware, whether it ran on a CPU)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from poros.errors import PorosError
+
+KEY = ("matrix", "model", "stack", "method")
+REQUIRED = KEY + (
+    "arch", "status", "steps", "passes", "warmup_passes", "reduced", "s_per_step_median", "s_per_step_std",
+    "peak_vram_gb", "parity", "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share",
+    "tokens_per_s", "config", "provenance",
+)
+METHODS = {"poros": "poros (blockwise residency)", "resident": "resident (full QLoRA)",
+           "resident_gc": "resident + gradient checkpointing", "unsloth": "unsloth"}
+STATUSES = ("ok", "failed", "skipped")
+REFERENCE_COLUMNS = (
+    "hardware", "model", "arch", "stack", "parity", "poros_s_step_median", "poros_s_step_std", "resident_s_step",
+    "unsloth_s_step", "poros_vram_gb", "resident_vram_gb", "unsloth_vram_gb",
+)
+# The official validation figures, shipped with the source tree (reports/reference/README.md).
+OFFICIAL_REFERENCE = Path(__file__).resolve().parents[3] / "reports" / "reference" / "official.csv"
+
+
+def load_results(paths) -> pd.DataFrame:
+    """Read results files (JSON Lines), in order, into one row per line.
+
+    Raises:
+        PorosError: naming the file (and line) of a missing, binary or non-UTF-8 file, malformed JSON
+            or a row missing keys.
+    """
+    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(x) for x in paths]
+    records = []
+    for path in paths:
+        if path.is_dir():
+            raise PorosError(f"{path} is a folder, expected a results file, e.g. {path / 'results.jsonl'}")
+        if not path.is_file():
+            raise PorosError(f"{path}: no such results file")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PorosError(f"{path}: not a results file (byte {e.start} is not UTF-8 text; expected the JSON "
+                             f"Lines a poros bench run writes, e.g. OUT/results.jsonl)") from None
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PorosError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise PorosError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in REQUIRED if k not in row]
+            if missing:
+                raise PorosError(f"{path}:{n}: missing key(s) {', '.join(missing)}")
+            if row["method"] not in METHODS or row["status"] not in STATUSES:
+                raise PorosError(f"{path}:{n}: method must be one of {', '.join(METHODS)} and status one of "
+                                 f"{', '.join(STATUSES)}, got {row['method']!r} / {row['status']!r}")
+            bad = field_problems(row)
+            if bad:
+                raise PorosError(f"{path}:{n}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") +
+                                 "; fix or remove that row (rows are written by poros bench)")
+            records.append({**row, "plan_name": row.get("plan_name"),
+                            "sweep": row.get("sweep") if isinstance(row.get("sweep"), dict) else {}})
+    if not records:
+        raise PorosError(f"no result rows in {', '.join(map(str, paths))}")
+    return pd.DataFrame.from_records(records)
+
+
+NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",
+           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s")
+SECTIONS = ("config", "provenance")  # mappings every row holds
+TEXTS = ("matrix", "model", "stack", "arch")
+
+
+def field_problems(row: dict) -> list[str]:
+    """Fields of a row the report could not read as their kind: a number that is text, a section that is
+    null or not a mapping. Each names the field, what it holds and what it should."""
+    out = []
+    for k in NUMBERS:
+        v = row.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            out.append(f"field {k}: expected a number or null, got {v!r}")
+    for k in SECTIONS:
+        if not isinstance(row.get(k), dict):
+            out.append(f"field {k}: expected a mapping, got {row.get(k)!r}")
+    for k in TEXTS:
+        if not isinstance(row.get(k), str):
+            out.append(f"field {k}: expected text, got {row.get(k)!r}")
+    if row.get("parity") not in (None, "PASS", "FAIL"):
+        out.append(f"field parity: expected PASS, FAIL or null, got {row['parity']!r}")
+    return out
+
+
+def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
+    """Read reference figures in the format of `reports/reference/official.csv` (empty fields become NaN).
+
+    Lines starting with `#` before the header are comments; one reading `# Source: TEXT` names where
+    the figures come from, kept as `ref.attrs["source"]` and printed in the report.
+
+    Raises:
+        PorosError: naming the file when it is missing or lacks a column.
+    """
+    path = Path(csv_path)
+    if not path.is_file():
+        hint = (" (the official figures ship in a source checkout: install with pip install -e . or pass "
+                "--reference FILE.csv)" if path == OFFICIAL_REFERENCE else "")
+        raise PorosError(f"{path}: no such reference file{hint}")
+    lines = path.read_text().splitlines(keepends=True)
+    comments = []
+    while lines and lines[0].startswith("#"):
+        comments.append(lines.pop(0)[1:].strip())
+    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str})
+    missing = [c for c in REFERENCE_COLUMNS if c not in ref.columns]
+    if missing:
+        raise PorosError(f"{path}: missing column(s) {', '.join(missing)}")
+    source = [c.removeprefix("Source:").strip() for c in comments if c.startswith("Source:")]
+    if source:
+        ref.attrs["source"] = source[0]
+    return ref
+
+
+def hardware_of(row) -> str:
+    gpus = row["provenance"].get("gpus") or []
+    return row["config"].get("hardware") or (gpus[0]["name"] if gpus else "CPU")
+
+
+def on_cpu(df: pd.DataFrame) -> bool:
+    """Whether every row ran on the CPU, where device memory, host→device copies and CUDA mean nothing."""
+    return all((c.get("device") or ("cuda" if p.get("gpus") else "cpu")) == "cpu"
+               for c, p in zip(df["config"], df["provenance"]))
+
+
+def point_label(sweep) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (sweep or {}).items())
+
+
+def latest(df: pd.DataFrame) -> pd.DataFrame:
+    """The last row per (matrix, model, stack, method, plan, sweep point) — a re-run replaces the earlier cell."""
+    df = df.copy()
+    df["point"] = [point_label(x) for x in df["sweep"]]
+    df["plan_key"] = df["plan_name"].fillna("")
+    df = df.drop_duplicates(subset=[*KEY, "plan_key", "point"], keep="last").copy()
+    df["hardware"] = [hardware_of(r) for r in df.to_dict("records")]
+    return df

@@ -1,0 +1,209 @@
+"""The tables of a matrix page: configuration, results per model and method, where poros's time goes,
+reference against measured figures, and the provenance line."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
+from poros.harness.report.rows import METHODS, on_cpu
+from poros.settings import COMPUTED, SCHEDULE, SETTINGS
+
+SPREAD = 0.10  # a timed CPU cell whose passes spread more than this share of their median is flagged
+SPREAD_MARK = "†"
+SPREAD_NOTE = (f"{SPREAD_MARK} passes spread more than {SPREAD:.0%} of their median (fastest to slowest): "
+               "the CPU was shared or busy; compare these timings with care.")
+
+
+def spread(row) -> bool:
+    """Whether a timed CPU row's passes spread more than `SPREAD` of their median."""
+    passes = [t for t in (row.get("per_pass_s") or []) if isinstance(t, (int, float))]
+    if len(passes) < 2 or (row.get("config") or {}).get("device", "cpu") != "cpu":
+        return False
+    med = sorted(passes)[len(passes) // 2] if len(passes) % 2 else sum(sorted(passes)[len(passes) // 2 - 1:][:2]) / 2
+    return med > 0 and (max(passes) - min(passes)) / med > SPREAD
+
+
+def _s_step(row, with_std: bool = False) -> str:
+    if row is None or row["status"] == "skipped":
+        return DASH
+    if row["status"] == "failed":
+        return "FAIL"
+    med, std = num(row["s_per_step_median"]), num(row["s_per_step_std"])
+    if med is None:
+        return DASH
+    mark = SPREAD_MARK if spread(row) else ""
+    return (f"{med:.4f}±{std:.4f}" if with_std and std is not None else f"{med:.4f}") + mark
+
+
+def _ok(row, field: str) -> float | None:
+    return num(row[field]) if row is not None and row["status"] == "ok" else None
+
+
+def _parity(row) -> str:
+    if row is None or text_or_none(row["parity"]) is None:
+        return DASH
+    diff = num(row["parity_max_abs_diff"])
+    gate = text_or_none(row.get("gate"))
+    against = "" if gate in (None, "resident") else f" vs {gate}"  # rows say which reference the gate ran
+    if row["parity"] == "PASS":
+        return f"PASS{against}" if diff is None else f"PASS{against} ({diff:.2e})"
+    return f"FAIL{against}" if diff is None else f"FAIL{against} (max |diff| {diff:.2e})"
+
+
+def _cells(df: pd.DataFrame) -> dict:
+    """{(model, stack, point): {method: row, "plans": {plan: poros row}}} in order of first appearance
+    (later rows win); `poros` is the first plan's row."""
+    cells: dict = {}
+    for r in df.to_dict("records"):
+        c = cells.setdefault((r["model"], r["stack"], r.get("point", "")), {"arch": r["arch"], "plans": {}})
+        if r["method"] == "poros":
+            c["plans"][r.get("plan_name")] = r
+            c.setdefault("poros", r)
+        else:
+            c[r["method"]] = r
+    return cells
+
+
+def results_table(df: pd.DataFrame) -> str:
+    """The official results table, one row per model × stack × sweep point × poros plan; columns of the
+    methods the rows hold (resident_gc where plain resident is absent); on CPU without the VRAM columns."""
+    present = set(df["method"])
+    ref = "resident" if "resident" in present or "resident_gc" not in present else "resident_gc"
+    others = [m for m in (ref, "unsloth") if m in present or m == ref]
+    points = any(df.get("point", pd.Series([""])).astype(bool))
+    plans = df["plan_name"].notna().any()
+    columns = ["Model", "Arch", "Stack", *(["Settings"] if points else []), *(["Plan"] if plans else []),
+               "Bitwise parity", "poros s/step (median±std)", *(f"{m} s/step" + (" (median±std)" if m == ref else "")
+                                                               for m in others),
+               *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
+               *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
+    rows = []
+    for (model, stack, point), c in _cells(df).items():
+        o = [c.get(m) for m in others]
+        for plan, p in (c["plans"] or {None: None}).items():
+            ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
+            speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
+                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×" for x in o]
+            cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
+                   else f"{(1 - pv / _ok(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
+            rows.append([model, c["arch"], stack, *([point or DASH] if points else []),
+                         *([plan or DASH] if plans else []), _parity(p or o[0]), _s_step(p, True),
+                         *(_s_step(x, i == 0) for i, x in enumerate(o)), *speed, fmt_gb(pv),
+                         *(fmt_gb(_ok(x, "peak_vram_gb")) for x in o), *cut])
+    if on_cpu(df):
+        vram = 1 + 2 * len(others)
+        return md_table(columns[:-vram], [r[:-vram] for r in rows])
+    return md_table(columns, rows)
+
+
+def time_table(df: pd.DataFrame) -> str:
+    rows = []
+    for (model, stack, point), c in _cells(df).items():
+        for plan, p in c["plans"].items():
+            h2d, gbps, hidden, tps = (_ok(p, f) for f in
+                                      ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
+            name = ", ".join(x for x in (point, plan and f"plan {plan}") if x)
+            rows.append([model + (f" ({name})" if name else ""), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
+                         DASH if gbps is None else f"{gbps:.1f} GB/s",
+                         DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"])
+    columns = ["Model", "Stack", "Host→device per step", "Copy GB/s (weights)", "Copy hidden behind compute",
+               "Tokens/s"]
+    return md_table(columns, rows)
+
+
+def runs_text(df: pd.DataFrame) -> str:
+    return uniq(f"{s} steps × {p} passes" for s, p in zip(df["steps"], df["passes"]))
+
+
+def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """A row per training setting (poros/settings.py): what is computed over every row, how poros
+    schedules it over the poros rows (distinct values joined by "; "); a setting a row predates reads
+    as its default."""
+
+    out = []
+    poros = [c for c, m in zip(df["config"], df["method"]) if m == "poros"]
+    cpu = on_cpu(df)
+    for s in SETTINGS:
+        if s.kind not in (COMPUTED, SCHEDULE) or (cpu and s.gpu_only):
+            continue
+        configs = list(df["config"]) if s.kind == COMPUTED else poros
+        if not configs:
+            continue
+        show = lambda c: s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default)  # noqa: E731
+        if not s.report_default and all(show(c) == s.show(s.default) for c in configs):
+            continue
+        if s.kind == COMPUTED:  # a method that ran with its own value (a matrix's method_settings) is named
+            by_method: dict = {}
+            for c, m in zip(df["config"], df["method"]):
+                by_method.setdefault(m, []).append(show(c))
+            values = {m: uniq(v, "; ") for m, v in by_method.items()}
+            if len(set(values.values())) > 1 and all("; " not in v for v in values.values()):
+                methods: dict = {}
+                for m, v in values.items():
+                    methods.setdefault(v, []).append(m)
+                out.append((s.label, "; ".join(f"{v} ({', '.join(ms)})" for v, ms in methods.items())))
+                continue
+        out.append((s.label if s.kind == COMPUTED else f"{s.label} (poros)", uniq(map(show, configs), "; ")))
+    return out
+
+
+def config_table(df: pd.DataFrame, hw: str) -> str:
+    cfg = lambda k: [c.get(k) for c in df["config"]]  # noqa: E731
+    prov = list(df["provenance"])
+    mem = uniq(g.get("memory_gb") for p in prov for g in p.get("gpus") or [] if g.get("name") == hw)
+    methods = [m for m in METHODS if m in set(df["method"])]
+    bnb = uniq(p.get("versions", {}).get("bitsandbytes") for p in prov)
+    rows = [
+        ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
+        ("Precision", uniq(cfg("precision")).upper()),
+        ("Steps × passes", f"{runs_text(df)} (warm-up discarded; median ± std across passes)"),
+        *_setting_rows(df),
+        ("Dataset", uniq(f"`{d}`" for d in cfg("dataset") if d)),
+        ("Methods", ", ".join(METHODS[m] for m in methods)),
+        ("Software stacks", uniq(df["stack"], " and ") + ("" if bnb == DASH else f", bitsandbytes {bnb}")),
+    ]
+    return md_table(("Field", "Value"), rows)
+
+
+def provenance_line(df: pd.DataFrame) -> str:
+    prov = list(df["provenance"])
+    ver = lambda k: uniq(p.get("versions", {}).get(k) for p in prov)  # noqa: E731
+    git = uniq(f"{g.get('commit') or 'unknown'}{' (dirty)' if g.get('dirty') else ''}"
+                for g in (p.get("git") or {} for p in prov))
+    gpus = uniq(f"{g.get('name')} (UUID {g.get('uuid')}, driver {g.get('driver')})"
+                 for p in prov for g in p.get("gpus") or [])
+    times = sorted(t for t in (p.get("time") for p in prov) if t)
+    span = f"{times[0]} → {times[-1]}" if times else DASH
+    cuda = "" if on_cpu(df) else f"CUDA {uniq(p.get('cuda') for p in prov)}, "
+    gpu = "" if on_cpu(df) else f"GPU {gpus}; "
+    return (f"Provenance: poros {ver('poros')} at commit {git}; torch {uniq(p.get('torch') for p in prov)}, "
+            f"{cuda}transformers {ver('transformers')}, bitsandbytes {ver('bitsandbytes')}, peft {ver('peft')}; "
+            f"{gpu}host {uniq(p.get('host') for p in prov)}; rows recorded {span}.")
+
+
+def reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
+    cells, rows = _cells(df), []
+    for r in ref.to_dict("records"):
+        measured = [c for (model, stack, _), c in cells.items() if model.lower() == str(r["model"]).lower()]
+        if not measured:
+            continue
+        # Compare like with like where the reference stack was measured; otherwise the first measured stack.
+        c = next((c for (m, s, _), c in cells.items() if m.lower() == r["model"].lower() and s == r["stack"]),
+                 measured[0])
+        med, std = num(r["poros_s_step_median"]), num(r["poros_s_step_std"])
+        ref_poros = DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}")
+        ref_res = num(r["resident_s_step"])
+        rows.append([r["model"], text_or_none(r["hardware"]) or DASH, text_or_none(r["stack"]) or DASH,
+                     ref_poros, _s_step(c.get("poros"), True),
+                     DASH if ref_res is None else f"{ref_res:.4f}", _s_step(c.get("resident"), True),
+                     fmt_gb(num(r["poros_vram_gb"])), fmt_gb(_ok(c.get("poros"), "peak_vram_gb")),
+                     fmt_gb(num(r["resident_vram_gb"])), fmt_gb(_ok(c.get("resident"), "peak_vram_gb"))])
+    cols = ("Model", "Reference hardware", "Reference stack", "ref poros s/step", "measured poros s/step",
+            "ref resident s/step", "measured resident s/step", "ref poros VRAM", "measured poros VRAM",
+            "ref resident VRAM", "measured resident VRAM")
+    if not rows:
+        return "No model is present in both the reference and the results."
+    source = f"Reference figures: {ref.attrs['source']}. " if ref.attrs.get("source") else ""
+    return md_table(cols, rows) + (f"\n\n{source}Measured cells are on the reference row's stack where that stack "
+                                 "was measured, otherwise on the first stack measured for the model.")
