@@ -202,6 +202,12 @@ def run_gate_recorded(reference: RecordedReference, poros: Trainer, steps: int |
     return _compare(cmp, result, lambda s: reference.states[s], poros, steps, ok)
 
 
+def holds_a_cap(cfg: TrainConfig, method: Method) -> bool:
+    """Whether `method` on `cfg` holds torch's allocator to its budget (poros/engine/executor.py
+    `AllocatorLimit`: a CUDA device and a `vram_budget`)."""
+    return method is Method.POROS and cfg.device.value == "cuda" and cfg.vram_budget is not None
+
+
 def parity(
     cfg: TrainConfig,
     steps: int = 3,
@@ -223,7 +229,8 @@ def parity(
     kernels themselves (e.g. an attention backward) are not run-to-run repeatable here.
     `sequential=True` runs the reference first, records its states in host memory and releases it
     before the method is set up (`RecordedReference`): the gate for settings where the two do not fit
-    the device together (long context).
+    the device together (long context), and always for a method that holds the allocator to a budget
+    (`holds_a_cap`): the cap is process-wide, so a reference alive beside it would count against it.
     With a `world` of several ranks (poros.engine.distributed) both sides are data-parallel (the reference under
     DistributedDataParallel), every rank gates its own states, and the result is PASS only if every
     rank's is.
@@ -234,6 +241,8 @@ def parity(
         store, _ = share_store(cfg.model, seed=cfg.seed, device=cfg.device.value, world=world, progress=progress,
                                double_quant=cfg.double_quant)
     method = reference if control else method
+    if mutate is None and holds_a_cap(cfg, method):
+        sequential = True
     if sequential:
         if mutate is not None:
             raise ValueError("mutate needs both trainers at once: not with sequential=True")
