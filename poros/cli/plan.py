@@ -7,7 +7,7 @@ from poros.engine.nvml import device_memory
 from poros.engine.plan import Geometry, PlanRequest, describe, make_plan, resident_memory
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
-from poros.settings import Device, add_arguments
+from poros.settings import add_arguments
 
 EPILOG = """examples:
   poros plan --model qwen2.5-72b
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="show the plan (residency, bytes per step, predicted peak) before running",
                        epilog=EPILOG)
     p.add_argument("--model", required=True, help="registered name (see `poros build --list`) or checkpoint folder")
-    add_arguments(p, defaults={"device": Device.CPU})  # a plan needs no device: it is made for the CPU unless asked
+    # a plan needs no device, only what one costs: it is made for a CUDA device unless --device cpu
+    add_arguments(p, default_text={"device": "cuda: its costs, no device needed"})
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="data-parallel ranks the plan is for; with --shard-stream each copies 1/N of every "
                         "streamed block and all-gathers the rest (default: 1)")

@@ -88,4 +88,4 @@ def test_help_shows_one_default_per_flag(capsys, command):
             checked += 1
     assert checked >= 15, options
     if command == "plan":
-        assert "(default: cpu)" in " ".join(text.split())
+        assert "(default: cuda: its costs, no device needed)" in " ".join(text.split())  # as the plan is made
