@@ -9,7 +9,8 @@ JSON line: wall time, the share of it the GPU spent in compute kernels and in ho
 (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
 kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
 kernels by total device time. --variant takes schedule settings (scripts/variant.py). With --out DIR
-the full tables are written there too. On CPU only the wall time and the operator table mean anything.
+the full tables are written there too. `unsloth` (GPU only) runs in its own process, as in the matrices, and
+profiles its step there. On CPU only the wall time and the operator table mean anything.
 """
 
 from __future__ import annotations
@@ -20,68 +21,19 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+import tempfile
 
-from poros.engine.methods import make_trainer
-from poros.store.build import build_store
+import torch
+
 from poros.config import Method, TrainConfig
+from poros.engine.methods import make_trainer
+from poros.engine.profiling import profiled, summarize
 from poros.engine.trainer import enable_determinism
+from poros.engine.unsloth import measure_unsloth
+from poros.store.build import build_store
 
 sys.path.insert(0, str(Path(__file__).parent))
 from variant import echo, parse_variant  # noqa: E402  (one parser for schedule settings)
-
-
-def _union_us(ranges: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(ranges):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-# Kinds of device kernels, by name (first match wins): where a long-context step's time goes.
-KINDS = (
-    ("attention_backward", ("flash_bwd", "bwd_kernel", "attention_backward", "fmha_cutlassB")),
-    ("attention_forward", ("flash_fwd", "fwd_kernel", "fmha_cutlassF", "attention_forward")),
-    ("copies", ("memcpy",)),
-    ("nf4_dequantize", ("dequantize",)),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "splitk")),
-)
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
-
-
-def summarize(prof, wall_s: float, top: int) -> dict:
-    kernels, copies = [], []
-    by_kind: dict[str, float] = {}
-    launches = 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            rng = (e.time_range.start, e.time_range.end)
-            (copies if "memcpy" in e.name.lower() else kernels).append(rng)
-            kind = kind_of(e.name)
-            by_kind[kind] = by_kind.get(kind, 0.0) + (rng[1] - rng[0])
-        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
-            launches += 1
-    wall_us = wall_s * 1e6
-    by_device = sorted(prof.key_averages(), key=lambda a: getattr(a, "device_time_total", 0.0), reverse=True)
-    return {
-        "wall_s": round(wall_s, 4),
-        "gpu_compute_busy": round(_union_us(kernels) / wall_us, 3) if kernels else None,
-        "gpu_copy_busy": round(_union_us(copies) / wall_us, 3) if copies else None,
-        "kernel_launches": launches,
-        "device_s_by_kind": {k: round(v / 1e6, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top_device_ops": [
-            {"name": a.key[:80], "calls": a.count, "device_ms": round(getattr(a, "device_time_total", 0.0) / 1e3, 2)}
-            for a in by_device[:top]
-        ],
-    }
 
 
 def main() -> None:
@@ -105,21 +57,20 @@ def main() -> None:
     store, _ = build_store(args.model, device=args.device)
     if args.device == "cuda":
         store.pin()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     for method in args.methods.split(","):
         cfg = TrainConfig(model=args.model, seq_len=args.seq_len, block_size=args.block_size, device=args.device,
                           attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
+        head = {"model": args.model, "method": method, "attention": args.attention, "seq_len": args.seq_len,
+                "variant": echo(variant) if Method(method) is Method.POROS else {}}
+        if Method(method) is Method.UNSLOTH:  # in its own process (it patches libraries globally)
+            print(json.dumps({**head, **profile_unsloth(store, cfg, args.out)}), flush=True)
+            continue
         if Method(method) is Method.POROS:
             cfg = cfg.replace(**variant)
         trainer = make_trainer(Method(method), store, cfg)
         trainer.step()  # warm-up: allocator, cuBLAS handles, lazy init
-        with profile(activities=activities) as prof:
-            result = trainer.step()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-        row = {"model": args.model, "method": method, "attention": args.attention, "seq_len": args.seq_len,
-               "variant": echo(variant) if Method(method) is Method.POROS else {},
-               **summarize(prof, result.seconds, args.top), "counters": result.counters,
+        result, prof = profiled(trainer.step, args.device)
+        row = {**head, **summarize(prof, result.seconds, args.top), "counters": result.counters,
                "provenance": provenance()}
         print(json.dumps(row), flush=True)
         if args.out:
@@ -131,6 +82,14 @@ def main() -> None:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def profile_unsloth(store, cfg: TrainConfig, out: Path | None) -> dict:
+    """Unsloth's child process: one warm-up step, one timed, then one profiled; its summary."""
+    path = (out or Path(tempfile.mkdtemp())) / f"{cfg.model}-unsloth.json"
+    record = measure_unsloth(store, cfg, steps=1, passes=1, warmup=1, profile=path)
+    return {**json.loads(path.read_text()), "s_per_step_timed": record["s_per_step_median"],
+            "unsloth_version": record.get("unsloth_version")}
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from poros.config import TrainConfig
 from poros.engine.attention import sdpa_context
 from poros.engine.data import synthetic_step
 from poros.engine.nvml import NvmlPeak
+from poros.engine.profiling import profiled, summarize
 from poros.engine.trainer import deterministic_kernels, enable_determinism
 from poros.errors import CapabilityError, PorosError
 from poros.store.export import export_bnb4bit
@@ -49,11 +50,13 @@ def unavailable(device: str) -> str | None:
 
 
 def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print,
-                    on_record=None):
+                    on_record=None, profile: Path | None = None):
     """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record.
 
     `on_record(record)` runs as soon as the child has reported, before the export is removed (tens of
-    GB: removing it takes seconds), so a run cut off during the clean-up keeps its result.
+    GB: removing it takes seconds), so a run cut off during the clean-up keeps its result. With `profile`
+    the child then profiles one more step and writes its summary there (JSON, poros/engine/profiling.py)
+    and the operator table beside it (`.txt`).
     """
 
     why = unavailable(cfg.device.value)
@@ -68,6 +71,8 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         log(f"  unsloth: exported the NF4 checkpoint to {folder} in {time.perf_counter() - t0:.1f} s")
         cmd = [sys.executable, "-m", "poros.engine.unsloth", str(folder), "--steps", str(steps), "--passes", str(passes),
                "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
+        if profile is not None:
+            cmd += ["--profile", str(profile)]
         env = {**os.environ, **ENV, "UNSLOTH_COMPILE_LOCATION": str(root / "unsloth_compiled_cache")}
         if not cfg.deterministic:  # poros's determinism mode may have set it in this process
             env.pop("CUBLAS_WORKSPACE_CONFIG", None)
@@ -101,6 +106,7 @@ def _child(argv: list[str]) -> int:
     p.add_argument("--passes", type=int, required=True)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--config", required=True, help="TrainConfig as JSON")
+    p.add_argument("--profile", type=Path, help="profile one more step; its summary (JSON) here")
     args = p.parse_args(argv)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
@@ -142,16 +148,21 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
         model.train()
         vocab = model.config.vocab_size
         per_pass, step = [], 0
+
+        def one_step(step: int) -> torch.Tensor:
+            for b in synthetic_step(vocab, cfg.seq_len, cfg.batch_size, cfg.grad_accum, seed=cfg.data_seed, step=step):
+                with sdpa_context(cfg.attention):
+                    loss = model(input_ids=b.input_ids.cuda(), labels=b.labels.cuda()).loss / cfg.grad_accum
+                    loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
         for n in range(args.warmup + args.passes):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for s in range(args.steps):
-                for b in synthetic_step(vocab, cfg.seq_len, cfg.batch_size, cfg.grad_accum, seed=cfg.data_seed, step=step):
-                    with sdpa_context(cfg.attention):
-                        loss = model(input_ids=b.input_ids.cuda(), labels=b.labels.cuda()).loss / cfg.grad_accum
-                        loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                loss = one_step(step)
                 step += 1
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -159,6 +170,8 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
             print(f"  unsloth {kind}: {args.steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
             if n >= args.warmup:
                 per_pass.append(dt)
+        if args.profile is not None:
+            write_profile(args.profile, lambda: one_step(step))
     per_step = [t / args.steps for t in per_pass]
     print(RESULT + json.dumps({
         "per_pass_s": per_pass,
@@ -170,6 +183,20 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
         "unsloth_version": _version("unsloth"),
     }), flush=True)
     return 0
+
+
+def write_profile(path: Path, step) -> None:
+    """Profile `step()` (one optimizer step); its summary to `path` (JSON), the operator table beside it."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _, prof = profiled(step, "cuda")
+    summary = summarize(prof, time.perf_counter() - t0, top=40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary) + "\n")
+    path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=60))
+    print(f"  unsloth: profiled one step ({summary['wall_s']:.2f} s) into {path}", flush=True)
 
 
 def _version(pkg: str):

@@ -1,0 +1,32 @@
+"""A profiled step's summary (poros/engine/profiling.py), as scripts/profile_step.py and Unsloth's child
+process write it."""
+
+from __future__ import annotations
+
+import torch
+
+from poros.engine.profiling import _union_us, kind_of, profiled, summarize
+
+
+def test_kernels_are_sorted_into_kinds_by_name():
+    assert kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention_backward"
+    assert kind_of("void pytorch_flash::flash_fwd_kernel") == "attention_forward"
+    assert kind_of("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "matmul"
+    assert kind_of("Memcpy HtoD (Pinned -> Device)") == "copies"
+    assert kind_of("kDequantizeBlockwise") == "nf4_dequantize"
+    assert kind_of("void at::native::vectorized_elementwise_kernel") == "other"
+
+
+def test_busy_time_counts_overlapping_intervals_once():
+    assert _union_us([(0, 10), (5, 15), (20, 30)]) == 25
+    assert _union_us([(0, 10), (2, 3)]) == 10
+
+
+def test_a_profiled_step_is_summarized_with_its_operators():
+    a = torch.randn(64, 64)
+    result, prof = profiled(lambda: a @ a, "cpu")
+    assert result.shape == (64, 64)
+    summary = summarize(prof, wall_s=0.5, top=5)
+    assert summary["wall_s"] == 0.5 and summary["gpu_compute_busy"] is None  # no device kernels on the CPU
+    assert len(summary["top_device_ops"]) <= 5
+    assert any("mm" in op["name"] for op in summary["top_device_ops"])
