@@ -34,7 +34,8 @@ def saved_by_compiled(nf4, install: bool, device: str = "cpu") -> tuple[list[tup
         def matmul(x):
             return x @ F.dequantize_4bit(packed, state).to(x.dtype).t()
     else:
-        packed, state = packed.to(device), state.to(device)
+        packed = packed.to(device)
+        state.to(device)  # in place (QuantState.to returns nothing)
 
         def matmul(x):
             return bnb.matmul_4bit(x, packed.t(), quant_state=state)
