@@ -181,9 +181,8 @@ NCCL_BUFFERS = 5 * 10**8
 ALLOCATOR_SLACK = 0.05
 # TRANSIENT_SLACK: beyond that, a share of the transient bytes. One layer's backward frees and asks again for
 # intermediates of many sizes (at long context up to about a GB each), so the holes between its live blocks
-# grow with them: at 16,384 tokens a 72B layer's backward left 1.57 GB reserved but unallocated when it asked
-# for 0.54 GB more (results/h200-budget-nvml/oom_seq16384.json), 2.11 GB beyond its tensors where the 5% above
-# gave 1.08 GB: 8% of that plan's transient bytes covers the rest, and half again is kept to spare.
+# grow with them: the share is the smallest that covers the holes of the long-context refusal recorded in
+# results/h200-budget-nvml/oom_seq16384.json (tests/engine/test_budget.py holds it to them), and half again.
 TRANSIENT_SLACK = 0.12
 
 
