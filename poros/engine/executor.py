@@ -109,6 +109,11 @@ class AllocatorLimit:
     resident reference) runs on the allocator as it found it.
     """
 
+    @staticmethod
+    def holds(cfg) -> bool:
+        """Whether a poros run on `cfg` (a TrainConfig) holds the allocator: a CUDA device and a budget."""
+        return cfg.device.value == "cuda" and cfg.vram_budget is not None
+
     def __init__(self, plan: P.Plan, device: torch.device):
         self.fraction, self.expandable = None, False
         # set_per_process_memory_fraction takes an index: a bare "cuda" names the current device

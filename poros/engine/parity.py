@@ -11,6 +11,7 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.engine.distributed import SINGLE, agree, share_store
+from poros.engine.executor import AllocatorLimit
 from poros.engine.methods import make_trainer
 from poros.engine.trainer import Trainer, deterministic_kernels
 from poros.store.arena import slot_tensors
@@ -204,8 +205,8 @@ def run_gate_recorded(reference: RecordedReference, poros: Trainer, steps: int |
 
 def holds_a_cap(cfg: TrainConfig, method: Method) -> bool:
     """Whether `method` on `cfg` holds torch's allocator to its budget (poros/engine/executor.py
-    `AllocatorLimit`: a CUDA device and a `vram_budget`)."""
-    return method is Method.POROS and cfg.device.value == "cuda" and cfg.vram_budget is not None
+    `AllocatorLimit`)."""
+    return method is Method.POROS and AllocatorLimit.holds(cfg)
 
 
 def parity(
