@@ -15,6 +15,7 @@ from poros.settings import (  # noqa: F401  (re-exported: the config's vocabular
     Accumulation,
     Attention,
     Device,
+    LoRACompute,
     LRSchedule,
     Placement,
     check_values,

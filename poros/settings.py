@@ -34,6 +34,13 @@ class Attention(str, enum.Enum):
     FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/engine/attention.py)
 
 
+class LoRACompute(str, enum.Enum):
+    """The dtype of the LoRA adapters' matmuls, for every method alike (poros/engine/lora_compute.py)."""
+
+    FP32 = "fp32"  # peft's: each input cast up to the fp32 adapters, the product cast back
+    BF16 = "bf16"  # the fp32 adapters cast down to the activations' bf16 at each call
+
+
 class Device(str, enum.Enum):
     CPU = "cpu"
     CUDA = "cuda"
@@ -290,6 +297,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lora_dropout", 0.0, COMPUTED, dropout_share,
             "dropout on the LoRA input; each mask is drawn from (seed, step, micro-batch, module), so every method "
             "and every recompute draws the same one", "LoRA dropout", metavar="P", report_default=False),
+    # fp32 by default: peft's own arithmetic, and that of every run recorded before the setting existed
+    Setting("lora_compute", LoRACompute.FP32, COMPUTED, one_of(LoRACompute),
+            "dtype of the LoRA matmuls for every method: fp32 (peft's: each activation cast up to the fp32 "
+            "adapters) or bf16 (the adapters cast down to the activations' dtype at each call, as Unsloth's "
+            "kernels compute; weights, gradients and optimizer state stay fp32)", "LoRA matmul dtype"),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
             "shape allows, else memory-efficient, else math)", "Attention"),

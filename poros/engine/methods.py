@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from poros.config import Method, TrainConfig
+from poros.config import LoRACompute, Method, TrainConfig
 from poros.engine.distributed import SINGLE, World
 from poros.engine.executor import PorosTrainer
 from poros.engine.trainer import ResidentGCTrainer, ResidentTrainer, Trainer
@@ -68,10 +68,12 @@ def config_for(method: Method, cfg: TrainConfig) -> TrainConfig:
     """The settings `method` runs with: a method the gate does not hold to resident's bits (Unsloth) runs
     as its users run it, without strict determinism (which would only slow it or refuse its kernels) and
     without poros's regional `compile` (Unsloth compiles its own kernels and modules, always: its row says
-    compile off, as it never runs torch.compile over stock decoder layers)."""
-    if METHODS[method].gated or not (cfg.deterministic or cfg.compile):
+    compile off, as it never runs torch.compile over stock decoder layers). Its LoRA kernels cast the
+    adapters to the activations' bf16 whatever the setting: its row says lora_compute bf16."""
+    if METHODS[method].gated:
         return cfg
-    return cfg.replace(deterministic=False, compile=False)
+    own = {"deterministic": False, "compile": False, "lora_compute": LoRACompute.BF16}
+    return cfg if all(getattr(cfg, k) == v for k, v in own.items()) else cfg.replace(**own)
 
 
 def method_unavailable(method: Method, device: str) -> str | None:

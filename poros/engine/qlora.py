@@ -7,9 +7,10 @@ import math
 import torch
 from torch import nn
 
-from poros.config import TrainConfig
+from poros.config import LoRACompute, TrainConfig
 from poros.engine.dropout import DropoutKeys, key_lora_dropout
 from poros.engine.head import use_chunked_loss
+from poros.engine.lora_compute import lora_in_activation_dtype
 from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
 from poros.store.arena import NF4_BLOCKSIZE, NF4Store, QuantSlot, SlotTensors, slot_tensors
@@ -132,6 +133,8 @@ class QLoRAModel:
             task_type="CAUSAL_LM",
         )
         self.peft = get_peft_model(self.hf, lcfg)
+        if self.cfg.lora_compute is LoRACompute.BF16:
+            lora_in_activation_dtype(self.peft)
         if self.cfg.lora_dropout > 0:  # peft's nn.Dropout draws from the global generator: keyed masks instead
             key_lora_dropout(self.peft, self.cfg.lora_dropout, self.dropout_keys)
         gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
