@@ -3,12 +3,14 @@
     python3 scripts/profile_step.py qwen3-32b [--methods poros,resident] [--attention math] [--top 25]
     python3 scripts/profile_step.py qwen2.5-72b --methods poros --attention fast --deterministic \
         --seq-len 32768 --loss-chunk 4096 --variant offload_inputs=true,vram_budget=40GB
+    python3 scripts/profile_step.py qwen2.5-72b --methods poros,unsloth ... --compile --lora-compute bf16
 
 Builds the model once; per method runs one warm-up step, then profiles one step and prints one
 JSON line: wall time, the share of it the GPU spent in compute kernels and in host->device copies
 (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
 kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
-kernels by total device time. --variant takes schedule settings (scripts/variant.py). With --out DIR
+kernels by total device time. --compile and --lora-compute apply to every gated method (Unsloth runs as its
+users run it). The warm-up step compiles. --variant takes schedule settings (scripts/variant.py). With --out DIR
 the full tables are written there too. `unsloth` (GPU only) runs in its own process, as in the matrices, and
 profiles its step there. On CPU only the wall time and the operator table mean anything.
 """
@@ -47,6 +49,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--loss-chunk", type=int)
+    p.add_argument("--compile", action="store_true", help="regionally compiled decoder layers (every method)")
+    p.add_argument("--lora-compute", default="fp32", help="fp32 or bf16 LoRA matmuls (every method)")
     p.add_argument("--variant", default="", help="schedule settings for poros, KEY=VALUE,... (e.g. cuda_graphs=true,vram_budget=24GB)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -59,8 +63,10 @@ def main() -> None:
         store.pin()
     for method in args.methods.split(","):
         cfg = TrainConfig(model=args.model, seq_len=args.seq_len, block_size=args.block_size, device=args.device,
-                          attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk)
+                          attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk,
+                          compile=args.compile, lora_compute=args.lora_compute)
         head = {"model": args.model, "method": method, "attention": args.attention, "seq_len": args.seq_len,
+                "compile": cfg.compile, "lora_compute": cfg.lora_compute.value,
                 "variant": echo(variant) if Method(method) is Method.POROS else {}}
         if Method(method) is Method.UNSLOTH:  # in its own process (it patches libraries globally)
             print(json.dumps({**head, **profile_unsloth(store, cfg, args.out)}), flush=True)

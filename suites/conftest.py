@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.session import PerformanceRegression
 
+from poros.config import Method
 from poros.engine.methods import METHODS, method_unavailable
 from poros.errors import PorosError
 from poros.harness import bench, preflight
@@ -225,6 +226,9 @@ def pytest_collection_finish(session):
     if cells and all(why):  # nothing would run: one line, not a run of skips that exits 0
         raise pytest.UsageError(f"{m.source}: no selected cell can run here: {why[0]}")
     _check_compared_cells(config, [item for item, w in zip(items, why) if not w])
+    # the gate holds the plans of the poros cells -k selected (every plan when it selected none)
+    selected = {c.plan for c, w in zip(cells, why) if c.method is Method.POROS and not w}
+    state.gate_plans = [p for p in m.plan_names() if p in selected] or None
     runnable = {c.model for c, w in zip(cells, why) if not w}
     try:  # only the models this session will build (-k may select a few)
         preflight.check_host_memory(sorted(runnable), device)
@@ -363,6 +367,7 @@ class Session:
         self.gates: dict[tuple, dict] = {}
         self.cells = matrix_cells(self.matrix)
         self.index = 0
+        self.gate_plans: list | None = None  # the plans the gate holds (None: every plan of the matrix)
         self.max_minutes = config.getoption("--max-minutes")
         self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
         self.stopped = False  # a cell stopped at the time budget

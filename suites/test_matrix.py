@@ -53,9 +53,12 @@ def _skip_if_not_runnable(session, cell):
 
 
 def _gate_plans(session) -> list:
-    """The plans a gate holds to its reference: poros's plans where poros is the gated method."""
+    """The plans a gate holds to its reference: poros's plans where poros is the gated method (those of the
+    poros cells selected with -k, where it selected some)."""
     pair = gate_of(session.matrix.methods)
-    return session.matrix.plan_names() if pair and pair[1] is Method.POROS else [None]
+    if not (pair and pair[1] is Method.POROS):
+        return [None]
+    return session.gate_plans or session.matrix.plan_names()
 
 
 def _gate_fingerprint(session, cell, plan) -> str:

@@ -296,29 +296,30 @@ def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
 
 
 SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "passes": 1, "methods": ["poros", "resident"], "models": ["tiny-qwen3"],
-         "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}}}
+         "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}, "b3": {"block_size": 3}}}
 
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
     m = parse_matrix(SWEPT)
     ids = [c.id for c in matrix_cells(m)]
-    assert ids[:4] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",
+    assert ids[:5] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:streamed",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b1",
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b3",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:resident"]
-    assert len(ids) == 8
-    proc, results = _suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or method:resident)")
+    assert len(ids) == 10
+    proc, results = _suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or plan:b3 or method:resident)")
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = _rows(results)
     assert [(r["method"], r["plan_name"], r["sweep"]) for r in rows] == [
-        ("poros", "b1", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
+        ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
     assert rows[0]["config"]["block_size"] == 1 and rows[0]["config"]["grad_accum"] == 2
     assert all(r["parity"] == "PASS" and r["schema"] == 2 for r in rows)
     gates = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
     gates = [g for g in gates if g["kind"] == "gate"]
-    # one reference recorded once, then both plans gated against it
-    assert sorted(g["cell"].rsplit("/", 1)[1] for g in gates) == ["b1", "streamed"]
+    # one reference recorded once, then the plans of the selected poros cells gated against it (not streamed)
+    assert sorted(g["cell"].rsplit("/", 1)[1] for g in gates) == ["b1", "b3"]
     assert all(g["result"]["gate"] == "resident (recorded)" for g in gates)
 
 
