@@ -301,7 +301,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lora_compute", LoRACompute.FP32, COMPUTED, one_of(LoRACompute),
             "dtype of the LoRA matmuls for every method: fp32 (peft's: each activation cast up to the fp32 "
             "adapters) or bf16 (the adapters cast down to the activations' dtype at each call, as Unsloth's "
-            "kernels compute; weights, gradients and optimizer state stay fp32)", "LoRA matmul dtype"),
+            "kernels compute; weights, gradients and optimizer state stay fp32)", "LoRA matmul dtype",
+            report_default=False),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
             "shape allows, else memory-efficient, else math)", "Attention"),

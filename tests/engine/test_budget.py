@@ -121,6 +121,23 @@ def test_the_reserve_covers_the_holes_a_long_context_backward_left(q72):
     assert P.build_plan(q72, request(**{**kw, "process": planned_only})).memory.allocator_reserve < holes
 
 
+def test_a_compiled_plan_counts_what_compiled_layers_allocate(q72):
+    """results/h200-compile: the compiled 40 GB plan at seq 512 (LoRA in bf16) peaked at 37.41 GB allocated,
+    above the 36.79 GB of tensors the eager model predicted for it. The same plan planned with `compile`
+    covers the peak; without it (the negative control, the row's own prediction) it does not."""
+    rows = [json.loads(line) for line in (RESULTS / "h200-compile/results.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["method"] == "poros" and r["plan_name"] == "40GB")
+    recorded = row["plan"]
+    kw = dict(seq_len=row["config"]["seq_len"], block_size=recorded["block_size"],
+              resident_layers=len(recorded["resident_layers"]), head_resident=recorded["head_resident"],
+              overlap_backward=row["config"]["overlap_backward"], offload_inputs=True)  # as the planner chose
+    eager = P.build_plan(q72, request(**kw))
+    assert eager.memory.allocated == recorded["peak_vram_bytes"]  # the plan that ran, as it was predicted
+    peak = row["peak_vram_gb"] * GB
+    assert P.build_plan(q72, request(**kw, compile=True)).memory.allocated >= peak > eager.memory.allocated
+    assert P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", compile=True)).compile
+
+
 # --- budgets --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seq, budget, graphs", [(512, 24, False), (512, 24, True), (512, 40, False),
