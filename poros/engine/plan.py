@@ -184,12 +184,6 @@ ALLOCATOR_SLACK = 0.05
 # grow with them: the share is the smallest that covers the holes of the long-context refusal recorded in
 # results/h200-budget-nvml/oom_seq16384.json (tests/engine/test_budget.py holds it to them), and half again.
 TRANSIENT_SLACK = 0.12
-# COMPILED_EXTRA: what compiled decoder layers (`compile`) allocate beyond the eager model above, taken as a
-# fixed cost: the compiled 40 GB plan at seq 512 in results/h200-compile peaked 0.62 GB above its eager
-# prediction, rounded up (tests/engine/test_budget.py holds it to that row). The compiled 16,384-token plan
-# in results/h200-compile-long peaked 3.2 GB below its prediction, so a share of the transient bytes is
-# not what the rows show.
-COMPILED_EXTRA = 7 * 10**8
 
 
 @dataclass(frozen=True)
@@ -571,7 +565,6 @@ class PlanRequest:
     kept_layers: int | None = None
     placement: Placement = Placement.TAIL
     deterministic: bool = False
-    compile: bool = False  # compiled decoder layers (COMPILED_EXTRA)
     resident_layers: int = 0
     head_resident: bool | None = None  # None: resident unless two buffers rotate
     budget: int | None = None  # bytes of the process's device memory; recorded on the plan, fitted by `plan_for_budget`
@@ -601,7 +594,7 @@ class PlanRequest:
                    attention=cfg.attention.value, overlap_backward=cfg.overlap_backward, cuda_graphs=cfg.cuda_graphs,
                    offload_inputs=True if cfg.offload_inputs else None, loss_chunk=cfg.loss_chunk or 0,
                    keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
-                   deterministic=cfg.deterministic, compile=cfg.compile, budget=budget, process=process,
+                   deterministic=cfg.deterministic, budget=budget, process=process,
                    shards=ranks if getattr(cfg, "shard_stream", False) else 1)
 
 
@@ -668,7 +661,7 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
         resident_weights=sum(b.nbytes for b in buffers if b.resident) + (geo.head_bytes if head_resident else 0),
         lora=lora_bytes(geo, r.lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
-        transient=max(head_t, layer_t + grads_in_flight) + (COMPILED_EXTRA if r.compile else 0),
+        transient=max(head_t, layer_t + grads_in_flight),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
         # model is fitted to); every resident layer has its own weights' addresses, so its own templates
         # a kept layer has a template of its own per micro-batch kept at once, with its own input

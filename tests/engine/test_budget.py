@@ -121,21 +121,32 @@ def test_the_reserve_covers_the_holes_a_long_context_backward_left(q72):
     assert P.build_plan(q72, request(**{**kw, "process": planned_only})).memory.allocator_reserve < holes
 
 
-def test_a_compiled_plan_counts_what_compiled_layers_allocate(q72):
-    """results/h200-compile: the compiled 40 GB plan at seq 512 (LoRA in bf16) peaked at 37.41 GB allocated,
-    above the 36.79 GB of tensors the eager model predicted for it. The same plan planned with `compile`
-    covers the peak; without it (the negative control, the row's own prediction) it does not."""
-    rows = [json.loads(line) for line in (RESULTS / "h200-compile/results.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if r["method"] == "poros" and r["plan_name"] == "40GB")
-    recorded = row["plan"]
-    kw = dict(seq_len=row["config"]["seq_len"], block_size=recorded["block_size"],
-              resident_layers=len(recorded["resident_layers"]), head_resident=recorded["head_resident"],
-              overlap_backward=row["config"]["overlap_backward"], offload_inputs=True)  # as the planner chose
-    eager = P.build_plan(q72, request(**kw))
-    assert eager.memory.allocated == recorded["peak_vram_bytes"]  # the plan that ran, as it was predicted
-    peak = row["peak_vram_gb"] * GB
-    assert P.build_plan(q72, request(**kw, compile=True)).memory.allocated >= peak > eager.memory.allocated
-    assert P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", compile=True)).compile
+def compiled_rows():
+    """The poros rows of compiled layers with LoRA in bf16 (results/h200-compile at seq 512, results/h200-compile-long
+    at 16,384 tokens), each plan as predicted when it ran."""
+    for name in ("h200-compile/results.jsonl", "h200-compile-long/results.jsonl"):
+        for line in (RESULTS / name).read_text().splitlines():
+            row = json.loads(line)
+            if row["method"] == "poros" and row["status"] == "ok":
+                yield row
+
+
+def test_compiled_plans_held_their_budget_as_predicted():
+    """The eager memory model's process total covers each compiled plan's NVML peak and its allocator share the
+    reserved peak, so a compiled plan keeps its budget. Compiled layers did allocate beyond the predicted tensors
+    at seq 512: the 40 GB plan's allocated peak exceeded them by 0.62 GB, and only the allocator's reserve covered
+    it (the negative control: the tensors alone fall short). At 16,384 tokens, with LoRA in bf16, the peak was
+    3.2 GB under them."""
+    rows = {r["plan_name"]: r for r in compiled_rows()}
+    assert set(rows) == {"40GB", "100GB+kept+graphs", "24GB+offload"}
+    for name, row in rows.items():
+        assert row["config"]["compile"] and row["config"]["lora_compute"] == "bf16"
+        m = P.Memory(**row["plan"]["memory"])
+        assert m.total >= row["peak_vram_nvml_gb"] * GB, name
+        assert m.allocator >= row["peak_reserved_gb"] * GB, name
+        assert m.total <= row["config"]["vram_budget"], name
+    forty = rows["40GB"]
+    assert P.Memory(**forty["plan"]["memory"]).allocated < forty["peak_vram_gb"] * GB  # negative control
 
 
 # --- budgets --------------------------------------------------------------------------------------
