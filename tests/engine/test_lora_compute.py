@@ -121,11 +121,13 @@ def test_an_unknown_value_is_refused():
 
 
 @pytest.mark.slow
-def test_compiled_poros_equals_compiled_resident(stores):
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"],
+                         ids=lambda m: f"model={m}")
+def test_compiled_poros_equals_compiled_resident(stores, model):
     """Both settings that make long context fast, together: compiled layers computing LoRA in bf16."""
     torch._dynamo.reset()
     try:
-        result = parity(config("tiny-qwen2", compile=True), steps=STEPS, store=stores("tiny-qwen2"))
+        result = parity(config(model, compile=True), steps=STEPS, store=stores(model))
     finally:
         torch._dynamo.reset()
     assert result.ok, f"first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
