@@ -129,15 +129,7 @@ def seed_int(v):
 
 def positive_number(v):
     """A finite number > 0 (inf and nan are refused: a step with them writes NaN everywhere)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"expected a number > 0, got {_short(v)}")
-    try:
-        f = float(v)
-    except OverflowError:  # an integer beyond a float's range
-        raise ValueError(f"expected a finite number > 0, got {_short(v)}") from None
-    if not math.isfinite(f) or not f > 0:
-        raise ValueError(f"expected a finite number > 0, got {_short(v)}")
-    return f
+    return _number(v, "a number > 0", lambda f: f > 0, out_of_range="a finite number > 0")
 
 
 def non_negative_int(v):
@@ -146,15 +138,17 @@ def non_negative_int(v):
     return v
 
 
-def _number(v, what: str, ok: Callable[[float], bool]) -> float:
+def _number(v, what: str, ok: Callable[[float], bool], out_of_range: str | None = None) -> float:
+    """`v` as a float that is finite and `ok`; errors say `what` was expected (`out_of_range` for a number
+    that is not finite or not `ok`, where given)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"expected {what}, got {_short(v)}")
     try:
         f = float(v)
-    except OverflowError:
+    except OverflowError:  # an integer beyond a float's range
         raise ValueError(f"expected a finite {what.removeprefix('a ')}, got {_short(v)}") from None
     if not math.isfinite(f) or not ok(f):
-        raise ValueError(f"expected {what}, got {_short(v)}")
+        raise ValueError(f"expected {out_of_range or what}, got {_short(v)}")
     return f
 
 
