@@ -47,6 +47,9 @@ def _post_init(self) -> None:
     if self.shard_stream is True and isinstance(self.gpus, int) and self.gpus < 2:
         problems.append(f"shard_stream: shares each streamed copy among data-parallel ranks, so it needs gpus > 1; "
                         f"got gpus={self.gpus}")
+    if self.keep_attention is True and self.cuda_graphs is True:
+        problems.append("keep_attention: hands attention's recorded results back at each call, which a replayed "
+                        "CUDA graph does not make; drop cuda_graphs (--no-cuda-graphs) or keep_attention")
     if self.cuda_graphs is True and isinstance(self.lora_dropout, float) and self.lora_dropout > 0:
         problems.append(f"lora_dropout: its masks are drawn per call, which a replayed CUDA graph does not do; "
                         f"drop cuda_graphs (--no-cuda-graphs) or lora_dropout, got lora_dropout={self.lora_dropout}")

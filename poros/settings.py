@@ -342,6 +342,11 @@ SETTINGS: tuple[Setting, ...] = (
             "poros: resident layers keep their activations from forward to backward instead of recomputing them "
             "(resident QLoRA's own arithmetic; with CUDA graphs in templates of their own; the plan counts their "
             "memory)", "Kept activations (resident layers)"),
+    Setting("keep_attention", False, SCHEDULE, flag,
+            "poros, without cuda_graphs: each recomputed layer saves its fused attention's output and log-sum-exp "
+            "with its input, and its recompute takes them instead of running attention's forward again (the "
+            "backward gets the same tensors; the plan counts their memory)", "Kept attention (recomputed layers)",
+            report_default=False),
     Setting("kept_layers", None, SCHEDULE, optional_positive_int,
             "poros, with keep_activations: at most this many resident layers keep their activations, spread "
             "evenly among them; the others recompute", "Kept-activation layers",

@@ -183,10 +183,33 @@ class DeviceBuffers:
 
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """The strides a saved copy keeps: `t`'s own where they cover its elements densely, without overlap (e.g.
+    attention's output, a transposed view), else contiguous ones."""
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride)
+    span = 1
+    for d in dims:
+        if t.stride(d) != span:
+            strides, span = [], 1
+            for size in reversed(t.shape):
+                strides.append(span)
+                span *= max(size, 1)
+            return tuple(reversed(strides))
+        span *= t.shape[d]
+    return tuple(t.stride())
+
+
+def _empty_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialized tensor of `t`'s shape, dtype and saved layout on `device`."""
+    return torch.empty_strided(t.shape, _layout(t), dtype=t.dtype, device=device, pin_memory=pin_memory)
+
+
 class SavedInputs:
-    """Each layer's input, kept for its recompute: on the device, or (plan.offload_inputs) copied to
-    pinned host memory in forward on a device->host stream, and brought back on the copy stream, a
-    window of backward operations ahead, into fresh device memory. The bytes are the same either way."""
+    """What each layer's recompute needs, one tuple of tensors per (layer, micro-batch): its input, and with
+    `keep_attention` its attention's output and log-sum-exp (poros/engine/kept_attention.py). On the device, or
+    (plan.offload_inputs) copied to pinned host memory in forward on a device->host stream, and brought back
+    on the copy stream, a window of backward operations ahead, into fresh device memory. The bytes are the same
+    either way."""
 
     def __init__(self, plan: P.Plan, device: torch.device, copy_stream=None):
         self.offload, self.device = plan.offload_inputs, device
@@ -194,30 +217,40 @@ class SavedInputs:
         self.copy_stream = copy_stream
         self.d2h = torch.cuda.Stream(device) if self.cuda and self.offload else None
         self.window = plan.input_window
-        self.kept: dict = {}  # key -> device tensor
-        self.host: dict = {}  # key -> (host tensor, event after its device->host copy)
-        self.ready: dict = {}  # key -> event after its host->device copy
-        self._pool: list[torch.Tensor] = []  # host buffers, reused step after step
+        self.kept: dict = {}  # key -> device tensors
+        self.host: dict = {}  # key -> (host tensors, event after their device->host copy)
+        self.ready: dict = {}  # key -> (event after the host->device copy, host tensors)
+        self._pool: dict[tuple, list] = {}  # (shape, dtype) of each tensor -> host tensors, reused step after step
         self.bytes_d2h = self.bytes_h2d = 0
 
-    def put(self, key, x: torch.Tensor) -> None:
+    @staticmethod
+    def _kind(tensors) -> tuple:
+        return tuple((tuple(t.shape), _layout(t), t.dtype) for t in tensors)
+
+    def put(self, key, *tensors: torch.Tensor) -> None:
         if not self.offload:
-            self.kept[key] = x
+            self.kept[key] = tensors
             return
-        host = self._pool.pop() if self._pool and self._pool[-1].shape == x.shape else torch.empty(
-            x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        pool = self._pool.get(self._kind(tensors))
+        host = pool.pop() if pool else tuple(_empty_like(t, "cpu", pin_memory=self.cuda) for t in tensors)
         if self.cuda:
             self.d2h.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h):
-                host.copy_(x, non_blocking=True)
+                for h, t in zip(host, tensors):
+                    h.copy_(t, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.d2h)
-            x.record_stream(self.d2h)  # its memory is not reused before the copy ends
+            for t in tensors:
+                t.record_stream(self.d2h)  # its memory is not reused before the copy ends
         else:
-            host.copy_(x)
+            for h, t in zip(host, tensors):
+                h.copy_(t)
             done = None
         self.host[key] = (host, done)
-        self.bytes_d2h += x.numel() * x.element_size()
+        self.bytes_d2h += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _recycle(self, host) -> None:
+        self._pool.setdefault(self._kind(host), []).append(host)
 
     def prefetch(self, key) -> None:
         if key in self.kept or key not in self.host:
@@ -226,33 +259,36 @@ class SavedInputs:
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(done)
-                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-                dev.copy_(host, non_blocking=True)
+                dev = tuple(_empty_like(h, self.device) for h in host)
+                for d, h in zip(dev, host):
+                    d.copy_(h, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
             self.ready[key] = (ready, host)
         else:
-            dev = host.clone()
-            self._pool.append(host)
+            dev = tuple(_empty_like(h, self.device).copy_(h) for h in host)
+            self._recycle(host)
         self.kept[key] = dev
-        self.bytes_h2d += dev.numel() * dev.element_size()
+        self.bytes_h2d += sum(d.numel() * d.element_size() for d in dev)
 
-    def take(self, key) -> torch.Tensor:
+    def take(self, key) -> tuple[torch.Tensor, ...]:
+        """The tensors `put` under `key`, given up."""
         self.prefetch(key)
-        x = self.kept.pop(key)
+        tensors = self.kept.pop(key)
         if key in self.ready:
             ready, host = self.ready.pop(key)
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(ready)
-            x.record_stream(stream)  # allocated on the copy stream, read here
-            self._pool.append(host)  # reusable once the copy is done: the next put follows this wait
-        return x
+            for t in tensors:
+                t.record_stream(stream)  # allocated on the copy stream, read here
+            self._recycle(host)  # reusable once the copy is done: the next put follows this wait
+        return tensors
 
-    def peek(self, key) -> torch.Tensor:
-        """The input without giving it up (a template that may decline still needs it)."""
-        x = self.take(key)
-        self.kept[key] = x
-        return x
+    def peek(self, key) -> tuple[torch.Tensor, ...]:
+        """The tensors without giving them up (a template that may decline still needs them)."""
+        tensors = self.take(key)
+        self.kept[key] = tensors
+        return tensors
 
     def __len__(self) -> int:
         return len(self.kept) + len(self.host)

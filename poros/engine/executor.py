@@ -37,6 +37,7 @@ from poros.engine.attention import sdpa_context
 from poros.engine.buffers import HEAD_KEY, DeviceBuffers, SavedInputs
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.graphs import LayerTemplates
+from poros.engine import kept_attention
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
@@ -150,6 +151,7 @@ class PorosTrainer(Trainer):
 
     def __init__(self, store, cfg, world: World = SINGLE, *, plan: P.Plan | None = None, check_plan: bool = True):
         self._given_plan, self._check_plan = plan, check_plan
+        self._attention_kernels = contextlib.ExitStack()  # keep_attention's kernels, registered while this lives
         self._pass, self._step, self._gathers = _Pass.PLAIN, None, None
         super().__init__(store, cfg, world)
 
@@ -169,9 +171,12 @@ class PorosTrainer(Trainer):
             return self._make_within_limit()
         except BaseException:  # a trainer never built is never closed: the cap goes now
             self.allocator_limit.release()
+            self._attention_kernels.close()
             raise
 
     def _make_within_limit(self) -> QLoRAModel:
+        if self.cfg.keep_attention:
+            self._attention_kernels.enter_context(kept_attention.installed())
         model = self._host_model()
         self._shared_stream()
         self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight,
@@ -246,7 +251,7 @@ class PorosTrainer(Trainer):
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""
         t, worker, compiled = self.templates, self._worker, self.cfg.compile
-        recompute = Recompute(layers, worker, self.saved, compiled) if t is None else TemplateRecompute(
+        recompute = Recompute(layers, worker, self.saved, compiled, self.cfg.keep_attention) if t is None else TemplateRecompute(
             layers, worker, self.saved, t, compiled)
         kept = Kept(layers, worker, compiled) if t is None else TemplateKept(layers, worker, t, compiled)
         return [kept if i in self.plan.kept_layers else recompute for i in range(len(layers))]
@@ -413,6 +418,12 @@ class PorosTrainer(Trainer):
             out.update(input_bytes_d2h=self.saved.bytes_d2h, input_bytes_h2d=self.saved.bytes_h2d)
             out["bytes_h2d"] += self.saved.bytes_h2d
         out["peak_blocks_resident"] = sum(not b.resident for b in self.plan.buffers)
+        if self.cfg.keep_attention:  # fused attention calls of the recomputes: taken from the forward, or run again
+            recompute = next((r for r in self.runners if isinstance(r, Recompute)), None)
+            calls = recompute.attention_calls if recompute is not None else {}
+            out.update(attention_replayed=calls.get("replayed", 0), attention_computed=calls.get("computed", 0))
+            for k in calls:
+                calls[k] = 0
         if self.reducer is not None:
             out["allreduce_bytes"] = self.reducer.bytes
             self.reducer.bytes = 0
@@ -437,6 +448,7 @@ class PorosTrainer(Trainer):
         release_group(self._gathers)
         self._gathers = None
         super().close()
+        self._attention_kernels.close()
         self.allocator_limit.release()  # after the device memory is freed, so nothing allocates past the cap
 
     @contextlib.contextmanager

@@ -332,8 +332,9 @@ class Plan:
     # saved layer inputs: kept on the device, or copied to host memory in forward (device->host, the
     # direction the weights leave idle) and back ahead of their backward, `input_window` at a time
     offload_inputs: bool = False
-    input_bytes: int = 0  # one saved input (one layer, one micro-batch)
+    input_bytes: int = 0  # what one recompute needs saved (one layer, one micro-batch): input, kept attention
     input_window: int = 0
+    keep_attention: bool = False  # recomputed layers save their attention's results with their input
     # resident layers that keep their activations from forward to backward: no recompute, resident
     # QLoRA's own forward with autograd and its backward from the kept output
     kept_layers: tuple[int, ...] = ()
@@ -561,6 +562,7 @@ class PlanRequest:
     cuda_graphs: bool = False
     offload_inputs: bool | None = None  # None: the planner decides under a budget, else on the device
     loss_chunk: int = 0
+    keep_attention: bool = False
     keep_activations: bool = False
     kept_layers: int | None = None
     placement: Placement = Placement.TAIL
@@ -593,7 +595,7 @@ class PlanRequest:
                    seq_len=cfg.seq_len, batch_size=cfg.batch_size, lora_rank=cfg.lora_rank,
                    attention=cfg.attention.value, overlap_backward=cfg.overlap_backward, cuda_graphs=cfg.cuda_graphs,
                    offload_inputs=True if cfg.offload_inputs else None, loss_chunk=cfg.loss_chunk or 0,
-                   keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
+                   keep_attention=cfg.keep_attention, keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
                    deterministic=cfg.deterministic, budget=budget, process=process,
                    shards=ranks if getattr(cfg, "shard_stream", False) else 1)
 
@@ -652,8 +654,9 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
                 setup.append(Op(GATHER, group=grp, buffer=b))
     live = grad_accum if accumulation is Accumulation.LAYER else 1  # micro-batches whose inputs are kept at once
     one_input = seq_len * batch_size * geo.hidden * 2
+    one_saved = one_input + (attention_bytes(geo, seq_len, batch_size) if r.keep_attention else 0)
     window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
-    saved = (window + live) * one_input if offload_inputs else n * live * one_input
+    saved = (window + live) * one_saved if offload_inputs else n * live * one_saved
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, r.loss_chunk, r.deterministic)
     kept = kept_set(resident_order, r.kept_layers) if r.keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
@@ -672,11 +675,21 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         graph_pool=-(-layer_t * GRAPH_POOL_PER_LAYER // 100) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
-                one_input, window, kept, shards=shards)
+                one_saved, window, r.keep_attention, kept, shards=shards)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
     return plan
+
+
+LSE_ROWS = 32  # memory-efficient attention pads its log-sum-exp's rows to a multiple of this
+
+
+def attention_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
+    """What `keep_attention` saves per layer and micro-batch: the widest layer's attention output (bf16) and its
+    log-sum-exp (fp32, per head and query row)."""
+    rows = -(-seq_len // LSE_ROWS) * LSE_ROWS
+    return seq_len * batch * geo.q_width * 2 + batch * geo.heads * rows * 4
 
 
 def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: str) -> int:
@@ -909,7 +922,8 @@ def describe(plan: Plan) -> str:
         *([f"  shared stream over {plan.shards} ranks: each rank copies its 1/{plan.shards} of every streamed "
            f"block from host memory (above: rank 0's) and all-gathers {gb(plan.gathered_bytes_per_step)} per "
            "optimizer step from the others, in place into the stream buffers"] if plan.shards > 1 else []),
-        f"  saved layer inputs: {'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
+        f"  saved layer inputs{' and attention results' if plan.keep_attention else ''}: "
+        f"{'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
     ]
     m = plan.memory
     parts = m.parts()

@@ -3,7 +3,10 @@
   Recompute       forward without autograd, its input saved (`SavedInputs`); backward recomputes the
                   forward from that input with autograd, then backpropagates (one layer's activations
                   on the device at a time). Given a worker thread (`overlap_backward`) the backward is
-                  enqueued there, while the executor's thread enqueues the next layer's recompute.
+                  enqueued there, while the executor's thread enqueues the next layer's recompute. With
+                  `keep_attention` the forward's attention results are saved with the input and the
+                  recompute takes them instead of running attention's forward again
+                  (poros/engine/kept_attention.py).
   Kept            resident QLoRA's forward, with autograd, its activations kept until its backward
                   (`keep_activations`: no recompute).
   TemplateRecompute, TemplateKept
@@ -30,6 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from poros.engine import kept_attention
 from poros.engine.buffers import SavedInputs
 from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall, hidden_of
@@ -91,15 +95,28 @@ class Runner(abc.ABC):
 
 
 class Recompute(Runner):
-    def __init__(self, layers, worker, saved: SavedInputs, compiled: bool = False):
+    """Args:
+        keep_attention: save the forward's attention results with the input; the recompute takes them
+            (while `kept_attention.installed()` is entered).
+    """
+
+    def __init__(self, layers, worker, saved: SavedInputs, compiled: bool = False, keep_attention: bool = False):
         super().__init__(layers, worker, compiled)
-        self.saved = saved
+        self.saved, self.keep_attention = saved, keep_attention
         self.calls: dict[Key, tuple[LayerCall, bool]] = {}  # the call and whether its input requires grad
+        self.attention: dict[Key, kept_attention.AttentionRecord] = {}  # keep_attention: the forward's calls
+        self.attention_calls = {"replayed": 0, "computed": 0}  # keep_attention: fused attention calls in recomputes
 
     def forward(self, key, x, call):
-        self.saved.put(key, x)
         self.calls[key] = (call, self.input_grad(key, x))
-        return self._forward(key, x, call)
+        if not self.keep_attention:
+            self.saved.put(key, x)
+            return self._forward(key, x, call)
+        with kept_attention.recording() as record:
+            out = self._forward(key, x, call)
+        self.saved.put(key, x, *record.large())
+        self.attention[key] = record.with_large(())  # the large tensors are the saved ones
+        return out
 
     def _forward(self, key, x, call):
         if not self.compiled:
@@ -112,8 +129,15 @@ class Recompute(Runner):
     def recompute(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's forward again, with autograd, from its saved input: (input leaf, output)."""
         call, wants = self.calls.pop(key)
-        x = self.saved.take(key).detach().requires_grad_(wants)
-        return x, hidden_of(call(self.layers[key[0]], x))
+        x, *large = self.saved.take(key)
+        x = x.detach().requires_grad_(wants)
+        if key not in self.attention:
+            return x, hidden_of(call(self.layers[key[0]], x))
+        with kept_attention.replaying(self.attention.pop(key).with_large(large)) as counts:
+            out = hidden_of(call(self.layers[key[0]], x))
+        for k, v in counts.items():
+            self.attention_calls[k] += v
+        return x, out
 
     def backward(self, key, grad):
         x, h = self.recompute(key)  # enqueued while the backward in flight runs (overlap_backward)
@@ -124,6 +148,7 @@ class Recompute(Runner):
 
     def clear(self) -> None:
         self.calls.clear()
+        self.attention.clear()
 
 
 class TemplateRecompute(Recompute):
@@ -142,7 +167,7 @@ class TemplateRecompute(Recompute):
         if not self.calls[key][1]:
             x, h = self.recompute(key)
             return self._backpropagate(x, h, g)
-        out = self.templates.run(key[0], self.layers[key[0]], self.saved.peek(key), self.calls[key][0], g)
+        out = self.templates.run(key[0], self.layers[key[0]], self.saved.peek(key)[0], self.calls[key][0], g)
         if out is not None:
             self.saved.take(key)
             del self.calls[key]

@@ -54,6 +54,8 @@ def schedule_kind(config: dict) -> list[str]:
     if config.get("keep_activations"):
         kept = config.get("kept_layers")
         parts.append("activations kept" + ("" if kept is None else f" ({kept} layers)"))
+    if config.get("keep_attention"):
+        parts.append("attention kept")
     if config.get("cuda_graphs"):
         parts.append("CUDA graphs")
     return parts
