@@ -445,4 +445,8 @@ def copy_summary(step_counters: list[dict]) -> dict:
     reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
     if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
         out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)
+    kept = [c for c in counters if "attention_replayed" in c]
+    if kept:  # keep_attention: fused attention calls per step the recomputes took from the forward, or ran again
+        out["attention_replayed_per_step"] = sum(c["attention_replayed"] for c in kept) / len(kept)
+        out["attention_computed_per_step"] = sum(c["attention_computed"] for c in kept) / len(kept)
     return out

@@ -425,6 +425,16 @@ def test_copy_rate_counts_only_the_bytes_its_time_covers():
     assert out["copy_gbps"] == pytest.approx(55.0)
 
 
+def test_rows_count_the_attention_calls_recomputes_took_from_the_forward():
+    from poros.harness.bench import copy_summary
+
+    base = {"bytes_h2d": 10, "copy_s": 1.0, "copy_wait_s": 0.0}
+    assert "attention_replayed_per_step" not in copy_summary([base])
+    out = copy_summary([{**base, "attention_replayed": 80, "attention_computed": 0},
+                        {**base, "attention_replayed": 78, "attention_computed": 2}])
+    assert out["attention_replayed_per_step"] == 79 and out["attention_computed_per_step"] == 1
+
+
 def test_a_kept_gate_failure_holds_none_of_its_frames_locals():
     """A gate outcome that raised is kept for every cell that needs it; the trainer that failed (a local of
     a frame in its traceback, or in its cause's) must not stay on the device with it."""
