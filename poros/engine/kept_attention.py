@@ -12,9 +12,10 @@ counts them (`attention_bytes`).
 Where: a kernel of the fused attention ops at the ADInplaceOrView dispatch key, below autograd and reached by
 every call of the op (eager code, and the compiled code inductor emits, which calls the op as a fallback
 kernel). While no layer records or replays, it passes the call on unchanged; it is registered while a trainer
-with the setting lives (`installed`). A call whose op or arguments differ from the recorded one, a call being
-traced (fake tensors), a call with dropout, and a math-backend call (no fused op) are computed as without the
-setting. A CUDA graph would capture the hand-back itself, so TrainConfig refuses the setting with
+with the setting lives (`installed`). A recorded memory-efficient call asks for its log-sum-exp, as
+the call with autograd does (`with_log_sumexp`). A call whose op or arguments differ from the recorded one, a
+call being traced (fake tensors), a call with dropout, and a math-backend call (no fused op) are computed as
+without the setting. A CUDA graph would capture the hand-back itself, so TrainConfig refuses the setting with
 `cuda_graphs`.
 """
 
@@ -34,6 +35,8 @@ FUSED = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
 }
 LARGE = 2  # outputs that travel with the saved input: output and log-sum-exp
+_EFFICIENT = _aten._scaled_dot_product_efficient_attention.default
+_LSE_ARG = 4  # memory-efficient attention's compute_log_sumexp: False in a forward without autograd
 _KEY = "ADInplaceOrView"  # a key every training tensor carries, below autograd, a fallthrough for these ops
 
 
@@ -98,6 +101,17 @@ def _recordable(op, args, kwargs) -> bool:
     return type(args[0]) is torch.Tensor and not dropout
 
 
+def with_log_sumexp(op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call as autograd makes it: memory-efficient attention called without autograd skips its log-sum-exp,
+    which the recompute's backward needs, so a recorded call asks for it (the output is the same tensor the
+    call with autograd, resident's, computes)."""
+    if op is not _EFFICIENT:
+        return args, kwargs
+    if len(args) > _LSE_ARG:
+        return (*args[:_LSE_ARG], True, *args[_LSE_ARG + 1:]), kwargs
+    return args, {**kwargs, "compute_log_sumexp": True}
+
+
 def _kernel(op):
     def kernel(*args, **kwargs):
         active = getattr(_state, "active", None)
@@ -110,9 +124,12 @@ def _kernel(op):
                         return call.outputs()
                     active.pending.clear()  # out of step with the record: every later call computes
                 active.counts["computed"] += 1
+        records = active is not None and active.record is not None and _recordable(op, args, kwargs)
+        if records:
+            args, kwargs = with_log_sumexp(op, args, kwargs)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _KEY))):
             out = op(*args, **kwargs)
-        if active is not None and active.record is not None and _recordable(op, args, kwargs):
+        if records:
             active.record.calls.append(AttentionCall(op, _signature(args, kwargs), tuple(out[:LARGE]),
                                                      tuple(out[LARGE:])))
         return out

@@ -161,3 +161,15 @@ def test_compiled_layers_with_kept_attention_keep_parity(stores, model):
 def test_kept_attention_is_refused_with_cuda_graphs():
     with pytest.raises(ConfigError, match="keep_attention"):
         TrainConfig(model="tiny-qwen2", keep_attention=True, cuda_graphs=True, device="cuda")
+
+
+def test_a_recorded_memory_efficient_call_asks_for_its_log_sumexp():
+    """Without autograd, memory-efficient attention skips its log-sum-exp; the record asks for it, as the call
+    with autograd (resident's, and the recompute's) does, so the two calls match."""
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    args = ("q", "k", "v", None, False, 0.0, True)
+    assert kept_attention.with_log_sumexp(efficient, args, {}) == (("q", "k", "v", None, True, 0.0, True), {})
+    assert kept_attention.with_log_sumexp(efficient, args[:4], {"compute_log_sumexp": False}) == (
+        args[:4], {"compute_log_sumexp": True})
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    assert kept_attention.with_log_sumexp(flash, args, {}) == (args, {})
