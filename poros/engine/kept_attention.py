@@ -137,33 +137,37 @@ def _kernel(op):
     return kernel
 
 
-_lock = threading.Lock()
-_library: list = [None, 0]  # the registration and how many `installed` contexts hold it
+class _Registration:
+    """The kernels' registration, shared by every `installed` holder in the process."""
+
+    lock = threading.Lock()
+    library: torch.library.Library | None = None
+    holders = 0
 
 
 @contextlib.contextmanager
 def installed():
     """The kernels registered for as long as this is entered (by any number of holders at once)."""
-    with _lock:
-        if _library[1] == 0:
-            lib = torch.library.Library("aten", "IMPL")
+    reg = _Registration
+    with reg.lock:
+        if reg.holders == 0:
+            reg.library = torch.library.Library("aten", "IMPL")
             for op in FUSED:
-                lib.impl(op._schema.name.removeprefix("aten::"), _kernel(op), _KEY)
-            _library[0] = lib
-        _library[1] += 1
+                reg.library.impl(op._schema.name.removeprefix("aten::"), _kernel(op), _KEY)
+        reg.holders += 1
     try:
         yield
     finally:
-        with _lock:
-            _library[1] -= 1
-            if _library[1] == 0:
-                _library[0]._destroy()
-                _library[0] = None
+        with reg.lock:
+            reg.holders -= 1
+            if reg.holders == 0:
+                reg.library._destroy()
+                reg.library = None
 
 
 @contextlib.contextmanager
 def _active(state: _Active):
-    if _library[0] is None:
+    if _Registration.library is None:
         raise RuntimeError("kept attention records and replays only while its kernels are installed")
     before = getattr(_state, "active", None)
     _state.active = state
