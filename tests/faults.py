@@ -1,4 +1,5 @@
-"""Plans that break a rule on purpose, for negative controls (CPU tests and the GPU gate)."""
+"""Faults made on purpose for negative controls (CPU tests and the GPU gate): plans that break a rule, and a
+kept tensor changed."""
 
 from __future__ import annotations
 
@@ -37,3 +38,20 @@ def reverse_micro_batches_in_backward(plan: P.Plan) -> P.Plan:
         else:
             i += 1
     return replace(plan, step=tuple(ops))
+
+
+def change_kept_attention_output(monkeypatch) -> None:
+    """From now on (for the test), every recompute takes a kept attention output with one value changed."""
+    from poros.engine import kept_attention
+
+    real = kept_attention.AttentionRecord.with_large
+
+    def with_large(self, tensors):
+        tensors = tuple(tensors)
+        if tensors:
+            out = tensors[0].clone()
+            out[0, 0, 0, 3] += 1
+            tensors = (out, *tensors[1:])
+        return real(self, tensors)
+
+    monkeypatch.setattr(kept_attention.AttentionRecord, "with_large", with_large)

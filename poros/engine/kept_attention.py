@@ -38,6 +38,7 @@ LARGE = 2  # outputs that travel with the saved input: output and log-sum-exp
 _EFFICIENT = _aten._scaled_dot_product_efficient_attention.default
 _LSE_ARG = 4  # memory-efficient attention's compute_log_sumexp: False in a forward without autograd
 _KEY = "ADInplaceOrView"  # a key every training tensor carries, below autograd, a fallthrough for these ops
+_BELOW = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _KEY))  # excluded: the call goes on to the op's kernel
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
@@ -115,19 +116,19 @@ def with_log_sumexp(op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _kernel(op):
     def kernel(*args, **kwargs):
         active = getattr(_state, "active", None)
-        if active is not None and _recordable(op, args, kwargs):
-            if active.pending is not None:
-                if active.pending:
-                    call = active.pending.pop(0)
-                    if call.op is op and call.signature == _signature(args, kwargs):
-                        active.counts["replayed"] += 1
-                        return call.outputs()
-                    active.pending.clear()  # out of step with the record: every later call computes
-                active.counts["computed"] += 1
-        records = active is not None and active.record is not None and _recordable(op, args, kwargs)
+        kept = active is not None and _recordable(op, args, kwargs)
+        if kept and active.pending is not None:
+            if active.pending:
+                call = active.pending.pop(0)
+                if call.op is op and call.signature == _signature(args, kwargs):
+                    active.counts["replayed"] += 1
+                    return call.outputs()
+                active.pending.clear()  # out of step with the record: every later call computes
+            active.counts["computed"] += 1
+        records = kept and active.record is not None
         if records:
             args, kwargs = with_log_sumexp(op, args, kwargs)
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _KEY))):
+        with torch._C._ExcludeDispatchKeyGuard(_BELOW):
             out = op(*args, **kwargs)
         if records:
             active.record.calls.append(AttentionCall(op, _signature(args, kwargs), tuple(out[:LARGE]),

@@ -18,12 +18,7 @@ from poros.settings import BY_NAME
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_caches():
-    """Each test compiles from scratch: compiled code from another test's layers must not be reused."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_caches")  # tests/engine/conftest.py
 
 
 def compiled(model: str, **settings) -> TrainConfig:

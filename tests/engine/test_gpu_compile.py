@@ -14,7 +14,6 @@ POROS_GPU_TEST_ATTENTION picks the backend (default fast).
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -33,14 +32,7 @@ STEPS = int(os.environ.get("POROS_GPU_TEST_STEPS", "2"))
 ATTN = os.environ.get("POROS_GPU_TEST_ATTENTION", "fast")
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_caches():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("fresh_compile_caches")  # tests/engine/conftest.py
 
 
 def _cfg(model: str, seq: int, **settings):

@@ -10,10 +10,8 @@ forward (`attention_replayed`); the negative control changes one kept value and 
 
 from __future__ import annotations
 
-import gc
 
 import pytest
-import torch
 
 from poros.engine.trainer import set_cublas_workspace
 from tests.capabilities import requires_gpu
@@ -24,14 +22,7 @@ TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 SEQ = 128
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_caches():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("fresh_compile_caches")  # tests/engine/conftest.py
 
 
 def _gate(model: str, **settings):
@@ -70,18 +61,8 @@ def test_gpu_kept_attention_keeps_parity(model, offload, compiled):
 @requires_gpu(1)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gpu_a_changed_kept_output_fails(monkeypatch, compiled):
-    from poros.engine import kept_attention
+    from tests.faults import change_kept_attention_output
 
-    real = kept_attention.AttentionRecord.with_large
-
-    def with_large(self, tensors):
-        tensors = tuple(tensors)
-        if tensors:
-            out = tensors[0].clone()
-            out[0, 0, 0, 3] += 1
-            tensors = (out, *tensors[1:])
-        return real(self, tensors)
-
-    monkeypatch.setattr(kept_attention.AttentionRecord, "with_large", with_large)
+    change_kept_attention_output(monkeypatch)
     result, _, _ = _gate("tiny-qwen2", compile=compiled)
     assert not result.ok

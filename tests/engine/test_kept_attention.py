@@ -13,6 +13,9 @@ from poros.engine.executor import PorosTrainer
 from poros.engine.parity import run_gate
 from poros.engine.trainer import ResidentTrainer
 from poros.errors import ConfigError
+from tests.faults import change_kept_attention_output
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_caches")  # tests/engine/conftest.py: some tests compile
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
@@ -63,17 +66,7 @@ def test_the_plan_counts_what_kept_attention_saves(stores):
 def test_a_changed_kept_output_fails_the_gate(stores, monkeypatch, compiled):
     """Negative control: the recompute really takes the kept tensors. One value of each layer's kept attention
     output changed must FAIL."""
-    real = kept_attention.AttentionRecord.with_large
-
-    def with_large(self, tensors):
-        tensors = tuple(tensors)
-        if tensors:
-            out = tensors[0].clone()
-            out[0, 0, 0, 3] += 1
-            tensors = (out, *tensors[1:])
-        return real(self, tensors)
-
-    monkeypatch.setattr(kept_attention.AttentionRecord, "with_large", with_large)
+    change_kept_attention_output(monkeypatch)
     cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=2, lr=1e-2, keep_attention=True, compile=compiled)
     result, _ = gate(stores("tiny-qwen2"), cfg)
     assert not result.ok and ".grad:" in result.first_mismatch, result.first_mismatch
