@@ -267,8 +267,9 @@ def _measure_child(session, cell, cfg, store, write) -> None:
         t0 = time.monotonic()
         child = measure_unsloth(store, cfg, m.steps, n, m.warmup_passes, log=progress)
         took = time.monotonic() - t0
-        for t in child["per_pass_s"]:
-            rec = {"index": len(earlier), "seconds": t, "counters": [], "child_s": took,
+        retries = child.get("alloc_retries") or [None] * len(child["per_pass_s"])
+        for t, retried in zip(child["per_pass_s"], retries, strict=True):
+            rec = {"index": len(earlier), "seconds": t, "counters": [], "child_s": took, "alloc_retries": retried,
                    "unsloth_version": child.get("unsloth_version"),
                    **{k: child.get(k) for k in ("peak_vram_gb", "peak_vram_nvml_gb", "peak_reserved_gb")}}
             session.passlog.add("pass", cell.id, fp, **rec)
@@ -279,7 +280,7 @@ def _measure_child(session, cell, cfg, store, write) -> None:
         return max(values) if values else None
 
     write(Measurement([r["seconds"] for r in earlier], [], peak("peak_vram_gb"), peak("peak_vram_nvml_gb"),
-                      peak_reserved_gb=peak("peak_reserved_gb")))
+                      peak_reserved_gb=peak("peak_reserved_gb"), alloc_retries=[r.get("alloc_retries") for r in earlier]))
 
 
 def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:

@@ -257,14 +257,22 @@ class SavedInputs:
             return
         host, done = self.host.pop(key)
         if self.cuda:
+            # Allocated on the stream that reads and frees them, from the memory its own intermediates come
+            # from: blocks allocated on the copy stream would be kept for the copy stream's later allocations
+            # alone, a second reserve beside the compute stream's. A block may have served an earlier tensor
+            # whose work that stream has not finished, so the copy waits for the stream to reach this point.
+            stream = torch.cuda.current_stream(self.device)
+            dev = tuple(_empty_like(h, self.device) for h in host)
+            allocated = torch.cuda.Event()
+            allocated.record(stream)
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(done)
-                dev = tuple(_empty_like(h, self.device) for h in host)
+                self.copy_stream.wait_event(allocated)
                 for d, h in zip(dev, host):
                     d.copy_(h, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
-            self.ready[key] = (ready, host)
+            self.ready[key] = (ready, host, stream)
         else:
             dev = tuple(_empty_like(h, self.device).copy_(h) for h in host)
             self._recycle(host)
@@ -276,11 +284,12 @@ class SavedInputs:
         self.prefetch(key)
         tensors = self.kept.pop(key)
         if key in self.ready:
-            ready, host = self.ready.pop(key)
+            ready, host, allocated_on = self.ready.pop(key)
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(ready)
-            for t in tensors:
-                t.record_stream(stream)  # allocated on the copy stream, read here
+            if stream != allocated_on:
+                for t in tensors:
+                    t.record_stream(stream)  # read on another stream than the one they were allocated on
             self._recycle(host)  # reusable once the copy is done: the next put follows this wait
         return tensors
 

@@ -147,7 +147,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)  # as poros.engine.trainer
         model.train()
         vocab = model.config.vocab_size
-        per_pass, step = [], 0
+        per_pass, retries, step = [], [], 0
 
         def one_step(step: int) -> torch.Tensor:
             for b in synthetic_step(vocab, cfg.seq_len, cfg.batch_size, cfg.grad_accum, seed=cfg.data_seed, step=step):
@@ -160,6 +160,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
 
         for n in range(args.warmup + args.passes):
             torch.cuda.synchronize()
+            retried = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             t0 = time.perf_counter()
             for s in range(args.steps):
                 loss = one_step(step)
@@ -170,11 +171,13 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
             print(f"  unsloth {kind}: {args.steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
             if n >= args.warmup:
                 per_pass.append(dt)
+                retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retried)
         if args.profile is not None:
             write_profile(args.profile, lambda: one_step(step))
     per_step = [t / args.steps for t in per_pass]
     print(RESULT + json.dumps({
         "per_pass_s": per_pass,
+        "alloc_retries": retries,
         "s_per_step_median": statistics.median(per_step),
         "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
         "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,

@@ -178,6 +178,9 @@ class Measurement:
     # what the NVML peak measured: "process" (this process's memory, what a budget holds) or "device" (every
     # process's, where NVML does not list this one)
     peak_vram_nvml_source: str | None = None
+    # per timed pass, the times torch's allocator found no free block within its cap (or the device), released
+    # its cache and tried again: each release waits for the device, so retries in a step stall its overlap
+    alloc_retries: list[int | None] = field(default_factory=list)
 
 
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
@@ -267,6 +270,21 @@ def _peaks(device: str, nvml) -> dict:
     return out
 
 
+def alloc_retries(device: str) -> int | None:
+    """torch's count of allocations that released the allocator's cache and tried again (None off CUDA)."""
+    if device != "cuda":
+        return None
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+def retries_per_step(meas: Measurement | None, steps: int) -> float | None:
+    """The allocator's retries per timed step (None where a pass did not count them)."""
+    counts = meas.alloc_retries if meas else []
+    if not counts or len(counts) != len(meas.per_pass_s) or any(c is None for c in counts):
+        return None
+    return sum(counts) / (len(counts) * steps)
+
+
 def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, label: str = "", *,
             warmup_steps: int | None = None, earlier: list[dict] = (), on_pass=None,
             deadline: float | None = None) -> Measurement:
@@ -286,16 +304,18 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
     for rec in earlier:
         out.per_pass_s.append(rec["seconds"])
         out.counters.extend(rec.get("counters") or [])
+        out.alloc_retries.append(rec.get("alloc_retries"))
     todo = passes - len(out.per_pass_s)
     wsteps = steps if warmup_steps is None else warmup_steps
     pace = {"s_per_step": None}
     peaks = [{k: rec.get(k) for k in PEAKS} for rec in earlier]
 
-    def one_pass(kind: str, n: int, nvml) -> tuple[float, list]:
+    def one_pass(kind: str, n: int, nvml) -> tuple[float, list, int | None]:
         if deadline is not None and pace["s_per_step"] is not None and \
                 time.monotonic() + pace["s_per_step"] * n > deadline:
             raise OutOfTime(f"{kind} would end past the time budget")
         _sync(device)
+        retried = alloc_retries(device)
         t0 = time.perf_counter()
         counters = []
         for s in range(n):
@@ -307,19 +327,20 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         _sync(device)
         elapsed = time.perf_counter() - t0
         pace["s_per_step"] = elapsed / n
-        return elapsed, counters
+        return elapsed, counters, None if retried is None else alloc_retries(device) - retried
 
     with NvmlPeak() as nvml:
         if todo > 0:
             for w in range(warmup):
                 one_pass("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps, nvml)
         for i in range(len(out.per_pass_s), passes):
-            elapsed, counters = one_pass(f"pass {i + 1}/{passes}", steps, nvml)
+            elapsed, counters, retried = one_pass(f"pass {i + 1}/{passes}", steps, nvml)
             out.per_pass_s.append(elapsed)
             out.counters.extend(counters)
+            out.alloc_retries.append(retried)
             peaks.append(_peaks(device, nvml))
             if on_pass is not None:
-                on_pass({"index": i, "seconds": elapsed, "counters": counters, **peaks[-1]})
+                on_pass({"index": i, "seconds": elapsed, "counters": counters, "alloc_retries": retried, **peaks[-1]})
     for k in PEAKS:
         values = [p[k] for p in peaks if p.get(k) is not None]
         setattr(out, k, max(values) if values else None)
@@ -381,6 +402,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "shard_stream": cfg.shard_stream,
         **{k: getattr(meas, k) if meas else None for k in PEAKS},
         "peak_vram_nvml_source": meas.peak_vram_nvml_source if meas else None,
+        "alloc_retries_per_step": retries_per_step(meas, steps),
         "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,
         "gate": pair[0].value if gate_applies else None,  # the reference of the gate this row took part in
