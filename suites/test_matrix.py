@@ -297,6 +297,12 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
     shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
     progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "
              f"{shown(row['peak_vram_gb'], '{:.2f}')} GB")
+    if row.get("capture_errors"):
+        progress(f"  {cell.method.value}: {row['capture_errors']} CUDA graph template(s) failed to capture; their "
+                 f"layers ran eagerly ({row['template_fallbacks']} eager layer calls)")
+    if row.get("alloc_retries_per_step"):
+        progress(f"  {cell.method.value}: the allocator released its cache {row['alloc_retries_per_step']:g} times "
+                 "a step (each waits for the device)")
 
 
 def _measure_ranks(session, cell, cfg, gate, write) -> None:

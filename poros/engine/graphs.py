@@ -360,7 +360,8 @@ class KeptTemplate(LayerTemplate):
 
     def backward_from_kept(self, layer: "LayerRefs", grad: torch.Tensor) -> torch.Tensor:
         """The gradient at the layer's input from the incoming `grad`, LoRA gradients accumulated into
-        `layer`'s parameters. A backward capture that fails runs the same backward eagerly."""
+        `layer`'s parameters. A backward capture that fails runs the same backward eagerly, and the layer
+        runs without its template from its next forward on."""
         with torch.no_grad():
             self.static_grad.copy_(grad)
         self._run("backward")
@@ -382,9 +383,16 @@ class KeptTemplate(LayerTemplate):
             if self.graphs[phase] is None and phase == "forward":  # nothing kept: the layer runs without templates
                 self.usable = False
                 return
-        if self.graphs[phase] is None:  # the backward of a captured forward, eagerly
+        if self.graphs[phase] is None:  # the backward of a captured forward, eagerly, this once
             self._clear_grads()
+            self.static_x.grad = None  # nothing a failed capture left behind is added to
             self._body()
+            # The forward's autograd graph saved the template's own input and arguments at the versions of
+            # its capture. Every later call copies into them (a version each) and a replay refills its
+            # activations unseen by autograd, so an eager backward of a replayed forward would raise or
+            # read activations it cannot check: from the next call on the layer runs without its template.
+            self.usable = False
+            self.out_h = None
         else:
             self.graphs[phase].replay()
 

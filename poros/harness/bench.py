@@ -467,6 +467,9 @@ def copy_summary(step_counters: list[dict]) -> dict:
     reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
     if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
         out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)
+    if "capture_errors" in counters[-1]:  # CUDA graphs: the templates' state after the last timed step (counted
+        # from the trainer's start): a capture that failed leaves its layer eager, slower but exact
+        out.update({k: counters[-1][k] for k in ("graphs_captured", "capture_errors", "template_fallbacks")})
     kept = [c for c in counters if "attention_replayed" in c]
     if kept:  # keep_attention: fused attention calls per step the recomputes took from the forward, or ran again
         out["attention_replayed_per_step"] = sum(c["attention_replayed"] for c in kept) / len(kept)

@@ -75,7 +75,8 @@ def test_mixed_up_kept_templates_fail_the_gate(stores):
 def test_kept_templates_on_the_capture_path(stores, monkeypatch):
     """The capture-mode control flow with stand-ins for the CUDA graph API (tests/engine/test_graphs.py): each
     kept template captures its forward and its backward once and replays both every step; parity holds.
-    A backward whose capture fails runs the same backward eagerly from the captured forward's graph."""
+    A backward whose capture fails runs the same backward eagerly from the captured forward's graph (and the
+    layer then leaves its template: the next test)."""
     from tests.engine.test_graphs import stand_in_graphs
 
     stand_in_graphs(monkeypatch)
@@ -107,6 +108,56 @@ def test_kept_templates_on_the_capture_path(stores, monkeypatch):
         result = run_gate(ResidentTrainer(store, cfg), poros, 2)
     assert result.ok, result.first_mismatch
     assert poros.counters()["capture_errors"] == 4
+
+
+def test_a_kept_layer_whose_backward_capture_fails_runs_without_its_template_after(stores, monkeypatch):
+    """A real replay of a captured forward refills its activations where its capture left them, unseen by
+    autograd, while each call copies the layer's input into the template's own (a version each). An eager
+    backward through the capture's autograd graph in a later step then meets its saved input at a newer
+    version (on the H200: "modified by an inplace operation ... is at version 2; expected version 1"). Here
+    the stand-in's forward replay does what a real one does from autograd's side (nothing), the backward's
+    capture fails, and the gate must pass: the layer leaves its template after that backward."""
+    from tests.engine.test_graphs import _FakeGraph, stand_in_graphs
+
+    import poros.engine.graphs as g
+
+    stand_in_graphs(monkeypatch)
+    real_replay, real_body = _FakeGraph.replay, g.KeptTemplate._body
+
+    def replay(self):  # a kept forward: no new autograd graph, no version counted
+        if isinstance(self.template, g.KeptTemplate) and self.template.phase == "forward":
+            self.replays += 1
+            return
+        real_replay(self)
+
+    def body(self):
+        if self.phase == "backward" and "backward" not in self.graphs and self.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        real_body(self)
+
+    def captured(self, what):  # the capture's body runs with `capturing` set, as under torch.cuda.graph
+        self.capturing = True
+        try:
+            return real_captured(self, what)
+        finally:
+            self.capturing = False
+
+    real_captured = g.LayerTemplate._captured
+    monkeypatch.setattr(_FakeGraph, "replay", replay)
+    monkeypatch.setattr(g.KeptTemplate, "_body", body)
+    monkeypatch.setattr(g.KeptTemplate, "capturing", False, raising=False)
+    monkeypatch.setattr(g.KeptTemplate, "_captured", captured)
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, lr=1e-2, keep_activations=True)
+    poros = PorosTrainer(store, cfg, plan=_plan(store, cfg))
+    poros.use_layer_templates(capture=True)
+    with pytest.warns(UserWarning, match="capture failed, running the kept layer eagerly"):
+        result = run_gate(ResidentTrainer(store, cfg), poros, 3)
+    assert result.ok, result.first_mismatch
+    kept = list(poros.templates.kept.values())
+    assert kept and all(not t.usable and t.graphs["backward"] is None for t in kept)
+    assert all(t.graphs["forward"].replays == 1 for t in kept)  # step 1 captured and replayed it, no later step
+    assert poros.counters()["template_fallbacks"] == 2 * len(kept)  # steps 2 and 3
 
 
 def test_a_budget_counts_the_kept_activations(stores):

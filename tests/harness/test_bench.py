@@ -435,6 +435,17 @@ def test_rows_count_the_attention_calls_recomputes_took_from_the_forward():
     assert out["attention_replayed_per_step"] == 79 and out["attention_computed_per_step"] == 1
 
 
+def test_rows_carry_the_cuda_graph_templates_capture_errors():
+    from poros.harness.bench import copy_summary
+
+    base = {"bytes_h2d": 10, "copy_s": 1.0, "copy_wait_s": 0.0}
+    assert "capture_errors" not in copy_summary([base])
+    first = {**base, "graphs_captured": 3, "capture_errors": 1, "template_fallbacks": 2, "layer_templates": 4}
+    last = {**first, "template_fallbacks": 5}  # counted from the trainer's start: the last step's holds all
+    out = copy_summary([first, last])
+    assert (out["graphs_captured"], out["capture_errors"], out["template_fallbacks"]) == (3, 1, 5)
+
+
 def test_a_kept_gate_failure_holds_none_of_its_frames_locals():
     """A gate outcome that raised is kept for every cell that needs it; the trainer that failed (a local of
     a frame in its traceback, or in its cause's) must not stay on the device with it."""
