@@ -12,6 +12,8 @@ method compiles its layers with the same pass, so compiled runs stay comparable 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
@@ -43,8 +45,15 @@ class RecomputeDequantization:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
     def uuid(self) -> str:
+        """Part of the key of inductor's graph cache. It also says whether compiled backwards may donate their
+        saved tensors' memory (`backward_keeps_saved_tensors`): the cache's own key does not, so without it a
+        backward compiled to keep them could be handed one compiled earlier, or by another process, to reuse
+        them."""
+        import torch._functorch.config as functorch  # deferred: only runs that compile import it
+
         prior = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
-        return f"poros-recompute-dequantization-1:{prior}"
+        saved = "donated" if functorch.donated_buffer else "kept"
+        return f"poros-recompute-dequantization-2:{saved}:{prior}"
 
 
 def install_recompute_dequantization() -> None:
@@ -66,6 +75,21 @@ def enable_deterministic_compile() -> None:
     import torch._inductor.config as inductor  # deferred: inductor is only imported when a run compiles
 
     inductor.deterministic = True
+
+
+@contextlib.contextmanager
+def backward_keeps_saved_tensors():
+    """While entered, compiled backwards leave the tensors their forward saved as they are: AOTAutograd's
+    donated buffers off. With them, a compiled backward that runs once per forward writes its own results into
+    the memory of saved tensors it has read for the last time. A kept layer's template (poros/engine/graphs.py
+    `KeptTemplate`) runs its backward more than once over one retained autograd graph (a warm-up, then the
+    capture, then every replay, each step's forward replay refilling the same tensors), so a donated buffer
+    would feed the second backward what the first wrote there. Only where results live changes, not how
+    they are computed: every kernel and its bits stay the same."""
+    import torch._functorch.config as functorch  # deferred: only runs that compile import it
+
+    with functorch.patch(donated_buffer=False):
+        yield
 
 
 def compile_module(module: nn.Module) -> None:

@@ -43,7 +43,7 @@ from poros.engine.nvml import device_memory
 from poros.engine.plan import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.compiling import compile_layers
+from poros.engine.compiling import backward_keeps_saved_tensors, compile_layers
 from poros.engine.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
 from poros.settings import format_size
@@ -151,7 +151,9 @@ class PorosTrainer(Trainer):
 
     def __init__(self, store, cfg, world: World = SINGLE, *, plan: P.Plan | None = None, check_plan: bool = True):
         self._given_plan, self._check_plan = plan, check_plan
-        self._attention_kernels = contextlib.ExitStack()  # keep_attention's kernels, registered while this lives
+        # process-wide settings held while this trainer lives: keep_attention's kernels, compiled backwards that
+        # keep their saved tensors for kept layers' templates
+        self._held = contextlib.ExitStack()
         self._pass, self._step, self._gathers = _Pass.PLAIN, None, None
         super().__init__(store, cfg, world)
 
@@ -171,12 +173,14 @@ class PorosTrainer(Trainer):
             return self._make_within_limit()
         except BaseException:  # a trainer never built is never closed: the cap goes now
             self.allocator_limit.release()
-            self._attention_kernels.close()
+            self._held.close()
             raise
 
     def _make_within_limit(self) -> QLoRAModel:
         if self.cfg.keep_attention:
-            self._attention_kernels.enter_context(kept_attention.installed())
+            self._held.enter_context(kept_attention.installed())
+        if self.cfg.compile and self.plan.kept_layers:
+            self._held.enter_context(backward_keeps_saved_tensors())
         model = self._host_model()
         self._shared_stream()
         self.buffers = DeviceBuffers(self.plan, self.store, self.device, model.hf.get_output_embeddings().weight,
@@ -448,7 +452,7 @@ class PorosTrainer(Trainer):
         release_group(self._gathers)
         self._gathers = None
         super().close()
-        self._attention_kernels.close()
+        self._held.close()
         self.allocator_limit.release()  # after the device memory is freed, so nothing allocates past the cap
 
     @contextlib.contextmanager

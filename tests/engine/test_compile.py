@@ -203,3 +203,65 @@ def test_without_warm_up_a_capture_would_compile(stores, monkeypatch):
     poros.use_layer_templates(capture=True)
     poros.step()
     assert any(compiled_inside), compiled_inside
+
+
+def _kept_templates_gate(stores, monkeypatch, tmp_path):
+    """Compiled kept layers' templates on the capture path (CPU stand-ins for the CUDA graph API, whose replays
+    run the template's body again: a backward replay is a second backward over the capture's retained autograd
+    graph), gated as the harness gates a plan: compiled resident first, recorded and closed, then poros. A fresh
+    inductor cache, so the reference's compiled code is what the poros compile could be handed."""
+    from poros.engine.parity import RecordedReference, run_gate_recorded
+    from tests.engine.test_graphs import stand_in_graphs
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    stand_in_graphs(monkeypatch)
+    store = stores("tiny-qwen3")
+    cfg = compiled("tiny-qwen3", deterministic=True, lora_compute="bf16", keep_activations=True)
+    ref = ResidentTrainer(store, cfg)
+    recorded = RecordedReference(ref, 2)
+    ref.close()
+    plan = P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(
+        block_size=2, accumulation=cfg.accumulation, resident_layers=len(store.layers), keep_activations=True,
+        seq_len=cfg.seq_len))
+    poros = PorosTrainer(store, cfg, plan=plan)
+    try:
+        poros.use_layer_templates(capture=True)
+        result = run_gate_recorded(recorded, poros)
+        return result, poros.counters()
+    finally:
+        poros.close()
+
+
+@pytest.mark.slow
+def test_compiled_kept_templates_on_the_capture_path_match_compiled_resident(stores, monkeypatch, tmp_path):
+    """A kept template runs its compiled backward more than once over one autograd graph: compiled backwards
+    must leave their saved tensors as they are (poros/engine/compiling.py `backward_keeps_saved_tensors`)."""
+    result, c = _kept_templates_gate(stores, monkeypatch, tmp_path)
+    assert result.ok, _ok(result)
+    assert c["kept_templates"] > 0 and c["graphs_captured"] == c["kept_templates"] and c["capture_errors"] == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_backward_that_donates_its_saved_tensors_fails_the_kept_templates_gate(stores, monkeypatch,
+                                                                                           tmp_path):
+    """Negative control: with AOTAutograd's donated buffers left on, a second backward over the retained graph
+    reads what the first wrote into the saved tensors' memory."""
+    import contextlib
+
+    from poros.engine import executor
+
+    monkeypatch.setattr(executor, "backward_keeps_saved_tensors", contextlib.nullcontext)
+    result, _ = _kept_templates_gate(stores, monkeypatch, tmp_path)
+    assert not result.ok and result.first_mismatch.startswith("step0.grad:")
+
+
+@pytest.mark.slow
+def test_the_graph_cache_key_tells_kept_saved_tensors_from_donated_ones(stores, monkeypatch, tmp_path):
+    """Negative control: inductor's graph cache alone does not tell a backward compiled to donate its saved
+    tensors (the reference's, compiled first) from one compiled to keep them; with a pass uuid that does not
+    say which, the kept templates are handed the reference's backward and fail."""
+    from poros.engine.compiling import RecomputeDequantization
+
+    monkeypatch.setattr(RecomputeDequantization, "uuid", lambda self: "poros-recompute-dequantization-control")
+    result, _ = _kept_templates_gate(stores, monkeypatch, tmp_path)
+    assert not result.ok and result.first_mismatch.startswith("step0.grad:")
