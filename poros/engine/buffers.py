@@ -208,14 +208,18 @@ class SavedInputs:
     """What each layer's recompute needs, one tuple of tensors per (layer, micro-batch): its input, and with
     `keep_attention` its attention's output and log-sum-exp (poros/engine/kept_attention.py). On the device, or
     (plan.offload_inputs) copied to pinned host memory in forward on a device->host stream, and brought back
-    on the copy stream, a window of backward operations ahead, into fresh device memory. The bytes are the same
-    either way."""
+    on a host->device stream of their own, a window of backward operations ahead, into fresh device memory.
+    The bytes are the same either way.
 
-    def __init__(self, plan: P.Plan, device: torch.device, copy_stream=None):
+    The way back has its own stream, not the weights' copy stream: a copy back waits for the compute stream to
+    reach the point where its memory was allocated (`prefetch`), and on the weights' stream that wait would hold
+    back every weight copy enqueued after it."""
+
+    def __init__(self, plan: P.Plan, device: torch.device):
         self.offload, self.device = plan.offload_inputs, device
         self.cuda = device.type == "cuda"
-        self.copy_stream = copy_stream
         self.d2h = torch.cuda.Stream(device) if self.cuda and self.offload else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda and self.offload else None
         self.window = plan.input_window
         self.kept: dict = {}  # key -> device tensors
         self.host: dict = {}  # key -> (host tensors, event after their device->host copy)
@@ -258,20 +262,20 @@ class SavedInputs:
         host, done = self.host.pop(key)
         if self.cuda:
             # Allocated on the stream that reads and frees them, from the memory its own intermediates come
-            # from: blocks allocated on the copy stream would be kept for the copy stream's later allocations
+            # from: blocks allocated on the copy stream would be kept for that stream's later allocations
             # alone, a second reserve beside the compute stream's. A block may have served an earlier tensor
             # whose work that stream has not finished, so the copy waits for the stream to reach this point.
             stream = torch.cuda.current_stream(self.device)
             dev = tuple(_empty_like(h, self.device) for h in host)
             allocated = torch.cuda.Event()
             allocated.record(stream)
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(done)
-                self.copy_stream.wait_event(allocated)
+            with torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(done)
+                self.h2d.wait_event(allocated)
                 for d, h in zip(dev, host):
                     d.copy_(h, non_blocking=True)
                 ready = torch.cuda.Event()
-                ready.record(self.copy_stream)
+                ready.record(self.h2d)
             self.ready[key] = (ready, host, stream)
         else:
             dev = tuple(_empty_like(h, self.device).copy_(h) for h in host)

@@ -189,7 +189,7 @@ class PorosTrainer(Trainer):
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
         self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
-        self.saved = SavedInputs(self.plan, self.device, getattr(self.buffers, "copy_stream", None))
+        self.saved = SavedInputs(self.plan, self.device)
         self.runners = self._runners(model.layers)
         if self.cfg.compile:
             compile_layers(model.layers)
