@@ -655,7 +655,12 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     live = grad_accum if accumulation is Accumulation.LAYER else 1  # micro-batches whose inputs are kept at once
     one_input = seq_len * batch_size * geo.hidden * 2
     one_saved = one_input + (attention_bytes(geo, seq_len, batch_size) if r.keep_attention else 0)
-    window = 2 * block * live  # offloaded: inputs on the device ahead of their backward (two blocks' worth)
+    # offloaded: inputs back on the device ahead of their backward, one block's worth. A copy back starts once
+    # the compute stream reaches the backward before (poros/engine/buffers.py `SavedInputs.prefetch`) and
+    # has that backward's time: a layer's recompute and backward take more than 2 x 6 x hidden^2 FLOPs a token
+    # where its copy moves 2 x hidden bytes (with kept attention about twice that), tens of times shorter on
+    # any GPU that streams weights.
+    window = block * live
     saved = (window + live) * one_saved if offload_inputs else n * live * one_saved
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, r.loss_chunk, r.deterministic)
     kept = kept_set(resident_order, r.kept_layers) if r.keep_activations else ()

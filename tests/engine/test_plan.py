@@ -75,7 +75,7 @@ def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
     assert on_host.d2h_bytes_per_step == 80 * 8 * per_input
     assert on_host.h2d_bytes_per_step == on_device.h2d_bytes_per_step + 80 * 8 * per_input
     assert on_device.memory.saved_inputs == 80 * 8 * per_input
-    assert on_host.memory.saved_inputs == (2 * 4 * 8 + 8) * per_input
+    assert on_host.memory.saved_inputs == (4 * 8 + 8) * per_input
     assert on_host.memory.total < 12e9 < on_device.memory.total
 
 
@@ -251,12 +251,14 @@ def test_fused_attention_backward_counted_where_an_eager_long_context_plan_was_m
         with monkeypatch.context() as m:  # the plan the row ran: the planner of its commit had no such term
             m.setattr(P, "fused_backward_bytes", lambda *a, **k: 0)
             ran = P.make_plan(q72, cfg)
-        assert round(ran.memory.total / 1e9, 3) == row["predicted_peak_gb"]
+        # and it brought saved inputs back two blocks ahead where plans now bring them one block ahead
+        earlier_window = ran.block_size * ran.grad_accum * ran.input_bytes if ran.offload_inputs else 0
+        assert round((ran.memory.total + earlier_window) / 1e9, 3) == row["predicted_peak_gb"]
         now = P.build_plan(q72, P.PlanRequest(block_size=ran.block_size, resident_layers=len(ran.resident_layers),
                            head_resident=ran.head_resident, seq_len=cfg.seq_len, attention="fast", overlap_backward=False,
                            offload_inputs=ran.offload_inputs, loss_chunk=4096, deterministic=True))
         measured = row["peak_allocated_gb"] * 1e9
-        assert abs(now.memory.total - measured) <= 0.005 * measured
+        assert abs(now.memory.total + earlier_window - measured) <= 0.005 * measured
         assert ran.memory.total < 0.95 * measured  # negative control: the check fails without the term
         assert P.make_plan(q72, cfg).memory.total <= 24 * 10**9  # and a 24 GB budget now plans for it
 
