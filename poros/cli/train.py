@@ -51,7 +51,7 @@ Prints one JSON line at the end; exit 0 when done, 130 when stopped by Ctrl-C (1
 """
 
 CUDA_DEFAULT_TEXT = {"attention": "fast on cuda, else default", "deterministic": "on with cuda, else off",
-                     "cuda_graphs": "on with cuda", "vram_budget": "auto on cuda, else none: stream every layer"}
+                     "cuda_graphs": "on with cuda unless lora_dropout or keep_attention is given", "vram_budget": "auto on cuda, else none: stream every layer"}
 RANK_GRACE_S = 60  # after one rank fails, how long the others may take to fail or finish before they are ended
 
 

@@ -15,8 +15,8 @@ words. The run folder keeps the resolved configuration as `run.yaml`, a run file
 with --resume, continues) the run. Relative paths are read from the working directory.
 
 On CUDA a setting left unset takes `CUDA_DEFAULTS` (the fast exact path: flash-or-efficient attention
-under strict determinism, CUDA-graph layers, a budget from the device's free memory); on the CPU the
-table's defaults stay.
+under strict determinism, CUDA-graph layers unless a setting given refuses them, a budget from the device's
+free memory); on the CPU the table's defaults stay.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     values.setdefault("device", Device.CUDA if cuda_available else Device.CPU)
     chosen: tuple[str, ...] = ()
     if _is_cuda(values["device"]):
-        chosen = tuple(k for k in CUDA_DEFAULTS if values.get(k) is None and not _dropout_without(k, values))
+        chosen = tuple(k for k in CUDA_DEFAULTS if values.get(k) is None and not _graphs_left_off(k, values))
         values.update({k: CUDA_DEFAULTS[k] for k in chosen})
     if values.get("lr_schedule") in DECAYING and values.get("decay_steps") is None:
         values["decay_steps"] = values["steps"]  # the schedule decays over the run (run.yaml records it)
@@ -225,10 +225,14 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     return fc, chosen
 
 
-def _dropout_without(key: str, values: dict) -> bool:
-    """CUDA-graph layers stay off by default under LoRA dropout (a replayed graph draws no new masks)."""
+def _graphs_left_off(key: str, values: dict) -> bool:
+    """CUDA-graph layers stay off by default where a setting given refuses them: LoRA dropout (a replayed graph
+    draws no new masks) and keep_attention (a replayed graph would not hand back the kept results)."""
+    if key != "cuda_graphs":
+        return False
     p = values.get("lora_dropout")
-    return key == "cuda_graphs" and isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
+    dropout = isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
+    return dropout or values.get("keep_attention") is True
 
 
 def _is_cuda(device) -> bool:

@@ -34,6 +34,13 @@ def test_lora_dropout_keeps_cuda_graphs_off_by_default():
     assert fc.train.cuda_graphs is True
 
 
+def test_keep_attention_keeps_cuda_graphs_off_by_default():
+    base = {"model": "m", "data": "d.jsonl", "out": "o", "steps": 3, "device": "cuda"}
+    fc, chosen = resolve({**base, "keep_attention": True}, cuda_available=True)
+    assert fc.train.cuda_graphs is False and fc.train.keep_attention is True and "cuda_graphs" not in chosen
+    assert {"attention", "deterministic", "vram_budget"} <= set(chosen)
+
+
 def test_a_run_with_every_setting(files, tmp_path, capsys):  # noqa: F811
     poros, resident = tmp_path / "poros", tmp_path / "resident"
     assert train(files, poros, *SETTINGS) == 0
