@@ -77,6 +77,14 @@ def enable_deterministic_compile() -> None:
     inductor.deterministic = True
 
 
+class _SavedTensorsKept:
+    """How many holders want donated buffers off, and the setting found before the first: trainers may close
+    in any order, and the setting comes back only when the last one does."""
+
+    holders = 0
+    before: bool | None = None
+
+
 @contextlib.contextmanager
 def backward_keeps_saved_tensors():
     """While entered, compiled backwards leave the tensors their forward saved as they are: AOTAutograd's
@@ -85,11 +93,20 @@ def backward_keeps_saved_tensors():
     `KeptTemplate`) runs its backward more than once over one retained autograd graph (a warm-up, then the
     capture, then every replay, each step's forward replay refilling the same tensors), so a donated buffer
     would feed the second backward what the first wrote there. Only where results live changes, not how
-    they are computed: every kernel and its bits stay the same."""
+    they are computed: every kernel and its bits stay the same. Process-wide, counted: nested or overlapping
+    holders keep it off until the last one leaves."""
     import torch._functorch.config as functorch  # deferred: only runs that compile import it
 
-    with functorch.patch(donated_buffer=False):
+    if _SavedTensorsKept.holders == 0:
+        _SavedTensorsKept.before = functorch.donated_buffer
+        functorch.donated_buffer = False
+    _SavedTensorsKept.holders += 1
+    try:
         yield
+    finally:
+        _SavedTensorsKept.holders -= 1
+        if _SavedTensorsKept.holders == 0:
+            functorch.donated_buffer = _SavedTensorsKept.before
 
 
 def compile_module(module: nn.Module) -> None:

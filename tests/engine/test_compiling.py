@@ -103,3 +103,21 @@ def test_only_bitsandbytes_dequantizations_are_marked():
     nodes = [graph.call_function(torch.ops.bitsandbytes.dequantize_4bit.default, (a,)),
              graph.call_function(torch.ops.aten.mm.default, (a, a))]
     assert [is_dequantization(n) for n in nodes] == [True, False]
+
+
+def test_donated_buffers_stay_off_until_the_last_holder_leaves():
+    """Two trainers with kept compiled layers may close in either order: the first to close must not turn
+    donated buffers back on under the other."""
+    import torch._functorch.config as functorch
+
+    from poros.engine.compiling import backward_keeps_saved_tensors
+
+    before = functorch.donated_buffer
+    first, second = backward_keeps_saved_tensors(), backward_keeps_saved_tensors()
+    first.__enter__()
+    second.__enter__()
+    assert functorch.donated_buffer is False
+    first.__exit__(None, None, None)  # out of order: the second still holds
+    assert functorch.donated_buffer is False
+    second.__exit__(None, None, None)
+    assert functorch.donated_buffer == before
