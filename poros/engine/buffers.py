@@ -274,6 +274,7 @@ class SavedInputs:
                 self.h2d.wait_event(allocated)
                 for d, h in zip(dev, host):
                     d.copy_(h, non_blocking=True)
+                    d.record_stream(self.h2d)  # dropped before it is read (a closing trainer): not reused mid-copy
                 ready = torch.cuda.Event()
                 ready.record(self.h2d)
             self.ready[key] = (ready, host, stream)
