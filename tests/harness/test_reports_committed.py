@@ -27,7 +27,8 @@ def render(tmp_path: Path, report: str, entry: dict) -> str:
         argv += ["--sweep"]
     if entry.get("title"):
         argv += ["--title", entry["title"]]
-    assert main(argv) == 0
+    # `fails: true`: the page shows a cell that failed (its row says why), so `poros report` exits 1
+    assert main(argv) == (1 if entry.get("fails") else 0)
     return out.read_text()
 
 
@@ -35,7 +36,7 @@ def test_manifest_lists_every_committed_report():
     committed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "reports").glob("*.md"))
     assert sorted(MANIFEST) == committed
     for report, entry in MANIFEST.items():
-        keys = {"results", "reference", "sweep", "title"}
+        keys = {"results", "reference", "sweep", "title", "fails"}
         assert set(entry) <= keys, f"{report}: unknown key(s) {set(entry) - keys}"
         for path in [*entry["results"], *([entry["reference"]] if entry.get("reference") else [])]:
             assert (ROOT / path).is_file(), f"{report}: {path} does not exist"
