@@ -183,25 +183,10 @@ class DeviceBuffers:
 
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    """The strides a saved copy keeps: `t`'s own where they cover its elements densely, without overlap (e.g.
-    attention's output, a transposed view), else contiguous ones."""
-    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride)
-    span = 1
-    for d in dims:
-        if t.stride(d) != span:
-            strides, span = [], 1
-            for size in reversed(t.shape):
-                strides.append(span)
-                span *= max(size, 1)
-            return tuple(reversed(strides))
-        span *= t.shape[d]
-    return tuple(t.stride())
-
-
 def _empty_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialized tensor of `t`'s shape, dtype and saved layout on `device`."""
-    return torch.empty_strided(t.shape, _layout(t), dtype=t.dtype, device=device, pin_memory=pin_memory)
+    """An uninitialized tensor like `t` on `device`, in `t`'s layout where that covers its elements densely
+    without overlap (attention's output is a transposed view), else contiguous: torch's preserve_format."""
+    return torch.empty_like(t, device=device, pin_memory=pin_memory)
 
 
 class SavedInputs:
@@ -223,13 +208,14 @@ class SavedInputs:
         self.window = plan.input_window
         self.kept: dict = {}  # key -> device tensors
         self.host: dict = {}  # key -> (host tensors, event after their device->host copy)
-        self.ready: dict = {}  # key -> (event after the host->device copy, host tensors)
-        self._pool: dict[tuple, list] = {}  # (shape, dtype) of each tensor -> host tensors, reused step after step
+        self.ready: dict = {}  # key -> (event after the host->device copy, host tensors, stream that allocated them)
+        self._pool: dict[tuple, list] = {}  # `_kind` of the tensors -> host tensors, reused step after step
         self.bytes_d2h = self.bytes_h2d = 0
 
     @staticmethod
     def _kind(tensors) -> tuple:
-        return tuple((tuple(t.shape), _layout(t), t.dtype) for t in tensors)
+        """Shape, dtype and the strides a copy of each tensor gets (`_empty_like`, on the meta device: no memory)."""
+        return tuple((tuple(t.shape), _empty_like(t, "meta").stride(), t.dtype) for t in tensors)
 
     def put(self, key, *tensors: torch.Tensor) -> None:
         if not self.offload:

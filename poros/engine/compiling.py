@@ -12,11 +12,11 @@ method compiles its layers with the same pass, so compiled runs stay comparable 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
+
+from poros.engine.held import Counted
 
 DEQUANTIZE_NAMESPACE = "bitsandbytes"  # the namespace of bitsandbytes' registered ops
 
@@ -77,15 +77,22 @@ def enable_deterministic_compile() -> None:
     inductor.deterministic = True
 
 
-class _SavedTensorsKept:
-    """How many holders want donated buffers off, and the setting found before the first: trainers may close
-    in any order, and the setting comes back only when the last one does."""
+def _donation_off() -> bool:
+    import torch._functorch.config as functorch  # deferred: only runs that compile import it
 
-    holders = 0
-    before: bool | None = None
+    before, functorch.donated_buffer = functorch.donated_buffer, False
+    return before
 
 
-@contextlib.contextmanager
+def _donation_back(before: bool) -> None:
+    import torch._functorch.config as functorch
+
+    functorch.donated_buffer = before
+
+
+_saved_tensors_kept = Counted(_donation_off, _donation_back)
+
+
 def backward_keeps_saved_tensors():
     """While entered, compiled backwards leave the tensors their forward saved as they are: AOTAutograd's
     donated buffers off. With them, a compiled backward that runs once per forward writes its own results into
@@ -95,18 +102,7 @@ def backward_keeps_saved_tensors():
     would feed the second backward what the first wrote there. Only where results live changes, not how
     they are computed: every kernel and its bits stay the same. Process-wide, counted: nested or overlapping
     holders keep it off until the last one leaves."""
-    import torch._functorch.config as functorch  # deferred: only runs that compile import it
-
-    if _SavedTensorsKept.holders == 0:
-        _SavedTensorsKept.before = functorch.donated_buffer
-        functorch.donated_buffer = False
-    _SavedTensorsKept.holders += 1
-    try:
-        yield
-    finally:
-        _SavedTensorsKept.holders -= 1
-        if _SavedTensorsKept.holders == 0:
-            functorch.donated_buffer = _SavedTensorsKept.before
+    return _saved_tensors_kept.held()
 
 
 def compile_module(module: nn.Module) -> None:

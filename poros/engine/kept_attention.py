@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from poros.engine.held import Counted
+
 _aten = torch.ops.aten
 # the fused attention ops (outputs 0 and 1 are (output, log-sum-exp) for each) and where their dropout_p is
 FUSED = {
@@ -138,37 +140,24 @@ def _kernel(op):
     return kernel
 
 
-class _Registration:
-    """The kernels' registration, shared by every `installed` holder in the process."""
+def _register() -> torch.library.Library:
+    library = torch.library.Library("aten", "IMPL")
+    for op in FUSED:
+        library.impl(op._schema.name.removeprefix("aten::"), _kernel(op), _KEY)
+    return library
 
-    lock = threading.Lock()
-    library: torch.library.Library | None = None
-    holders = 0
+
+_kernels = Counted(_register, lambda library: library._destroy())
 
 
-@contextlib.contextmanager
 def installed():
     """The kernels registered for as long as this is entered (by any number of holders at once)."""
-    reg = _Registration
-    with reg.lock:
-        if reg.holders == 0:
-            reg.library = torch.library.Library("aten", "IMPL")
-            for op in FUSED:
-                reg.library.impl(op._schema.name.removeprefix("aten::"), _kernel(op), _KEY)
-        reg.holders += 1
-    try:
-        yield
-    finally:
-        with reg.lock:
-            reg.holders -= 1
-            if reg.holders == 0:
-                reg.library._destroy()
-                reg.library = None
+    return _kernels.held()
 
 
 @contextlib.contextmanager
 def _active(state: _Active):
-    if _Registration.library is None:
+    if _kernels.holders == 0:
         raise RuntimeError("kept attention records and replays only while its kernels are installed")
     before = getattr(_state, "active", None)
     _state.active = state

@@ -1,4 +1,5 @@
-"""Device memory as the driver sees it (what nvidia-smi shows), read through NVML.
+"""Device memory as the driver sees it (what nvidia-smi shows), read through NVML; and, beside it, how often
+torch's allocator had to release its cache to find memory (`alloc_retries`).
 
 NVML lists each process's device memory (nvmlDeviceGetComputeRunningProcesses). A process inside a
 container whose pid namespace the driver does not see is not found there by its pid; then the device's
@@ -121,3 +122,10 @@ class NvmlPeak:
         if self.peak is not None:
             self._t.join()
             self._sample()
+
+
+def alloc_retries(device: str) -> int | None:
+    """torch's count of allocations that released the allocator's cache and tried again (None off CUDA)."""
+    if device != "cuda":
+        return None
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)

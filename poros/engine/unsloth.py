@@ -26,7 +26,7 @@ from pathlib import Path
 from poros.config import TrainConfig
 from poros.engine.attention import sdpa_context
 from poros.engine.data import synthetic_step
-from poros.engine.nvml import NvmlPeak
+from poros.engine.nvml import NvmlPeak, alloc_retries
 from poros.engine.profiling import profiled, summarize
 from poros.engine.trainer import deterministic_kernels, enable_determinism
 from poros.errors import CapabilityError, PorosError
@@ -160,7 +160,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
 
         for n in range(args.warmup + args.passes):
             torch.cuda.synchronize()
-            retried = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            retried = alloc_retries("cuda")
             t0 = time.perf_counter()
             for s in range(args.steps):
                 loss = one_step(step)
@@ -171,7 +171,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
             print(f"  unsloth {kind}: {args.steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
             if n >= args.warmup:
                 per_pass.append(dt)
-                retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retried)
+                retries.append(alloc_retries("cuda") - retried)
         if args.profile is not None:
             write_profile(args.profile, lambda: one_step(step))
     per_step = [t / args.steps for t in per_pass]

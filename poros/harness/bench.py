@@ -14,7 +14,7 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.engine.methods import gate_of, gated
-from poros.engine.nvml import NvmlPeak
+from poros.engine.nvml import NvmlPeak, alloc_retries
 from poros.harness.matrix import Matrix, Stack
 from poros.harness.results import ResultsWriter  # noqa: F401  (re-exported: the suites and tests import it here)
 from poros.harness.results import point_id, row_key, show_value  # noqa: F401  (row_key: re-exported)
@@ -268,13 +268,6 @@ def _peaks(device: str, nvml) -> dict:
         out["peak_vram_gb"] = torch.cuda.max_memory_allocated() / 1e9
         out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
     return out
-
-
-def alloc_retries(device: str) -> int | None:
-    """torch's count of allocations that released the allocator's cache and tried again (None off CUDA)."""
-    if device != "cuda":
-        return None
-    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
 
 def retries_per_step(meas: Measurement | None, steps: int) -> float | None:
