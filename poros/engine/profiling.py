@@ -21,6 +21,16 @@ def _union_us(ranges: list[tuple[float, float]]) -> float:
     return total
 
 
+def _gaps_us(ranges: list[tuple[float, float]]) -> list[float]:
+    """The idle intervals between the first and the last of `ranges` (microseconds), longest first."""
+    gaps, end = [], None
+    for a, b in sorted(ranges):
+        if end is not None and a > end:
+            gaps.append(a - end)
+        end = b if end is None else max(end, b)
+    return sorted(gaps, reverse=True)
+
+
 # Kinds of device kernels, by name (first match wins): where a long-context step's time goes.
 KINDS = (
     ("attention_backward", ("flash_bwd", "bwd_kernel", "attention_backward", "fmha_cutlassB")),
@@ -50,9 +60,13 @@ def summarize(prof, wall_s: float, top: int) -> dict:
             launches += 1
     wall_us = wall_s * 1e6
     by_device = sorted(prof.key_averages(), key=lambda a: getattr(a, "device_time_total", 0.0), reverse=True)
+    gaps = _gaps_us(kernels)
     return {
         "wall_s": round(wall_s, 4),
         "gpu_compute_busy": round(_union_us(kernels) / wall_us, 3) if kernels else None,
+        # where compute kernels leave the device idle within the step: in all, and the longest gaps
+        "compute_idle_s": round(sum(gaps) / 1e6, 4),
+        "compute_idle_longest_ms": [round(g / 1e3, 2) for g in gaps[:8]],
         "gpu_copy_busy": round(_union_us(copies) / wall_us, 3) if copies else None,
         "kernel_launches": launches,
         "device_s_by_kind": {k: round(v / 1e6, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},

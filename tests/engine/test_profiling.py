@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from poros.engine.profiling import _union_us, kind_of, profiled, summarize
+from poros.engine.profiling import _gaps_us, _union_us, kind_of, profiled, summarize
 
 
 def test_kernels_are_sorted_into_kinds_by_name():
@@ -20,6 +20,11 @@ def test_kernels_are_sorted_into_kinds_by_name():
 def test_busy_time_counts_overlapping_intervals_once():
     assert _union_us([(0, 10), (5, 15), (20, 30)]) == 25
     assert _union_us([(0, 10), (2, 3)]) == 10
+
+
+def test_idle_gaps_lie_between_busy_intervals_longest_first():
+    assert _gaps_us([(20, 30), (0, 10), (5, 12), (31, 40)]) == [8, 1]
+    assert _gaps_us([(0, 10), (2, 3)]) == []  # one nested in another: no gap
 
 
 def test_a_profiled_step_is_summarized_with_its_operators():
