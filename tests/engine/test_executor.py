@@ -253,3 +253,25 @@ def test_corrupted_saved_inputs_fail_the_gate(stores, monkeypatch):
     cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=2, lr=1e-2, offload_inputs=True)
     result, _ = gate(stores("tiny-qwen2"), cfg)
     assert result.parity == "FAIL" and ".grad:" in result.first_mismatch, result.first_mismatch
+
+
+@pytest.mark.parametrize("model,plain", [("tiny-qwen3", True), ("tiny-gemma3", False)])
+def test_the_host_embedding_lookup_gives_the_modules_own_bytes(stores, monkeypatch, model, plain):
+    """A plain nn.Embedding is looked up with index_select (the same rows, without F.embedding's slow host
+    path); a model's own embedding (gemma's scaled one) keeps its forward. Either way, its bytes."""
+    import torch
+
+    trainer = PorosTrainer(stores(model), TrainConfig(model=model, seq_len=64))
+    emb = trainer.qlora.hf.get_input_embeddings()
+    ids = torch.randint(0, emb.num_embeddings, (2, 64))
+    expected = type(emb).forward(emb, ids)
+    calls = []
+    real = torch.nn.functional.embedding
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = emb(ids)
+    trainer.close()
+    assert torch.equal(got, expected) and got.dtype == expected.dtype
+    assert (not calls) == plain
+    bad = ids.clone()
+    bad[0, 0] = (bad[0, 0] + 1) % emb.num_embeddings
+    assert not torch.equal(type(emb).forward(emb, bad), got)  # negative control: another token, other bytes
