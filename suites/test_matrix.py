@@ -33,6 +33,7 @@ from poros.harness.bench import (
     measure,
     progress,
     record,
+    stop_if_interrupted,
 )
 
 pytestmark = pytest.mark.bench
@@ -260,6 +261,7 @@ def _measure_child(session, cell, cfg, store, write) -> None:
     fp = session.cell_fingerprint(cell, cfg)
     earlier = session.passlog.passes(cell.id, fp) if session.resume else []
     while len(earlier) < m.passes:
+        stop_if_interrupted()
         if session.deadline is not None and earlier and \
                 time.monotonic() + earlier[-1]["child_s"] > session.deadline:
             raise OutOfTime("the next child's pass would end past the time budget")

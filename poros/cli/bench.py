@@ -13,6 +13,7 @@ from poros.errors import PorosError
 from poros.harness import preflight
 from poros.harness.bench import (
     StatusLine,
+    interrupt_on_sigint,
     matrix_device,
     model_unavailable,
     set_status_writer,
@@ -184,7 +185,7 @@ def _preflight(args):
 def run(args) -> int:
     m = _preflight(args)
     out = ensure_folder(args.out)
-    with OutputLock(out, command=command_line(args, resume=False)) as lock:
+    with OutputLock(out, command=command_line(args, resume=False)) as lock, interrupt_on_sigint():
         try:
             return _run_locked(args, m, out, lock)
         except KeyboardInterrupt:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -186,6 +189,39 @@ class Measurement:
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
 _status = None  # the one compact line per cell (the terminal)
 _cell = ""  # the current cell's label, which status updates follow
+# A Ctrl-C that `poros bench` caught (`interrupt_on_sigint`). Python raises KeyboardInterrupt wherever the
+# signal lands; landing in a finalizer that garbage collection ran (a cell's start frees the last cell's
+# memory), it is reported as unraisable and lost. The flag stays set, and the step loop stops at the next step.
+_interrupted = False
+
+
+@contextlib.contextmanager
+def interrupt_on_sigint():
+    """While it lasts, SIGINT raises KeyboardInterrupt as Python's own handler does and also sets the flag
+    that `stop_if_interrupted` reads (main thread only; elsewhere it changes nothing)."""
+    global _interrupted
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        global _interrupted
+        _interrupted = True
+        raise KeyboardInterrupt
+
+    _interrupted = False
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _interrupted = False
+
+
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C was caught and its KeyboardInterrupt was lost on the way."""
+    if _interrupted:
+        raise KeyboardInterrupt
 
 
 def set_progress_writer(writer) -> None:
@@ -312,6 +348,7 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         t0 = time.perf_counter()
         counters = []
         for s in range(n):
+            stop_if_interrupted()
             r = trainer.step()
             counters.append(r.counters)
             status(f"{kind}, step {s + 1}/{n}")
