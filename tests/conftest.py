@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ctrl_c_reaches_the_tests():
+    """A test run started in the background (`pytest &`) inherits SIGINT ignored, and hands that on to every
+    process it starts; the tests of Ctrl-C need Python's own handler, here and in those processes."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session")

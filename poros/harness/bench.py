@@ -198,9 +198,10 @@ _interrupted = False
 @contextlib.contextmanager
 def interrupt_on_sigint():
     """While it lasts, SIGINT raises KeyboardInterrupt as Python's own handler does and also sets the flag
-    that `stop_if_interrupted` reads (main thread only; elsewhere it changes nothing)."""
+    that `stop_if_interrupted` reads (main thread only, and only where SIGINT is not ignored)."""
     global _interrupted
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, `&`): it stays so
         yield
         return
 

@@ -44,6 +44,18 @@ def test_without_the_handler_the_same_ctrl_c_is_lost():
     stop_if_interrupted()
 
 
+def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupt_on_sigint():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            stop_if_interrupted()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_ctrl_c_elsewhere_raises_at_once():
     with interrupt_on_sigint(), pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
