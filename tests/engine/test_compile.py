@@ -81,14 +81,16 @@ def test_compiled_resident_differs_from_eager_resident(stores):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("model", [pytest.param(m, marks=[] if m == "tiny-gemma4" else pytest.mark.extended)
+                                   for m in TINY], ids=lambda m: f"model={m}")
 def test_compiled_gate_per_family(stores, model):
     result = parity(compiled(model, grad_accum=2), steps=2, store=stores(model))
     assert result.ok, f"{model}: {_ok(result)}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"], ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("model", ["tiny-qwen3", pytest.param("tiny-gemma3", marks=pytest.mark.extended)],
+                         ids=lambda m: f"model={m}")
 def test_compiled_resident_gc_matches_compiled_resident(stores, model):
     """Resident with gradient checkpointing, compiled: checkpointed around each compiled layer, its forward and
     recompute run resident's compiled training graph, so it is a reference of the compiled setting too."""
@@ -98,7 +100,7 @@ def test_compiled_resident_gc_matches_compiled_resident(stores, model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [
-    dict(overlap_backward=False),
+    pytest.param(dict(overlap_backward=False), marks=pytest.mark.extended),
     dict(block_size=1, grad_accum=2, accumulation="micro"),
 ], ids=["serial", "block=1-micro"])
 def test_compiled_gate_holds_across_schedules(stores, schedule):
@@ -125,7 +127,8 @@ def test_compiled_kept_layers_match_compiled_resident(stores, templates):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("model", ["tiny-qwen2", pytest.param("tiny-gemma3", marks=pytest.mark.extended)],
+                         ids=lambda m: f"model={m}")
 def test_compiled_layer_templates_match_compiled_resident(stores, model):
     """Layer templates (run eagerly here, as without capture) compile their own copy of the layer and run
     its forward through the training graph: the same bits."""

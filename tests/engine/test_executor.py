@@ -69,7 +69,7 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
 
 
 @pytest.mark.slow  # each plan builds its own store and runs the gate
-@settings(max_examples=24, **HYPOTHESIS)
+@settings(max_examples=10, **HYPOTHESIS)
 @given(**PLAN_SPACE)
 def test_many_plans_keep_parity(**plan):
     """The property of test_any_plan_keeps_parity over more plans."""

@@ -121,7 +121,8 @@ def test_an_unknown_value_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("model", ["tiny-qwen2", pytest.param("tiny-gemma3", marks=pytest.mark.extended)],
+                         ids=lambda m: f"model={m}")
 def test_compiled_poros_equals_compiled_resident(stores, model):
     """Both settings that make long context fast, together: compiled layers computing LoRA in bf16 (a dense and
     a sliding-window family; every family is compiled in fp32 in test_compile.py, and in bf16 eager above)."""
