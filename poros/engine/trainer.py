@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
-from poros.engine.compiling import compile_layers, enable_deterministic_compile
+from poros.engine.compiling import compile_layers, enable_deterministic_compile, install_layer_compilation
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
 from poros.engine.plan import Plan
@@ -330,6 +330,7 @@ class ResidentGCTrainer(ResidentTrainer):
         forward and recompute run resident's compiled training graph. (The model's own checkpointing sits inside
         the layer's forward, so `layer.compile()` would trace it into the graph: torch.compile's activation
         checkpointing, other kernels and other bits than resident's compiled layers.)"""
+        install_layer_compilation()
         for layer in model.layers:
             layer.forward = functools.partial(checkpoint, torch.compile(type(layer).forward.__get__(layer)),
                                               use_reentrant=False)
