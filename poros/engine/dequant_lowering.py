@@ -23,6 +23,9 @@ import functools
 import torch
 
 NF4 = "nf4"
+# how generated code maps a nibble to its NF4 value: "load" reads a 16-entry table, "select" picks among 16
+# constants by the nibble's bits (no memory access; more instructions)
+LOOKUP = "load"
 LOWERED_OPS = ("dequantize_4bit", "dequantize_blockwise")  # bitsandbytes op names lowered here (default overloads)
 
 
@@ -54,9 +57,20 @@ def _lower_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
         # FP4, or rows that are not whole blocks: bitsandbytes' own kernel (inductor splits a loop by the
         # divisors of its index, which takes blocks that do not straddle a loop boundary)
         return fallback_handler(op, add_to_fallback_set=False)(A, absmax, blocksize, quant_type, shape, dtype)
-    code = V.graph.add_tensor_constant(torch.tensor(nf4_values(), dtype=torch.float32, device=A.get_device()),
-                                       name="poros_nf4_code")
-    packed, scale, table = A.make_loader(), absmax.make_loader(), code.make_loader()
+    values = nf4_values()
+    if LOOKUP == "load":
+        table = V.graph.add_tensor_constant(torch.tensor(values, dtype=torch.float32, device=A.get_device()),
+                                            name="poros_nf4_code").make_loader()
+
+        def nf4(nibble):
+            return table([ops.indirect_indexing(nibble, 16, check=False, wrap_neg=False)])
+    else:
+        def nf4(nibble, lo=0, hi=16):
+            if hi - lo == 1:
+                return ops.constant(values[lo], torch.float32)
+            mid = (lo + hi) // 2
+            return ops.where(ops.lt(nibble, ops.constant(mid, torch.int32)), nf4(nibble, lo, mid), nf4(nibble, mid, hi))
+    packed, scale = A.make_loader(), absmax.make_loader()
     packed_rank, size = len(A.get_size()), list(shape)
 
     def inner(index):
@@ -67,8 +81,7 @@ def _lower_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
         shift = ops.mul(ops.sub(ops.constant(1, torch.int32), ops.index_expr(ModularIndexing(flat, 1, 2), torch.int32)),
                         ops.constant(4, torch.int32))
         nibble = ops.bitwise_and(ops.bitwise_right_shift(byte, shift), ops.constant(15, torch.int32))
-        value = table([ops.indirect_indexing(nibble, 16, check=False, wrap_neg=False)])
-        return ops.to_dtype(ops.mul(value, scale([FloorDiv(flat, blocksize)])), dtype)
+        return ops.to_dtype(ops.mul(nf4(nibble), scale([FloorDiv(flat, blocksize)])), dtype)
 
     return ir.Pointwise.create(device=A.get_device(), dtype=dtype, inner_fn=inner, ranges=size)
 

@@ -56,9 +56,16 @@ def enable_determinism() -> None:
     change with timing), leaves cuDNN attention out of SDPA's selection, and refuses an op that has no
     deterministic implementation instead of running it with a warning; `deterministic_kernels` turns
     that refusal into one line.
+
+    Without filling uninitialized memory: in this mode PyTorch by default writes NaN into every tensor it
+    allocates without initializing (`torch.empty`, a kernel's output), which costs a pass over memory per
+    allocation (bitsandbytes' dequantized weights, attention's outputs) and changes no result of a program that
+    reads only what it wrote. PyTorch's documentation of `torch.utils.deterministic.fill_uninitialized_memory`
+    says such a program stays deterministic with it off; the parity gate compares every bit either way.
     """
     set_cublas_workspace()
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def kernel_refusal(error: BaseException) -> CapabilityError | None:

@@ -17,7 +17,9 @@ from poros.engine import dequant_lowering
 from poros.engine.dequant_lowering import install_dequantize_lowerings
 from tests.capabilities import requires_gpu
 
-BNB_4BIT, BNB_BLOCKWISE = "bitsandbytes.dequantize_4bit", "bitsandbytes.dequantize_blockwise"
+# a call of bitsandbytes' kernel in generated code (comments name the ops too, without the call)
+BNB_4BIT = "torch.ops.bitsandbytes.dequantize_4bit.default("
+BNB_BLOCKWISE = "torch.ops.bitsandbytes.dequantize_blockwise.default("
 
 
 def _nf4(shape, double_quant: bool, device: str):

@@ -31,12 +31,14 @@ def _mode() -> tuple[bool, bool]:
 
 @pytest.fixture
 def mode(monkeypatch):
-    """Strict mode off and CUBLAS_WORKSPACE_CONFIG unset for the test; both restored after it."""
-    before = _mode()
+    """Strict mode off and CUBLAS_WORKSPACE_CONFIG unset for the test; both restored after it, with PyTorch's
+    filling of uninitialized memory."""
+    before, fill = _mode(), torch.utils.deterministic.fill_uninitialized_memory
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     torch.use_deterministic_algorithms(False)
     yield
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def _cfg(model: str = "tiny-qwen3", **kw) -> TrainConfig:
@@ -62,6 +64,40 @@ def test_without_deterministic_the_mode_is_left_as_it_was(stores, mode, method):
         make_trainer(method, stores("tiny-qwen3"), _cfg()).close()
         assert _mode() == state, f"{method.value} changed the mode {state} to {_mode()}"
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+def _resident_step(store, fill: bool) -> dict[str, torch.Tensor]:
+    """One resident step under strict mode with PyTorch's NaN fill of uninitialized memory on or off: the loss
+    and the LoRA weights after the optimizer's step (with their gradients where the step keeps them)."""
+    trainer = make_trainer(Method.RESIDENT, store, _cfg(deterministic=True))
+    try:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        loss = trainer.step().loss
+        out = {"loss": torch.tensor(loss)}
+        for name, p in trainer.model.named_parameters():
+            if p.requires_grad:
+                out[name] = p.detach().clone()
+                if p.grad is not None:
+                    out[name + ".grad"] = p.grad.detach().clone()
+        return out
+    finally:
+        trainer.close()
+
+
+def test_filling_uninitialized_memory_changes_no_bit(stores, mode):
+    """Strict mode leaves uninitialized memory unfilled: a training step reads only what it wrote, so its
+    loss, gradients and weights are the same bits with PyTorch's NaN fill. Negative control: with the fill
+    on, memory that is read before written is NaN, which any such read would carry into the results."""
+    from poros.engine.trainer import enable_determinism
+
+    enable_determinism()
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+    unfilled, filled = _resident_step(stores("tiny-qwen3"), False), _resident_step(stores("tiny-qwen3"), True)
+    assert unfilled.keys() == filled.keys() and len(unfilled) > 1
+    for name in unfilled:
+        assert torch.equal(unfilled[name], filled[name]), name
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(64).isnan().all()
 
 
 def test_gate_passes_under_strict_mode(stores, mode):
