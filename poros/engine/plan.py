@@ -159,6 +159,12 @@ FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count i
 # one layer's transient bytes: fitted to the pools' reserved bytes in results/h200-reserved-memory, rounded up
 # (tests/engine/test_budget.py holds it to them).
 GRAPH_POOL_PER_LAYER = 115
+# Compiled layers (`compile`) captured in CUDA graphs hold more: at seq 512 on qwen2.5-72b the reserved peak of
+# the plan with every resident layer keeping its activations grew 0.55 GB once inductor generated the
+# dequantizations (results/h200-40gb-inductor-dequant, against results/h200-compile-40gb-double-quant), and the
+# plans with 12 and 16 kept layers no longer fit the pool planned at GRAPH_POOL_PER_LAYER: their pools held
+# 1.9 GiB when they refused, 2.2 layers' transient bytes. Rounded up to 250.
+GRAPH_POOL_PER_LAYER_COMPILED = 250
 
 
 # What a CUDA process holds beside its tensors, which a budget (what nvidia-smi shows for the process) counts
@@ -567,6 +573,7 @@ class PlanRequest:
     kept_layers: int | None = None
     placement: Placement = Placement.TAIL
     deterministic: bool = False
+    compiled: bool = False  # regionally compiled layers (`compile`): their CUDA graphs' pool is planned larger
     resident_layers: int = 0
     head_resident: bool | None = None  # None: resident unless two buffers rotate
     budget: int | None = None  # bytes of the process's device memory; recorded on the plan, fitted by `plan_for_budget`
@@ -596,7 +603,7 @@ class PlanRequest:
                    attention=cfg.attention.value, overlap_backward=cfg.overlap_backward, cuda_graphs=cfg.cuda_graphs,
                    offload_inputs=True if cfg.offload_inputs else None, loss_chunk=cfg.loss_chunk or 0,
                    keep_attention=cfg.keep_attention, keep_activations=cfg.keep_activations, kept_layers=cfg.kept_layers, placement=cfg.placement,
-                   deterministic=cfg.deterministic, budget=budget, process=process,
+                   deterministic=cfg.deterministic, compiled=cfg.compile, budget=budget, process=process,
                    shards=ranks if getattr(cfg, "shard_stream", False) else 1)
 
 
@@ -677,7 +684,8 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
                    + len(kept) * live * (template_bytes(geo, r.lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention),
-        graph_pool=-(-layer_t * GRAPH_POOL_PER_LAYER // 100) if graphs else 0).with_costs(r.process)
+        graph_pool=-(-layer_t * (GRAPH_POOL_PER_LAYER_COMPILED if r.compiled else GRAPH_POOL_PER_LAYER) // 100)
+        if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
                 one_saved, window, r.keep_attention, kept, shards=shards)
