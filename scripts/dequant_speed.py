@@ -1,7 +1,7 @@
 """NF4 dequantization on the GPU: bitsandbytes' kernel against inductor's (poros/engine/dequant_lowering.py), per
 projection shape of a model (a probe, not a test).
 
-    python3 scripts/dequant_speed.py qwen2.5-72b [--double-quant] [--lookup load|select] [--repeats 50]
+    python3 scripts/dequant_speed.py qwen2.5-72b [--double-quant] [--repeats 50]
 
 Per shape one JSON line: microseconds per dequantization for each (CUDA events, median of the repeats after a
 warm-up), the effective bandwidth (packed bytes read plus bf16 bytes written), and whether the two gave the
@@ -42,16 +42,13 @@ def time_us(fn, repeats: int) -> float:
 def main() -> None:
     import bitsandbytes.functional as F
 
-    from poros.engine import dequant_lowering
     from poros.engine.dequant_lowering import install_dequantize_lowerings
 
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--double-quant", action="store_true")
     p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--lookup", choices=("load", "select"), default=dequant_lowering.LOOKUP)
     args = p.parse_args()
-    dequant_lowering.LOOKUP = args.lookup
     install_dequantize_lowerings()
     for shape in projection_shapes(args.model):
         w = torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
@@ -61,7 +58,7 @@ def main() -> None:
         bnb_us = time_us(lambda: F.dequantize_4bit(packed, state), args.repeats)
         inductor_us = time_us(lambda: compiled(packed), args.repeats)
         gb = (packed.numel() + 2 * w.numel()) / 1e9
-        print(json.dumps({"model": args.model, "shape": list(shape), "double_quant": args.double_quant, "lookup": args.lookup,
+        print(json.dumps({"model": args.model, "shape": list(shape), "double_quant": args.double_quant,
                           "bitsandbytes_us": round(bnb_us, 1), "inductor_us": round(inductor_us, 1),
                           "bitsandbytes_gb_s": round(gb / bnb_us * 1e6), "inductor_gb_s": round(gb / inductor_us * 1e6),
                           "same_bytes": same}), flush=True)

@@ -6,8 +6,8 @@ lowerings give inductor the same arithmetic as its own pointwise code instead: o
 weight is the NF4 value of nibble `i` (high nibble first) times the float32 absmax of block `i // blocksize`,
 rounded once to the output dtype; a blockwise (8-bit) dequantization, the absmax of double quantization, is
 `code[byte] * absmax` in float32. One multiply per element and one rounding, as bitsandbytes' kernels do,
-so the bytes are bitsandbytes' own (tests/engine/test_dequant_lowering.py compares them bit for bit on CPU,
-tests/engine/test_gpu_compile.py on the GPU). They change which kernel computes a dequantization, not which
+so the bytes are bitsandbytes' own (tests/engine/test_dequant_lowering.py compares them bit for bit, on CPU and
+with -m gpu on a GPU; results/h200-dequant-speed times both kernels). They change which kernel computes a dequantization, not which
 nodes the forward saves: lowering comes after the forward/backward partition
 (`poros.engine.compiling.RecomputeDequantization`).
 
@@ -23,9 +23,6 @@ import functools
 import torch
 
 NF4 = "nf4"
-# how generated code maps a nibble to its NF4 value: "load" reads a 16-entry table, "select" picks among 16
-# constants by the nibble's bits (no memory access; more instructions)
-LOOKUP = "load"
 LOWERED_OPS = ("dequantize_4bit", "dequantize_blockwise")  # bitsandbytes op names lowered here (default overloads)
 
 
@@ -57,19 +54,10 @@ def _lower_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
         # FP4, or rows that are not whole blocks: bitsandbytes' own kernel (inductor splits a loop by the
         # divisors of its index, which takes blocks that do not straddle a loop boundary)
         return fallback_handler(op, add_to_fallback_set=False)(A, absmax, blocksize, quant_type, shape, dtype)
-    values = nf4_values()
-    if LOOKUP == "load":
-        table = V.graph.add_tensor_constant(torch.tensor(values, dtype=torch.float32, device=A.get_device()),
-                                            name="poros_nf4_code").make_loader()
-
-        def nf4(nibble):
-            return table([ops.indirect_indexing(nibble, 16, check=False, wrap_neg=False)])
-    else:
-        def nf4(nibble, lo=0, hi=16):
-            if hi - lo == 1:
-                return ops.constant(values[lo], torch.float32)
-            mid = (lo + hi) // 2
-            return ops.where(ops.lt(nibble, ops.constant(mid, torch.int32)), nf4(nibble, lo, mid), nf4(nibble, mid, hi))
+    # a 16-entry table read by the nibble (picking among 16 constants by the nibble's bits instead took twice
+    # as long on an H200: results/h200-dequant-speed)
+    table = V.graph.add_tensor_constant(torch.tensor(nf4_values(), dtype=torch.float32, device=A.get_device()),
+                                        name="poros_nf4_code").make_loader()
     packed, scale = A.make_loader(), absmax.make_loader()
     packed_rank, size = len(A.get_size()), list(shape)
 
@@ -81,7 +69,8 @@ def _lower_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
         shift = ops.mul(ops.sub(ops.constant(1, torch.int32), ops.index_expr(ModularIndexing(flat, 1, 2), torch.int32)),
                         ops.constant(4, torch.int32))
         nibble = ops.bitwise_and(ops.bitwise_right_shift(byte, shift), ops.constant(15, torch.int32))
-        return ops.to_dtype(ops.mul(nf4(nibble), scale([FloorDiv(flat, blocksize)])), dtype)
+        value = table([ops.indirect_indexing(nibble, 16, check=False, wrap_neg=False)])
+        return ops.to_dtype(ops.mul(value, scale([FloorDiv(flat, blocksize)])), dtype)
 
     return ir.Pointwise.create(device=A.get_device(), dtype=dtype, inner_fn=inner, ranges=size)
 

@@ -358,3 +358,40 @@ def test_poros_plan_prints_the_process_total_and_its_parts(capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["process_vram_bytes"] == sum(summary["memory"].values()) <= 40 * GB
     assert summary["memory"]["context"] == P.CUDA_CONTEXT and summary["memory"]["graph_pool"] > 0
+
+
+def compiled_40gb_rows(folder: str):
+    """The poros rows of the compiled 40 GB runs with inductor's dequantization (double quantization, kept
+    layers, CUDA graphs) and the TrainConfig each ran."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for line in (RESULTS / "h200-40gb-inductor-dequant" / folder / "results.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["method"] == "poros":
+            yield row, TrainConfig(**{k: v for k, v in row["config"].items() if k in fields})
+
+
+def _plan(cfg: TrainConfig) -> P.Plan:
+    return P.make_plan(P.Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant),
+                       cfg)
+
+
+def test_the_compiled_graph_pool_covers_the_compiled_kept_plans(monkeypatch):
+    """The plans that ran within 40 GB with compiled layers in CUDA graphs (results/h200-40gb-inductor-dequant):
+    planned now, each keeps the layers it kept then and its process total covers its NVML peak. Negative
+    control: with the eager layers' pool the 16-kept plan keeps 3 layers more, the plan whose run stopped
+    with BudgetError at its predicted 39.98 GB (`eager-pool/`)."""
+    rows = list(compiled_40gb_rows(""))
+    assert [row["plan_name"] for row, _ in rows] == ["40GB+kept12+graphs", "40GB+kept16+graphs"]
+    for row, cfg in rows:
+        assert cfg.compile and cfg.cuda_graphs and row["parity"] == "PASS"
+        plan = _plan(cfg)
+        assert len(plan.resident_layers) == row["resident_layers"], row["plan_name"]
+        assert plan.memory.total >= row["peak_vram_nvml_gb"] * GB, row["plan_name"]
+    failed = {row["plan_name"]: (row, cfg) for row, cfg in compiled_40gb_rows("eager-pool")}["40GB+kept16+graphs"]
+    assert failed[0]["error"].startswith("BudgetError") and "(39.98 GB)" in failed[0]["error"]
+    monkeypatch.setattr(P, "GRAPH_POOL_PER_LAYER_COMPILED", P.GRAPH_POOL_PER_LAYER)
+    eager_pool = _plan(failed[1])
+    assert len(eager_pool.resident_layers) == rows[1][0]["resident_layers"] + 3
+    assert f"{eager_pool.memory.total / GB:.2f}" == "39.98"

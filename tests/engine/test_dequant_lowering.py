@@ -78,4 +78,4 @@ def test_gpu_compiled_dequantization_gives_bitsandbytes_bytes(shape, double_quan
     packed, state = _nf4(shape, double_quant, "cuda")
     out, code = compiled_dequantize(packed, state)
     assert torch.equal(out, F.dequantize_4bit(packed, state))
-    assert BNB_4BIT not in code and (BNB_BLOCKWISE not in code) == double_quant, code
+    assert BNB_4BIT not in code and BNB_BLOCKWISE not in code, code  # 1,024 absmax per nested block: all generated
