@@ -205,6 +205,7 @@ def test_shared_stream_matches_resident_ddp_on_every_rank(shard_ranks):
     assert shard_ranks["gathers"] == plan["loads_per_step"] + 1
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun (the module's ranks)
 def test_a_stale_share_fails_the_gate(shard_ranks):
     """Negative control: the collective runs, but the other rank's share of one group never reaches the
     buffer (it keeps the bytes of the group before)."""
@@ -213,6 +214,7 @@ def test_a_stale_share_fails_the_gate(shard_ranks):
     assert control["first_mismatch"].startswith("rank 0: step0.")
 
 
+@pytest.mark.slow  # two gloo ranks under torchrun (the module's ranks)
 def test_each_rank_copies_its_share_and_gathers_the_rest(shard_ranks):
     plan, counters = shard_ranks["plan"], shard_ranks["counters"]
     for rank, c in enumerate(counters):

@@ -470,6 +470,7 @@ def test_gpus_starts_the_ranks_itself(files, two_ranks, capfd):
     assert read_run_file(out / "run.yaml")["gpus"] == 2
 
 
+@pytest.mark.slow  # a poros run on two gloo ranks under torchrun (the module's ranks)
 def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
     out = two_ranks / "poros"
     assert train(files, out, "--resume", steps=STEPS + 2) == 2
