@@ -7,8 +7,8 @@ weight is the NF4 value of nibble `i` (high nibble first) times the float32 absm
 rounded once to the output dtype; a blockwise (8-bit) dequantization, the absmax of double quantization, is
 `code[byte] * absmax` in float32. One multiply per element and one rounding, as bitsandbytes' kernels do,
 so the bytes are bitsandbytes' own (tests/engine/test_dequant_lowering.py compares them bit for bit, on CPU and
-with -m gpu on a GPU; results/h200-dequant-speed times both kernels). They change which kernel computes a dequantization, not which
-nodes the forward saves: lowering comes after the forward/backward partition
+with -m gpu on a GPU; results/h200-dequant-speed times both kernels). They change which kernel computes a
+dequantization, not which nodes the forward saves: lowering comes after the forward/backward partition
 (`poros.engine.compiling.RecomputeDequantization`).
 
 A blockwise result is written to memory before anything reads it: bitsandbytes adds double quantization's
@@ -23,7 +23,6 @@ import functools
 import torch
 
 NF4 = "nf4"
-LOWERED_OPS = ("dequantize_4bit", "dequantize_blockwise")  # bitsandbytes op names lowered here (default overloads)
 
 
 @functools.cache
