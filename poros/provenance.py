@@ -122,6 +122,11 @@ def provenance() -> dict:
     return info
 
 
+def current_commit() -> str | None:
+    """The commit this process runs (`git_info`, read once)."""
+    return _static()["git"]["commit"]
+
+
 def stack_label() -> str:
     """The running stack as the official results name it, e.g. 'torch 2.11.0+cu130 / transformers 5.17.0'."""
     return f"torch {torch.__version__} / transformers {_version('transformers')}"

@@ -173,13 +173,19 @@ def _preflight(config) -> None:
     if warning:
         bench.progress(warning)
     if config.getoption("--resume"):
-        preflight.check_resume(writer.rows(), m, results)
+        preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
     warning = ResultsWriter(passes_path(results)).repair()
     if warning:
         bench.progress(warning)
     minutes = config.getoption("--max-minutes")
     if minutes is not None and not minutes > 0:
         raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
+    bench.reset_phases()
+    if bench.matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
+        from poros.engine.link import h2d_gbps
+
+        gbps = h2d_gbps("cuda")
+        bench.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")
 
 
 def pytest_generate_tests(metafunc):
@@ -305,6 +311,12 @@ def pytest_sessionfinish(session, exitstatus):
     state = getattr(session.config, "_poros_session", None)
     if state is not None and state.stopped and exitstatus == 0:
         session.exitstatus = OUT_OF_TIME
+    if state is not None and state.ran:
+        state.record_part(int(session.exitstatus))
+        if state.keep_exports and not state.stopped:  # the run is complete: no later part needs them
+            from poros.engine.unsloth import remove_kept_exports
+
+            remove_kept_exports()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -371,6 +383,24 @@ class Session:
         self.max_minutes = config.getoption("--max-minutes")
         self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
         self.stopped = False  # a cell stopped at the time budget
+        # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
+        self.keep_exports = self.max_minutes is not None
+        self.started = time.time()
+        self.ran = False  # a cell got past its checks: the part is recorded at the end
+
+    def record_part(self, exit_status: int) -> None:
+        """What this run (a part, under --resume) spent where: wall time and seconds per phase (store
+        builds, gates, trainer set-ups, warm-ups, timed passes, Unsloth's children), in the pass log."""
+        from poros.provenance import provenance
+
+        p = provenance()
+        phases = {k: round(v, 1) for k, v in bench.phase_times().items()}
+        self.passlog.add("part", "", "", started=self.started, ended=time.time(),
+                         wall_s=round(time.time() - self.started, 1), phases=phases, exit_status=exit_status,
+                         stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
+                         max_minutes=self.max_minutes)
+        bench.progress(f"this run: {time.time() - self.started:.0f} s; " +
+                       ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
 
     @property
     def total(self) -> int:

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from poros.config import Method
+from poros.harness import bench
 from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
 from poros.harness.bench import (
     Measurement,
@@ -51,6 +52,7 @@ def _skip_if_not_runnable(session, cell):
     if session.out_of_time():
         session.stopped = True
         pytest.skip(f"time budget reached (--max-minutes {session.max_minutes:g}); --resume continues")
+    session.ran = True
 
 
 def _gate_plans(session) -> list:
@@ -131,7 +133,8 @@ def _gate(session, cell) -> dict:
             session.gates[key] = {plan: ParityResult(**r) for plan, r in kept.items()}
             progress("  parity gate: outcome kept from the earlier run (--resume)")
         else:
-            session.gates[key] = _run_gate(session, cell)
+            with bench.phase("parity gate"):
+                session.gates[key] = _run_gate(session, cell)
             for plan, result in session.gates[key].items():
                 if isinstance(result, ParityResult):
                     session.passlog.add("gate", cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan),
@@ -237,12 +240,24 @@ def _measure_cell(session, cell, cfg, benchmark):
         earlier = session.passlog.passes(cell.id, fp) if session.resume else []
         if earlier:
             progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
-        trainer = make_trainer(cell.method, store, cfg)
+        if earlier and session.deadline is not None and len(earlier) < m.passes and \
+                time.monotonic() + (earlier[-1].get("overhead_s") or 0.0) + earlier[-1]["seconds"] > session.deadline:
+            raise OutOfTime("the trainer's set-up, warm-up and next pass would end past the time budget")
+        t_cell = time.monotonic()
+        with bench.phase("trainer set-up"):
+            trainer = make_trainer(cell.method, store, cfg)
         plan = None if trainer.plan is None else trainer.plan.summary()
+        timed_s = []
+
+        def on_pass(rec):  # the set-up and warm-up a process spent before its first timed pass, for the next part
+            rec["overhead_s"] = time.monotonic() - t_cell - sum(timed_s) - rec["seconds"]
+            timed_s.append(rec["seconds"])
+            session.passlog.add("pass", cell.id, fp, **rec)
+
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
                            warmup_steps=m.warmup_steps, earlier=earlier, deadline=session.deadline,
-                           on_pass=lambda rec: session.passlog.add("pass", cell.id, fp, **rec))
+                           on_pass=on_pass)
         finally:
             trainer.close()
             del trainer
@@ -253,29 +268,39 @@ def _measure_cell(session, cell, cfg, benchmark):
 
 
 def _measure_child(session, cell, cfg, store, write) -> None:
-    """Unsloth, in a child process per run of passes: under a time budget one pass per child (each with
-    its warm-up), so a cut-off run keeps the passes that ended."""
+    """Unsloth, in a child process that reports each timed pass as it ends (kept in the pass log at once)
+    and, under a time budget, starts no pass that would end past it. A part of a run in parts starts no
+    child whose load, warm-up and next pass would not fit, judged by the earlier parts' children."""
     from poros.engine.unsloth import measure_unsloth
 
     m = session.matrix
     fp = session.cell_fingerprint(cell, cfg)
     earlier = session.passlog.passes(cell.id, fp) if session.resume else []
-    while len(earlier) < m.passes:
+    if len(earlier) < m.passes and session.deadline is not None and earlier:
+        need = (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"]
+        if time.monotonic() + need > session.deadline:
+            raise OutOfTime(f"a child's start and next pass (about {need:.0f} s) would end past the time budget")
+    if len(earlier) < m.passes:
         stop_if_interrupted()
-        if session.deadline is not None and earlier and \
-                time.monotonic() + earlier[-1]["child_s"] > session.deadline:
-            raise OutOfTime("the next child's pass would end past the time budget")
-        n = 1 if session.deadline is not None else m.passes - len(earlier)
         t0 = time.monotonic()
-        child = measure_unsloth(store, cfg, m.steps, n, m.warmup_passes, log=progress)
-        took = time.monotonic() - t0
-        retries = child.get("alloc_retries") or [None] * len(child["per_pass_s"])
-        for t, retried in zip(child["per_pass_s"], retries, strict=True):
-            rec = {"index": len(earlier), "seconds": t, "counters": [], "child_s": took, "alloc_retries": retried,
-                   "unsloth_version": child.get("unsloth_version"),
-                   **{k: child.get(k) for k in ("peak_vram_gb", "peak_vram_nvml_gb", "peak_reserved_gb")}}
+        this = []
+
+        def on_pass(rec):
+            rec = {"index": len(earlier) + len(this), "counters": [], **rec}
+            this.append(rec)
+            rec["child_overhead_s"] = time.monotonic() - t0 - sum(r["seconds"] for r in this)
             session.passlog.add("pass", cell.id, fp, **rec)
-            earlier.append(rec)
+
+        budget = None if session.deadline is None else session.deadline - time.monotonic()
+        with bench.phase("unsloth child"):
+            child = measure_unsloth(store, cfg, m.steps, m.passes - len(earlier), m.warmup_passes, log=progress,
+                                    warmup_steps=m.warmup_steps, on_pass=on_pass, budget_s=budget,
+                                    keep_export=session.keep_exports)
+        bench.add_phase_time("timed passes", sum(r["seconds"] for r in this))
+        bench.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
+        earlier = earlier + this
+        if len(earlier) < m.passes:
+            raise OutOfTime(f"the child stopped at the time budget ({child.get('stopped')})")
 
     def peak(k):
         values = [r[k] for r in earlier if r.get(k) is not None]

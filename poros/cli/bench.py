@@ -21,7 +21,7 @@ from poros.harness.bench import (
 from poros.harness.compare import load_compare_source, parse_compare_fail
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
-from poros.harness.results import OutputLock, ResultsWriter, ensure_folder, keep_earlier
+from poros.harness.results import OutputLock, PassLog, ResultsWriter, ensure_folder, keep_earlier, passes_path
 
 OUT_OF_TIME = 75  # the suites' exit status when --max-minutes stopped them with cells left
 
@@ -207,7 +207,7 @@ def _run_locked(args, m, out: Path, lock) -> int:
         warning = writer.repair()
         if warning:
             say(warning)
-        preflight.check_resume(writer.rows(), m, results)
+        preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
         kept, names = None, []  # the suites append this run's benchmarks to benchmark.json
     else:
         kept, names = keep_earlier(out)

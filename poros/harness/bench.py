@@ -17,6 +17,7 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.engine.methods import gate_of, gated
+from poros.engine.link import copy_floor, h2d_gbps
 from poros.engine.nvml import NvmlPeak, alloc_retries
 from poros.harness.matrix import Matrix, Stack
 from poros.harness.results import ResultsWriter  # noqa: F401  (re-exported: the suites and tests import it here)
@@ -127,7 +128,8 @@ class StoreCache:
 
             self.store = self.stats = None
             gc.collect()
-            self.store, self.stats = build_store(model, device=self.device, progress=None, double_quant=double_quant)
+            with phase("store build"):
+                self.store, self.stats = build_store(model, device=self.device, progress=None, double_quant=double_quant)
             self.key = (model, double_quant)
         return self.store
 
@@ -291,6 +293,34 @@ class StatusLine:
         self.stream.flush()
 
 
+_phases: dict[str, float] = {}  # seconds per phase of this run (`phase`), for the part's record
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Time what the block does as `name` (store build, parity gate, warm-up, timed passes, ...): a log line
+    each, and the run's totals (`phase_times`), so a run in parts shows what a part spent outside timed passes."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add_phase_time(name, time.perf_counter() - t0)
+        progress(f"  time: {name} {time.perf_counter() - t0:.1f} s")
+
+
+def add_phase_time(name: str, seconds: float) -> None:
+    _phases[name] = _phases.get(name, 0.0) + seconds
+
+
+def phase_times() -> dict[str, float]:
+    """Seconds per phase since `reset_phases`."""
+    return dict(_phases)
+
+
+def reset_phases() -> None:
+    _phases.clear()
+
+
 class OutOfTime(Exception):
     """The next pass would end past the run's time budget (`--max-minutes`): the cell stops between passes,
     its finished passes kept, and `--resume` continues it."""
@@ -324,7 +354,9 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
     `earlier`: passes a killed or budgeted run already timed ({"seconds", "counters", peaks}); only the
     rest are run (after the warm-up, which every process runs). `on_pass(record)` gets each timed pass as
     soon as it ends. `deadline` (time.monotonic()): a pass that would end past it is not started
-    (`OutOfTime`), judged by the last pass (or the warm-up's pace).
+    (`OutOfTime`), judged by the last timed pass (an earlier run's, before this process has timed one) or
+    the pace of the warm-up's second half (its first steps compile); and the warm-up itself is not
+    started when it and one pass would not fit, judged by an earlier run's pass.
 
     Raises:
         OutOfTime: the budget ran out between passes.
@@ -337,8 +369,11 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.alloc_retries.append(rec.get("alloc_retries"))
     todo = passes - len(out.per_pass_s)
     wsteps = steps if warmup_steps is None else warmup_steps
-    pace = {"s_per_step": None}
+    pace = {"s_per_step": earlier[-1]["seconds"] / steps if earlier else None}
     peaks = [{k: rec.get(k) for k in PEAKS} for rec in earlier]
+    if todo > 0 and deadline is not None and pace["s_per_step"] is not None and \
+            time.monotonic() + pace["s_per_step"] * (warmup * wsteps + steps) > deadline:
+        raise OutOfTime("the warm-up and the next pass would end past the time budget")
 
     def one_pass(kind: str, n: int, nvml) -> tuple[float, list, int | None]:
         if deadline is not None and pace["s_per_step"] is not None and \
@@ -347,7 +382,8 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         _sync(device)
         retried = alloc_retries(device)
         t0 = time.perf_counter()
-        counters = []
+        counters, ends = [], []
+        timed = kind.startswith("pass")
         for s in range(n):
             stop_if_interrupted()
             r = trainer.step()
@@ -355,17 +391,23 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             status(f"{kind}, step {s + 1}/{n}")
             if (s + 1) % max(1, n // 4) == 0 or s + 1 == n:
                 progress(f"  {label} {kind}: step {s + 1}/{n} loss {r.loss:.4f}")
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        pace["s_per_step"] = elapsed / n
+            if s + 1 == n or (not timed and s + 1 == n // 2):
+                _sync(device)
+                ends.append(time.perf_counter())
+        elapsed = ends[-1] - t0
+        # a warm-up's pace is its second half's: its first steps compile and capture
+        half = n - n // 2
+        pace["s_per_step"] = elapsed / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
         return elapsed, counters, None if retried is None else alloc_retries(device) - retried
 
     with NvmlPeak() as nvml:
         if todo > 0:
-            for w in range(warmup):
-                one_pass("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps, nvml)
+            with phase("warm-up"):
+                for w in range(warmup):
+                    one_pass("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps, nvml)
         for i in range(len(out.per_pass_s), passes):
-            elapsed, counters, retried = one_pass(f"pass {i + 1}/{passes}", steps, nvml)
+            with phase("timed passes"):
+                elapsed, counters, retried = one_pass(f"pass {i + 1}/{passes}", steps, nvml)
             out.per_pass_s.append(elapsed)
             out.counters.extend(counters)
             out.alloc_retries.append(retried)
@@ -458,6 +500,9 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "provenance": provenance(),
     }
     row.update(copy_summary(meas.counters if meas else []))
+    gbps = h2d_gbps(cfg.device.value) if row.get("weight_bytes_h2d_per_step") else None
+    row["link_h2d_gbps"] = gbps  # measured in this process (poros.engine.link)
+    row["copy_floor_s"] = copy_floor(row.get("weight_bytes_h2d_per_step"), gbps)
     alone_steps = [t / steps for t in alone.per_pass_s] if alone else []
     if alone_steps and row["tokens_per_s"]:  # the ranks' tokens/s together over one GPU's, same run
         row["scaling"] = row["tokens_per_s"] / (step_tokens(cfg) / statistics.median(alone_steps))

@@ -13,6 +13,7 @@ from poros.errors import CapabilityError, ConfigError, PorosError
 from poros.harness.bench import cell_config, matrix_cells, model_unavailable, point_id, row_key
 from poros.harness.matrix import load_matrix as load
 from poros.harness.matrix import resolve_matrix_path
+from poros.harness.results import passes_path
 from poros.harness.report import load_reference
 from poros.models.checkpoint import resolve
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
@@ -182,14 +183,41 @@ def check_report_paths(inputs, output, reference=None) -> None:
             raise PorosError(f"-o {output}: {target} exists and is read-only; pass another file")
 
 
-def check_resume(rows: list[dict], m, path) -> None:
+def check_same_commit(records: list[dict], path, commit: str | None) -> None:
+    """`--resume` continues one engine: rows (their provenance) and pass records (their `commit`) measured at
+    another commit than `commit` (this run's) would mix two engines on one page.
+
+    Raises:
+        PorosError: naming the file, the line and both commits, and what to do.
+    """
+    for n, r in enumerate(records, 1):
+        git = (r.get("provenance") or {}).get("git") if "provenance" in r else None
+        recorded = git.get("commit") if isinstance(git, dict) else r.get("commit")
+        if recorded != commit:
+            where = "this run cannot tell its own commit (no git checkout: set POROS_GIT_COMMIT)" if commit is None \
+                else f"this run is at {commit}"
+            raise PorosError(f"--resume: {path}:{n} was measured at commit {recorded or 'unknown'}, {where}; run "
+                             f"the rest from that commit (git worktree add DIR {recorded or 'COMMIT'}), or pass another -o")
+
+
+_THIS_COMMIT = object()  # check_resume's default: the commit this process runs
+
+
+def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THIS_COMMIT) -> None:
     """`--resume` continues one run: every row it keeps must be a cell of this matrix, measured with the
-    same steps and passes, every computed setting, the same plan (poros's schedule settings) and the same
-    stack; anything else would be mixed into its results and stand in for cells it never ran.
+    same steps and passes, every computed setting, the same plan (poros's schedule settings), the same
+    stack and the same commit as this run (`passes`: the pass log's records, held to the commit too);
+    anything else would be mixed into its results and stand in for cells it never ran.
 
     Raises:
         PorosError: naming the first cell that differs, what differs, and what to do.
     """
+    if commit is _THIS_COMMIT:
+        from poros.provenance import current_commit
+
+        commit = current_commit()
+    check_same_commit(rows, path, commit)
+    check_same_commit(list(passes), passes_path(path), commit)
     other = sorted({str(r.get("matrix")) for r in rows if r.get("matrix") != m.name})
     if other:
         raise PorosError(f"--resume: {path} holds rows of matrix {', '.join(map(repr, other))}, this run is "

@@ -356,6 +356,10 @@ class PassLog:
         return [r for r in self.writer.rows()
                 if r.get("kind") == kind and r.get("cell") == cell and r.get("fingerprint") == fingerprint]
 
+    def records(self) -> list[dict]:
+        """Every record, passes, gate outcomes and parts alike."""
+        return self.writer.rows()
+
     def passes(self, cell: str, fingerprint: str) -> list[dict]:
         """The timed passes recorded for `cell`, by pass index (a repeated index: the later record)."""
         by_index = {r["index"]: r for r in self._records("pass", cell, fingerprint)}
@@ -366,7 +370,10 @@ class PassLog:
         return found[-1]["result"] if found else None
 
     def add(self, kind: str, cell: str, fingerprint: str, **record) -> None:
-        self.writer.append({"kind": kind, "cell": cell, "fingerprint": fingerprint, **record})
+        from poros.provenance import current_commit
+
+        self.writer.append({"kind": kind, "cell": cell, "fingerprint": fingerprint, "commit": current_commit(),
+                            **record})
 
 
 def _row(line: str) -> dict | None:

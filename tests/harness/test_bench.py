@@ -382,6 +382,11 @@ def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     again, _ = _suite(tmp_path, matrix, "--resume")
     assert again.returncode == 0, again.stdout[-2000:]
     assert {r["method"] for r in _rows(results)} == {"poros", "resident"}
+    # each run that ran a cell records what it spent where: the stopped one ran none
+    parts = [k for k in map(json.loads, (tmp_path / "passes.jsonl").read_text().splitlines()) if k["kind"] == "part"]
+    assert len(parts) == 1 and parts[0]["exit_status"] == 0 and not parts[0]["stopped"]
+    assert {"store build", "parity gate", "trainer set-up", "warm-up", "timed passes"} <= set(parts[0]["phases"])
+    assert sum(parts[0]["phases"].values()) <= parts[0]["wall_s"] + 1
 
 
 def test_resume_refuses_rows_of_other_computed_settings_plans_or_stacks(tmp_path):

@@ -131,6 +131,29 @@ def test_resume_refuses_rows_of_another_matrix_or_other_steps(tmp_path):
     assert "--steps 20 --passes 3" in _one_line(e.value)
 
 
+def test_resume_refuses_rows_and_passes_of_another_commit():
+    """One engine per results folder: a row or a recorded pass of another commit is refused, naming both."""
+    from poros.harness.bench import cell_config, matrix_cells, record
+    from poros.provenance import current_commit
+
+    m = parse_matrix(TINY, "m.yaml")
+    cell = next(c for c in matrix_cells(m) if c.method is not None)
+    row = record(m, cell, cell_config(m, cell), None, None, reduced=False)
+    here = current_commit()
+    passed = {"kind": "pass", "cell": cell.id, "fingerprint": "f", "commit": here, "index": 0, "seconds": 1.0}
+    preflight.check_resume([row], m, "r.jsonl", [passed])  # this commit's row and pass: kept
+    other = dict(row, provenance={**row["provenance"], "git": {"commit": "0" * 40, "dirty": False}})
+    with pytest.raises(PorosError) as e:
+        preflight.check_resume([other], m, "r.jsonl", [passed])
+    assert "r.jsonl:1 was measured at commit " + "0" * 40 in _one_line(e.value)
+    with pytest.raises(PorosError) as e:
+        preflight.check_resume([row], m, "r.jsonl", [dict(passed, commit="1" * 40)])
+    assert "passes.jsonl:1 was measured at commit " + "1" * 40 in _one_line(e.value)
+    with pytest.raises(PorosError) as e:  # a run that cannot tell its commit cannot continue one that could
+        preflight.check_resume([row], m, "r.jsonl", [], commit=None)
+    assert "set POROS_GIT_COMMIT" in _one_line(e.value)
+
+
 def test_a_report_never_writes_over_its_input(tmp_path):
     results = tmp_path / "results.jsonl"
     results.write_text("{}\n")
