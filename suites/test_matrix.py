@@ -133,12 +133,13 @@ def _gate(session, cell) -> dict:
             session.gates[key] = {plan: ParityResult(**r) for plan, r in kept.items()}
             progress("  parity gate: outcome kept from the earlier run (--resume)")
         else:
+            t0 = time.monotonic()
             with bench.phase("parity gate"):
                 session.gates[key] = _run_gate(session, cell)
             for plan, result in session.gates[key].items():
                 if isinstance(result, ParityResult):
                     session.passlog.add("gate", cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan),
-                                        result=dataclasses.asdict(result))
+                                        result=dataclasses.asdict(result), seconds=time.monotonic() - t0)
         free_device_memory()
     return session.gates[key]
 
@@ -172,6 +173,11 @@ def test_parity(session, cell):
         members = [c for c in session.cells if c.gate_key == cell.gate_key and c.method in pair]
         if members and all(c.key in done for c in members):
             pytest.skip("already in results (--resume)")
+    longest = max((r.get("seconds") or 0.0 for r in session.passlog.records() if r.get("kind") == "gate"), default=0.0)
+    if session.deadline is not None and cell.gate_key not in session.gates and \
+            time.monotonic() + 1.2 * longest > session.deadline:  # a gate cut off by the caller's limit is lost
+        session.stopped = True
+        pytest.skip(f"time budget: the longest gate recorded took {longest:.0f} s; --resume continues")
     outcomes = _gate(session, cell)
     failed = []
     for plan, result in outcomes.items():

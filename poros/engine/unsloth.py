@@ -231,13 +231,17 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
                 break
             torch.cuda.synchronize()
             retried = alloc_retries("cuda")
-            t0 = time.perf_counter()
+            t0 = t_half = time.perf_counter()
             for s in range(n_steps):
                 loss = one_step(step)
                 step += 1
+                if n < args.warmup and s + 1 == n_steps // 2:
+                    torch.cuda.synchronize()
+                    t_half = time.perf_counter()
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            pace = dt / n_steps
+            # a warm-up's pace is its second half's: Unsloth compiles in its first steps
+            pace = (time.perf_counter() - t_half) / (n_steps - n_steps // 2) if t_half > t0 else dt / n_steps
             kind = "warm-up" if n < args.warmup else f"pass {n - args.warmup + 1}/{args.passes}"
             print(f"  unsloth {kind}: {n_steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
             if n >= args.warmup:
