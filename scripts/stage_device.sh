@@ -2,7 +2,7 @@
 # Stage the Python packages an offline GPU machine lacks into .devpkgs/site, to be copied along
 # with the checkout; there, `. scripts/device_env.sh` puts them on the path.
 #
-#   scripts/stage_device.sh                      # bitsandbytes, and Unsloth with what it imports
+#   scripts/stage_device.sh                      # bitsandbytes, Unsloth with what it imports, pytest-benchmark
 #   scripts/stage_device.sh NAME==VERSION ...    # these packages instead
 #
 # Wheels are fetched without dependencies for the GPU machine's interpreter, not this one's:
@@ -16,7 +16,7 @@ python=${DEVICE_PYTHON:-3.12}
 cuda=${DEVICE_CUDA:-130}
 pkgs=("$@")
 [ ${#pkgs[@]} -gt 0 ] || pkgs=(bitsandbytes==0.49.2 unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0
-                               datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19)
+                               datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 pytest-benchmark==5.3.1)
 rm -rf .devpkgs
 mkdir -p .devpkgs/wheels .devpkgs/site
 platforms=()

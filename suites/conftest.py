@@ -42,6 +42,12 @@ def _matrix(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-benchmark reads its options
 def pytest_configure(config):
+    import importlib.metadata as md
+
+    try:
+        preflight.check_benchmark_json_resumable(md.version("pytest-benchmark"), config.getoption("--resume"))
+    except PorosError as e:
+        raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "benchmark_json", "absent") is None:  # keep its JSON beside the results
         results = Path(config.getoption("--results"))
         try:

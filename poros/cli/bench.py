@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
@@ -71,6 +72,24 @@ def add_parser(sub) -> None:
                         "(10 %% slower) or min:0.5 (0.5 s slower per pass)")
     add_reference_argument(m)
     m.set_defaults(run=run)
+    st = bsub.add_parser("status", help="where a run in parts stands: cells done, passes kept, what each part took",
+                         epilog="examples:\n  poros bench status matrices/h200.yaml -o results/h200\n",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    st.add_argument("file", help="the run's matrix file or name")
+    st.add_argument("-o", "--out", required=True, help="the run's output folder")
+    st.set_defaults(run=run_status)
+
+
+def run_status(args) -> int:
+    from poros.harness.progress import status_markdown
+
+    m = preflight.load_matrix(args.file)
+    out = Path(args.out)
+    if not (out / "results.jsonl").exists() and not (out / "passes.jsonl").exists():
+        raise PorosError(f"{out}: no results.jsonl or passes.jsonl there: pass the output folder of a "
+                         f"`poros bench matrix` run (-o)")
+    print(status_markdown(m, out), end="")
+    return 0
 
 
 def command_line(args, resume: bool) -> str:

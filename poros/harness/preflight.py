@@ -200,6 +200,24 @@ def check_same_commit(records: list[dict], path, commit: str | None) -> None:
                              f"the rest from that commit (git worktree add DIR {recorded or 'COMMIT'}), or pass another -o")
 
 
+RESUMABLE_BENCHMARK = (5, 3)  # pytest-benchmark from which --benchmark-json is a path, not a file opened at start
+
+
+def check_benchmark_json_resumable(version: str | None, resume: bool) -> None:
+    """A resumed run appends its timed cells to the earlier parts' benchmark.json; pytest-benchmark before 5.3
+    opens that file for writing as it parses its options, erasing them before any plugin can read them.
+
+    Raises:
+        PorosError: naming the installed version and the one needed.
+    """
+    if not resume or version is None:
+        return
+    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if parts < RESUMABLE_BENCHMARK:
+        raise PorosError(f"--resume: pytest-benchmark {version} empties benchmark.json when it starts, losing the cells "
+                         f"the earlier run timed; install pytest-benchmark>=5.3 (pip install -U pytest-benchmark)")
+
+
 _THIS_COMMIT = object()  # check_resume's default: the commit this process runs
 
 

@@ -139,3 +139,41 @@ def test_the_store_fingerprint_names_the_weights():
     assert um.store_fingerprint(nested) != um.store_fingerprint(plain)
     plain.arena[plain.layers[-1].end - 1] ^= 1  # one byte of the last layer differs
     assert um.store_fingerprint(plain) != um.store_fingerprint(again)
+
+
+def test_the_committed_run_in_parts_says_where_it_stands():
+    """results/h200/README.md carries `poros bench status` of its own rows, as the rows now are."""
+    from pathlib import Path
+
+    from poros.harness.matrix import load_matrix
+    from poros.harness.progress import status_markdown
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "results/h200/README.md").read_text()
+    status = status_markdown(load_matrix(str(root / "matrices/h200.yaml")), root / "results/h200")
+    assert readme.endswith("## Cells and parts\n\n" + status)
+
+
+def test_status_reads_gates_passes_and_rows(tmp_path):
+    from poros.harness.bench import cell_config, matrix_cells, record
+    from poros.harness.matrix import parse_matrix
+    from poros.harness.progress import cell_states, status_markdown
+    from poros.harness.results import PassLog, ResultsWriter
+
+    m = parse_matrix(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1,
+                          lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu",
+                          stacks=["current"], methods=["poros", "resident"], models=["tiny-qwen2"]), "t.yaml")
+    gate, poros, resident = matrix_cells(m)
+    log = PassLog(tmp_path / "passes.jsonl")
+    log.add("gate", gate.id + "/None", "f", result={"parity": "PASS", "steps": 3})
+    log.add("pass", resident.id, "f", index=0, seconds=1.0)
+    row = record(m, poros, cell_config(m, poros), None, None, reduced=False)
+    ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0]})
+    assert cell_states(m, tmp_path) == [("tiny-qwen2 gate", "PASS (3 steps)"),
+                                        ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes"),
+                                        ("tiny-qwen2 resident", "1 of 2 passes")]
+    log.add("part", "", "", started=0.0, wall_s=10.0, phases={"timed passes": 4.0, "warm-up": 6.0}, exit_status=75,
+            gpu=["GPU-12345678-aa"])
+    md = status_markdown(m, tmp_path)
+    assert "| 1 | 1970-01-01 00:00 | 10 s | 4 s | warm-up 6 s | 75 | 12345678 |" in md
+    assert "1 of 2 timed cells done" in md

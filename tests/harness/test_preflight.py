@@ -154,6 +154,15 @@ def test_resume_refuses_rows_and_passes_of_another_commit():
     assert "set POROS_GIT_COMMIT" in _one_line(e.value)
 
 
+def test_resume_needs_a_pytest_benchmark_that_keeps_the_earlier_benchmark_json():
+    with pytest.raises(PorosError) as e:
+        preflight.check_benchmark_json_resumable("5.1.0", resume=True)
+    assert "pytest-benchmark 5.1.0 empties benchmark.json" in _one_line(e.value)
+    preflight.check_benchmark_json_resumable("5.1.0", resume=False)  # a new run: nothing to keep
+    preflight.check_benchmark_json_resumable("5.3.1", resume=True)
+    preflight.check_benchmark_json_resumable("6.0", resume=True)
+
+
 def test_a_report_never_writes_over_its_input(tmp_path):
     results = tmp_path / "results.jsonl"
     results.write_text("{}\n")
