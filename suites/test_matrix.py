@@ -262,7 +262,7 @@ def _measure_cell(session, cell, cfg, benchmark):
 
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
-                           warmup_steps=m.warmup_steps, earlier=earlier, deadline=session.deadline,
+                           warmup_steps=m.warmup_pass_steps, earlier=earlier, deadline=session.deadline,
                            on_pass=on_pass)
         finally:
             trainer.close()
@@ -300,7 +300,7 @@ def _measure_child(session, cell, cfg, store, write) -> None:
         budget = None if session.deadline is None else session.deadline - time.monotonic()
         with bench.phase("unsloth child"):
             child = measure_unsloth(store, cfg, m.steps, m.passes - len(earlier), m.warmup_passes, log=progress,
-                                    warmup_steps=m.warmup_steps, on_pass=on_pass, budget_s=budget,
+                                    warmup_steps=m.warmup_pass_steps, on_pass=on_pass, budget_s=budget,
                                     keep_export=session.keep_exports)
         bench.add_phase_time("timed passes", sum(r["seconds"] for r in this))
         bench.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))

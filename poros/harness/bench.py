@@ -464,7 +464,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "steps": steps,
         "passes": m.passes,
         "warmup_passes": m.warmup_passes,
-        "warmup_steps": steps if m.warmup_steps is None else m.warmup_steps,
+        "warmup_pass_steps": steps if m.warmup_pass_steps is None else m.warmup_pass_steps,
         "timed": timed,
         "reduced": reduced,
         "s_per_step_median": statistics.median(per_step) if per_step else None,

@@ -82,7 +82,8 @@ class Matrix:
     # computed settings one method's timed cells run with instead of the matrix's (a gate runs both sides
     # with the gated method's): ((method, ((key, value), ...)), ...)
     method_settings: tuple[tuple[Method, tuple[tuple[str, object], ...]], ...] = ()
-    warmup_steps: int | None = None  # steps of each warm-up pass (None: `steps`)
+    # steps of each warm-up pass (None: `steps`); not `warmup_steps`, the learning rate's warm-up (a setting)
+    warmup_pass_steps: int | None = None
     source: str = ""
 
     def __getattr__(self, name: str):  # matrix.seq_len etc.: the settings by name
@@ -127,7 +128,7 @@ class Matrix:
 
 
 _REQUIRED = ("name", "steps", "passes", "dataset", "methods", "models", "stacks")
-_OPTIONAL = ("hardware", "precision", "warmup_passes", "warmup_steps", "device", "parity_steps", "model_overrides",
+_OPTIONAL = ("hardware", "precision", "warmup_passes", "warmup_pass_steps", "device", "parity_steps", "model_overrides",
              "sweep", "plans", "method_settings")
 PLAN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+]*")  # readable in cell ids and selectable with -k
 _MATRIX_SETTINGS = tuple(s.name for s in SETTINGS if s.kind != RUN)  # settings a matrix may set
@@ -267,7 +268,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
             problems.append(f"{k}: missing required key")
     settings, bad = check_values({k: v for k, v in data.items() if k in _MATRIX_SETTINGS})
     problems += bad
-    for k in ("steps", "passes", "warmup_passes", "warmup_steps", "parity_steps"):
+    for k in ("steps", "passes", "warmup_passes", "warmup_pass_steps", "parity_steps"):
         least = 0 if k == "warmup_passes" else 1
         if k in data and not (_is_int(data[k]) and data[k] >= least):
             problems.append(f"{k}: expected an integer >= {least}, got {data[k]!r}")
@@ -337,7 +338,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         hardware=data.get("hardware"), precision=data.get("precision", "nf4").lower(),
         warmup_passes=data.get("warmup_passes", 1), device=device, parity_steps=data.get("parity_steps", 3),
         model_overrides=overrides, sweep=sweep, plans=plans, method_settings=method_settings,
-        warmup_steps=data.get("warmup_steps"), source=source,
+        warmup_pass_steps=data.get("warmup_pass_steps"), source=source,
     )
 
 

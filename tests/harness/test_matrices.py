@@ -150,3 +150,23 @@ def test_validate_cli_exit_codes(capsys, malformed):
     assert "FAIL" in out and "colour" in out and "teleport" in out
     assert main(["validate", str(MATRICES / "cpu.yaml")]) == 0
     assert capsys.readouterr().out.startswith("ok")
+
+
+def test_no_matrix_key_means_both_a_harness_field_and_a_setting():
+    """A top-level key the harness reads for itself (passes, warm-up, ...) and a training setting of the same
+    name would set both at once: `warmup_steps` once meant the bench's warm-up pass and the learning rate's
+    warm-up in one."""
+    from poros.harness import matrix
+
+    def clashes(optional):
+        return sorted(set(optional + matrix._REQUIRED) & set(matrix._MATRIX_SETTINGS))
+
+    assert clashes(matrix._OPTIONAL) == []
+    assert clashes(matrix._OPTIONAL + ("warmup_steps",)) == ["warmup_steps"]  # the check can fail
+
+
+def test_the_warm_up_pass_and_the_learning_rate_warm_up_are_set_apart():
+    from poros.harness.matrix import load_matrix
+
+    m = load_matrix("h200")
+    assert m.warmup_pass_steps == 20 and m.settings["warmup_steps"] == 20
