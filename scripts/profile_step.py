@@ -29,9 +29,9 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.engine.methods import make_trainer
-from poros.engine.profiling import profiled, summarize
+from poros.harness.profiling import profiled, summarize
 from poros.engine.trainer import enable_determinism
-from poros.engine.unsloth import measure_unsloth
+from poros.harness.unsloth import measure_unsloth
 from poros.store.build import build_store
 
 sys.path.insert(0, str(Path(__file__).parent))

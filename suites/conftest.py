@@ -320,7 +320,7 @@ def pytest_sessionfinish(session, exitstatus):
     if state is not None and state.ran:
         state.record_part(int(session.exitstatus))
         if state.keep_exports and not state.stopped:  # the run is complete: no later part needs them
-            from poros.engine.unsloth import remove_kept_exports
+            from poros.harness.unsloth import remove_kept_exports
 
             remove_kept_exports()
 

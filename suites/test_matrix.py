@@ -25,7 +25,6 @@ from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
 from poros.harness.bench import (
     Measurement,
     OutOfTime,
-    add_benchmark_stats,
     cell_config,
     computed_of,
     free_device_memory,
@@ -233,9 +232,9 @@ def _measure_cell(session, cell, cfg, benchmark):
     if not session.timed:  # --benchmark-disable: the gate decides, nothing is timed
         write(None)
     elif cfg.gpus > 1:
-        _measure_ranks(session, cell, cfg, gate, write)
+        _measure_ranks(session, cell, cfg, gate, write, benchmark)
     elif not METHODS[cell.method].in_process:  # Unsloth patches libraries globally: a child process
-        _measure_child(session, cell, cfg, store, write)
+        _measure_child(session, cell, cfg, store, write, benchmark)
     else:
         free_device_memory()
         if cfg.device.value == "cuda":
@@ -263,7 +262,7 @@ def _measure_cell(session, cell, cfg, benchmark):
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
                            warmup_steps=m.warmup_pass_steps, earlier=earlier, deadline=session.deadline,
-                           on_pass=on_pass)
+                           on_pass=on_pass, benchmark=benchmark)
         finally:
             trainer.close()
             del trainer
@@ -273,11 +272,11 @@ def _measure_cell(session, cell, cfg, benchmark):
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
 
 
-def _measure_child(session, cell, cfg, store, write) -> None:
-    """Unsloth, in a child process that reports each timed pass as it ends (kept in the pass log at once)
-    and, under a time budget, starts no pass that would end past it. A part of a run in parts starts no
-    child whose load, warm-up and next pass would not fit, judged by the earlier parts' children."""
-    from poros.engine.unsloth import measure_unsloth
+def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
+    """Unsloth, in a child process whose passes are rounds of the same timed-pass loop (kept in the pass log
+    as each ends) and which a time budget stops between passes. A part of a run in parts starts no child
+    whose load, warm-up and next pass would not fit, judged by the earlier parts' children."""
+    from poros.harness.unsloth import measure_unsloth
 
     m = session.matrix
     fp = session.cell_fingerprint(cell, cfg)
@@ -292,21 +291,20 @@ def _measure_child(session, cell, cfg, store, write) -> None:
         this = []
 
         def on_pass(rec):
-            rec = {"index": len(earlier) + len(this), "counters": [], **rec}
+            rec = {**rec, "index": len(earlier) + len(this), "counters": []}
             this.append(rec)
             rec["child_overhead_s"] = time.monotonic() - t0 - sum(r["seconds"] for r in this)
             session.passlog.add("pass", cell.id, fp, **rec)
 
-        budget = None if session.deadline is None else session.deadline - time.monotonic()
-        with bench.phase("unsloth child"):
-            child = measure_unsloth(store, cfg, m.steps, m.passes - len(earlier), m.warmup_passes, log=progress,
-                                    warmup_steps=m.warmup_pass_steps, on_pass=on_pass, budget_s=budget,
-                                    keep_export=session.keep_exports)
-        bench.add_phase_time("timed passes", sum(r["seconds"] for r in this))
-        bench.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
+        try:
+            with bench.phase("unsloth child"):
+                measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress,
+                                warmup_steps=m.warmup_pass_steps, on_pass=on_pass, keep_export=session.keep_exports,
+                                benchmark=benchmark, earlier=earlier, deadline=session.deadline)
+        finally:  # the child's passes count as timed passes, the rest of its time as the child's
+            bench.add_phase_time("timed passes", sum(r["seconds"] for r in this))
+            bench.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
         earlier = earlier + this
-        if len(earlier) < m.passes:
-            raise OutOfTime(f"the child stopped at the time budget ({child.get('stopped')})")
 
     def peak(k):
         values = [r[k] for r in earlier if r.get(k) is not None]
@@ -323,7 +321,8 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
     if meas is None:
         progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
         return
-    add_benchmark_stats(benchmark, meas.per_pass_s)
+    if benchmark.stats is None:  # every pass was timed by an earlier process: no round ran in this one
+        benchmark.skipped = True
     benchmark.extra_info.update({k: row[k] for k in (  # steps: a round is one pass of that many steps
         "steps", "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
         "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "plan_name", "sweep")})
@@ -338,14 +337,14 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
                  "a step (each waits for the device)")
 
 
-def _measure_ranks(session, cell, cfg, gate, write) -> None:
-    """A data-parallel cell: the ranks time it (poros.harness.ranks) and rank 0's measurement is the row.
-    It resumes per cell, not per pass."""
+def _measure_ranks(session, cell, cfg, gate, write, benchmark) -> None:
+    """A data-parallel cell: its passes are rounds timed here as rank 0 reports them (poros.harness.ranks),
+    the rest of rank 0's measurement is the row's. It resumes per cell, not per pass."""
     from poros.harness.ranks import run_ranks
 
     m = session.matrix
     spec = {"kind": "measure", "config": cfg.as_dict(), "method": cell.method.value, "steps": m.steps,
             "passes": m.passes, "warmup": m.warmup_passes}
-    report = run_ranks(spec, cfg.gpus, log=progress)
+    report = run_ranks(spec, cfg.gpus, log=progress, benchmark=benchmark)
     alone = Measurement(**report["alone"]) if report.get("alone") else None
     write(Measurement(**report["measurement"]), report["plan"], report["arch"], alone)

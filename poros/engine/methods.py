@@ -3,6 +3,7 @@ how the parity gate holds it to resident QLoRA."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -10,7 +11,6 @@ from poros.config import LoRACompute, Method, TrainConfig
 from poros.engine.distributed import SINGLE, World
 from poros.engine.executor import PorosTrainer
 from poros.engine.trainer import ResidentGCTrainer, ResidentTrainer, Trainer
-from poros.engine import unsloth
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,12 @@ def _always(device: str) -> str | None:
 
 
 def _unsloth_unavailable(device: str) -> str | None:
-    return unsloth.unavailable(device)
+    """Why Unsloth cannot run here (None when it can). Declared, not discovered by trying."""
+    if device != "cuda":
+        return "unsloth needs a CUDA GPU (it cannot even be imported without one)"
+    if importlib.util.find_spec("unsloth") is None:
+        return "unsloth is not installed (pip install 'poros[unsloth]')"
+    return None
 
 
 METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
@@ -56,11 +61,11 @@ def make_trainer(method: Method, store, cfg: TrainConfig, world: World | None = 
     (poros.engine.distributed).
 
     Raises:
-        ValueError: `method` is measured in a child process (poros.engine.unsloth.measure_unsloth).
+        ValueError: `method` is measured in a child process (poros.harness.unsloth).
     """
     spec = METHODS[method]
     if spec.factory is None:
-        raise ValueError(f"{method.value} runs in a child process (poros.engine.unsloth.measure_unsloth)")
+        raise ValueError(f"{method.value} runs in a child process (poros.harness.unsloth)")
     return spec.factory(store, cfg, world or SINGLE)
 
 

@@ -345,15 +345,57 @@ def retries_per_step(meas: Measurement | None, steps: int) -> float | None:
     return sum(counts) / (len(counts) * steps)
 
 
+def timed_rounds(benchmark, run, warmup: int, rounds: int, *, earlier: list[float] = (), done=None,
+                 before=None) -> None:
+    """The one timed-pass loop of every method: `warmup` discarded rounds, then `rounds` timed rounds; `run(i)`
+    runs round `i` (warm-ups first), `before()` precedes each round outside its time (a device sync), and
+    `done(i, seconds)` follows it (seconds None for a warm-up).
+
+    Where `benchmark` (pytest-benchmark's fixture) records, each round is one of its rounds, timed by it
+    (`benchmark.pedantic`, its warm-up rounds discarded), and `earlier` (the seconds of passes an earlier
+    process timed the same way) come first in its statistics, so its table, JSON, comparisons and histogram
+    read the passes the rows hold. Elsewhere (no fixture, --benchmark-disable, a rank) perf_counter times them.
+    An exception from `run` (OutOfTime, KeyboardInterrupt) ends the loop; pytest-benchmark then keeps no
+    statistics of the cell, while `done` has seen every round that ended."""
+    count = [0]
+
+    def setup():
+        if before is not None:
+            before()
+        if count[0] == warmup:  # the first timed round: the earlier passes come first
+            for t in earlier:
+                benchmark.stats.stats.update(t)
+
+    def teardown():
+        i = count[0]
+        count[0] += 1
+        if done is not None:
+            done(i, None if i < warmup else benchmark.stats.stats.data[-1])
+
+    if benchmark is not None and not getattr(benchmark, "disabled", True) and rounds > 0:
+        benchmark.pedantic(lambda: run(count[0]), setup=setup, teardown=teardown, rounds=rounds,
+                           warmup_rounds=warmup, iterations=1)
+        return
+    for i in range(warmup + rounds if rounds > 0 else 0):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        run(i)
+        seconds = time.perf_counter() - t0
+        if done is not None:
+            done(i, None if i < warmup else seconds)
+
+
 def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, label: str = "", *,
             warmup_steps: int | None = None, earlier: list[dict] = (), on_pass=None,
-            deadline: float | None = None) -> Measurement:
+            deadline: float | None = None, benchmark=None, on_warmup=None) -> Measurement:
     """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes (of `warmup_steps`
-    steps each, default `steps`).
+    steps each, default `steps`), each pass one round of `timed_rounds` (pytest-benchmark's where `benchmark`
+    is given).
 
     `earlier`: passes a killed or budgeted run already timed ({"seconds", "counters", peaks}); only the
     rest are run (after the warm-up, which every process runs). `on_pass(record)` gets each timed pass as
-    soon as it ends. `deadline` (time.monotonic()): a pass that would end past it is not started
+    soon as it ends, `on_warmup(seconds)` each warm-up pass. `deadline` (time.monotonic()): a pass that would end past it is not started
     (`OutOfTime`), judged by the last timed pass (an earlier run's, before this process has timed one) or
     the pace of the warm-up's second half (its first steps compile); and the warm-up itself is not
     started when it and one pass would not fit, judged by an earlier run's pass.
@@ -374,16 +416,19 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
     if todo > 0 and deadline is not None and pace["s_per_step"] is not None and \
             time.monotonic() + pace["s_per_step"] * (warmup * wsteps + steps) > deadline:
         raise OutOfTime("the warm-up and the next pass would end past the time budget")
+    kinds = [("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps) for w in range(warmup)]
+    kinds += [(f"pass {i + 1}/{passes}", steps) for i in range(len(earlier), passes)]
+    last: dict = {}
 
-    def one_pass(kind: str, n: int, nvml) -> tuple[float, list, int | None]:
+    def run(i: int) -> None:
+        kind, n = kinds[i]
         if deadline is not None and pace["s_per_step"] is not None and \
                 time.monotonic() + pace["s_per_step"] * n > deadline:
             raise OutOfTime(f"{kind} would end past the time budget")
-        _sync(device)
         retried = alloc_retries(device)
         t0 = time.perf_counter()
         counters, ends = [], []
-        timed = kind.startswith("pass")
+        timed = i >= warmup
         for s in range(n):
             stop_if_interrupted()
             r = trainer.step()
@@ -394,26 +439,34 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             if s + 1 == n or (not timed and s + 1 == n // 2):
                 _sync(device)
                 ends.append(time.perf_counter())
-        elapsed = ends[-1] - t0
         # a warm-up's pace is its second half's: its first steps compile and capture
         half = n - n // 2
-        pace["s_per_step"] = elapsed / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
-        return elapsed, counters, None if retried is None else alloc_retries(device) - retried
+        pace["s_per_step"] = (ends[-1] - t0) / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
+        last.update(counters=counters, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
+
+    def done(i: int, seconds: float | None) -> None:
+        if seconds is None:
+            if on_warmup is not None:
+                on_warmup(time.perf_counter() - last["t0"])
+            return
+        out.per_pass_s.append(seconds)
+        out.counters.extend(last["counters"])
+        out.alloc_retries.append(last["retried"])
+        peaks.append(_peaks(device, nvml))
+        progress(f"  time: {kinds[i][0]} {seconds:.1f} s")
+        if on_pass is not None:
+            on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "counters": last["counters"],
+                     "alloc_retries": last["retried"], **peaks[-1]})
 
     with NvmlPeak() as nvml:
-        if todo > 0:
-            with phase("warm-up"):
-                for w in range(warmup):
-                    one_pass("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps, nvml)
-        for i in range(len(out.per_pass_s), passes):
-            with phase("timed passes"):
-                elapsed, counters, retried = one_pass(f"pass {i + 1}/{passes}", steps, nvml)
-            out.per_pass_s.append(elapsed)
-            out.counters.extend(counters)
-            out.alloc_retries.append(retried)
-            peaks.append(_peaks(device, nvml))
-            if on_pass is not None:
-                on_pass({"index": i, "seconds": elapsed, "counters": counters, "alloc_retries": retried, **peaks[-1]})
+        t0 = time.perf_counter()
+        try:
+            timed_rounds(benchmark, run, warmup if todo > 0 else 0, todo, earlier=[r["seconds"] for r in earlier],
+                         done=done, before=lambda: _sync(device))
+        finally:  # what this process spent: its timed passes, and the warm-up (compiling) before them
+            timed_s = sum(out.per_pass_s[len(earlier):])
+            add_phase_time("timed passes", timed_s)
+            add_phase_time("warm-up", time.perf_counter() - t0 - timed_s)
     for k in PEAKS:
         values = [p[k] for p in peaks if p.get(k) is not None]
         setattr(out, k, max(values) if values else None)
@@ -421,21 +474,6 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.peak_vram_nvml_source = nvml.source
     out.attention_backends = getattr(trainer, "attention_backends", None) or None
     return out
-
-
-def add_benchmark_stats(benchmark, per_pass_s: list[float]) -> None:
-    """Record passes timed here, by a child process or by ranks as one pytest-benchmark round each.
-    pytest-benchmark has no public way to add times measured outside its own runner, so this uses its
-    fixture's `_make_stats` (pytest-benchmark 5)."""
-    if benchmark is None:
-        return
-    if getattr(benchmark, "disabled", True) or not per_pass_s:
-        benchmark.skipped = True  # nothing to record: not "a fixture never used"
-        return
-    benchmark._mode = "benchmark.pedantic(...)"  # used once, as pytest-benchmark counts it
-    stats = benchmark._make_stats(1)
-    for t in per_pass_s:
-        stats.update(t)
 
 
 def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, parity, *, reduced: bool,

@@ -53,26 +53,57 @@ def launch_env(ranks: int) -> dict[str, str]:
     return env
 
 
-def run_ranks(spec: dict, ranks: int, log=print) -> dict:
+PASS = "POROS_RANKS_PASS "  # rank 0: a timed pass of a measured cell ended
+WARM = "POROS_RANKS_WARM "  # rank 0: a warm-up pass ended
+
+
+def run_ranks(spec: dict, ranks: int, log=print, benchmark=None) -> dict:
     """Run `spec` (kind "gate" or "measure", the config, the methods, steps) on `ranks` processes of this
-    host; returns rank 0's report. Every line the ranks print goes to `log` as it comes.
+    host; returns rank 0's report. Every line the ranks print goes to `log` as it comes. A measured cell's
+    passes are rounds of the timed-pass loop every method runs (`timed_rounds`: with `benchmark`,
+    pytest-benchmark's), each closed as rank 0 reports the pass; the report's `per_pass_s` are those rounds.
 
     Raises:
         CapabilityError: the ranks failed, with the last lines they printed.
     """
+    from poros.harness.bench import timed_rounds
+    from poros.harness.child import EOF_EVENT, ChildLines
+
     with tempfile.TemporaryDirectory(prefix="poros-ranks-") as tmp:
         out = Path(tmp) / "rank0.json"
         cmd = torchrun(ranks) + ["-m", "poros.harness.ranks", json.dumps(spec), str(out)]
         proc = subprocess.Popen(cmd, env=launch_env(ranks), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail: list[str] = []
-        for line in proc.stdout:
-            tail = (tail + [line.rstrip()])[-30:]
-            log("  ranks| " + line.rstrip())
-        if proc.wait() != 0 or not out.is_file():
-            errors = [t for t in tail if "Error" in t] or tail
-            raise CapabilityError(f"{ranks} data-parallel ranks failed (exit {proc.returncode}): "
-                                  + " | ".join(errors[-4:]))
-        return json.loads(out.read_text())
+        try:
+            lines = ChildLines(proc, {PASS: "pass", WARM: "warm"}, log, show=lambda x: "  ranks| " + x)
+
+            def failed() -> CapabilityError:
+                proc.wait()
+                lines.join()
+                errors = [t for t in lines.tail if "Error" in t] or lines.tail
+                return CapabilityError(f"{ranks} data-parallel ranks failed (exit {proc.returncode}): "
+                                       + " | ".join(errors[-4:]))
+
+            rounds: list[float] = []
+            if spec["kind"] == "measure":
+                def run(i: int) -> None:
+                    kind, _ = lines.next()
+                    if kind != ("warm" if i < spec["warmup"] else "pass"):
+                        raise failed()
+
+                timed_rounds(benchmark, run, spec["warmup"], spec["passes"],
+                             done=lambda i, seconds: seconds is not None and rounds.append(seconds))
+            while lines.next()[0] != EOF_EVENT:
+                pass
+            if proc.wait() != 0 or not out.is_file():
+                raise failed()
+            report = json.loads(out.read_text())
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if rounds:
+            report["measurement"]["per_pass_s"] = rounds
+        return report
 
 
 def main(argv: list[str]) -> int:
@@ -100,7 +131,11 @@ def main(argv: list[str]) -> int:
             plan = None if trainer.plan is None else trainer.plan.summary()
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"])
+            say = (lambda marker, rec: print(marker + json.dumps(rec), flush=True)) if world.main else \
+                (lambda marker, rec: None)  # rank 0 reports each pass as it ends: the parent's rounds close on them
+            meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"],
+                           on_pass=lambda rec: say(PASS, {"seconds": rec["seconds"]}),
+                           on_warmup=lambda seconds: say(WARM, {"seconds": seconds}))
             for k in PEAKS:  # the largest rank's
                 setattr(meas, k, largest(getattr(meas, k), world))
             alone = None

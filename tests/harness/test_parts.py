@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import poros.engine.unsloth as um
+import poros.harness.unsloth as um
 from poros.config import TrainConfig
 from poros.harness import bench
 from poros.harness.bench import OutOfTime, measure
@@ -76,6 +76,9 @@ class Child:
     def wait(self):
         return 0
 
+    def kill(self):
+        pass
+
 
 @pytest.fixture
 def child(monkeypatch):
@@ -95,27 +98,48 @@ def child(monkeypatch):
     return SimpleNamespace(set=set_lines, started=started, exports=exports)
 
 
+def _warm(pace):
+    return um.WARM + json.dumps({"seconds": 1.0, "pace": pace})
+
+
 def _pass(seconds):
     return um.PASS + json.dumps({"seconds": seconds, "alloc_retries": 0, "peak_vram_gb": 1.0})
 
 
-def test_the_child_reports_each_pass_as_it_ends_and_gets_the_warm_up_steps_and_budget(child, tmp_path):
-    child.set([_pass(2.0), "  unsloth: the next pass would end past the time budget",
-               um.RESULT + json.dumps({"per_pass_s": [2.0], "stopped": "time budget"})])
+CUDA = TrainConfig(model="tiny-qwen3", device="cuda")
+
+
+def test_each_child_pass_is_kept_as_it_ends_and_the_child_gets_the_warm_up_steps(child, tmp_path):
+    child.set([_warm(0.001), _pass(2.0), _pass(2.1), um.RESULT + json.dumps({"per_pass_s": [2.0, 2.1]})])
     seen = []
-    cfg = TrainConfig(model="tiny-qwen3", device="cuda")
-    record = um.measure_unsloth("A", cfg, 200, 3, 1, workdir=str(tmp_path), log=lambda x: None,
-                                warmup_steps=20, on_pass=seen.append, budget_s=300.0)
-    assert [r["seconds"] for r in seen] == [2.0] and record["stopped"] == "time budget"
+    record = um.measure_unsloth("A", CUDA, 200, 3, 1, workdir=str(tmp_path), log=lambda x: None,
+                                warmup_steps=20, on_pass=seen.append, earlier=[{"seconds": 1.9}])
+    assert [r["child_seconds"] for r in seen] == [2.0, 2.1] and len(record["per_pass_s"]) == 2
     cmd = child.started[-1].cmd
-    assert cmd[cmd.index("--warmup-steps") + 1] == "20" and cmd[cmd.index("--budget-s") + 1] == "300.0"
+    assert cmd[cmd.index("--warmup-steps") + 1] == "20"
+    assert cmd[cmd.index("--passes") + 1] == "2", "the earlier pass is not run again"
+
+
+def test_a_child_pass_that_would_end_past_the_budget_is_not_waited_for(child, tmp_path):
+    """The warm-up's pace (1 s a step) says a 200-step pass would take 200 s: with 60 s left, the parent stops
+    the child after the warm-up, and the pass before it is kept."""
+    child.set([_warm(1.0), _pass(2.0), _pass(2.1), um.RESULT + json.dumps({"per_pass_s": [2.0, 2.1]})])
+    seen = []
+    with pytest.raises(OutOfTime):
+        um.measure_unsloth("A", CUDA, 200, 2, 1, workdir=str(tmp_path), log=lambda x: None, on_pass=seen.append,
+                           deadline=time.monotonic() + 60)
+    assert seen == []
+    # negative control: the same child with time to spare runs its passes
+    child.set([_warm(1.0), _pass(2.0), _pass(2.1), um.RESULT + json.dumps({"per_pass_s": [2.0, 2.1]})])
+    um.measure_unsloth("A", CUDA, 200, 2, 1, workdir=str(tmp_path), log=lambda x: None, on_pass=seen.append,
+                       deadline=time.monotonic() + 1000)
+    assert len(seen) == 2
 
 
 def test_a_kept_export_serves_the_next_child_of_the_same_store_only(child, tmp_path):
-    child.set([um.RESULT + json.dumps({"per_pass_s": [1.0]})])
-    cfg = TrainConfig(model="tiny-qwen3", device="cuda")
-    run = lambda store, keep=True: um.measure_unsloth(store, cfg, 2, 1, 1, workdir=str(tmp_path),  # noqa: E731
-                                                      log=lambda x: None, keep_export=keep)
+    lines = [_warm(0.001), _pass(1.0), um.RESULT + json.dumps({"per_pass_s": [1.0]})]
+    run = lambda store, keep=True: (child.set(lines), um.measure_unsloth(  # noqa: E731
+        store, CUDA, 2, 1, 1, workdir=str(tmp_path), log=lambda x: None, keep_export=keep))
     run("A")
     run("A")
     assert child.exports == ["A"], "the second child of store A loads the kept export"

@@ -1,5 +1,5 @@
 """One profiled training step, summarized: where the device time goes (scripts/profile_step.py, and Unsloth's
-child process in poros/engine/unsloth.py, so both methods are summarized alike)."""
+child process in poros/harness/unsloth.py, so both methods are summarized alike)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""A profiled step's summary (poros/engine/profiling.py), as scripts/profile_step.py and Unsloth's child
+"""A profiled step's summary (poros/harness/profiling.py), as scripts/profile_step.py and Unsloth's child
 process write it."""
 
 from __future__ import annotations
 
 import torch
 
-from poros.engine.profiling import _gaps_us, _union_us, kind_of, profiled, summarize
+from poros.harness.profiling import _gaps_us, _union_us, kind_of, profiled, summarize
 
 
 def test_kernels_are_sorted_into_kinds_by_name():

@@ -1,23 +1,24 @@
 """Unsloth as a third method (GPU only), measured like the others.
 
 Unsloth patches transformers, peft and bitsandbytes globally when imported and when it loads a
-model, so every Unsloth cell runs in its own child process (`python -m poros.engine.unsloth`):
+model, so every Unsloth cell runs in its own child process (`python -m poros.harness.unsloth`):
 the resident and poros cells of the same session keep running stock code. The child loads the
 same NF4 weights, written by `poros.store.export` as a pre-quantized bitsandbytes checkpoint, through
 FastLanguageModel, adds LoRA on the same projections with Unsloth's default gradient
 checkpointing, and trains on the same synthetic batches with the same AdamW. `compile` does not reach it:
 Unsloth compiles its own kernels and modules as its users run it (poros/engine/methods.py `config_for`).
 
-The child reports each timed pass as it ends (a `PASS` line), so a parent that records them keeps every
-finished pass; given a time budget, it starts no pass that would end past it. With `keep_export` the export
-stays in the work folder for the next child on the same weights (a benchmark in parts), one store at a time.
+The child reports each warm-up and timed pass as it ends (a `WARM` or `PASS` line); the parent's timed-pass
+loop, the one every method runs (`poros.harness.bench.timed_rounds`), closes a round on each, so a pass is a
+pytest-benchmark round as an in-process pass is, kept as soon as it ends, and a time budget stops the child
+between passes. With `keep_export` the export stays in the work folder for the next child on the same weights
+(a benchmark in parts), one store at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -28,11 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from poros.config import TrainConfig
+from poros.config import Method, TrainConfig
 from poros.engine.attention import sdpa_context
 from poros.engine.data import synthetic_step
+from poros.engine.methods import METHODS
 from poros.engine.nvml import NvmlPeak, alloc_retries
-from poros.engine.profiling import profiled, summarize
+from poros.harness.profiling import profiled, summarize
 from poros.engine.trainer import deterministic_kernels, enable_determinism
 from poros.errors import CapabilityError, PorosError
 from poros.store.export import export_bnb4bit
@@ -43,17 +45,14 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 RESULT = "POROS_UNSLOTH_RESULT "
-PASS = "POROS_UNSLOTH_PASS "
+PASS = "POROS_UNSLOTH_PASS "  # a timed pass ended: its JSON
+WARM = "POROS_UNSLOTH_WARM "  # a warm-up pass ended: its JSON (seconds, and the pace of its second half)
 EXPORT_PREFIX = "poros-unsloth-export-"  # kept exports (`keep_export`): one folder per store, `complete` when whole
 
 
 def unavailable(device: str) -> str | None:
-    """Why Unsloth cannot run here (None when it can). Declared, not discovered by trying."""
-    if device != "cuda":
-        return "unsloth needs a CUDA GPU (it cannot even be imported without one)"
-    if importlib.util.find_spec("unsloth") is None:
-        return "unsloth is not installed (pip install 'poros[unsloth]')"
-    return None
+    """Why Unsloth cannot run here (None when it can): the method registry's declared gate."""
+    return METHODS[Method.UNSLOTH].unavailable(device)
 
 
 def store_fingerprint(store) -> str:
@@ -100,54 +99,91 @@ def remove_kept_exports(workdir: str | None = None) -> None:
 
 def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print,
                     on_record=None, profile: Path | None = None, *, warmup_steps: int | None = None,
-                    on_pass=None, budget_s: float | None = None, keep_export: bool = False):
-    """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record.
+                    on_pass=None, keep_export: bool = False, benchmark=None, earlier: list[dict] = (),
+                    deadline: float | None = None) -> dict:
+    """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record
+    with `per_pass_s` as the parent timed them.
 
-    `warmup` discarded passes of `warmup_steps` steps (default `steps`) come first. `on_pass(record)` gets
-    each timed pass as soon as the child reports it ({"seconds", "alloc_retries", peaks}). `budget_s`: the
-    child starts no pass that would end past that many seconds from its start (judged by the last pass, or
-    the warm-up's pace); the record then holds fewer passes and `"stopped": "time budget"`. `keep_export`:
-    the export stays for the next call on the same store (`_export`).
+    Each of the child's passes is one round of the timed-pass loop every method runs (`timed_rounds`: with
+    `benchmark`, a pytest-benchmark round): a round ends when the child reports the pass (its `PASS` line), after
+    `warmup` discarded passes of `warmup_steps` steps (default `steps`). `earlier`: passes an earlier child timed
+    ({"seconds", ...}); only the rest are run. `on_pass(record)` gets each timed pass as it ends ({"seconds", the
+    child's own "child_seconds", "alloc_retries", peaks}). `deadline` (time.monotonic()): no round starts that
+    would end past it (`OutOfTime`; judged by the last pass, or the pace of the warm-up's second half), and the
+    child is stopped. `keep_export`: the export stays for the next call on the same store (`_export`).
     `on_record(record)` runs as soon as the child has reported, before the export is removed (tens of
     GB: removing it takes seconds), so a run cut off during the clean-up keeps its result. With `profile`
-    the child then profiles one more step and writes its summary there (JSON, poros/engine/profiling.py)
+    the child then profiles one more step and writes its summary there (JSON, poros/harness/profiling.py)
     and the operator table beside it (`.txt`).
+
+    Raises:
+        OutOfTime: the time budget ran out between passes.
+        CapabilityError: the child failed, with its last lines.
     """
+    from poros.harness.bench import OutOfTime, timed_rounds
+    from poros.harness.child import EOF_EVENT, ChildLines
 
     why = unavailable(cfg.device.value)
     if why:
         raise CapabilityError(why)
     root = Path(workdir or os.environ.get("POROS_WORKDIR") or tempfile.gettempdir())
-    folder, proc = None, None
+    todo = passes - len(earlier)
+    if todo <= 0:
+        raise ValueError(f"measure_unsloth: {len(earlier)} earlier passes leave none of {passes} to time")
+    folder, proc, lines = None, None, None
     try:
         folder = _export(store, root, keep_export, log)
-        cmd = [sys.executable, "-m", "poros.engine.unsloth", str(folder), "--steps", str(steps), "--passes", str(passes),
-               "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
+        cmd = [sys.executable, "-m", "poros.harness.unsloth", str(folder), "--steps", str(steps), "--passes",
+               str(todo), "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
         if warmup_steps is not None:
             cmd += ["--warmup-steps", str(warmup_steps)]
-        if budget_s is not None:
-            cmd += ["--budget-s", f"{budget_s:.1f}"]
         if profile is not None:
             cmd += ["--profile", str(profile)]
         env = {**os.environ, **ENV, "UNSLOTH_COMPILE_LOCATION": str(root / "unsloth_compiled_cache")}
         if not cfg.deterministic:  # poros's determinism mode may have set it in this process
             env.pop("CUBLAS_WORKSPACE_CONFIG", None)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        record, tail = None, []
-        for line in proc.stdout:
-            if line.startswith(RESULT):
-                record = json.loads(line[len(RESULT):])
-                log("  unsloth result: " + line[len(RESULT):].rstrip())
-            elif line.startswith(PASS):
-                if on_pass is not None:
-                    on_pass(json.loads(line[len(PASS):]))
-            else:
-                tail = (tail + [line.rstrip()])[-30:]
-                # everything the child says goes to the log as it comes: a child cut off by a time
-                # budget (Unsloth may compile for minutes) still leaves where it was
-                log(line.rstrip() if line.startswith("  unsloth") else "  unsloth| " + line.rstrip())
-        if proc.wait() != 0 or record is None:
-            raise CapabilityError(f"unsloth child failed (exit {proc.returncode}): " + " | ".join(tail[-8:]))
+        # everything the child says goes to the log as it comes: a child cut off by a time budget (Unsloth may
+        # compile for minutes) still leaves where it was
+        lines = ChildLines(proc, {WARM: "warm", PASS: "pass", RESULT: "result"}, log,
+                           show=lambda x: x if x.startswith("  unsloth") else "  unsloth| " + x)
+        pace = {"s_per_step": earlier[-1]["seconds"] / steps if earlier else None}
+        reported: dict = {}
+        per_pass: list[float] = []
+
+        def failed(what: str) -> CapabilityError:
+            proc.wait()
+            lines.join()
+            return CapabilityError(f"unsloth child failed (exit {proc.returncode}) {what}: " + " | ".join(lines.tail[-8:]))
+
+        def run(i: int) -> None:
+            if i >= warmup and deadline is not None and pace["s_per_step"] is not None and \
+                    time.monotonic() + pace["s_per_step"] * steps > deadline:
+                raise OutOfTime("the child's next pass would end past the time budget")
+            kind, payload = lines.next()
+            want = "warm" if i < warmup else "pass"
+            if kind != want:
+                raise failed(f"before its {'warm-up' if i < warmup else f'pass {i - warmup + 1}'} ended")
+            reported.clear()
+            reported.update(payload)
+            pace["s_per_step"] = payload.get("pace") or payload["seconds"] / steps
+
+        def done(i: int, seconds: float | None) -> None:
+            if seconds is None:
+                return
+            per_pass.append(seconds)
+            if on_pass is not None:
+                on_pass({**reported, "seconds": seconds, "child_seconds": reported["seconds"]})
+
+        timed_rounds(benchmark, run, warmup, todo, earlier=[r["seconds"] for r in earlier], done=done)
+        kind, record = lines.next()
+        while kind not in ("result", EOF_EVENT):
+            kind, record = lines.next()
+        if kind != "result" or proc.wait() != 0:
+            raise failed("after its passes")
+        lines.join()
+        log("  unsloth result: " + json.dumps(record))
+        record["per_pass_s"] = per_pass
         if on_record is not None:
             on_record(record)
         return record
@@ -160,13 +196,12 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
 
 
 def _child(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m poros.engine.unsloth")
+    p = argparse.ArgumentParser(prog="python -m poros.harness.unsloth")
     p.add_argument("checkpoint")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--passes", type=int, required=True)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--warmup-steps", type=int, help="steps of each warm-up pass (default: --steps)")
-    p.add_argument("--budget-s", type=float, help="start no pass that would end past this many seconds from now")
     p.add_argument("--config", required=True, help="TrainConfig as JSON")
     p.add_argument("--profile", type=Path, help="profile one more step; its summary (JSON) here")
     args = p.parse_args(argv)
@@ -189,7 +224,6 @@ def _child(argv: list[str]) -> int:
 def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
     import torch
 
-    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     torch.cuda.reset_peak_memory_stats()
     t_load = time.perf_counter()
     with NvmlPeak() as nvml:
@@ -221,14 +255,8 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
             return loss
 
         wsteps = args.steps if args.warmup_steps is None else args.warmup_steps
-        pace, stopped = None, None
         for n in range(args.warmup + args.passes):
             n_steps = wsteps if n < args.warmup else args.steps
-            if deadline is not None and pace is not None and time.monotonic() + pace * n_steps > deadline:
-                stopped = "time budget"
-                print(f"  unsloth: the next pass would end past the time budget; stopped after {len(per_pass)} "
-                      f"of {args.passes} passes", flush=True)
-                break
             torch.cuda.synchronize()
             retried = alloc_retries("cuda")
             t0 = t_half = time.perf_counter()
@@ -240,26 +268,27 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
                     t_half = time.perf_counter()
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            # a warm-up's pace is its second half's: Unsloth compiles in its first steps
-            pace = (time.perf_counter() - t_half) / (n_steps - n_steps // 2) if t_half > t0 else dt / n_steps
             kind = "warm-up" if n < args.warmup else f"pass {n - args.warmup + 1}/{args.passes}"
             print(f"  unsloth {kind}: {n_steps} steps in {dt:.2f} s, loss {float(loss) * cfg.grad_accum:.4f}", flush=True)
-            if n >= args.warmup:
-                per_pass.append(dt)
-                retries.append(alloc_retries("cuda") - retried)
-                print(PASS + json.dumps({
-                    "seconds": dt, "alloc_retries": retries[-1],
-                    "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
-                    "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,
-                    "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
-                    "unsloth_version": _version("unsloth")}), flush=True)
+            if n < args.warmup:
+                # its pace is its second half's: Unsloth compiles in its first steps
+                pace = (time.perf_counter() - t_half) / (n_steps - n_steps // 2) if t_half > t0 else dt / n_steps
+                print(WARM + json.dumps({"seconds": dt, "pace": pace}), flush=True)
+                continue
+            per_pass.append(dt)
+            retries.append(alloc_retries("cuda") - retried)
+            print(PASS + json.dumps({
+                "seconds": dt, "alloc_retries": retries[-1],
+                "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
+                "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,
+                "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+                "unsloth_version": _version("unsloth")}), flush=True)
         if args.profile is not None:
             write_profile(args.profile, lambda: one_step(step))
     per_step = [t / args.steps for t in per_pass]
     print(RESULT + json.dumps({
         "per_pass_s": per_pass,
         "alloc_retries": retries,
-        "stopped": stopped,
         "s_per_step_median": statistics.median(per_step) if per_step else None,
         "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
         "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,

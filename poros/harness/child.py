@@ -1,0 +1,53 @@
+"""A child process's output, read on a thread of its own while the parent times it: every line goes to the
+log as it comes, and the lines that start with a marker become events the timed-pass loop waits on (a
+warm-up pass ended, a timed pass ended, the result), so the parent's pytest-benchmark rounds close as the
+child's passes do."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+
+from poros.harness.bench import stop_if_interrupted
+
+EOF_EVENT = "eof"
+
+
+class ChildLines:
+    """Read `proc.stdout` on a daemon thread: marker lines (`markers`: prefix -> event kind, the rest of the
+    line JSON) queue as events, every other line goes to `log` (`show(line)` decides how it reads) and the
+    last 30 are kept in `tail`."""
+
+    def __init__(self, proc, markers: dict[str, str], log=print, show=lambda line: line):
+        self.proc, self.markers, self.log, self.show = proc, markers, log, show
+        self.events: queue.Queue = queue.Queue()
+        self.tail: list[str] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                for prefix, kind in self.markers.items():
+                    if line.startswith(prefix):
+                        self.events.put((kind, json.loads(line[len(prefix):])))
+                        break
+                else:
+                    self.tail = (self.tail + [line.rstrip()])[-30:]
+                    self.log(self.show(line.rstrip()))
+        finally:
+            self.events.put((EOF_EVENT, None))
+
+    def next(self) -> tuple[str, dict | None]:
+        """The next event, waiting for it (a Ctrl-C the bench caught still stops the wait): (kind, payload), or
+        (`EOF_EVENT`, None) once the child has closed its output."""
+        while True:
+            try:
+                return self.events.get(timeout=0.2)
+            except queue.Empty:
+                stop_if_interrupted()
+
+    def join(self) -> None:
+        """Wait until every line the child printed has been read."""
+        self._thread.join()
