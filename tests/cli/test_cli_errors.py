@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from poros.cli import main
-from poros.harness.results import LOCK_NAME
+from poros.common.folders import LOCK_NAME
 from tests.fixtures import one_line_refusal
 from tests.harness.test_report import fixture_row, write_jsonl
 
@@ -170,7 +170,7 @@ def test_a_second_bench_into_a_busy_folder_is_refused_and_touches_nothing(capsys
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.jsonl").write_text("the first run's rows\n")
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from poros.harness.results import OutputLock; "
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from poros.common.folders import OutputLock; "
             f"OutputLock({str(out)!r}, command='poros bench matrix cpu -o out').acquire(); "
             f"print('locked', flush=True); time.sleep(120)")
     first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
