@@ -1,6 +1,7 @@
 """The package's layers, read from every import statement (at module top or inside a function): training
 (`poros/finetune`) and the benchmark harness (`poros/harness`) are siblings over the engine, and what both need
-lives below both (`poros/common`); below the engine, the store and the models import nothing above them."""
+lives below both (`poros/common`); below the engine, the store and the models import nothing above them. No tool
+(the package, its suites, scripts/) imports test code."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "poros"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "poros"
 ABOVE_ENGINE = ("poros.harness", "poros.finetune", "poros.cli")
 # a folder of the package: the packages none of its modules may import
 RULES = {
@@ -51,6 +53,11 @@ def test_no_module_imports_a_layer_above_its_own(folder):
     assert forbidden_imports(PACKAGE / folder, RULES[folder], f"poros.{folder}") == []
 
 
+@pytest.mark.parametrize("folder", ["poros", "suites", "scripts", "experiments"], ids=lambda f: f"tools={f}")
+def test_no_tool_imports_test_code(folder):
+    assert forbidden_imports(ROOT / folder, ("tests",), folder) == []
+
+
 def test_an_import_of_the_harness_from_training_is_found(tmp_path):
     """Negative control: a training module importing the harness, at its top, inside a function or relatively,
     is named; its neighbours importing the shared layer below, or a package whose name only begins alike, are not."""
@@ -64,3 +71,9 @@ def test_an_import_of_the_harness_from_training_is_found(tmp_path):
     assert bad == [f"{pkg / 'late.py'}:2 imports poros.harness.results",
                    f"{pkg / 'sub' / 'rel.py'}:1 imports poros.harness",
                    f"{pkg / 'top.py'}:1 imports poros.harness.matrix"], bad
+
+
+def test_an_import_of_test_code_from_a_tool_is_found(tmp_path):
+    """Negative control: a script importing the tests' fixtures is named."""
+    (tmp_path / "tool.py").write_text("import sys\nfrom tests.fixtures import tiny_checkpoint\n")
+    assert forbidden_imports(tmp_path, ("tests",), "scripts") == [f"{tmp_path / 'tool.py'}:2 imports tests.fixtures"]

@@ -322,7 +322,8 @@ def test_a_second_train_into_a_busy_folder_is_refused_and_sigterm_checkpoints(ca
     """A run owns its folder: a second one is refused naming the first (pid and command). SIGTERM then
     stops the first like Ctrl-C: a checkpoint, the resume command, exit 143. Both wait for the state they
     need (a logged step), never for a time."""
-    from tests.fixtures import generated_texts, tiny_checkpoint, write_jsonl
+    from poros.finetune.samples import generated_texts, write_jsonl
+    from tests.fixtures import tiny_checkpoint
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", "tiny-qwen2", generated_texts(100))
     data = write_jsonl(tmp_path / "data.jsonl", [{"text": t} for t in generated_texts(80)])
