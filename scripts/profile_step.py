@@ -10,7 +10,7 @@ JSON line: wall time, the share of it the GPU spent in compute kernels and in ho
 (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
 kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
 kernels by total device time. --compile and --lora-compute apply to every gated method (Unsloth runs as its
-users run it). The warm-up step compiles. --variant takes schedule settings (scripts/variant.py). With --out DIR
+users run it). The warm-up step compiles. --variant takes schedule settings (KEY=VALUE,...). With --out DIR
 the full tables are written there too. `unsloth` (GPU only) runs in its own process, as in the matrices, and
 profiles its step there. On CPU only the wall time and the operator table mean anything.
 """
@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
-from pathlib import Path
-
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -32,10 +30,31 @@ from poros.engine.methods import make_trainer
 from poros.harness.profiling import profiled, summarize
 from poros.engine.trainer import enable_determinism
 from poros.harness.unsloth import measure_unsloth
+from poros.settings import SCHEDULE_NAMES, check_values
 from poros.store.build import build_store
 
-sys.path.insert(0, str(Path(__file__).parent))
-from variant import echo, parse_variant  # noqa: E402  (one parser for schedule settings)
+
+def parse_variant(text: str) -> dict:
+    """`cuda_graphs=true,vram_budget=24GB` as checked schedule settings (poros/settings.py).
+
+    Raises:
+        SystemExit: naming the item that is not KEY=VALUE of a schedule setting, or the value that is wrong.
+    """
+    raw = {}
+    for item in filter(None, text.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or k not in SCHEDULE_NAMES:
+            raise SystemExit(f"variant {text!r}: expected KEY=VALUE with KEY one of {', '.join(SCHEDULE_NAMES)}")
+        raw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+    values, problems = check_values(raw)
+    if problems:
+        raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
+    return values
+
+
+def echo(variant: dict) -> dict:
+    """A variant's settings as rows and logs write them (enums by their value)."""
+    return {k: getattr(x, "value", x) for k, x in variant.items()}
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ whether the loss falls, whether the two adapters are torch.equal, and whether pe
     python3 scripts/train_gpu_check.py --model tiny-qwen2 --device cpu --steps 20 --seq-len 64 --lr 3e-3
 
 Each stage is skipped when its output is already in --out, so a cut-off check continues where it was:
-  1. data.jsonl and eval.jsonl: generated text and arithmetic chats (tests/fixtures.py);
+  1. data.jsonl and eval.jsonl: generated text and arithmetic chats (poros/finetune/samples.py);
   2. model/: the shape built synthetically (seeded) on --device, exported as a bitsandbytes NF4
      checkpoint (poros/store/export.py) with a byte-level BPE tokenizer trained on the data (ids < vocab);
   3. run-poros/, run-resident/: `python -m poros train`, one child process per method (so each has its
@@ -37,10 +37,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tests.fixtures: the generated data and the tokenizer trainer
-
-from tests.fixtures import generated_chats, generated_texts, train_tokenizer, write_jsonl  # noqa: E402
+from poros.finetune.samples import generated_chats, generated_texts, train_tokenizer, write_jsonl
 
 METHODS = ("poros", "resident")
 
@@ -123,7 +120,7 @@ def run_method(out: Path, model: Path, method: str, args) -> dict:
             cmd.append("--resume")
         say(" ".join(cmd))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # the tokenizer was trained in this process
-        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"[train-check] poros train --method {method} exited {proc.returncode}")
     with (run / "log.csv").open(newline="") as f:

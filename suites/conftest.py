@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.session import PerformanceRegression
 
+from poros.common.folders import OutputLock, ensure_folder
 from poros.config import Method
 from poros.engine.methods import METHODS, method_unavailable
 from poros.errors import PorosError
@@ -29,7 +30,7 @@ from poros.harness.bench import (
     set_progress_writer,
 )
 from poros.harness.compare import current_name, load_compare_source
-from poros.harness.results import OutputLock, PassLog, ensure_folder, passes_path
+from poros.harness.results import PassLog, passes_path
 
 OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
 

@@ -19,7 +19,7 @@ def _ruff(*paths: str | Path) -> subprocess.CompletedProcess:
 
 @requires_ruff
 def test_the_project_passes_ruff():
-    done = _ruff("poros", "tests", "suites", "scripts", "conftest.py")
+    done = _ruff("poros", "tests", "suites", "scripts", "experiments", "conftest.py")
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from poros.cli.report import add_reference_argument, reference_path
+from poros.common.folders import OutputLock, ensure_folder
 from poros.errors import PorosError
 from poros.harness import preflight
 from poros.harness.bench import (
@@ -22,7 +23,7 @@ from poros.harness.bench import (
 from poros.harness.compare import load_compare_source, parse_compare_fail
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
-from poros.harness.results import OutputLock, PassLog, ResultsWriter, ensure_folder, keep_earlier, passes_path
+from poros.harness.results import PassLog, ResultsWriter, keep_earlier, passes_path
 
 OUT_OF_TIME = 75  # the suites' exit status when --max-minutes stopped them with cells left
 

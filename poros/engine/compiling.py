@@ -4,7 +4,7 @@ Inductor partitions a compiled layer's training graph into a forward and a backw
 intermediates the forward saves. bitsandbytes' 4-bit matmul dequantizes its weight in the forward and again
 in the backward; compiled, the two dequantizations are one node of the joint graph, and a custom op is
 never recomputed by default, so the forward would save every layer's weight in bf16 (resident QLoRA would
-hold the whole model in bf16 by its last forward: results/h200-compile-memory). `RecomputeDequantization`
+hold the whole model in bf16 by its last forward: experiments/h200-compile-memory). `RecomputeDequantization`
 marks those nodes to be recomputed in the backward, as the eager matmul does: the forward saves the packed
 weight and its statistics instead. Dequantization is exact, so recomputing it changes no value, and every
 method compiles its layers with the same pass, so compiled runs stay comparable bit for bit.

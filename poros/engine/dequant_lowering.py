@@ -7,7 +7,7 @@ weight is the NF4 value of nibble `i` (high nibble first) times the float32 absm
 rounded once to the output dtype; a blockwise (8-bit) dequantization, the absmax of double quantization, is
 `code[byte] * absmax` in float32. One multiply per element and one rounding, as bitsandbytes' kernels do,
 so the bytes are bitsandbytes' own (tests/engine/test_dequant_lowering.py compares them bit for bit, on CPU and
-with -m gpu on a GPU; results/h200-dequant-speed times both kernels). They change which kernel computes a
+with -m gpu on a GPU; experiments/h200-dequant-speed times both kernels). They change which kernel computes a
 dequantization, not which nodes the forward saves: lowering comes after the forward/backward partition
 (`poros.engine.compiling.RecomputeDequantization`).
 
@@ -54,7 +54,7 @@ def _lower_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
         # divisors of its index, which takes blocks that do not straddle a loop boundary)
         return fallback_handler(op, add_to_fallback_set=False)(A, absmax, blocksize, quant_type, shape, dtype)
     # a 16-entry table read by the nibble (picking among 16 constants by the nibble's bits instead took twice
-    # as long on an H200: results/h200-dequant-speed)
+    # as long on an H200: experiments/h200-dequant-speed)
     table = V.graph.add_tensor_constant(torch.tensor(nf4_values(), dtype=torch.float32, device=A.get_device()),
                                         name="poros_nf4_code").make_loader()
     packed, scale = A.make_loader(), absmax.make_loader()

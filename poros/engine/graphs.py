@@ -43,7 +43,7 @@ from poros.engine.compiling import compile_module
 from poros.engine.layer_call import LayerCall, hidden_of
 
 # Eager runs on a side stream before each capture, as PyTorch's examples do. They leave activations
-# allocated for good (scripts/memtrace.py traces it) and capture succeeds without them, so none by
+# allocated for good (experiments/h200-cuda-graph-memory) and capture succeeds without them, so none by
 # default. The environment variable is for probes, not a setting.
 WARMUP = int(os.environ.get("POROS_GRAPH_WARMUP", "0"))
 COMPILED_WARMUP = 1  # compiled layers: calls before a capture, so that dynamo and inductor compile outside it

@@ -3,7 +3,7 @@
 peft computes an adapter in its weights' dtype: around every projection it casts the activation up to
 the fp32 adapters, multiplies in fp32 and casts the product back. At long context those casts of
 activations (up to seq x intermediate size) and fp32 matmuls are a large share of a step
-(results/h200-profile-16k). With `bf16` the rank-r adapter weights are cast down to the activation's dtype
+(experiments/h200-profile-16k). With `bf16` the rank-r adapter weights are cast down to the activation's dtype
 at each call instead, the arithmetic of Unsloth's LoRA kernels; the weights, their gradients (autograd
 casts them back up) and the optimizer state stay fp32. Every method builds its model here, so every
 method computes the same products.

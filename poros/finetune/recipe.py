@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from poros.common.folders import LOCK_NAME, OutputInUse, OutputLock
 from poros.config import BY_NAME, COMPUTED_NAMES
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
 from poros.engine.methods import make_trainer
@@ -45,7 +46,6 @@ from poros.finetune.data import CACHE_DIR, TOKENIZER_META, file_sha256, load_dat
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
 from poros.finetune.plan_line import dry_plan, plan_line
 from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
-from poros.harness.results import LOCK_NAME, OutputInUse, OutputLock
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.provenance import provenance
@@ -323,7 +323,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
 
 @contextlib.contextmanager
 def own_run_folder(out: Path, world):
-    """Hold the run folder's lock (poros.harness.results.OutputLock, rank 0) for the run; a folder
+    """Hold the run folder's lock (poros.common.folders.OutputLock, rank 0) for the run; a folder
     the run created and left empty (a refused run) is removed again."""
     created = not out.exists()
     lock, problem = None, None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from poros.common.yamlfile import load_yaml
 from poros.config import Device, Method
 from poros.errors import ConfigError
 from poros.models.shapes import SHAPES
@@ -351,21 +352,6 @@ def resolve_matrix_path(name_or_path: str) -> Path:
         return candidate
     known = ", ".join(sorted(x.stem for x in MATRICES.glob("*.yaml")))
     raise ConfigError([f"matrix {name_or_path!r} is neither a file nor one of: {known}"], "matrix")
-
-
-class YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader reading numbers as YAML 1.2 does: `1e-4` and `2e9` are numbers (YAML 1.1, which
-    PyYAML follows, needs a dot and a signed exponent, so it reads them as strings)."""
-
-
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-def load_yaml(text: str):
-    return yaml.load(text, Loader=YamlLoader)
 
 
 def load_matrix(name_or_path: str) -> Matrix:

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from poros.cli import main
-from poros.harness.results import LOCK_NAME
+from poros.common.folders import LOCK_NAME
 from tests.fixtures import one_line_refusal
 from tests.harness.test_report import fixture_row, write_jsonl
 
@@ -170,7 +170,7 @@ def test_a_second_bench_into_a_busy_folder_is_refused_and_touches_nothing(capsys
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.jsonl").write_text("the first run's rows\n")
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from poros.harness.results import OutputLock; "
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from poros.common.folders import OutputLock; "
             f"OutputLock({str(out)!r}, command='poros bench matrix cpu -o out').acquire(); "
             f"print('locked', flush=True); time.sleep(120)")
     first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -322,7 +322,8 @@ def test_a_second_train_into_a_busy_folder_is_refused_and_sigterm_checkpoints(ca
     """A run owns its folder: a second one is refused naming the first (pid and command). SIGTERM then
     stops the first like Ctrl-C: a checkpoint, the resume command, exit 143. Both wait for the state they
     need (a logged step), never for a time."""
-    from tests.fixtures import generated_texts, tiny_checkpoint, write_jsonl
+    from poros.finetune.samples import generated_texts, write_jsonl
+    from tests.fixtures import tiny_checkpoint
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", "tiny-qwen2", generated_texts(100))
     data = write_jsonl(tmp_path / "data.jsonl", [{"text": t} for t in generated_texts(80)])

@@ -22,6 +22,7 @@ from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
+EXPERIMENTS = RESULTS.parent / "experiments"
 GB = 10**9
 CUDA = P.ProcessCosts.cuda()
 
@@ -95,10 +96,10 @@ def test_the_process_total_covers_the_nvml_peaks_measured(q72):
 
 
 def test_the_graph_pool_covers_the_pools_measured(q72):
-    """results/h200-reserved-memory measured the CUDA graphs' pool at 16,384 tokens; the plan's pool covers
+    """experiments/h200-reserved-memory measured the CUDA graphs' pool at 16,384 tokens; the plan's pool covers
     both lines, and one layer's transient bytes alone (the pool's lower bound printed before) do not."""
     rows = [json.loads(line) for line in
-            (RESULTS / "h200-reserved-memory/reserved_qwen2.5-72b_seq16384.jsonl").read_text().splitlines()]
+            (EXPERIMENTS / "h200-reserved-memory/reserved_qwen2.5-72b_seq16384.jsonl").read_text().splitlines()]
     pools = [p["reserved_gb"] * GB for r in rows for name, p in r["pools"].items() if name.startswith("graph pool")]
     assert len(pools) == 2
     plan = P.build_plan(q72, request(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False,
@@ -108,10 +109,10 @@ def test_the_graph_pool_covers_the_pools_measured(q72):
 
 
 def test_the_reserve_covers_the_holes_a_long_context_backward_left(q72):
-    """results/h200-budget-nvml/oom_seq16384.json: the 16,384-token plan that ran out of its cap left 1.57 GB
+    """experiments/h200-budget-nvml/oom_seq16384.json: the 16,384-token plan that ran out of its cap left 1.57 GB
     reserved but unallocated when it asked for 0.54 GB more. The reserve the planner now predicts for that
     plan covers both; the share of planned bytes alone (ALLOCATOR_SLACK, the negative control) does not."""
-    oom = json.loads((RESULTS / "h200-budget-nvml/oom_seq16384.json").read_text())
+    oom = json.loads((EXPERIMENTS / "h200-budget-nvml/oom_seq16384.json").read_text())
     kw = dict(seq_len=oom["seq_len"], loss_chunk=oom["loss_chunk"], overlap_backward=False,
               offload_inputs=oom["offload_inputs"], block_size=oom["block_size"],
               resident_layers=oom["resident_layers"], head_resident=oom["head_resident"])
@@ -360,13 +361,13 @@ def test_poros_plan_prints_the_process_total_and_its_parts(capsys):
     assert summary["memory"]["context"] == P.CUDA_CONTEXT and summary["memory"]["graph_pool"] > 0
 
 
-def compiled_40gb_rows(folder: str):
+def compiled_40gb_rows(folder: Path):
     """The poros rows of the compiled 40 GB runs with inductor's dequantization (double quantization, kept
     layers, CUDA graphs) and the TrainConfig each ran."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    for line in (RESULTS / "h200-40gb-inductor-dequant" / folder / "results.jsonl").read_text().splitlines():
+    for line in (folder / "results.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row["method"] == "poros":
             yield row, TrainConfig(**{k: v for k, v in row["config"].items() if k in fields})
@@ -381,15 +382,15 @@ def test_the_compiled_graph_pool_covers_the_compiled_kept_plans(monkeypatch):
     """The plans that ran within 40 GB with compiled layers in CUDA graphs (results/h200-40gb-inductor-dequant):
     planned now, each keeps the layers it kept then and its process total covers its NVML peak. Negative
     control: with the eager layers' pool the 16-kept plan keeps 3 layers more, the plan whose run stopped
-    with BudgetError at its predicted 39.98 GB (`eager-pool/`)."""
-    rows = list(compiled_40gb_rows(""))
+    with BudgetError at its predicted 39.98 GB (experiments/h200-compiled-graph-pool/eager-pool)."""
+    rows = list(compiled_40gb_rows(RESULTS / "h200-40gb-inductor-dequant"))
     assert [row["plan_name"] for row, _ in rows] == ["40GB+kept12+graphs", "40GB+kept16+graphs"]
     for row, cfg in rows:
         assert cfg.compile and cfg.cuda_graphs and row["parity"] == "PASS"
         plan = _plan(cfg)
         assert len(plan.resident_layers) == row["resident_layers"], row["plan_name"]
         assert plan.memory.total >= row["peak_vram_nvml_gb"] * GB, row["plan_name"]
-    failed = {row["plan_name"]: (row, cfg) for row, cfg in compiled_40gb_rows("eager-pool")}["40GB+kept16+graphs"]
+    failed = {row["plan_name"]: (row, cfg) for row, cfg in compiled_40gb_rows(EXPERIMENTS / "h200-compiled-graph-pool/eager-pool")}["40GB+kept16+graphs"]
     assert failed[0]["error"].startswith("BudgetError") and "(39.98 GB)" in failed[0]["error"]
     monkeypatch.setattr(P, "GRAPH_POOL_PER_LAYER_COMPILED", P.GRAPH_POOL_PER_LAYER)
     eager_pool = _plan(failed[1])

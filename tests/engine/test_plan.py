@@ -232,7 +232,7 @@ def test_a_spread_budget_plan_fits_and_keeps_more_layers(q72):
     assert max(len(g.layers) for g in spread.groups if not g.resident) == 1
 
 
-RESERVED_ROWS = Path(__file__).resolve().parents[2] / "results/h200-reserved-memory/reserved_qwen2.5-72b_seq16384.jsonl"
+RESERVED_ROWS = Path(__file__).resolve().parents[2] / "experiments/h200-reserved-memory/reserved_qwen2.5-72b_seq16384.jsonl"
 
 
 def test_fused_attention_backward_counted_where_an_eager_long_context_plan_was_measured(q72, monkeypatch):

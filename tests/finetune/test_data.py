@@ -11,8 +11,8 @@ import torch
 from poros.errors import CheckpointError
 from poros.finetune.data import IGNORE, DataError, encode_records, load_data, load_tokenizer, pack, read_records
 from poros.finetune.records import RecordCounts, records
+from poros.finetune.samples import generated_chats, generated_texts, train_tokenizer, write_jsonl
 from tests.capabilities import requires_datasets
-from tests.fixtures import generated_chats, generated_texts, train_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from poros.cli import main
+from poros.finetune.samples import generated_texts, write_jsonl
 from tests.capabilities import requires_bitsandbytes
-from tests.fixtures import generated_texts, one_line_refusal, tiny_checkpoint, write_jsonl
+from tests.fixtures import one_line_refusal, tiny_checkpoint
 from tests.store.test_build import assert_all_equal
 
 pytestmark = requires_bitsandbytes

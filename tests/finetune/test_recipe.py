@@ -20,9 +20,9 @@ import poros.cli.train
 import poros.finetune.recipe
 import poros.finetune.data
 from poros.cli import main
+from poros.finetune.samples import generated_chats, generated_texts, train_tokenizer, write_jsonl
 from tests.capabilities import requires_bitsandbytes, requires_datasets
-from tests.fixtures import (generated_chats, generated_texts, one_line_refusal, tiny_checkpoint, train_tokenizer,
-                            write_jsonl)
+from tests.fixtures import one_line_refusal, tiny_checkpoint
 from tests.store.test_build import assert_all_equal
 
 pytestmark = requires_bitsandbytes

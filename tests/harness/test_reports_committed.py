@@ -1,5 +1,6 @@
-"""Reports in reports/ are pure functions of results/: each re-renders byte for byte (Markdown) from the
-results files and reference that reports/manifest.yaml names for it."""
+"""Pages in reports/ are pure functions of results/: each re-renders byte for byte (Markdown) from the results
+files and reference that reports/manifest.yaml names for it. One page per matrix in matrices/ (a matrix without rows
+of its own reproduces the reference figures, reports/reference/), and reports/README.md, the index, links each."""
 
 from __future__ import annotations
 
@@ -10,10 +11,40 @@ import pytest
 import yaml
 
 from poros.cli import main
+from poros.harness.matrix import MATRICES
+from poros.harness.report import load_results
 from tests.harness.test_report import assert_tables_well_formed
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = yaml.safe_load((ROOT / "reports" / "manifest.yaml").read_text())
+INDEX = ROOT / "reports" / "README.md"
+REFERENCE_README = ROOT / "reports" / "reference" / "README.md"
+KEYS = {"results", "reference", "sweep", "title", "fails", "matrices"}
+
+
+def matrices_of(page: str, entry: dict) -> list[str]:
+    """The matrices a page shows: `matrices:`, else the one its file is named after."""
+    return list(entry.get("matrices") or [Path(page).stem])
+
+
+def layout_problems(manifest: dict, matrices: set[str], reference_text: str, index_text: str) -> list[str]:
+    """What breaks one page per matrix: a page naming no such matrix, a matrix on two pages or on none (unless the
+    reference figures' README names it as reproducing them), a page the index does not link."""
+    problems, pages_of = [], {}
+    for page, entry in manifest.items():
+        for m in matrices_of(page, entry):
+            pages_of.setdefault(m, []).append(page)
+            if m not in matrices:
+                problems.append(f"{page}: no matrices/{m}.yaml")
+        if f"]({Path(page).name})" not in index_text:
+            problems.append(f"{page}: reports/README.md does not link it")
+    for m in sorted(matrices):
+        pages = pages_of.get(m, [])
+        if len(pages) > 1:
+            problems.append(f"matrices/{m}.yaml: on {len(pages)} pages ({', '.join(pages)})")
+        elif not pages and f"matrices/{m}.yaml" not in reference_text:
+            problems.append(f"matrices/{m}.yaml: no page shows it")
+    return problems
 
 
 def render(tmp_path: Path, report: str, entry: dict) -> str:
@@ -33,11 +64,10 @@ def render(tmp_path: Path, report: str, entry: dict) -> str:
 
 
 def test_manifest_lists_every_committed_report():
-    committed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "reports").glob("*.md"))
+    committed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "reports").glob("*.md") if p != INDEX)
     assert sorted(MANIFEST) == committed
     for report, entry in MANIFEST.items():
-        keys = {"results", "reference", "sweep", "title", "fails"}
-        assert set(entry) <= keys, f"{report}: unknown key(s) {set(entry) - keys}"
+        assert set(entry) <= KEYS, f"{report}: unknown key(s) {set(entry) - KEYS}"
         for path in [*entry["results"], *([entry["reference"]] if entry.get("reference") else [])]:
             assert (ROOT / path).is_file(), f"{report}: {path} does not exist"
         linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (ROOT / report).read_text())
@@ -64,3 +94,29 @@ def test_comparison_sees_a_missing_results_file(tmp_path, capsys):
 @pytest.mark.parametrize("report", sorted(MANIFEST), ids=lambda r: f"report={Path(r).stem}")
 def test_committed_report_tables_are_well_formed(report):
     assert_tables_well_formed((ROOT / report).read_text())
+
+
+def test_one_page_per_matrix_and_the_index_links_each():
+    matrices = {p.stem for p in MATRICES.glob("*.yaml")}
+    assert layout_problems(MANIFEST, matrices, REFERENCE_README.read_text(), INDEX.read_text()) == []
+
+
+def test_the_index_names_the_official_page():
+    official = [line for line in INDEX.read_text().splitlines() if "](h200.md)" in line]
+    assert official and "official" in official[0] and "matrices/h200.yaml" in official[0], official
+
+
+def test_layout_problems_are_found():
+    """Negative control: a matrix no page shows, one on two pages, a page of no matrix, a page the index leaves out;
+    the accepted neighbours: a matrix the reference figures' README names, a page naming its matrices."""
+    manifest = {"reports/a.md": {}, "reports/ab.md": {"matrices": ["a", "b"]}, "reports/ghost.md": {}}
+    got = layout_problems(manifest, {"a", "b", "c", "ref"}, "`matrices/ref.yaml` reproduces these",
+                          "[a](a.md) [ab](ab.md)")
+    assert got == ["reports/ghost.md: no matrices/ghost.yaml", "reports/ghost.md: reports/README.md does not link it",
+                   "matrices/a.yaml: on 2 pages (reports/a.md, reports/ab.md)", "matrices/c.yaml: no page shows it"]
+
+
+@pytest.mark.parametrize("report", sorted(MANIFEST), ids=lambda r: f"report={Path(r).stem}")
+def test_each_page_shows_rows_of_its_matrices(report):
+    rows = load_results([ROOT / r for r in MANIFEST[report]["results"]])
+    assert set(rows["matrix"]) & set(matrices_of(report, MANIFEST[report])), set(rows["matrix"])
