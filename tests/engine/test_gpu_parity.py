@@ -22,7 +22,7 @@ MODELS = [m.strip() for m in os.environ.get("POROS_GPU_TEST_MODEL", "qwen2.5-32b
 STEPS = int(os.environ.get("POROS_GPU_TEST_STEPS", "2"))
 SEQ = int(os.environ.get("POROS_GPU_TEST_SEQ", "512"))
 # math: on the H200 the default SDPA dispatch (cuDNN) was not reliably run-to-run repeatable in
-# backward (resident vs resident differed for qwen3-32b; results/h200-math-2026-11-30/attention_probe.jsonl);
+# backward (resident vs resident differed for qwen3-32b; experiments/h200-math-attention/attention_probe.jsonl);
 # POROS_GPU_TEST_ATTENTION=default tries it anyway.
 ATTN = os.environ.get("POROS_GPU_TEST_ATTENTION", "math")
 GRAPHS = os.environ.get("POROS_GPU_TEST_GRAPHS", "0") == "1"
