@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from poros.errors import CapabilityError, PorosError
-from poros.store.arena import NF4Store, align
+from poros.store.arena import NF4Store
+from poros.store.layout import align
 from poros.store.build import build_store
 from poros.store.progress import BuildStats
 

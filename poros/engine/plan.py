@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from poros.errors import BudgetError, CapabilityError
 from poros.models.skeleton import decoder_layers, layer_linears, skeleton
 from poros.settings import Accumulation, Placement, format_size
-from poros.store.arena import align, plan_layout
+from poros.store.layout import align, plan_layout
 
 LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (
     "load", "release", "forward", "head", "backward", "load_head", "release_head")

@@ -17,7 +17,7 @@ from poros.models.skeleton import (
     persistent_buffers,
     skeleton,
 )
-from poros.store.arena import plan_layout
+from poros.store.layout import plan_layout
 
 SKIP_MEMORY_CHECK = "POROS_SKIP_MEMORY_CHECK"
 

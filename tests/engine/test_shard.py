@@ -21,7 +21,7 @@ from poros.engine import plan as P
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Accumulation
-from poros.store.arena import ALIGN
+from poros.store.layout import ALIGN
 from tests.capabilities import requires_gpu
 from tests.engine.test_distributed import launch
 
