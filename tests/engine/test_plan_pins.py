@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from poros.config import TrainConfig
-from poros.engine.plan import DeviceMemory, Geometry, describe, make_plan
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.memory import DeviceMemory
+from poros.engine.planning.plan import describe
+from poros.engine.planning.search import make_plan
 from poros.models.checkpoint import resolve
 
 PINS = Path(__file__).with_name("plan_pins.json")
