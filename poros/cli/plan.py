@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from poros.cli.parity import train_config
-from poros.engine.nvml import device_memory
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.memory import resident_memory
 from poros.engine.planning.plan import describe
@@ -58,6 +57,8 @@ def run(args) -> int:
     device = None
     if cfg.vram_budget == "auto" and cfg.device.value == "cuda":
         import torch  # only `auto` touches the device
+
+        from poros.engine.nvml import device_memory
 
         device = device_memory(torch.device("cuda"))
     plan = make_plan(geo, cfg, device)

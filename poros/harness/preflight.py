@@ -10,7 +10,6 @@ from pathlib import Path
 from poros.config import LORA_TARGETS, Method
 from poros.engine.methods import config_for
 from poros.errors import CapabilityError, ConfigError, PorosError
-from poros.harness.bench import cell_config, matrix_cells, model_unavailable, point_id, row_key
 from poros.harness.matrix import load_matrix as load
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import load_reference
@@ -190,6 +189,8 @@ def check_resume(rows: list[dict], m, path) -> None:
     Raises:
         PorosError: naming the first cell that differs, what differs, and what to do.
     """
+    from poros.harness.bench import cell_config, matrix_cells, point_id, row_key
+
     other = sorted({str(r.get("matrix")) for r in rows if r.get("matrix") != m.name})
     if other:
         raise PorosError(f"--resume: {path} holds rows of matrix {', '.join(map(repr, other))}, this run is "
@@ -251,6 +252,7 @@ def check_runnable(m, device: str) -> None:
     Raises:
         CapabilityError: with the first reason.
     """
+    from poros.harness.bench import model_unavailable
 
     stacks = [s.mismatch() for s in m.stacks]
     if all(stacks):
