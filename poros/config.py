@@ -1,9 +1,12 @@
-"""`TrainConfig`: one run's model and settings, typed and validated from the settings table."""
+"""`TrainConfig`: one run's model and settings, a frozen dataclass generated from the settings table
+(poros/settings.py): one field per setting, typed as its checker declares, validated once."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from dataclasses import field, fields, make_dataclass
+from dataclasses import field, make_dataclass
+from typing import Callable
 
 from poros.errors import ConfigError
 from poros.settings import (  # noqa: F401  (re-exported: the config's vocabulary)
@@ -31,39 +34,72 @@ class Method(str, enum.Enum):
     UNSLOTH = "unsloth"  # Unsloth's FastLanguageModel, as users run it (GPU only)
 
 
-def _post_init(self) -> None:
-    problems: list[str] = []
-    if not isinstance(self.model, str) or not self.model:
-        problems.append(f"model: expected a registered name or checkpoint path, got {self.model!r}")
-    values, bad = check_values({s.name: getattr(self, s.name) for s in SETTINGS})
-    problems += bad
-    for k, v in values.items():
-        object.__setattr__(self, k, v)
-    if self.kept_layers is not None and self.keep_activations is not True:
+class _Config:
+    """TrainConfig's behaviour; its fields are the settings table's rows (below)."""
+
+    def __post_init__(self) -> None:
+        """Each setting coerced to its type (`24GB` to bytes, `cpu` to Device.CPU) and checked, then the
+        settings that constrain each other; raises one ConfigError listing every problem."""
+        problems: list[str] = []
+        if not isinstance(self.model, str) or not self.model:
+            problems.append(f"model: expected a registered name or checkpoint path, got {self.model!r}")
+        values, bad = check_values({s.name: getattr(self, s.name) for s in SETTINGS})
+        problems += bad
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+        problems += _combination_problems(self, lambda *names: all(n in values for n in names))
+        if problems:
+            raise ConfigError(problems, source="TrainConfig")
+
+    def replace(self, **changes) -> TrainConfig:
+        """A copy with `changes`, validated as a new config."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        """Every setting (enums as their values), as results rows record them."""
+        out = {"model": self.model}
+        for s in SETTINGS:
+            v = getattr(self, s.name)
+            out[s.name] = v.value if isinstance(v, enum.Enum) else (list(v) if isinstance(v, tuple) else v)
+        return out
+
+    @classmethod
+    def from_settings(cls, settings: dict, *, model: str, **extra) -> TrainConfig:
+        """From a mapping of setting names (a matrix's, parsed flags); `extra` adds or overrides."""
+        values = {k: v for k, v in settings.items() if k in BY_NAME}
+        return cls(model=model, **{**values, **extra})
+
+    @property
+    def schedule(self) -> dict:
+        """The schedule settings: how poros runs the computation, never what it computes."""
+        return {k: getattr(self, k) for k in SCHEDULE_NAMES}
+
+
+def _combination_problems(cfg: TrainConfig, valid: Callable[..., bool]) -> list[str]:
+    """The settings that constrain each other, among those `valid` says passed their own check."""
+    problems = []
+    if valid("kept_layers", "keep_activations") and cfg.kept_layers is not None and not cfg.keep_activations:
         problems.append(f"kept_layers: counts the resident layers that keep their activations, so it needs "
-                        f"keep_activations; got kept_layers={self.kept_layers} without it")
-    if self.cuda_graphs is True and getattr(self.device, "value", self.device) != "cuda":
-        problems.append(f"cuda_graphs: needs device cuda, got {getattr(self.device, 'value', self.device)!r}")
-    if self.shard_stream is True and isinstance(self.gpus, int) and self.gpus < 2:
+                        f"keep_activations; got kept_layers={cfg.kept_layers} without it")
+    if valid("cuda_graphs", "device") and cfg.cuda_graphs and cfg.device is not Device.CUDA:
+        problems.append(f"cuda_graphs: needs device cuda, got {cfg.device.value!r}")
+    if valid("shard_stream", "gpus") and cfg.shard_stream and cfg.gpus < 2:
         problems.append(f"shard_stream: shares each streamed copy among data-parallel ranks, so it needs gpus > 1; "
-                        f"got gpus={self.gpus}")
-    if self.keep_attention is True and self.cuda_graphs is True:
+                        f"got gpus={cfg.gpus}")
+    if valid("keep_attention", "cuda_graphs") and cfg.keep_attention and cfg.cuda_graphs:
         problems.append("keep_attention: hands attention's recorded results back at each call, which a replayed "
                         "CUDA graph does not make; drop cuda_graphs (--no-cuda-graphs) or keep_attention")
-    if self.cuda_graphs is True and isinstance(self.lora_dropout, float) and self.lora_dropout > 0:
+    if valid("cuda_graphs", "lora_dropout") and cfg.cuda_graphs and cfg.lora_dropout > 0:
         problems.append(f"lora_dropout: its masks are drawn per call, which a replayed CUDA graph does not do; "
-                        f"drop cuda_graphs (--no-cuda-graphs) or lora_dropout, got lora_dropout={self.lora_dropout}")
-    problems += _schedule_problems(self)
-    if problems:
-        raise ConfigError(problems, source="TrainConfig")
+                        f"drop cuda_graphs (--no-cuda-graphs) or lora_dropout, got lora_dropout={cfg.lora_dropout}")
+    if valid("lr_schedule", "decay_steps", "warmup_steps"):
+        problems += _schedule_problems(cfg)
+    return problems
 
 
-def _schedule_problems(cfg) -> list[str]:
-    """The learning-rate schedule's settings taken together (each one already checked alone)."""
+def _schedule_problems(cfg: TrainConfig) -> list[str]:
+    """The learning-rate schedule's settings taken together."""
     schedule, decay, warmup = cfg.lr_schedule, cfg.decay_steps, cfg.warmup_steps
-    if not isinstance(schedule, LRSchedule) or not isinstance(warmup, int) or not (decay is None or
-                                                                                   isinstance(decay, int)):
-        return []  # named already
     if schedule is LRSchedule.CONSTANT:
         return [] if decay is None else [f"decay_steps: only linear and cosine decay; got decay_steps={decay} with "
                                          "lr_schedule constant (leave it out, or pick linear or cosine)"]
@@ -75,40 +111,12 @@ def _schedule_problems(cfg) -> list[str]:
     return []
 
 
-def _replace(self, **changes) -> "TrainConfig":
-    values = {f.name: getattr(self, f.name) for f in fields(self)}
-    values.update(changes)
-    return TrainConfig(**values)
-
-
-def _as_dict(self) -> dict:
-    """Every setting (enums as their values), as results rows record them."""
-    out = {"model": self.model}
-    for s in SETTINGS:
-        v = getattr(self, s.name)
-        out[s.name] = v.value if isinstance(v, enum.Enum) else (list(v) if isinstance(v, tuple) else v)
-    return out
-
-
-def _from_settings(cls, settings: dict, *, model: str, **extra) -> "TrainConfig":
-    """From a mapping of setting names (a matrix's, parsed flags); `extra` adds or overrides."""
-    values = {k: v for k, v in settings.items() if k in BY_NAME}
-    return cls(model=model, **{**values, **extra})
-
-
-def _schedule(self) -> dict:
-    """The schedule settings: how poros runs the computation, never what it computes."""
-    return {k: getattr(self, k) for k in SCHEDULE_NAMES}
-
-
-# The fields are the settings table's rows, in its order, with its defaults (mutable defaults by factory).
+# One field per row of the settings table, in its order, typed as its checker declares, with its default.
 TrainConfig = make_dataclass(
     "TrainConfig",
-    [("model", str)] + [(s.name, object, field(default=s.default)) for s in SETTINGS]
-    + [("extra", dict, field(default_factory=dict, compare=False, repr=False))],
-    namespace={"__post_init__": _post_init, "replace": _replace, "as_dict": _as_dict,
-               "from_settings": classmethod(_from_settings), "schedule": property(_schedule),
-               "__doc__": "One training run: a model and every setting of the settings table (poros/settings.py).\n\n"
+    [("model", str)] + [(s.name, s.type, field(default=s.default)) for s in SETTINGS],
+    bases=(_Config,),
+    namespace={"__doc__": "One training run: a model and every setting of the settings table (poros/settings.py).\n\n"
                           "Raises:\n    ConfigError: listing every invalid field at once."},
     frozen=True,
 )

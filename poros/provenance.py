@@ -12,8 +12,6 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-import torch
-
 import poros
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,6 +99,8 @@ def _s(v) -> str:
 
 @lru_cache(maxsize=1)
 def _static() -> dict:
+    import torch
+
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -129,11 +129,15 @@ def current_commit() -> str | None:
 
 def stack_label() -> str:
     """The running stack as the official results name it, e.g. 'torch 2.11.0+cu130 / transformers 5.17.0'."""
+    import torch
+
     return f"torch {torch.__version__} / transformers {_version('transformers')}"
 
 
 def env_block() -> str:
     """A copy-and-paste environment block for bug reports (`poros env`)."""
+    import torch
+
     p = _static()
     git = p["git"]
     lines = [

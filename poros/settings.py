@@ -18,7 +18,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 COMPUTED, SCHEDULE, RUN = "computed", "schedule", "run"
 
@@ -54,7 +54,7 @@ class Accumulation(str, enum.Enum):
 
 
 class Placement(str, enum.Enum):
-    """Which layers a plan with resident layers keeps on the device (poros/engine/plan.py)."""
+    """Which layers a plan with resident layers keeps on the device (poros/engine/planning/search.py)."""
 
     TAIL = "tail"  # the last layers: used at the turn from forward to backward, never copied
     SPREAD = "spread"  # streamed layers spread among resident ones: each copy also runs behind resident forwards
@@ -108,11 +108,24 @@ def format_size(n: int | str | None) -> str:
 
 
 # --- value checkers: return the coerced value or raise ValueError(what was expected, got what) ----
+# Each declares the type of what it returns (`returns`): the type of its setting's TrainConfig field.
+
+
+def returns(type_) -> Callable[[Callable], Callable]:
+    """Marks a checker with the type of the values it returns (its `type`)."""
+
+    def mark(check: Callable) -> Callable:
+        check.type = type_
+        return check
+
+    return mark
+
 
 MAX_COUNT = 2**31 - 1  # counts and lengths: torch sizes them in int32 in places (and none is near it)
 MAX_SEED = 2**32 - 1  # seeds are combined with strides of about 2**20 into torch's 64-bit seeds
 
 
+@returns(int)
 def positive_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ValueError(f"expected an integer > 0, got {_short(v)}")
@@ -121,17 +134,20 @@ def positive_int(v):
     return v
 
 
+@returns(int)
 def seed_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SEED:
         raise ValueError(f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {_short(v)}")
     return v
 
 
+@returns(float)
 def positive_number(v):
     """A finite number > 0 (inf and nan are refused: a step with them writes NaN everywhere)."""
     return _number(v, "a number > 0", lambda f: f > 0, out_of_range="a finite number > 0")
 
 
+@returns(int)
 def non_negative_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
         raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, got {_short(v)}")
@@ -152,15 +168,18 @@ def _number(v, what: str, ok: Callable[[float], bool], out_of_range: str | None 
     return f
 
 
+@returns(float)
 def non_negative_number(v):
     return _number(v, "a finite number >= 0", lambda f: f >= 0)
 
 
+@returns(float)
 def dropout_share(v):
     """A share of the inputs zeroed: 0 (off) up to, not including, 1."""
     return _number(v, "a number from 0 up to (not including) 1", lambda f: 0 <= f < 1)
 
 
+@returns(float | None)
 def optional_positive_number(v):
     if v is None or v == "none":
         return None
@@ -179,6 +198,7 @@ def _short(v) -> str:
     return f"{v!r:.80}"
 
 
+@returns(bool)
 def flag(v):
     if not isinstance(v, bool):
         raise ValueError(f"expected true or false, got {v!r}")
@@ -186,6 +206,7 @@ def flag(v):
 
 
 def one_of(enum_cls: type[enum.Enum]) -> Callable:
+    @returns(enum_cls)
     def check(v):
         if isinstance(v, enum_cls):
             return v
@@ -197,6 +218,7 @@ def one_of(enum_cls: type[enum.Enum]) -> Callable:
     return check
 
 
+@returns(tuple[str, ...])
 def module_names(v):
     if isinstance(v, str):  # q_proj,v_proj as a flag gives it
         v = [t.strip() for t in v.split(",")]
@@ -205,10 +227,12 @@ def module_names(v):
     return tuple(v)
 
 
+@returns(int | Literal["auto"] | None)
 def optional_size(v):
     return None if v is None or v == "none" else parse_size(v)
 
 
+@returns(int | None)
 def optional_positive_int(v):
     if v is None or v == "none":
         return None
@@ -241,6 +265,11 @@ class Setting:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def type(self):
+        """The type of the setting's values, as its checker returns them (its TrainConfig field's type)."""
+        return self.check.type
 
     def value(self, v):
         """`v` checked and coerced; raises ValueError naming what was expected."""
@@ -411,8 +440,7 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                                     help=f"turn off {s.flag}")
         else:
             parser.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar or s.name.upper(),
-                                type=int if s.check in (positive_int, seed_int, non_negative_int) else
-                                float if s.check in (positive_number, non_negative_number, dropout_share) else str,
+                                type=s.type if s.type in (int, float) else str,
                                 help=help_)
 
 

@@ -10,6 +10,7 @@ writes one JSON object to the path given.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from poros.config import Method, TrainConfig
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
 from poros.engine.distributed import close_world, init_world, share_store
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity
@@ -78,7 +79,7 @@ def shared_stream(cfg, store, world) -> dict:
                                       "h2d_planned": sum(plan.op_bytes(op, world.rank) for op in plan.step)})
     return {"gate": gate.__dict__, "micro": micro.__dict__, "budget": budget.__dict__, "control": control.__dict__,
             "counters": counters, "plan": plan.summary(),
-            "unshared_h2d": P.replace(plan, shards=1).h2d_bytes_per_step, "gathers": sum(
+            "unshared_h2d": replace(plan, shards=1).h2d_bytes_per_step, "gathers": sum(
                 op.kind in (P.GATHER, P.GATHER_HEAD) for op in plan.step)}
 
 

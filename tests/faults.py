@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
 
 
 def refill_before_backward(plan: P.Plan) -> P.Plan:

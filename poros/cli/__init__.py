@@ -9,8 +9,7 @@ import logging
 import sys
 import warnings
 
-from poros.engine.distributed import launched
-from poros.engine.trainer import set_cublas_workspace
+from poros.engine.launch import launched
 from poros.errors import PorosError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
@@ -118,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{' / '.join(RANKED)}`, or a matrix's `gpus: N`")
         if wants_determinism(args):
             # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
+            from poros.engine.trainer import set_cublas_workspace
 
             set_cublas_workspace()
         preflight(args)

@@ -13,13 +13,6 @@ from poros.cli.report import add_reference_argument, reference_path
 from poros.common.folders import OutputLock, ensure_folder
 from poros.errors import PorosError
 from poros.harness import preflight
-from poros.harness.bench import (
-    StatusLine,
-    interrupt_on_sigint,
-    matrix_device,
-    model_unavailable,
-    set_status_writer,
-)
 from poros.harness.compare import load_compare_source, parse_compare_fail
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
@@ -176,6 +169,7 @@ class Tally:
 def _preflight(args):
     """Everything knowable before any work: the matrix, the counts, the device, the models, the
     selection and the reference file. Returns the matrix."""
+    from poros.harness.bench import matrix_device, model_unavailable
 
     m = preflight.load_matrix(args.file)
     preflight.check_counts("poros bench", steps=args.steps, passes=args.passes, parity_steps=args.parity_steps)
@@ -203,6 +197,8 @@ def _preflight(args):
 
 
 def run(args) -> int:
+    from poros.harness.bench import interrupt_on_sigint
+
     m = _preflight(args)
     out = ensure_folder(args.out)
     with OutputLock(out, command=command_line(args, resume=False)) as lock, interrupt_on_sigint():
@@ -217,6 +213,7 @@ def run(args) -> int:
 def _run_locked(args, m, out: Path, lock) -> int:
     import pytest
 
+    from poros.harness.bench import StatusLine, set_status_writer
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if lock.stale_warning():

@@ -9,7 +9,6 @@ import json
 
 from poros.errors import ConfigError
 from poros.models.shapes import SHAPES, count_params
-from poros.store.build import build_store
 from poros.store.host_memory import config_host_need
 
 EPILOG = """examples:
@@ -34,6 +33,7 @@ def run(args) -> int:
 
     import torch
 
+    from poros.store.build import build_store
 
     if args.list:
         for name, shape in SHAPES.items():

@@ -6,7 +6,6 @@ import json
 import sys
 
 from poros.errors import ConfigError
-from poros.finetune.merge import merge_adapter
 
 EPILOG = """examples:
   poros export --merge --model ./Qwen3-32B --adapter runs/qwen3/adapter --out ./Qwen3-32B-tuned
@@ -31,6 +30,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from poros.finetune.merge import merge_adapter
+
     if not args.merge:
         raise ConfigError(["give --merge (the merged bf16 checkpoint is what export writes)"], "poros export")
     out = merge_adapter(args.model, args.adapter, args.out, say=lambda s: print(s, file=sys.stderr, flush=True))

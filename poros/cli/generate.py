@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from poros.errors import ConfigError
-from poros.finetune.merge import generate
 
 EPILOG = """examples:
   poros generate --model ./Qwen3-32B --adapter runs/qwen3/adapter --prompt "What is 12 plus 30?" --chat
@@ -30,6 +29,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import torch
+
+    from poros.finetune.merge import generate
 
     if not 0 < args.max_new_tokens <= 1 << 20:
         raise ConfigError([f"expected an integer > 0, got {args.max_new_tokens}"], "--max-new-tokens")

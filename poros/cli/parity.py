@@ -7,9 +7,7 @@ import argparse
 import sys
 
 from poros.config import Method, TrainConfig
-from poros.engine.distributed import close_world, init_world
 from poros.engine.methods import METHODS
-from poros.engine.parity import parity
 from poros.errors import ConfigError
 from poros.settings import COMPUTED, RUN, SCHEDULE, add_arguments, from_arguments
 
@@ -69,6 +67,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from poros.engine.distributed import close_world, init_world
+    from poros.engine.parity import parity
+
     if args.steps <= 0:
         raise ConfigError([f"steps: expected an integer > 0, got {args.steps}"], "poros parity")
 

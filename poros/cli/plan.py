@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from poros.cli.parity import train_config
-from poros.engine.nvml import device_memory
-from poros.engine.plan import Geometry, PlanRequest, describe, make_plan, resident_memory
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.memory import resident_memory
+from poros.engine.planning.plan import describe
+from poros.engine.planning.search import make_plan
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.settings import add_arguments
@@ -56,9 +58,11 @@ def run(args) -> int:
     if cfg.vram_budget == "auto" and cfg.device.value == "cuda":
         import torch  # only `auto` touches the device
 
+        from poros.engine.nvml import device_memory
+
         device = device_memory(torch.device("cuda"))
     plan = make_plan(geo, cfg, device)
-    resident = resident_memory(geo, PlanRequest.of_config(cfg, device))
+    resident = resident_memory(geo, cfg)
     if args.json:
         print(json.dumps({**plan.summary(), "resident_qlora_peak_vram_bytes": resident}))
     else:

@@ -11,16 +11,11 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
-from poros.engine.distributed import close_world, init_world, launched
+from poros.engine.launch import launched
 from poros.engine.methods import FINETUNE_METHODS
-from poros.engine.trainer import set_cublas_workspace
 from poros.errors import PorosError
 from poros.finetune.config import RUN_FILE, override_words, parse_overrides, read_run_file, resolve
-from poros.finetune.recipe import finetune
 from poros.harness import preflight as checks
-from poros.harness.ranks import free_port, launch_env
 from poros.settings import add_arguments, from_arguments
 
 EPILOG = """examples:
@@ -97,6 +92,8 @@ def given_values(args) -> dict:
 
 def finetune_config(args):
     """The validated FinetuneConfig the command line asks for, and the settings that took CUDA's defaults."""
+    import torch
+
     return resolve(given_values(args), cuda_available=torch.cuda.is_available())
 
 
@@ -112,6 +109,10 @@ def _terminate(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
+    from poros.engine.distributed import close_world, init_world
+    from poros.engine.trainer import set_cublas_workspace
+    from poros.finetune.recipe import finetune
+
     fc, chosen = finetune_config(args)
     device = fc.train.device.value
     if not args.dry_run:  # a dry run shows a GPU's plan on any machine
@@ -144,6 +145,8 @@ def run_ranks(words: list[str], ranks: int) -> int:
     variables: RANK, WORLD_SIZE, MASTER_ADDR, ...) but each in a session of its own, so Ctrl-C or SIGTERM
     reaches every rank once, from here: each saves its step and stops (a second one aborts). Returns rank
     0's exit status; a rank that fails ends the others after RANK_GRACE_S."""
+    from poros.harness.ranks import free_port, launch_env
+
     env, port = launch_env(ranks), free_port()
     procs = []
     for r in range(ranks):

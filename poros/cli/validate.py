@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from poros.errors import ConfigError
 from poros.harness import preflight
-from poros.harness.bench import matrix_cells
 
 EPILOG = """examples:
   poros validate matrices/h200.yaml
@@ -23,6 +22,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from poros.harness.bench import matrix_cells
+
     bad = 0
     for f in args.files:
         try:

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
 from poros.engine.distributed import SINGLE, World
 
 HEAD_KEY = -1  # the lm_head's own region when it borrows no buffer

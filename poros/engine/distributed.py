@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from poros.engine.launch import LAUNCH_ENV, launched
 from poros.errors import CapabilityError, PorosError
-from poros.store.arena import NF4Store, align
+from poros.store.arena import NF4Store
+from poros.store.layout import align
 from poros.store.build import build_store
 from poros.store.progress import BuildStats
 
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # NVLink multicast (NVLS) off for NCCL, symmetric memory and NVSHMEM, in this process and those it starts
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 IN_FLIGHT = 4  # layer all-reduces outstanding before the oldest is waited for and copied back
@@ -67,11 +68,6 @@ class World:
 
 
 SINGLE = World()
-
-
-def launched() -> bool:
-    """Whether a launcher started this process as one of several ranks."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def init_world(device: str) -> World:

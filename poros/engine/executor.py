@@ -1,4 +1,4 @@
-"""The executor: runs a plan (poros/engine/plan.py) on the device, bitwise equal to resident QLoRA.
+"""The executor: runs a plan (poros/engine/planning/plan.py) on the device, bitwise equal to resident QLoRA.
 
 The very same modules and kernels run as in resident training; only where the NF4 bytes sit and when
 they are copied differ. Per micro-batch, a *prologue* runs the Hugging Face forward with every
@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from poros.config import Method
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.rules import check
 from poros.engine.attention import sdpa_context
 from poros.engine.buffers import HEAD_KEY, DeviceBuffers, SavedInputs
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
@@ -40,7 +42,7 @@ from poros.engine.graphs import LayerTemplates
 from poros.engine import kept_attention
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
-from poros.engine.plan import make_plan
+from poros.engine.planning.search import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
 from poros.engine.compiling import backward_keeps_saved_tensors, compile_layers
@@ -77,9 +79,9 @@ class _Step:
     backwards: int = 0
 
 
-def geometry_of_store(store, cfg) -> P.Geometry:
+def geometry_of_store(store, cfg) -> Geometry:
     """The planner's view of a built store (the same numbers `Geometry.of_config` derives from shapes)."""
-    return P.Geometry.of_config(cfg.model, store.config, cfg.lora_targets, store.double_quant)
+    return Geometry.of_config(cfg.model, store.config, cfg.lora_targets, store.double_quant)
 
 
 def set_allocator_settings(conf: str) -> None:
@@ -225,7 +227,7 @@ class PorosTrainer(Trainer):
 
     @staticmethod
     def _refuse_unsafe(plan: P.Plan) -> None:
-        problems = P.check(plan)
+        problems = check(plan)
         if problems:
             raise CapabilityError(f"refusing an unsafe plan: {problems[0]}" +
                                   (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))

@@ -1,16 +1,18 @@
 """The methods a matrix compares, as one registry: how each is made, whether it can run here, and
-how the parity gate holds it to resident QLoRA."""
+how the parity gate holds it to resident QLoRA. The registry itself loads no torch: each trainer's
+module is imported when one is made, so commands that only read it (`poros --help`, reports) stay light."""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from poros.config import LoRACompute, Method, TrainConfig
-from poros.engine.distributed import SINGLE, World
-from poros.engine.executor import PorosTrainer
-from poros.engine.trainer import ResidentGCTrainer, ResidentTrainer, Trainer
+
+if TYPE_CHECKING:
+    from poros.engine.distributed import World
+    from poros.engine.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,32 @@ def _unsloth_unavailable(device: str) -> str | None:
     return None
 
 
+def _poros(store, cfg: TrainConfig, world: World) -> Trainer:
+    from poros.engine.executor import PorosTrainer
+
+    return PorosTrainer(store, cfg, world)
+
+
+def _resident(store, cfg: TrainConfig, world: World) -> Trainer:
+    from poros.engine.trainer import ResidentTrainer
+
+    return ResidentTrainer(store, cfg, world)
+
+
+def _resident_gc(store, cfg: TrainConfig, world: World) -> Trainer:
+    from poros.engine.trainer import ResidentGCTrainer
+
+    return ResidentGCTrainer(store, cfg, world)
+
+
 METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
-    MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, unavailable=_always, factory=PorosTrainer,
+    MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, unavailable=_always, factory=_poros,
                finetune=True),
     MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, unavailable=_always, reference=True,
-               factory=ResidentTrainer, finetune=True),
+               factory=_resident, finetune=True),
     # bitwise equal to resident (tests/engine/test_resident_gc.py): the reference where resident does not fit
     MethodSpec(Method.RESIDENT_GC, "resident + gradient checkpointing", gated=True, unavailable=_always,
-               reference=True, factory=ResidentGCTrainer),
+               reference=True, factory=_resident_gc),
     MethodSpec(Method.UNSLOTH, "unsloth", gated=False, unavailable=_unsloth_unavailable),
 )}
 FINETUNE_METHODS = tuple(m for m, s in METHODS.items() if s.finetune)  # what `poros train --method` takes
@@ -63,6 +83,8 @@ def make_trainer(method: Method, store, cfg: TrainConfig, world: World | None = 
     Raises:
         ValueError: `method` is measured in a child process (poros.harness.unsloth).
     """
+    from poros.engine.distributed import SINGLE
+
     spec = METHODS[method]
     if spec.factory is None:
         raise ValueError(f"{method.value} runs in a child process (poros.harness.unsloth)")

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from poros.engine.plan import DeviceMemory
+from poros.engine.planning.memory import DeviceMemory
 
 PROCESS, DEVICE = "process", "device"  # what a reading measured: this process's memory, or the whole device's
 

@@ -13,7 +13,8 @@ from poros.engine.head import use_chunked_loss
 from poros.engine.lora_compute import lora_in_activation_dtype
 from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
-from poros.store.arena import NF4_BLOCKSIZE, NF4Store, QuantSlot, SlotTensors, slot_tensors
+from poros.store.arena import NF4Store, SlotTensors, slot_tensors
+from poros.store.layout import NF4_BLOCKSIZE, QuantSlot
 from poros.store.quantize import quant_state
 
 

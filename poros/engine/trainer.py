@@ -21,7 +21,7 @@ from poros.engine.attention import BackendLog, sdpa_context
 from poros.engine.compiling import compile_layers, enable_deterministic_compile, install_layer_compilation
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
-from poros.engine.plan import Plan
+from poros.engine.planning.plan import Plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.schedule import learning_rate
 from poros.errors import CapabilityError
@@ -112,7 +112,7 @@ class Trainer(abc.ABC):
     """
 
     method: str  # its Method's value (poros/config.py)
-    plan: Plan | None = None  # how the decoder weights reach the device (poros/engine/plan.py); None: all resident
+    plan: Plan | None = None  # how the decoder weights reach the device (poros/engine/planning/plan.py); None: all resident
 
     def __init__(self, store: NF4Store, cfg: TrainConfig, world: World = SINGLE):
         check_seq_len(store.config, cfg.seq_len)

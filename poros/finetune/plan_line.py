@@ -8,7 +8,9 @@ import torch
 
 from poros.config import Method
 from poros.engine.nvml import device_memory
-from poros.engine.plan import Geometry, Plan, make_plan
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.plan import Plan
+from poros.engine.planning.search import make_plan
 from poros.settings import format_size
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from poros.config import LORA_TARGETS, Method
 from poros.engine.methods import config_for
 from poros.errors import CapabilityError, ConfigError, PorosError
-from poros.harness.bench import cell_config, matrix_cells, model_unavailable, point_id, row_key
 from poros.harness.matrix import load_matrix as load
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.results import passes_path
@@ -230,6 +229,8 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
     Raises:
         PorosError: naming the first cell that differs, what differs, and what to do.
     """
+    from poros.harness.bench import cell_config, matrix_cells, point_id, row_key
+
     if commit is _THIS_COMMIT:
         from poros.provenance import current_commit
 
@@ -297,6 +298,7 @@ def check_runnable(m, device: str) -> None:
     Raises:
         CapabilityError: with the first reason.
     """
+    from poros.harness.bench import model_unavailable
 
     stacks = [s.mismatch() for s in m.stacks]
     if all(stacks):

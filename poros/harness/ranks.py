@@ -15,7 +15,6 @@ from pathlib import Path
 
 from poros.config import Method, TrainConfig
 from poros.engine.distributed import (
-    LAUNCH_ENV,
     MULTICAST_OFF,
     barrier,
     close_world,
@@ -23,6 +22,7 @@ from poros.engine.distributed import (
     largest,
     share_store,
 )
+from poros.engine.launch import LAUNCH_ENV
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity
 from poros.engine.trainer import set_cublas_workspace

@@ -7,11 +7,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from poros.errors import CheckpointError, UnknownModelError
 from poros.models.shapes import SHAPES, get_shape
+
+if TYPE_CHECKING:  # reading a tensor imports it: resolving a model by name loads no torch
+    import torch
 
 
 @dataclass
@@ -173,6 +175,8 @@ class CheckpointReader:
             if like.is_floating_point() and not t.is_floating_point():
                 raise CheckpointError(f"{where}: tensor {key} is {t.dtype}, expected floating-point weights (a "
                                       f"quantized checkpoint?); pass the original bf16/fp16/fp32 checkpoint")
+            import torch
+
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 bad = int((~torch.isfinite(t)).sum())
                 raise CheckpointError(f"{where}: tensor {key} holds {bad} NaN/inf values of {t.numel()}; the "

@@ -7,11 +7,12 @@ tiny shapes keep the same model_type and code paths at toy size for CPU tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import transformers
+from typing import TYPE_CHECKING, Callable
 
 from poros.errors import UnknownModelError
+
+if TYPE_CHECKING:  # imported where a config is made: the registry's names alone load no transformers
+    import transformers
 
 _S, _F = "sliding_attention", "full_attention"
 
@@ -33,6 +34,8 @@ class ModelShape:
 
 # Qwen2 has no attention_bias field: its q/k/v projections always carry a bias.
 def _qwen2(**kw) -> transformers.Qwen2Config:
+    import transformers
+
     return transformers.Qwen2Config(**{
         "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         "use_sliding_window": False, "tie_word_embeddings": False, "bos_token_id": 151643,
@@ -41,6 +44,8 @@ def _qwen2(**kw) -> transformers.Qwen2Config:
 
 
 def _qwen3(**kw) -> transformers.Qwen3Config:
+    import transformers
+
     return transformers.Qwen3Config(**{
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
@@ -49,6 +54,8 @@ def _qwen3(**kw) -> transformers.Qwen3Config:
 
 
 def _gemma3(**kw) -> transformers.Gemma3TextConfig:
+    import transformers
+
     return transformers.Gemma3TextConfig(
         hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, attention_bias=False,
         rope_parameters={
@@ -63,6 +70,8 @@ def _gemma3(**kw) -> transformers.Gemma3TextConfig:
 # global_head_dim / num_global_key_value_heads are not config fields: Gemma4TextConfig turns
 # them into per_layer_config overrides for the full-attention layers (same in 5.17 and 5.24).
 def _gemma4(**kw) -> transformers.Gemma4TextConfig:
+    import transformers
+
     return transformers.Gemma4TextConfig(
         hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, attention_bias=False,
         rope_parameters={
@@ -187,6 +196,7 @@ def get_shape(name: str) -> ModelShape:
 
 def count_params(config: transformers.PretrainedConfig) -> int:
     """Total parameters of the causal LM for `config`, built on the meta device; tied weights count once."""
+    import transformers
     from accelerate import init_empty_weights
 
     with init_empty_weights():

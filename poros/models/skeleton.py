@@ -4,11 +4,12 @@ decoder layers, their linears, and the checks a model must pass before anything 
 from __future__ import annotations
 
 import contextlib
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from poros.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # imported by the functions that build or walk a module tree: checks on a config load no torch
+    from torch import nn
 
 
 @contextlib.contextmanager
@@ -16,6 +17,8 @@ def _meta_weights():
     """nn.Linear and nn.Embedding (and their subclasses) made straight on the meta device.
     `init_empty_weights` moves a parameter to meta only once its constructor has allocated it on the
     CPU: for a 72B model some 145 GB of `torch.empty`, seconds of set-up with some transformers versions."""
+    from torch import nn
+
     originals = {cls: cls.__init__ for cls in (nn.Linear, nn.Embedding)}
 
     def on_meta(init):
@@ -39,6 +42,7 @@ def skeleton(config) -> nn.Module:
     Raises:
         CheckpointError: transformers has no causal-LM class for the config's model_type.
     """
+    import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -59,6 +63,8 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     Raises:
         CheckpointError: the architecture keeps its layers in no ModuleList.
     """
+    from torch import nn
+
     best = None
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
@@ -77,6 +83,8 @@ def check_supported(name: str, layers: nn.ModuleList, list_name: str) -> None:
     Raises:
         CheckpointError: naming the first such module and its type.
     """
+    from torch import nn
+
     for i, layer in enumerate(layers):
         for mname, m in layer.named_modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -90,6 +98,8 @@ def check_supported(name: str, layers: nn.ModuleList, list_name: str) -> None:
 
 
 def layer_linears(layer: nn.Module, prefix: str) -> list[tuple[str, tuple[int, int]]]:
+    from torch import nn
+
     return [
         (f"{prefix}.{name}", (m.out_features, m.in_features))
         for name, m in layer.named_modules()

@@ -22,7 +22,8 @@ from poros.models.skeleton import (
     persistent_buffers,
     skeleton,
 )
-from poros.store.arena import LayerLayout, NF4Store, host_buffer, plan_layout
+from poros.store.arena import NF4Store, host_buffer
+from poros.store.layout import LayerLayout, plan_layout
 from poros.store.host_memory import HostNeed, check_host_memory, host_need
 from poros.store.nf4_checkpoint import NF4CheckpointLayers, is_bnb_checkpoint
 from poros.store.progress import BuildStats, LayerProgress

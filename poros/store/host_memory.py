@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from poros.errors import PorosError
 from poros.models.skeleton import (
@@ -17,7 +15,10 @@ from poros.models.skeleton import (
     persistent_buffers,
     skeleton,
 )
-from poros.store.arena import plan_layout
+from poros.store.layout import plan_layout
+
+if TYPE_CHECKING:  # the check runs on a skeleton, which imports it: importing the check loads no torch
+    from torch import nn
 
 SKIP_MEMORY_CHECK = "POROS_SKIP_MEMORY_CHECK"
 
@@ -53,6 +54,9 @@ class HostNeed:
 
 
 def host_need(model: nn.Module, layers: nn.ModuleList, arena_bytes: int, device) -> HostNeed:
+    import torch
+    from torch import nn
+
     in_layers = {id(p) for p in layers.parameters()}
     tied = getattr(model.config, "tie_word_embeddings", False)  # the build keeps one copy (embed_tokens)
     outside = [p for n, p in model.named_parameters() if id(p) not in in_layers and not (tied and n == "lm_head.weight")]

@@ -23,7 +23,7 @@ from torch import nn
 from poros.errors import CheckpointError
 from poros.models.checkpoint import CheckpointReader
 from poros.models.skeleton import persistent_buffers
-from poros.store.arena import NF4_BLOCKSIZE
+from poros.store.layout import NF4_BLOCKSIZE
 from poros.store.quantize import Codes, as_stored, quantize_nf4, write_slot
 
 QUANT_STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",

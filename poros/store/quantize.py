@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from poros.store.arena import NESTED_BLOCKSIZE, NF4_BLOCKSIZE, QuantSlot, SlotTensors, slot_tensors
+from poros.store.arena import SlotTensors, slot_tensors
+from poros.store.layout import NESTED_BLOCKSIZE, NF4_BLOCKSIZE, QuantSlot
 
 
 def quantize_nf4(w: torch.Tensor, double_quant: bool = False):

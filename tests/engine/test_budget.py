@@ -16,52 +16,67 @@ from poros.cli import main
 from poros.config import TrainConfig
 from poros.engine import executor as X
 from poros.engine import nvml as N
-from poros.engine import plan as P
+from poros.engine.planning import memory
+from poros.engine.planning import plan as P
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.memory import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT,
+    GRAPH_POOL_PER_LAYER,
+    NCCL_BUFFERS,
+    DeviceMemory,
+    Memory,
+    ProcessCosts,
+    auto_budget,
+    transient_bytes,
+)
+from poros.engine.planning.search import PlanRequest, build_plan, make_plan, plan_for_budget
 from poros.errors import BudgetError
 from poros.models.checkpoint import resolve
-from poros.settings import LORA_TARGETS
+from poros.settings import LORA_TARGETS, Attention
+from tests.plans import plan_request
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 EXPERIMENTS = RESULTS.parent / "experiments"
 GB = 10**9
-CUDA = P.ProcessCosts.cuda()
+CUDA = ProcessCosts.cuda()
 
 
 @pytest.fixture(scope="module")
 def q72():
-    return P.Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)
+    return Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)
 
 
-def request(**kw) -> P.PlanRequest:
-    return P.PlanRequest(**{"block_size": 4, "attention": "fast", "deterministic": True, "process": CUDA, **kw})
+def request(**kw) -> PlanRequest:
+    return plan_request(**{"block_size": 4, "attention": "fast", "deterministic": True, "process": CUDA, **kw})
 
 
 # --- the process total ----------------------------------------------------------------------------
 
 def test_the_process_total_is_its_parts(q72):
-    plan = P.build_plan(q72, request(cuda_graphs=True, overlap_backward=False, resident_layers=10))
+    plan = build_plan(q72, request(cuda_graphs=True, overlap_backward=False, resident_layers=10))
     m = plan.memory
     assert m.total == m.allocated + m.graph_pool + m.allocator_reserve + m.context + m.nccl
     assert m.allocated == sum(v for k, v in m.parts().items() if k not in P.BESIDE_TENSORS)
-    assert m.context == P.CUDA_CONTEXT and m.nccl == 0 and m.graph_pool > 0
+    assert m.context == CUDA_CONTEXT and m.nccl == 0 and m.graph_pool > 0
     # ALLOCATOR_SLACK of what it holds, TRANSIENT_SLACK of the transient bytes
     assert m.allocator_reserve == -(-(m.allocated + m.graph_pool) * 5 // 100) + -(-m.transient * 12 // 100)
     assert plan.summary()["process_vram_bytes"] == m.total and plan.summary()["peak_vram_bytes"] == m.allocated
 
 
 def test_data_parallel_ranks_add_nccl_buffers_and_a_measured_context_wins_when_larger():
-    assert P.ProcessCosts.cuda(ranks=2).nccl == P.NCCL_BUFFERS > 0 == P.ProcessCosts.cuda(ranks=1).nccl
-    assert P.ProcessCosts.cuda(measured_context=3 * GB).context == 3 * GB
-    assert P.ProcessCosts.cuda(measured_context=GB // 10).context == P.CUDA_CONTEXT
+    assert ProcessCosts.cuda(ranks=2).nccl == NCCL_BUFFERS > 0 == ProcessCosts.cuda(ranks=1).nccl
+    assert ProcessCosts.cuda(measured_context=3 * GB).context == 3 * GB
+    assert ProcessCosts.cuda(measured_context=GB // 10).context == CUDA_CONTEXT
 
 
 def test_a_cpu_run_has_no_process_costs(q72):
     """On the CPU a budget bounds the tensors alone (the tiny-model tests' budgets of a few MB)."""
-    cpu = P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cpu", vram_budget="24GB"))
-    cuda = P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB"))
-    two = P.PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB").replace(gpus=2))
-    assert cpu.process == P.ProcessCosts() and cuda.process == CUDA and two.process.nccl == P.NCCL_BUFFERS
-    plan = P.build_plan(q72, cpu)
+    cpu = PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cpu", vram_budget="24GB"))
+    cuda = PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB"))
+    two = PlanRequest.of_config(TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB").replace(gpus=2))
+    assert cpu.process == ProcessCosts() and cuda.process == CUDA and two.process.nccl == NCCL_BUFFERS
+    plan = build_plan(q72, cpu)
     assert plan.memory.total == plan.memory.allocated
 
 
@@ -81,13 +96,13 @@ def test_the_process_total_covers_the_nvml_peaks_measured(q72):
     predicted total covers the NVML peak measured for the process, and the allocator's share covers torch's
     reserved peak within 0.1 GB. Negative control: the tensors alone, what a budget held before, fall short
     of every NVML peak."""
-    _, layer = P.transient_bytes(q72, 512, 1, "fast", overlap=False, deterministic=True)
-    pool = -(-layer * P.GRAPH_POOL_PER_LAYER // 100)
+    _, layer = transient_bytes(q72, 512, 1, Attention.FAST, overlap=False, deterministic=True)
+    pool = -(-layer * GRAPH_POOL_PER_LAYER // 100)
     rows = list(kept_rows())
     assert len(rows) == 7
     for row in rows:
         assert row["config"]["cuda_graphs"] and row["config"]["seq_len"] == 512
-        m = P.Memory(**{k: round(v * GB) for k, v in row["predicted_memory_gb"].items()},
+        m = Memory(**{k: round(v * GB) for k, v in row["predicted_memory_gb"].items()},
                      graph_pool=pool).with_costs(CUDA)
         nvml, reserved = row["peak_vram_nvml_gb"] * GB, row["peak_reserved_gb"] * GB
         assert m.total >= nvml, (row["config"]["vram_budget"], m.total, nvml)
@@ -102,9 +117,9 @@ def test_the_graph_pool_covers_the_pools_measured(q72):
             (EXPERIMENTS / "h200-reserved-memory/reserved_qwen2.5-72b_seq16384.jsonl").read_text().splitlines()]
     pools = [p["reserved_gb"] * GB for r in rows for name, p in r["pools"].items() if name.startswith("graph pool")]
     assert len(pools) == 2
-    plan = P.build_plan(q72, request(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False,
+    plan = build_plan(q72, request(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False,
                                      offload_inputs=True))
-    _, layer = P.transient_bytes(q72, 16384, 1, "fast", overlap=False, deterministic=True)
+    _, layer = transient_bytes(q72, 16384, 1, Attention.FAST, overlap=False, deterministic=True)
     assert all(plan.graph_pool >= p > layer for p in pools)
 
 
@@ -117,9 +132,9 @@ def test_the_reserve_covers_the_holes_a_long_context_backward_left(q72):
               offload_inputs=oom["offload_inputs"], block_size=oom["block_size"],
               resident_layers=oom["resident_layers"], head_resident=oom["head_resident"])
     holes = (oom["reserved_unallocated_at_refusal_gb"] + oom["requested_gb"]) * GB
-    assert P.build_plan(q72, request(**kw)).memory.allocator_reserve >= holes
-    planned_only = P.ProcessCosts(context=P.CUDA_CONTEXT, slack=P.ALLOCATOR_SLACK)
-    assert P.build_plan(q72, request(**{**kw, "process": planned_only})).memory.allocator_reserve < holes
+    assert build_plan(q72, request(**kw)).memory.allocator_reserve >= holes
+    planned_only = ProcessCosts(context=CUDA_CONTEXT, slack=ALLOCATOR_SLACK)
+    assert build_plan(q72, request(**{**kw, "process": planned_only})).memory.allocator_reserve < holes
 
 
 def compiled_rows():
@@ -142,12 +157,12 @@ def test_compiled_plans_held_their_budget_as_predicted():
     assert set(rows) == {"40GB", "100GB+kept+graphs", "24GB+offload"}
     for name, row in rows.items():
         assert row["config"]["compile"] and row["config"]["lora_compute"] == "bf16"
-        m = P.Memory(**row["plan"]["memory"])
+        m = Memory(**row["plan"]["memory"])
         assert m.total >= row["peak_vram_nvml_gb"] * GB, name
         assert m.allocator >= row["peak_reserved_gb"] * GB, name
         assert m.total <= row["config"]["vram_budget"], name
     forty = rows["40GB"]
-    assert P.Memory(**forty["plan"]["memory"]).allocated < forty["peak_vram_gb"] * GB  # negative control
+    assert Memory(**forty["plan"]["memory"]).allocated < forty["peak_vram_gb"] * GB  # negative control
 
 
 # --- budgets --------------------------------------------------------------------------------------
@@ -159,11 +174,11 @@ def test_a_budget_holds_the_process_total(q72, seq, budget, graphs):
     """The plans the GPU tests run: the process total fits; the plan the tensors-only planner picks for the
     same budget (negative control) does not, in the same process."""
     kw = dict(seq_len=seq, cuda_graphs=graphs, overlap_backward=not graphs and seq == 512,
-              loss_chunk=4096 if seq > 512 else 0, offload_inputs=True if seq > 512 else None, budget=budget * GB)
-    plan = P.plan_for_budget(q72, request(**kw))
-    assert plan.memory.total <= budget * GB and plan.memory.context == P.CUDA_CONTEXT
-    old = P.plan_for_budget(q72, request(process=P.ProcessCosts(), **kw))
-    again = P.build_plan(q72, request(**{**kw, "budget": None, "offload_inputs": old.offload_inputs},
+              loss_chunk=4096 if seq > 512 else None, offload_inputs=seq > 512, budget=budget * GB)
+    plan = plan_for_budget(q72, request(**kw))
+    assert plan.memory.total <= budget * GB and plan.memory.context == CUDA_CONTEXT
+    old = plan_for_budget(q72, request(process=ProcessCosts(), **kw))
+    again = build_plan(q72, request(**{**kw, "budget": None, "offload_inputs": old.offload_inputs},
                                       block_size=old.block_size, resident_layers=len(old.resident_layers),
                                       head_resident=old.head_resident))
     assert again.memory.total > budget * GB
@@ -172,29 +187,29 @@ def test_a_budget_holds_the_process_total(q72, seq, budget, graphs):
 def test_a_budget_that_cannot_be_kept_is_refused_naming_the_smallest_that_can(q72):
     kw = dict(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False, offload_inputs=True)
     with pytest.raises(BudgetError) as refused:
-        P.plan_for_budget(q72, request(budget=24 * GB, **kw))
+        plan_for_budget(q72, request(budget=24 * GB, **kw))
     text = str(refused.value)
     assert "CUDA-graph pool" in text and "CUDA context" in text and "drop --cuda-graphs" in text
     smallest = text.split("use --vram-budget ")[1].split()[0]
     assert smallest.endswith("GB") and float(smallest[:-2]) > 24
     named = round(float(smallest[:-2]) * GB)
-    assert P.plan_for_budget(q72, request(budget=named, **kw)).memory.total <= named
+    assert plan_for_budget(q72, request(budget=named, **kw)).memory.total <= named
     with pytest.raises(BudgetError):
-        P.plan_for_budget(q72, request(budget=named - GB // 10, **kw))
+        plan_for_budget(q72, request(budget=named - GB // 10, **kw))
 
 
 # --- auto -----------------------------------------------------------------------------------------
 
 def test_auto_is_what_the_card_has_free_less_a_headroom(q72):
-    device = P.DeviceMemory(total=150 * GB, free=100 * GB, process=GB, context=GB // 2)
-    assert P.auto_budget(device) == 100 * GB + GB - 3 * GB  # AUTO_HEADROOM: 2% of the card
+    device = DeviceMemory(total=150 * GB, free=100 * GB, process=GB, context=GB // 2)
+    assert auto_budget(device) == 100 * GB + GB - 3 * GB  # AUTO_HEADROOM: 2% of the card
     cfg = TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="auto")
-    req = P.PlanRequest.of_config(cfg, device)
-    assert req.budget == 98 * GB and req.process.context == P.CUDA_CONTEXT
-    assert P.make_plan(q72, cfg, device).memory.total <= 98 * GB
-    small = P.DeviceMemory(total=24 * GB, free=4 * GB)
+    req = PlanRequest.of_config(cfg, device)
+    assert req.budget == 98 * GB and req.process.context == CUDA_CONTEXT
+    assert make_plan(q72, cfg, device).memory.total <= 98 * GB
+    small = DeviceMemory(total=24 * GB, free=4 * GB)
     with pytest.raises(BudgetError, match=r"vram_budget 3.52 GB is below the smallest plan .* use --vram-budget 9.7GB"):
-        P.make_plan(q72, cfg, small)
+        make_plan(q72, cfg, small)
 
 
 class FakeNvml:
@@ -242,10 +257,10 @@ def test_device_memory_measures_the_context(monkeypatch):
     monkeypatch.setattr(N.torch.cuda, "mem_get_info", lambda d=None: (100 * GB, 150 * GB))
     monkeypatch.setattr(N.torch.cuda, "memory_reserved", lambda d=None: GB // 2)
     d = N.device_memory(torch.device("cuda", 0))
-    assert d == P.DeviceMemory(total=150 * GB, free=100 * GB, process=2 * GB, context=3 * GB // 2)
-    assert P.auto_budget(d) == 99 * GB and nvml.shut == 1
+    assert d == DeviceMemory(total=150 * GB, free=100 * GB, process=2 * GB, context=3 * GB // 2)
+    assert auto_budget(d) == 99 * GB and nvml.shut == 1
     nvml.procs = {}
-    assert N.device_memory(torch.device("cuda", 0)) == P.DeviceMemory(total=150 * GB, free=100 * GB)
+    assert N.device_memory(torch.device("cuda", 0)) == DeviceMemory(total=150 * GB, free=100 * GB)
 
 
 # --- the allocator held within the budget ---------------------------------------------------------
@@ -262,10 +277,10 @@ def fake_cuda(monkeypatch):
 
 
 def test_the_allocator_is_capped_at_the_budget_less_the_fixed_costs(q72, fake_cuda, monkeypatch):
-    plan = P.plan_for_budget(q72, request(budget=24 * GB, process=P.ProcessCosts.cuda(ranks=2)))
+    plan = plan_for_budget(q72, request(budget=24 * GB, process=ProcessCosts.cuda(ranks=2)))
     limit = X.AllocatorLimit(plan, torch.device("cuda", 0))
     assert fake_cuda == [("settings", "expandable_segments:True"),
-                         ("fraction", (24 * GB - P.CUDA_CONTEXT - P.NCCL_BUFFERS) / (100 * GB))]
+                         ("fraction", (24 * GB - CUDA_CONTEXT - NCCL_BUFFERS) / (100 * GB))]
     limit.release()
     assert fake_cuda[2:] == [("fraction", 1.0), ("settings", "expandable_segments:False")]
     fake_cuda.clear()
@@ -273,7 +288,7 @@ def test_the_allocator_is_capped_at_the_budget_less_the_fixed_costs(q72, fake_cu
     X.AllocatorLimit(plan, torch.device("cuda", 0)).release()
     assert [c[0] for c in fake_cuda] == ["fraction", "fraction"]
     fake_cuda.clear()
-    X.AllocatorLimit(P.build_plan(q72, request()), torch.device("cuda", 0))  # no budget: nothing held
+    X.AllocatorLimit(build_plan(q72, request()), torch.device("cuda", 0))  # no budget: nothing held
     X.AllocatorLimit(plan, torch.device("cpu"))
     assert fake_cuda == []
 
@@ -358,7 +373,7 @@ def test_poros_plan_prints_the_process_total_and_its_parts(capsys):
     assert main(["plan", "--model", "qwen2.5-72b", "--vram-budget", "40GB", "--cuda-graphs", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["process_vram_bytes"] == sum(summary["memory"].values()) <= 40 * GB
-    assert summary["memory"]["context"] == P.CUDA_CONTEXT and summary["memory"]["graph_pool"] > 0
+    assert summary["memory"]["context"] == CUDA_CONTEXT and summary["memory"]["graph_pool"] > 0
 
 
 def compiled_40gb_rows(folder: Path):
@@ -374,7 +389,7 @@ def compiled_40gb_rows(folder: Path):
 
 
 def _plan(cfg: TrainConfig) -> P.Plan:
-    return P.make_plan(P.Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant),
+    return make_plan(Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant),
                        cfg)
 
 
@@ -392,7 +407,7 @@ def test_the_compiled_graph_pool_covers_the_compiled_kept_plans(monkeypatch):
         assert plan.memory.total >= row["peak_vram_nvml_gb"] * GB, row["plan_name"]
     failed = {row["plan_name"]: (row, cfg) for row, cfg in compiled_40gb_rows(EXPERIMENTS / "h200-compiled-graph-pool/eager-pool")}["40GB+kept16+graphs"]
     assert failed[0]["error"].startswith("BudgetError") and "(39.98 GB)" in failed[0]["error"]
-    monkeypatch.setattr(P, "GRAPH_POOL_PER_LAYER_COMPILED", P.GRAPH_POOL_PER_LAYER)
+    monkeypatch.setattr(memory, "GRAPH_POOL_PER_LAYER_COMPILED", GRAPH_POOL_PER_LAYER)
     eager_pool = _plan(failed[1])
     assert len(eager_pool.resident_layers) == rows[1][0]["resident_layers"] + 3
     assert f"{eager_pool.memory.total / GB:.2f}" == "39.98"

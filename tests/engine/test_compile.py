@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from poros.config import COMPUTED_NAMES, Method, TrainConfig
-from poros.engine import plan as P
+from poros.engine.planning.search import build_plan
 from poros.engine import runners
 from poros.engine.executor import PorosTrainer, geometry_of_store
 from poros.engine.parity import parity, run_gate
 from poros.engine.trainer import ResidentTrainer
 from poros.settings import BY_NAME
+from tests.plans import plan_request
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
@@ -115,9 +116,8 @@ def test_compiled_kept_layers_match_compiled_resident(stores, templates):
     their templates."""
     store = stores("tiny-qwen3")
     cfg = compiled("tiny-qwen3", grad_accum=2, keep_activations=True)
-    plan = P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(
-        block_size=2, grad_accum=2, accumulation=cfg.accumulation, resident_layers=2, keep_activations=True,
-        seq_len=cfg.seq_len))
+    plan = build_plan(geometry_of_store(store, cfg), plan_request(
+        cfg, block_size=2, resident_layers=2))
     resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=plan)
     if templates:
         poros.use_layer_templates(capture=False)
@@ -223,9 +223,8 @@ def _kept_templates_gate(stores, monkeypatch, tmp_path):
     ref = ResidentTrainer(store, cfg)
     recorded = RecordedReference(ref, 2)
     ref.close()
-    plan = P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(
-        block_size=2, accumulation=cfg.accumulation, resident_layers=len(store.layers), keep_activations=True,
-        seq_len=cfg.seq_len))
+    plan = build_plan(geometry_of_store(store, cfg), plan_request(
+        cfg, block_size=2, resident_layers=len(store.layers)))
     poros = PorosTrainer(store, cfg, plan=plan)
     try:
         poros.use_layer_templates(capture=True)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from poros.config import TrainConfig
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.search import build_plan
 from poros.engine.parity import parity
 from poros.errors import ConfigError
 from poros.models.checkpoint import resolve
@@ -16,6 +18,7 @@ from poros.models.shapes import SHAPES
 from poros.settings import LORA_TARGETS
 from poros.store.build import build_store
 from tests.capabilities import requires_bitsandbytes, requires_gpu
+from tests.plans import plan_request
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 REAL = [name for name, s in SHAPES.items() if not s.tiny]
@@ -92,7 +95,7 @@ def test_a_plain_store_is_not_a_double_quantized_run(stores, dq_stores):
 
 def test_geometry_of_a_double_quantized_store(dq_stores):
     store = dq_stores("tiny-gemma4")
-    geo = P.Geometry.of_config("tiny-gemma4", store.config, LORA_TARGETS, double_quant=True)
+    geo = Geometry.of_config("tiny-gemma4", store.config, LORA_TARGETS, double_quant=True)
     assert geo.layer_starts == tuple(x.start for x in store.layers)
     assert geo.layer_ends == tuple(x.end for x in store.layers)
 
@@ -110,10 +113,10 @@ def test_the_same_plan_moves_over_7_percent_fewer_bytes_per_step(model, resident
     shrink by 8% in every plan; the lm_head (bf16, streamed each step where the plan streams it) does
     not, so where half the layers stay resident a large vocabulary's head (gemma3's) weighs more."""
     config = resolve(model).config
-    plain_geo = P.Geometry.of_config(model, config, LORA_TARGETS)
-    dq_geo = P.Geometry.of_config(model, config, LORA_TARGETS, double_quant=True)
-    request = P.PlanRequest(block_size=4, resident_layers=0 if resident == "none" else plain_geo.n_layers // 2)
-    plain, dq = P.build_plan(plain_geo, request), P.build_plan(dq_geo, request)
+    plain_geo = Geometry.of_config(model, config, LORA_TARGETS)
+    dq_geo = Geometry.of_config(model, config, LORA_TARGETS, double_quant=True)
+    request = plan_request(block_size=4, resident_layers=0 if resident == "none" else plain_geo.n_layers // 2)
+    plain, dq = build_plan(plain_geo, request), build_plan(dq_geo, request)
     assert plain.resident_layers == dq.resident_layers and [str(op) for op in plain.step] == [str(op) for op in dq.step]
     saved = 1 - dq.h2d_bytes_per_step / plain.h2d_bytes_per_step
     print(f"{model} resident={resident}: {plain.h2d_bytes_per_step:,} -> {dq.h2d_bytes_per_step:,} bytes per step "

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poros.engine import plan as P
+from poros.engine.planning.search import build_plan
+from poros.settings import Placement
 from poros.models.checkpoint import Source
 from poros.store.build import build_store
 from poros.config import TrainConfig
@@ -19,6 +20,7 @@ from poros.engine.parity import run_gate
 from poros.models.shapes import get_shape
 from poros.engine.trainer import ResidentTrainer
 from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
+from tests.plans import plan_request
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
@@ -35,8 +37,7 @@ def gate(store, cfg, plan=None, check_plan=True, steps=2):
 
 def plan_for(store, cfg, **kw):
     geo = geometry_of_store(store, cfg)
-    return P.build_plan(geo, P.PlanRequest(block_size=cfg.block_size, grad_accum=cfg.grad_accum, accumulation=cfg.accumulation,
-                        seq_len=cfg.seq_len, **kw))
+    return build_plan(geo, plan_request(cfg, **kw))
 
 
 PLAN_SPACE = dict(
@@ -62,7 +63,7 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
                       overlap_backward=overlap)
     plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
-                    keep_activations=keep, kept_layers=kept, placement=P.Placement(placement))
+                    keep_activations=keep, kept_layers=kept if keep else None, placement=Placement(placement))
     result, _ = gate(store, cfg, plan)
     assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
                        f"head={head} overlap={overlap} offload={offload} keep={keep}/{kept}: {result.first_mismatch}")
@@ -84,7 +85,7 @@ def test_spread_placement_keeps_parity(stores, model, accum, keep):
     resident layers are not contiguous either."""
     cfg = TrainConfig(model=model, seq_len=64, block_size=2, grad_accum=accum, lr=1e-2, placement="spread")
     store = stores(model)
-    plan = plan_for(store, cfg, resident_layers=3, keep_activations=keep, placement=P.Placement.SPREAD)
+    plan = plan_for(store, cfg, resident_layers=3, keep_activations=keep, placement=Placement.SPREAD)
     assert plan.streamed_layers == [0, 2] and plan.resident_layers == [1, 3, 4]
     result, _ = gate(store, cfg, plan)
     assert result.ok, result.first_mismatch

@@ -76,7 +76,8 @@ def measure(store, cfg, variant: str, plan=None, steps: int = 3) -> dict:
 def worker(seq: int, budget_gb: int) -> None:
     """One process: the store once, then each plan for (seq, budget); one JSON line each."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: strict determinism
-    from poros.engine import plan as P
+    from poros.engine.planning.memory import ProcessCosts
+    from poros.engine.planning.search import PlanRequest, plan_for_budget
     from poros.engine.executor import geometry_of_store
     from poros.store.build import build_store
 
@@ -87,8 +88,8 @@ def worker(seq: int, budget_gb: int) -> None:
                                  steps=steps)), flush=True)
     if seq == 512 and budget_gb == 24:
         cfg = config(seq, budget_gb, True)
-        request = replace(P.PlanRequest.of_config(cfg), process=P.ProcessCosts())  # the tensors alone
-        old = replace(P.plan_for_budget(geometry_of_store(store, cfg), request), budget=None)  # no cap either
+        request = replace(PlanRequest.of_config(cfg), process=ProcessCosts())  # the tensors alone
+        old = replace(plan_for_budget(geometry_of_store(store, cfg), request), budget=None)  # no cap either
         print(json.dumps(measure(store, cfg, UNCAPPED, plan=old, steps=steps)), flush=True)
 
 

@@ -80,10 +80,11 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs)
     store, _ = build_store(model, device="cuda")
     from poros.engine.executor import geometry_of_store
-    from poros.engine.plan import PlanRequest, build_plan
+    from poros.engine.planning.search import build_plan
     from tests.faults import refill_before_backward
+    from tests.plans import plan_request
 
-    bad = refill_before_backward(build_plan(geometry_of_store(store, cfg), PlanRequest(block_size=2, seq_len=SEQ)))
+    bad = refill_before_backward(build_plan(geometry_of_store(store, cfg), plan_request(cfg)))
     resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=bad, check_plan=False)
     result = run_gate(resident, poros, 1)
     print(result.json())
@@ -116,18 +117,17 @@ def test_gpu_plans_keep_parity(model, schedule, graphs):
     from poros.engine.trainer import ResidentTrainer
 
     from poros.engine.executor import geometry_of_store
-    from poros.engine.plan import PlanRequest, build_plan
-    from poros.settings import Placement
+    from poros.engine.planning.search import build_plan
+    from tests.plans import plan_request
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs,
                       grad_accum=schedule.get("grad_accum", 1), offload_inputs=schedule.get("offload_inputs", False))
     store, _ = build_store(model, device="cuda")
     plan = None
     if schedule.get("vram_budget"):  # what a budget buys: layers (the last ones, or spread) and the lm_head resident
-        plan = build_plan(geometry_of_store(store, cfg), PlanRequest(block_size=2, resident_layers=3 if "placement" in schedule else 2,
-                          head_resident=True, grad_accum=cfg.grad_accum, seq_len=SEQ, attention=ATTN, cuda_graphs=graphs,
-                          placement=Placement(schedule.get("placement", "tail")),
-                          keep_activations=schedule.get("keep_activations", False)))
+        plan = build_plan(geometry_of_store(store, cfg), plan_request(
+            cfg, resident_layers=3 if "placement" in schedule else 2, head_resident=True,
+            placement=schedule.get("placement", "tail"), keep_activations=schedule.get("keep_activations", False)))
     resident, poros = ResidentTrainer(store, cfg), PorosTrainer(store, cfg, plan=plan)
     result = run_gate(resident, poros, 2)
     counters = poros.counters()

@@ -9,18 +9,20 @@ from dataclasses import replace
 
 import pytest
 
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
+from poros.engine.planning.rules import check
+from poros.engine.planning.search import build_plan
 from poros.config import TrainConfig
 from poros.errors import CapabilityError, ConfigError
 from poros.engine.executor import PorosTrainer, geometry_of_store
 from poros.engine.parity import run_gate
 from poros.engine.trainer import ResidentTrainer
+from tests.plans import plan_request
 
 
 def _plan(store, cfg, resident_layers=2):
-    return P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(block_size=cfg.block_size, grad_accum=cfg.grad_accum,
-                        accumulation=cfg.accumulation, resident_layers=resident_layers, keep_activations=True,
-                        seq_len=cfg.seq_len))
+    return build_plan(geometry_of_store(store, cfg), plan_request(cfg, resident_layers=resident_layers,
+                                                                  keep_activations=True))
 
 
 @pytest.mark.parametrize("grad_accum,accumulation", [(1, "layer"), (2, "layer"), (2, "micro")])
@@ -174,7 +176,7 @@ def test_keeping_a_streamed_layers_activations_is_refused(stores):
     store = stores("tiny-qwen3")
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2)
     plan = replace(_plan(store, cfg), kept_layers=(0,))
-    assert any("layer 0 keeps its activations but is streamed" in p for p in P.check(plan))
+    assert any("layer 0 keeps its activations but is streamed" in p for p in check(plan))
     with pytest.raises(CapabilityError, match="refusing an unsafe plan"):
         PorosTrainer(store, cfg, plan=plan)
 
@@ -203,8 +205,7 @@ def test_some_resident_layers_keep_their_activations(stores, templates):
     store = stores("tiny-gemma3")
     cfg = TrainConfig(model="tiny-gemma3", seq_len=64, grad_accum=2, block_size=2, lr=1e-2, keep_activations=True,
                       kept_layers=2)
-    plan = P.build_plan(geometry_of_store(store, cfg), P.PlanRequest(block_size=2, grad_accum=2, resident_layers=3,
-                        keep_activations=True, kept_layers=2, seq_len=64))
+    plan = build_plan(geometry_of_store(store, cfg), plan_request(cfg, resident_layers=3))
     assert plan.resident_layers == [2, 3, 4] and plan.kept_layers == (2, 3)
     poros = PorosTrainer(store, cfg, plan=plan)
     if templates:

@@ -11,15 +11,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poros.engine import plan as P
+from poros.engine.planning import memory
+from poros.engine.planning import plan as P
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.memory import GRAPH_POOL_PER_LAYER, fused_backward_bytes, transient_bytes
+from poros.engine.planning.rules import check
+from poros.engine.planning.search import (
+    build_plan,
+    kept_set,
+    make_plan,
+    plan_for_budget,
+    resident_set,
+)
 from poros.models.checkpoint import resolve
 from poros.errors import BudgetError
-from poros.settings import LORA_TARGETS, Accumulation, Placement
+from poros.settings import LORA_TARGETS, Accumulation, Attention, Placement
 from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
+from tests.plans import plan_request
 
 
-def geometry(model: str) -> P.Geometry:
-    return P.Geometry.of_config(model, resolve(model).config, LORA_TARGETS)
+def geometry(model: str) -> Geometry:
+    return Geometry.of_config(model, resolve(model).config, LORA_TARGETS)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +47,7 @@ def tiny():
 def test_72b_streams_75_6_gb_a_step(q72):
     """Every layer copied twice per micro-batch but for the two blocks left over at each turn, the
     lm_head once and the block whose buffer it borrowed once more: 75.56 GB (measured on the H200)."""
-    plan = P.build_plan(q72, P.PlanRequest(block_size=4))
+    plan = build_plan(q72, plan_request(block_size=4))
     assert abs(plan.h2d_bytes_per_step - 75.56e9) / 75.56e9 < 0.01
     assert plan.loads_per_step == 20 - 2 + 20 - 1  # forward loads blocks 2..19, backward 18..0
     assert plan.resident_layers == [] and len(plan.streamed_layers) == 80
@@ -50,27 +62,27 @@ def test_geometry_from_shapes_matches_a_built_store(stores):
 
 @pytest.mark.parametrize("accum", [2, 8, 32])
 def test_layer_major_copies_as_much_per_step_as_one_micro_batch(q72, accum):
-    one = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=1))
-    layer = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=accum, accumulation=Accumulation.LAYER))
-    micro = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=accum, accumulation=Accumulation.MICRO))
+    one = build_plan(q72, plan_request(block_size=4, grad_accum=1))
+    layer = build_plan(q72, plan_request(block_size=4, grad_accum=accum, accumulation=Accumulation.LAYER))
+    micro = build_plan(q72, plan_request(block_size=4, grad_accum=accum, accumulation=Accumulation.MICRO))
     assert layer.h2d_bytes_per_step == one.h2d_bytes_per_step
     assert micro.h2d_bytes_per_step == accum * one.h2d_bytes_per_step
 
 
 def test_resident_layers_and_head_cut_the_copies(q72):
-    streamed = P.build_plan(q72, P.PlanRequest(block_size=4))
-    half = P.build_plan(q72, P.PlanRequest(block_size=4, resident_layers=40, head_resident=True))
+    streamed = build_plan(q72, plan_request(block_size=4))
+    half = build_plan(q72, plan_request(block_size=4, resident_layers=40, head_resident=True))
     assert half.resident_layers == list(range(40, 80)) and half.streamed_layers == list(range(40))
     assert half.h2d_bytes_per_step < streamed.h2d_bytes_per_step / 2
     assert half.memory.resident_weights == half.buffers[-1].nbytes + q72.head_bytes
-    everything = P.build_plan(q72, P.PlanRequest(block_size=4, resident_layers=80))
+    everything = build_plan(q72, plan_request(block_size=4, resident_layers=80))
     assert everything.h2d_bytes_per_step == 0 and everything.head_resident
     assert everything.setup and all(op.kind == P.LOAD for op in everything.setup)
 
 
 def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
-    on_device = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=8))
-    on_host = P.build_plan(q72, P.PlanRequest(block_size=4, grad_accum=8, offload_inputs=True))
+    on_device = build_plan(q72, plan_request(block_size=4, grad_accum=8))
+    on_host = build_plan(q72, plan_request(block_size=4, grad_accum=8, offload_inputs=True))
     per_input = 512 * 8192 * 2
     assert on_host.d2h_bytes_per_step == 80 * 8 * per_input
     assert on_host.h2d_bytes_per_step == on_device.h2d_bytes_per_step + 80 * 8 * per_input
@@ -81,19 +93,19 @@ def test_saved_inputs_in_host_memory_trade_device_memory_for_copies(q72):
 
 @pytest.mark.parametrize("budget", [12e9, 16e9, 24e9, 40e9, 64e9])
 def test_a_budget_picks_the_fewest_bytes_that_fit(q72, budget):
-    plan = P.plan_for_budget(q72, P.PlanRequest(block_size=4, attention="math", budget=int(budget)))
+    plan = plan_for_budget(q72, plan_request(block_size=4, attention="math", budget=int(budget)))
     assert plan.memory.total <= budget
     # one more resident layer would not fit at any block size the planner tried
-    more = P.build_plan(q72, P.PlanRequest(block_size=plan.block_size, resident_layers=len(plan.resident_layers) + 1,
+    more = build_plan(q72, plan_request(block_size=plan.block_size, resident_layers=len(plan.resident_layers) + 1,
                         head_resident=True, attention="math")) if plan.streamed_layers else None
     assert more is None or more.memory.total > budget or more.h2d_bytes_per_step >= plan.h2d_bytes_per_step
-    smaller = P.plan_for_budget(q72, P.PlanRequest(block_size=4, attention="math", budget=int(budget * 0.8))) if budget > 12e9 else None
+    smaller = plan_for_budget(q72, plan_request(block_size=4, attention="math", budget=int(budget * 0.8))) if budget > 12e9 else None
     assert smaller is None or smaller.h2d_bytes_per_step >= plan.h2d_bytes_per_step
 
 
 def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
     with pytest.raises(BudgetError, match=r"below the smallest plan for qwen2.5-72b .* use --vram-budget [0-9.]+GB"):
-        P.plan_for_budget(q72, P.PlanRequest(block_size=4, budget=2 * 10**9))
+        plan_for_budget(q72, plan_request(block_size=4, budget=2 * 10**9))
 
 
 @settings(max_examples=40, deadline=None)
@@ -101,12 +113,12 @@ def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works(q72):
        order=st.sampled_from(list(Accumulation)), head=st.sampled_from([None, True]), keep=st.booleans(),
        kept=st.sampled_from([None, 1, 2, 9]), placement=st.sampled_from(list(Placement)))
 def test_every_plan_keeps_the_rules(resident, block, accum, order, head, keep, kept, placement):
-    plan = P.build_plan(geometry("tiny-gemma3"), P.PlanRequest(block_size=block, grad_accum=accum, accumulation=order,
-                        resident_layers=resident, head_resident=head, keep_activations=keep, kept_layers=kept,
+    plan = build_plan(geometry("tiny-gemma3"), plan_request(block_size=block, grad_accum=accum, accumulation=order,
+                        resident_layers=resident, head_resident=head, keep_activations=keep, kept_layers=kept if keep else None,
                         placement=placement))
-    assert P.check(plan) == []
-    assert plan.resident_layers == list(P.resident_set(5, resident, placement))
-    assert plan.kept_layers == (P.kept_set(tuple(plan.resident_layers), kept) if keep else ())
+    assert check(plan) == []
+    assert plan.resident_layers == list(resident_set(5, resident, placement))
+    assert plan.kept_layers == (kept_set(tuple(plan.resident_layers), kept) if keep else ())
     assert set(plan.kept_layers) <= set(plan.resident_layers)
     assert len(plan.kept_layers) == (min(resident, kept or resident) if keep else 0)
     assert plan.resident_layers + plan.streamed_layers == list(range(5)) or \
@@ -120,56 +132,56 @@ def _without(plan, pos):
 
 
 def test_rule_weights_present(tiny):
-    plan = P.build_plan(tiny, P.PlanRequest(block_size=1))
+    plan = build_plan(tiny, plan_request(block_size=1))
     pos = next(i for i, op in enumerate(plan.step) if op.kind == P.LOAD and i > len(plan.step) // 2)
-    problems = P.check(_without(plan, pos))  # a backward-phase reload dropped
+    problems = check(_without(plan, pos))  # a backward-phase reload dropped
     assert any("weights are not present" in p for p in problems), problems
 
 
 def test_rule_no_load_before_the_release_of_the_buffers_last_reader(tiny):
     """A load enqueued before the release that follows the last read of the buffer's contents: the copy
     would not wait for those reads."""
-    plan = P.build_plan(tiny, P.PlanRequest(block_size=1))
+    plan = build_plan(tiny, plan_request(block_size=1))
     ops = list(plan.step)
     pos = next(i for i, (a, b) in enumerate(zip(ops, ops[1:]))
                if a.kind == P.RELEASE and b.kind == P.LOAD and a.buffer == b.buffer)
     ops[pos], ops[pos + 1] = ops[pos + 1], ops[pos]
-    problems = P.check(replace(plan, step=tuple(ops)))
+    problems = check(replace(plan, step=tuple(ops)))
     assert any("before the release after the last read" in p for p in problems), problems
 
 
 def test_rule_no_refill_before_the_backward_that_reads_it(tiny):
     """The bitsandbytes trap: another group loaded into a buffer whose group's backward is still to come."""
-    problems = P.check(refill_before_backward(P.build_plan(tiny, P.PlanRequest(block_size=1))))
+    problems = check(refill_before_backward(build_plan(tiny, plan_request(block_size=1))))
     assert any("weights are not present" in p for p in problems), problems
 
 
 def test_rule_backward_after_forward_and_head(tiny):
-    plan = P.build_plan(tiny, P.PlanRequest(block_size=5))
+    plan = build_plan(tiny, plan_request(block_size=5))
     ops = list(plan.step)
     head = next(i for i, op in enumerate(ops) if op.kind == P.HEAD)
     bwd = next(i for i, op in enumerate(ops) if op.kind == P.BACKWARD)
     ops[head], ops[bwd] = ops[bwd], ops[head]
-    problems = P.check(replace(plan, step=tuple(ops)))
+    problems = check(replace(plan, step=tuple(ops)))
     assert any("backward before the head" in p for p in problems), problems
 
 
 def test_rule_micro_batches_accumulate_in_order(tiny):
-    plan = P.build_plan(tiny, P.PlanRequest(block_size=2, grad_accum=3))
-    problems = P.check(reverse_micro_batches_in_backward(plan))
+    plan = build_plan(tiny, plan_request(block_size=2, grad_accum=3))
+    problems = check(reverse_micro_batches_in_backward(plan))
     assert any("LoRA gradients would be summed in another order" in p for p in problems), problems
 
 
 def test_rule_every_layer_once(tiny):
-    plan = P.build_plan(tiny, P.PlanRequest(block_size=2))
+    plan = build_plan(tiny, plan_request(block_size=2))
     pos = next(i for i, op in enumerate(plan.step) if op.kind == P.BACKWARD)
-    problems = P.check(_without(plan, pos))
+    problems = check(_without(plan, pos))
     assert any("one forward and one backward" in p for p in problems), problems
 
 
 def test_rule_steady_state_loads_in_setup(tiny):
-    plan = P.build_plan(tiny, P.PlanRequest(block_size=1))
-    problems = P.check(replace(plan, setup=()))  # nothing loaded before the first step
+    plan = build_plan(tiny, plan_request(block_size=1))
+    problems = check(replace(plan, setup=()))  # nothing loaded before the first step
     assert any("weights are not present" in p for p in problems), problems
 
 
@@ -183,20 +195,20 @@ def test_rule_steady_state_loads_in_setup(tiny):
     (80, 60, Placement.SPREAD, tuple(i for i in range(80) if i % 4)),
 ])
 def test_resident_set(n, resident, placement, want):
-    assert P.resident_set(n, resident, placement) == want
+    assert resident_set(n, resident, placement) == want
 
 
 @pytest.mark.parametrize("resident,count,want", [
     ((1, 2, 3, 4), None, (1, 2, 3, 4)), ((1, 2, 3, 4), 9, (1, 2, 3, 4)), ((1, 2, 3, 4), 2, (1, 3)),
     ((0, 3, 5, 6, 9, 11), 3, (0, 5, 9)), ((4,), 1, (4,)), ((), 3, ())])
 def test_kept_set_spreads_the_kept_layers_among_the_resident_ones(resident, count, want):
-    assert P.kept_set(resident, count) == want
+    assert kept_set(resident, count) == want
 
 
 def test_kept_layers_trade_kept_activations_for_resident_layers_under_a_budget(q72):
     """Fewer kept layers leave room for more resident ones in the same budget."""
     kw = dict(block_size=4, seq_len=512, cuda_graphs=True, keep_activations=True, placement=Placement.SPREAD)
-    every, some = (P.plan_for_budget(q72, P.PlanRequest(kept_layers=k, **kw, budget=40 * 10**9)) for k in (None, 20))
+    every, some = (plan_for_budget(q72, plan_request(kept_layers=k, **kw, budget=40 * 10**9)) for k in (None, 20))
     assert len(some.kept_layers) == 20 < len(every.kept_layers) == len(every.resident_layers)
     assert len(some.resident_layers) > len(every.resident_layers)
     assert some.memory.kept_activations < every.memory.kept_activations
@@ -208,8 +220,8 @@ def test_a_spread_plan_copies_what_a_tail_plan_does_and_prefetches_across_reside
     pass, less what stays across the turn); in a spread plan's forward a streamed group's load is enqueued
     when the streamed group before it starts, so resident layers run between the load and the forward
     that waits for it."""
-    tail = P.build_plan(q72, P.PlanRequest(block_size=1, resident_layers=60, head_resident=True))
-    spread = P.build_plan(q72, P.PlanRequest(block_size=1, resident_layers=60, head_resident=True, placement=Placement.SPREAD))
+    tail = build_plan(q72, plan_request(block_size=1, resident_layers=60, head_resident=True))
+    spread = build_plan(q72, plan_request(block_size=1, resident_layers=60, head_resident=True, placement=Placement.SPREAD))
     assert spread.streamed_layers == list(range(0, 80, 4)) and len(spread.buffers) == 2 + 20
     assert spread.h2d_bytes_per_step == tail.h2d_bytes_per_step
     step = spread.step
@@ -225,9 +237,9 @@ def test_a_spread_budget_plan_fits_and_keeps_more_layers(q72):
     budget keeps at least as many layers resident as the tail placement's best block size leaves room for. (Bytes per
     step need not be fewer: a tail plan's first and last groups, whole blocks, stay across the step's
     boundary and the turn, a spread plan's single layers.)"""
-    tail = P.plan_for_budget(q72, P.PlanRequest(block_size=4, cuda_graphs=True, budget=40 * 10**9))
-    spread = P.plan_for_budget(q72, P.PlanRequest(block_size=4, cuda_graphs=True, placement=Placement.SPREAD, budget=40 * 10**9))
-    assert spread.memory.total <= 40 * 10**9 and P.check(spread) == []
+    tail = plan_for_budget(q72, plan_request(block_size=4, cuda_graphs=True, budget=40 * 10**9))
+    spread = plan_for_budget(q72, plan_request(block_size=4, cuda_graphs=True, placement=Placement.SPREAD, budget=40 * 10**9))
+    assert spread.memory.total <= 40 * 10**9 and check(spread) == []
     assert len(spread.resident_layers) >= len(tail.resident_layers)
     assert max(len(g.layers) for g in spread.groups if not g.resident) == 1
 
@@ -249,25 +261,25 @@ def test_fused_attention_backward_counted_where_an_eager_long_context_plan_was_m
         cfg = TrainConfig(model=row["model"], seq_len=row["seq_len"], attention="fast", deterministic=True,
                           loss_chunk=4096).replace(**{k: v for k, v in row["variant"].items()})
         with monkeypatch.context() as m:  # the plan the row ran: the planner of its commit had no such term
-            m.setattr(P, "fused_backward_bytes", lambda *a, **k: 0)
-            ran = P.make_plan(q72, cfg)
+            m.setattr(memory, "fused_backward_bytes", lambda *a, **k: 0)
+            ran = make_plan(q72, cfg)
         # and it brought saved inputs back two blocks ahead where plans now bring them one block ahead
         earlier_window = ran.block_size * ran.grad_accum * ran.input_bytes if ran.offload_inputs else 0
         assert round((ran.memory.total + earlier_window) / 1e9, 3) == row["predicted_peak_gb"]
-        now = P.build_plan(q72, P.PlanRequest(block_size=ran.block_size, resident_layers=len(ran.resident_layers),
+        now = build_plan(q72, plan_request(block_size=ran.block_size, resident_layers=len(ran.resident_layers),
                            head_resident=ran.head_resident, seq_len=cfg.seq_len, attention="fast", overlap_backward=False,
                            offload_inputs=ran.offload_inputs, loss_chunk=4096, deterministic=True))
         measured = row["peak_allocated_gb"] * 1e9
         assert abs(now.memory.total + earlier_window - measured) <= 0.005 * measured
         assert ran.memory.total < 0.95 * measured  # negative control: the check fails without the term
-        assert P.make_plan(q72, cfg).memory.total <= 24 * 10**9  # and a 24 GB budget now plans for it
+        assert make_plan(q72, cfg).memory.total <= 24 * 10**9  # and a 24 GB budget now plans for it
 
 
 def test_fused_attention_backward_workspace(q72):
     """None on the math path; one float32 dQ accumulator per split under strict determinism (3 splits
     for 64 heads on 132 multiprocessors), one without."""
-    assert P.fused_backward_bytes(q72, 16384, 1, "math", True) == 0
-    strict, loose = (P.fused_backward_bytes(q72, 16384, 1, "fast", d) for d in (True, False))
+    assert fused_backward_bytes(q72, 16384, 1, Attention.MATH, True) == 0
+    strict, loose = (fused_backward_bytes(q72, 16384, 1, Attention.FAST, d) for d in (True, False))
     assert strict - loose == 2 * 16384 * q72.q_width * 4
     assert q72.q_width == 8192 and q72.heads == 64
 
@@ -275,10 +287,10 @@ def test_fused_attention_backward_workspace(q72):
 def test_a_graph_plan_names_its_pool(q72):
     """Under CUDA graphs the templates' intermediates sit in the graphs' pool, reserved beside the allocated
     peak: the plan counts it in the process's total and says how much; an eager plan has none."""
-    graphs = P.build_plan(q72, P.PlanRequest(block_size=1, seq_len=16384, attention="fast", cuda_graphs=True, overlap_backward=False,
+    graphs = build_plan(q72, plan_request(block_size=1, seq_len=16384, attention="fast", cuda_graphs=True, overlap_backward=False,
                           deterministic=True))
-    eager = P.build_plan(q72, P.PlanRequest(block_size=1, seq_len=16384, attention="fast", overlap_backward=False, deterministic=True))
-    _, layer = P.transient_bytes(q72, 16384, 1, "fast", overlap=False, deterministic=True)
-    assert graphs.graph_pool == -(-layer * P.GRAPH_POOL_PER_LAYER // 100) > layer > 10**10 and eager.graph_pool == 0
+    eager = build_plan(q72, plan_request(block_size=1, seq_len=16384, attention="fast", overlap_backward=False, deterministic=True))
+    _, layer = transient_bytes(q72, 16384, 1, Attention.FAST, overlap=False, deterministic=True)
+    assert graphs.graph_pool == -(-layer * GRAPH_POOL_PER_LAYER // 100) > layer > 10**10 and eager.graph_pool == 0
     assert graphs.memory.total == graphs.memory.allocated + graphs.graph_pool  # no process costs asked for
     assert "graph_pool" in P.describe(graphs) and "graph_pool" not in P.describe(eager)

@@ -17,17 +17,21 @@ from hypothesis import strategies as st
 
 from poros.cli import main
 from poros.config import TrainConfig
-from poros.engine import plan as P
+from poros.engine.planning import plan as P
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.rules import check
+from poros.engine.planning.search import PlanRequest, build_plan
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Accumulation
-from poros.store.arena import ALIGN
+from poros.store.layout import ALIGN
 from tests.capabilities import requires_gpu
 from tests.engine.test_distributed import launch
+from tests.plans import plan_request
 
 
-def geometry(model: str) -> P.Geometry:
-    return P.Geometry.of_config(model, resolve(model).config, LORA_TARGETS)
+def geometry(model: str) -> Geometry:
+    return Geometry.of_config(model, resolve(model).config, LORA_TARGETS)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +39,11 @@ def tiny():
     return geometry("tiny-qwen2")
 
 
-TINY_PLAN = P.build_plan(geometry("tiny-qwen2"), P.PlanRequest(block_size=1))
+TINY_PLAN = build_plan(geometry("tiny-qwen2"), plan_request(block_size=1))
 
 
 def shared(geo, shards: int, **kw) -> P.Plan:
-    return P.build_plan(geo, P.PlanRequest(block_size=kw.pop("block_size", 1), shards=shards, **kw))
+    return build_plan(geo, plan_request(block_size=kw.pop("block_size", 1), shards=shards, **kw))
 
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -50,9 +54,9 @@ def shared(geo, shards: int, **kw) -> P.Plan:
 def test_every_shared_plan_gathers_each_streamed_load_and_keeps_the_rules(shards, resident, block, accum, order,
                                                                           head):
     geo = geometry("tiny-gemma3")
-    plan = P.build_plan(geo, P.PlanRequest(block_size=block, grad_accum=accum, accumulation=order,
+    plan = build_plan(geo, plan_request(block_size=block, grad_accum=accum, accumulation=order,
                                            resident_layers=resident, head_resident=head, shards=shards))
-    assert P.check(plan) == [] and plan.shards == shards
+    assert check(plan) == [] and plan.shards == shards
     for ops in (plan.setup, plan.step):
         for op, nxt in zip(ops, (*ops[1:], None)):
             streamed = op.kind == P.LOAD_HEAD or op.kind == P.LOAD and not plan.groups[op.group].resident
@@ -63,7 +67,7 @@ def test_every_shared_plan_gathers_each_streamed_load_and_keeps_the_rules(shards
     assert sum(sum(plan.op_bytes(op, r) for op in plan.step) for r in range(shards)) == alone.h2d_bytes_per_step
     gathers = [op for op in plan.step if op.kind in (P.GATHER, P.GATHER_HEAD)]
     assert plan.gathered_bytes_per_step == sum((shards - 1) * plan.shard_size(plan._op_nbytes(op)) for op in gathers)
-    unshared = P.build_plan(geo, P.PlanRequest(block_size=block, grad_accum=accum, accumulation=order,
+    unshared = build_plan(geo, plan_request(block_size=block, grad_accum=accum, accumulation=order,
                                                resident_layers=resident, head_resident=head))
     assert [op for op in plan.step if op.kind not in (P.GATHER, P.GATHER_HEAD)] == list(unshared.step)
     # the stream buffers hold every group's padded shares (the gather runs in place over them)
@@ -86,7 +90,7 @@ def test_shares_are_equal_aligned_and_cover_the_copy(nbytes, shards):
 
 def test_72b_each_of_two_ranks_copies_half_and_gathers_half():
     q72 = geometry("qwen2.5-72b")
-    one, two = P.build_plan(q72, P.PlanRequest(block_size=4)), P.build_plan(q72, P.PlanRequest(block_size=4, shards=2))
+    one, two = build_plan(q72, plan_request(block_size=4)), build_plan(q72, plan_request(block_size=4, shards=2))
     assert abs(two.h2d_bytes_per_step - one.h2d_bytes_per_step / 2) < two.loads_per_step * 2 * ALIGN
     assert abs(two.gathered_bytes_per_step - one.h2d_bytes_per_step / 2) < two.loads_per_step * 2 * ALIGN
     # the gather needs no receive buffer of its own: the peak grows by the shares' padding alone
@@ -103,12 +107,12 @@ def _first(plan, kind, after: int = 0) -> int:
 def test_rule_no_read_before_the_gather(tiny):
     plan = shared(tiny, 2)
     pos = _first(plan, P.GATHER)
-    problems = P.check(replace(plan, step=plan.step[:pos] + plan.step[pos + 1:]))  # the gather dropped
+    problems = check(replace(plan, step=plan.step[:pos] + plan.step[pos + 1:]))  # the gather dropped
     assert any("before its gather" in p for p in problems), problems
-    problems = P.check(replace(plan, setup=tuple(op for op in plan.setup if op.kind != P.GATHER)))
+    problems = check(replace(plan, setup=tuple(op for op in plan.setup if op.kind != P.GATHER)))
     assert any("before its gather" in p for p in problems), problems  # setup's gathers dropped
     pos = _first(plan, P.GATHER_HEAD)
-    problems = P.check(replace(plan, step=plan.step[:pos] + plan.step[pos + 1:]))
+    problems = check(replace(plan, step=plan.step[:pos] + plan.step[pos + 1:]))
     assert any("lm_head before its gather" in p for p in problems), problems
 
 
@@ -120,7 +124,7 @@ def test_rule_no_gather_into_a_buffer_before_the_release_after_its_last_read(tin
     pos = _first(plan, P.FORWARD, after=_first(plan, P.GATHER))
     read = ops[pos]
     gather = P.Op(P.GATHER, group=read.group, buffer=plan.groups[read.group].buffer)
-    problems = P.check(replace(plan, step=tuple(ops[:pos + 1] + [gather] + ops[pos + 1:])))
+    problems = check(replace(plan, step=tuple(ops[:pos + 1] + [gather] + ops[pos + 1:])))
     assert any("gathers into buffer" in p and "before the release" in p for p in problems), problems
 
 
@@ -129,15 +133,15 @@ def test_rule_a_gather_fills_the_group_its_buffer_holds(tiny):
     ops = list(plan.step)
     pos = _first(plan, P.GATHER)
     ops[pos] = replace(ops[pos], group=(ops[pos].group + 1) % len(plan.groups))
-    problems = P.check(replace(plan, step=tuple(ops)))
+    problems = check(replace(plan, step=tuple(ops)))
     assert any("which holds" in p for p in problems), problems
 
 
 def test_rule_a_gather_needs_shares(tiny):
     plan = shared(tiny, 2)
-    problems = P.check(replace(plan, shards=1))
+    problems = check(replace(plan, shards=1))
     assert any("not shared among ranks" in p for p in problems), problems
-    problems = P.check(replace(plan, step=plan.step + (plan.step[_first(plan, P.GATHER)],)))
+    problems = check(replace(plan, step=plan.step + (plan.step[_first(plan, P.GATHER)],)))
     assert any("no share of a load" in p or "which holds" in p for p in problems), problems
 
 
@@ -160,8 +164,8 @@ def test_shard_stream_needs_ranks():
     with pytest.raises(ConfigError, match="shard_stream: .* needs gpus > 1; got gpus=1"):
         TrainConfig(model="tiny-qwen3", shard_stream=True)
     cfg = TrainConfig(model="tiny-qwen3", shard_stream=True, gpus=2)
-    assert P.PlanRequest.of_config(cfg).shards == 2 and P.PlanRequest.of_config(cfg, ranks=1).shards == 1
-    assert P.PlanRequest.of_config(cfg.replace(shard_stream=False)).shards == 1
+    assert PlanRequest.of_config(cfg).shards == 2 and PlanRequest.of_config(cfg, ranks=1).shards == 1
+    assert PlanRequest.of_config(cfg.replace(shard_stream=False)).shards == 1
 
 
 def test_plan_command_predicts_each_ranks_bytes_and_peak(capsys):

@@ -8,7 +8,8 @@ from poros.settings import format_size
 import pytest
 
 from poros.config import Method
-from poros.engine.plan import Geometry, make_plan
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.search import make_plan
 from poros.errors import ConfigError
 from poros.finetune.config import (CUDA_DEFAULTS, dump_run_file, override_words, parse_overrides, read_run_file,
                                    resolve)

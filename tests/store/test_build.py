@@ -17,7 +17,8 @@ from poros.models.skeleton import check_seq_len, decoder_layers
 from poros.config import TrainConfig
 from poros.errors import CheckpointError, ConfigError, UnknownModelError
 from poros.models.shapes import SHAPES, get_shape
-from poros.store.arena import NF4_BLOCKSIZE, absmax_view, weight_view
+from poros.store.arena import absmax_view, weight_view
+from poros.store.layout import NF4_BLOCKSIZE
 from tests.capabilities import requires_bitsandbytes
 
 TINY = [name for name, s in SHAPES.items() if s.tiny]

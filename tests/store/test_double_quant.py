@@ -9,7 +9,8 @@ import torch
 
 from poros.models.checkpoint import resolve
 from poros.models.shapes import SHAPES
-from poros.store.arena import NESTED_BLOCKSIZE, NF4_BLOCKSIZE, plan_layout, slot_nbytes, slot_tensors
+from poros.store.arena import slot_tensors
+from poros.store.layout import NESTED_BLOCKSIZE, NF4_BLOCKSIZE, plan_layout, slot_nbytes
 from poros.store.build import build_store
 from poros.store.host_memory import config_host_need, store_bytes
 from poros.store.quantize import quant_state

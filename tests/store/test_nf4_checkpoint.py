@@ -10,7 +10,8 @@ import torch
 
 from poros.store.build import build_store
 from poros.errors import CheckpointError
-from poros.store.arena import NF4_BLOCKSIZE, absmax_view, weight_view
+from poros.store.arena import absmax_view, weight_view
+from poros.store.layout import NF4_BLOCKSIZE
 from tests.capabilities import requires_bitsandbytes
 from tests.fixtures import tiny_checkpoint
 from tests.store.test_build import assert_all_equal, nf4_slots

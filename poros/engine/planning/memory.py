@@ -1,0 +1,228 @@
+"""The memory model: a plan's predicted peak device memory by part, for the allocator's tensors, the CUDA
+graphs' pool, the allocator's reserve and what the process holds beside them (context, NCCL's buffers).
+A budget holds the total, what NVML and nvidia-smi show for the process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from poros.config import TrainConfig
+from poros.engine.planning.geometry import Geometry
+from poros.settings import Attention
+
+# Device bytes beyond the weights, per unit, fitted to peaks measured with torch.cuda.max_memory_allocated
+# (results/h200-planner): a layer's recompute + backward holds about ACT_HIDDEN bytes per token per hidden
+# unit plus ACT_INTERMEDIATE per intermediate unit, and the dequantized bf16 copy of its largest weight;
+# the head holds the logits in bf16 and fp32 and their gradient.
+ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
+ACT_INTERMEDIATE = 14  # bytes per token x intermediate
+ATTN_SCORES = 6  # bytes per token^2 x head (math attention keeps the scores and their softmax)
+HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
+# Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
+# (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
+# blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
+# the softmax's row sums (float32 per token x head). It matters at long context only
+# (tests/engine/test_plan.py holds it to the peaks in results/h200-reserved-memory).
+FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
+# The CUDA graphs' private pool holds one layer's recompute and backward intermediates as captured, plus what
+# the captures do not share (each graph's own outputs, blocks freed on one capture's stream), in percent of
+# one layer's transient bytes: fitted to the pools' reserved bytes in results/h200-reserved-memory, rounded up
+# (tests/engine/test_budget.py holds it to them).
+GRAPH_POOL_PER_LAYER = 115
+# Compiled layers (`compile`) captured in CUDA graphs hold more: at seq 512 on qwen2.5-72b the reserved peak of
+# the plan with every resident layer keeping its activations grew 0.55 GB once inductor generated the
+# dequantizations (results/h200-40gb-inductor-dequant, against results/h200-compile-40gb-double-quant), and the
+# plans with 12 and 16 kept layers no longer fit the pool planned at GRAPH_POOL_PER_LAYER: their pools held
+# 1.9 GiB when they refused, 2.2 layers' transient bytes. Rounded up to 250.
+GRAPH_POOL_PER_LAYER_COMPILED = 250
+
+
+# What a CUDA process holds beside its tensors, which a budget (what nvidia-smi shows for the process) counts
+# too. CUDA_CONTEXT: the context, the kernel modules loaded as the step first runs them and the library handles
+# (cuBLAS with CUBLAS_WORKSPACE_CONFIG :4096:8, cuDNN, flash attention), taken as NVML's peak for the process
+# less torch's reserved peak in the H200 rows of results/h200-kept-activations, rounded up to a whole GB; the
+# workspaces themselves come from torch's allocator, so the allocator's share below holds them. Where a
+# device exists the executor measures the context at run time and plans for the larger of the two.
+CUDA_CONTEXT = 10**9
+# NCCL_BUFFERS: what a data-parallel rank's NCCL communicator allocates outside torch's allocator (its
+# channels' buffers: NCCL_BUFFSIZE, 4 MiB, for each channel, peer and protocol, plus its work queues),
+# an estimate from NCCL's default channel count on one host, not a measurement: rows of data-parallel runs
+# record the NVML peak beside the reserved one, which checks it.
+NCCL_BUFFERS = 5 * 10**8
+# ALLOCATOR_SLACK: the caching allocator's reserve beyond what it has handed out (page rounding, blocks
+# cached on one stream that another cannot use, holes between live blocks), as a share of the allocator's
+# planned bytes. The executor holds the allocator to the budget less the fixed costs (a per-process memory
+# fraction, expandable segments), so past that share it releases its cache and maps again instead of
+# growing; the slack keeps that rare (results/h200-reserved-memory: reserved against allocated peaks).
+ALLOCATOR_SLACK = 0.05
+# TRANSIENT_SLACK: beyond that, a share of the transient bytes. One layer's backward frees and asks again for
+# intermediates of many sizes (at long context up to about a GB each), so the holes between its live blocks
+# grow with them: the share is the smallest that covers the holes of the long-context refusal recorded in
+# results/h200-budget-nvml/oom_seq16384.json (tests/engine/test_budget.py holds it to them), and half again.
+TRANSIENT_SLACK = 0.12
+
+
+@dataclass(frozen=True)
+class ProcessCosts:
+    """What a run's process holds on its device beside the allocator's memory (none on the CPU)."""
+
+    context: int = 0  # CUDA context, kernel modules, library handles
+    nccl: int = 0  # NCCL's buffers (data-parallel ranks)
+    slack: float = 0.0  # the allocator's reserve, a share of its planned bytes
+    transient_slack: float = 0.0  # and a share of the transient bytes (holes among a backward's intermediates)
+
+    @classmethod
+    def cuda(cls, ranks: int = 1, measured_context: int | None = None) -> "ProcessCosts":
+        """A CUDA process's: the context as measured where that is larger than CUDA_CONTEXT."""
+        return cls(context=max(CUDA_CONTEXT, measured_context or 0), nccl=NCCL_BUFFERS if ranks > 1 else 0,
+                   slack=ALLOCATOR_SLACK, transient_slack=TRANSIENT_SLACK)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory as the run found it (poros/engine/nvml.py `device_memory`), bytes."""
+
+    total: int
+    free: int  # what no process holds
+    process: int = 0  # what this process holds already (NVML; 0 where NVML does not list it)
+    context: int | None = None  # of which not torch's allocator's: the context so far (None: not measured)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted peak device memory of the process, by part (bytes): the allocator's tensors (`allocated`,
+    what torch.cuda.max_memory_allocated measures), the CUDA graphs' pool and the allocator's reserve
+    (with them, what torch.cuda.max_memory_reserved measures), and the fixed costs beside the allocator
+    (with all, `total`: what NVML and nvidia-smi show for the process, and what a budget holds)."""
+
+    weight_buffers: int  # streamed groups' buffers (and the lm_head pad)
+    resident_weights: int  # resident layers and a resident lm_head
+    lora: int  # LoRA parameters, gradients and AdamW state (fp32)
+    dense: int  # norms, biases, rotary tables
+    saved_inputs: int  # each layer's input, kept for its recompute
+    transient: int  # the larger of the head and one (two, overlapped) layers' backward
+    templates: int = 0  # CUDA-graph layer templates: LoRA copies of resident layers' own, shared static tensors
+    kept_activations: int = 0  # activations resident layers keep from forward to backward (keep_activations)
+    # under CUDA graphs the layer templates' intermediates live in the graphs' private pool: reserved, never
+    # counted as allocated; at least one layer's recompute and backward
+    graph_pool: int = 0
+    # the caching allocator's reserve beyond its tensors and pool (ALLOCATOR_SLACK, TRANSIENT_SLACK)
+    allocator_reserve: int = 0
+    context: int = 0  # CUDA context, kernel modules, library handles (CUDA_CONTEXT or as measured)
+    nccl: int = 0  # NCCL's buffers, outside torch's allocator (NCCL_BUFFERS)
+
+    @property
+    def allocated(self) -> int:
+        """The allocator's peak of live tensors."""
+        return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
+                + self.transient + self.templates + self.kept_activations)
+
+    @property
+    def allocator(self) -> int:
+        """What torch's allocator may reserve: its tensors, the graphs' pool and its reserve; the executor
+        holds it to this (plus what the budget leaves over)."""
+        return self.allocated + self.graph_pool + self.allocator_reserve
+
+    @property
+    def fixed(self) -> int:
+        """The process's device memory outside torch's allocator."""
+        return self.context + self.nccl
+
+    @property
+    def total(self) -> int:
+        """The process's device memory as the driver counts it (nvidia-smi, NVML)."""
+        return self.allocator + self.fixed
+
+    def parts(self) -> dict:
+        return {"weight_buffers": self.weight_buffers, "resident_weights": self.resident_weights, "lora": self.lora,
+                "dense": self.dense, "saved_inputs": self.saved_inputs, "transient": self.transient,
+                "templates": self.templates, "kept_activations": self.kept_activations,
+                "graph_pool": self.graph_pool, "allocator_reserve": self.allocator_reserve,
+                "context": self.context, "nccl": self.nccl}
+
+    def with_costs(self, costs: ProcessCosts) -> "Memory":
+        """These tensors and pool in a process with `costs`."""
+        reserve = (-(-int(costs.slack * 1000) * (self.allocated + self.graph_pool) // 1000)
+                   + -(-int(costs.transient_slack * 1000) * self.transient // 1000))
+        return replace(self, allocator_reserve=reserve, context=costs.context, nccl=costs.nccl)
+
+
+def lora_bytes(geo: Geometry, rank: int) -> int:
+    """fp32 LoRA A and B of every target, with gradients and both AdamW moments."""
+    return sum(io * rank for io in geo.lora_in_out) * 4 * 4
+
+
+def template_bytes(geo: Geometry, rank: int) -> int:
+    """One layer's own forward and backward templates: three copies of its fp32 LoRA (forward and
+    backward parameters, backward gradients). Their activation-sized tensors are shared
+    (`template_static_bytes`)."""
+    return 3 * sum(io * rank for io in geo.lora_in_out) * 4 // geo.n_layers
+
+
+def template_static_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
+    """The static tensors every template shares (poros/engine/graphs.py `Statics`): the layer input, the incoming
+    gradient, the gradient at the input and the output, one activation each."""
+    return 4 * seq_len * batch * geo.hidden * 2
+
+
+def fused_backward_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention, deterministic: bool) -> int:
+    """What fused attention's backward allocates beyond its gradients (none on the math path)."""
+    if attention is Attention.MATH:
+        return 0
+    splits = -(-FUSED_BWD_SMS // (batch * geo.heads)) if deterministic else 1
+    return seq_len * batch * (geo.q_width * (4 * splits + 2 * 2) + 4 * geo.heads)
+
+
+def graph_pool_bytes(layer_transient: int, compiled: bool) -> int:
+    """The CUDA graphs' private pool of a plan whose layer backward holds `layer_transient` bytes."""
+    return -(-layer_transient * (GRAPH_POOL_PER_LAYER_COMPILED if compiled else GRAPH_POOL_PER_LAYER) // 100)
+
+
+def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention, overlap: bool,
+                    loss_chunk: int | None = None, deterministic: bool = False) -> tuple[int, int]:
+    """(head, layers): peak bytes the head and the layer backward hold beyond what persists (the head's
+    logits `loss_chunk` tokens at a time when it is set)."""
+    tokens = seq_len * batch
+    layer = (tokens * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + 2 * geo.max_linear
+             + (ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention is Attention.MATH else 0)
+             + fused_backward_bytes(geo, seq_len, batch, attention, deterministic))
+    head = (min(tokens, loss_chunk * batch) if loss_chunk else tokens) * HEAD_LOGITS * geo.vocab
+    return head, layer * (2 if overlap else 1)
+
+
+LSE_ROWS = 32  # memory-efficient attention pads its log-sum-exp's rows to a multiple of this
+
+
+def attention_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
+    """What `keep_attention` saves per layer and micro-batch: the widest layer's attention output (bf16) and its
+    log-sum-exp (fp32, per head and query row)."""
+    rows = -(-seq_len // LSE_ROWS) * LSE_ROWS
+    return seq_len * batch * geo.q_width * 2 + batch * geo.heads * rows * 4
+
+
+def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention) -> int:
+    """What one layer's forward with autograd keeps for its backward, one micro-batch."""
+    return seq_len * batch * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + (
+        ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention is Attention.MATH else 0)
+
+
+def resident_memory(geo: Geometry, cfg: TrainConfig) -> int:
+    """Predicted peak of resident QLoRA on `cfg`'s settings (every weight on the device, every activation kept)."""
+    head_t, _ = transient_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, overlap=False,
+                                deterministic=cfg.deterministic)
+    per_layer = layer_activation_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention)
+    return (geo.layer_ends[-1] + 2 * geo.head_bytes + lora_bytes(geo, cfg.lora_rank) + geo.dense_device_bytes
+            + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
+
+
+AUTO_HEADROOM = 0.02  # share of the device's memory `vram_budget: auto` leaves free (others' growth, the driver's)
+
+
+def auto_budget(device: DeviceMemory) -> int:
+    """`vram_budget: auto`: what the card has free for this process (its free memory and what this process
+    holds already), less AUTO_HEADROOM of the card."""
+    return max(0, device.free + device.process - int(AUTO_HEADROOM * device.total))
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"

@@ -1,0 +1,240 @@
+"""A plan as data: where every decoder layer's NF4 bytes live on the device (a resident region, loaded
+once, or a streamed group that takes turns in a rotating buffer), and the ordered operations of one
+optimizer step: load a group into its buffer, forward a layer for a micro-batch, the head, recompute
+and backward a layer, release a buffer. The executor (poros/engine/executor.py) runs any plan and derives
+every stream ordering from it; `describe` is its text in `poros plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poros.engine.planning.memory import Memory, gb
+from poros.settings import Accumulation, format_size
+from poros.store.layout import align
+
+LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (
+    "load", "release", "forward", "head", "backward", "load_head", "release_head")
+GATHER, GATHER_HEAD = "gather", "gather_head"  # the other ranks' shares of the load before (shard_stream)
+HEAD_SLOT = -1  # what a buffer lent to the lm_head weight holds
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    layer: int = -1
+    micro: int = -1
+    group: int = -1
+    buffer: int = -1
+
+    def __str__(self) -> str:
+        parts = [self.kind]
+        if self.group >= 0:
+            parts.append(f"g{self.group}")
+        if self.layer >= 0:
+            parts.append(f"L{self.layer}")
+        if self.micro >= 0:
+            parts.append(f"m{self.micro}")
+        if self.buffer >= 0:
+            parts.append(f"b{self.buffer}")
+        return ":".join(parts)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive layers that move as one copy (one contiguous arena range)."""
+
+    index: int
+    first: int
+    stop: int
+    start: int  # arena byte range
+    end: int
+    buffer: int
+    resident: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.stop)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    index: int
+    nbytes: int
+    resident: bool  # loaded once, never refilled
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    n_layers: int
+    block_size: int
+    grad_accum: int
+    accumulation: Accumulation
+    groups: tuple[Group, ...]
+    buffers: tuple[Buffer, ...]
+    head_resident: bool
+    head_buffer: int | None  # stream buffer the lm_head borrows (None: its own region)
+    head_pad: int  # bytes the borrowed buffer is extended by when the lm_head is larger
+    head_bytes: int
+    setup: tuple[Op, ...]  # run once: resident loads and the state every step starts from
+    step: tuple[Op, ...]
+    memory: Memory
+    budget: int | None = None
+    # saved layer inputs: kept on the device, or copied to host memory in forward (device->host, the
+    # direction the weights leave idle) and back ahead of their backward, `input_window` at a time
+    offload_inputs: bool = False
+    input_bytes: int = 0  # what one recompute needs saved (one layer, one micro-batch): input, kept attention
+    input_window: int = 0
+    keep_attention: bool = False  # recomputed layers save their attention's results with their input
+    # resident layers that keep their activations from forward to backward: no recompute, resident
+    # QLoRA's own forward with autograd and its backward from the kept output
+    kept_layers: tuple[int, ...] = ()
+    # data-parallel ranks that share every streamed copy (shard_stream): each loads one contiguous share of
+    # a group's (or the streamed lm_head's) bytes and a gather brings the others'; 1: each rank copies all
+    shards: int = 1
+
+    def shard_size(self, nbytes: int) -> int:
+        return shard_size(nbytes, self.shards)
+
+    def shard(self, nbytes: int, rank: int) -> tuple[int, int]:
+        """The byte range [lo, hi) of an `nbytes` copy that `rank` loads from host memory (empty past the end)."""
+        s = self.shard_size(nbytes)
+        return min(rank * s, nbytes), min((rank + 1) * s, nbytes)
+
+    def gathered_size(self, nbytes: int) -> int:
+        return gathered_size(nbytes, self.shards)
+
+    @property
+    def graph_pool(self) -> int:
+        return self.memory.graph_pool
+
+    @property
+    def resident_layers(self) -> list[int]:
+        return [i for g in self.groups if g.resident for i in g.layers]
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        return [i for g in self.groups if not g.resident for i in g.layers]
+
+    @property
+    def group_of(self) -> dict[int, Group]:
+        return {i: g for g in self.groups for i in g.layers}
+
+    def _op_nbytes(self, op: Op) -> int:
+        return self.groups[op.group].nbytes if op.kind in (LOAD, GATHER) else self.head_bytes
+
+    def op_bytes(self, op: Op, rank: int = 0) -> int:
+        """Bytes `op` copies host->device on `rank` (its share, when the copy is sharded)."""
+        if op.kind not in (LOAD, LOAD_HEAD):
+            return 0
+        nbytes = self._op_nbytes(op)
+        if self.shards == 1 or op.kind == LOAD and self.groups[op.group].resident:
+            return nbytes
+        lo, hi = self.shard(nbytes, rank)
+        return hi - lo
+
+    def gather_bytes(self, op: Op) -> int:
+        """Bytes a gather brings a rank from the others (their padded shares)."""
+        if op.kind not in (GATHER, GATHER_HEAD):
+            return 0
+        return (self.shards - 1) * self.shard_size(self._op_nbytes(op))
+
+    @property
+    def h2d_bytes_per_step(self) -> int:
+        """Host->device bytes of one step on rank 0 (with shards, the rank whose share is never short)."""
+        inputs = self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
+        return sum(self.op_bytes(op) for op in self.step) + inputs
+
+    @property
+    def gathered_bytes_per_step(self) -> int:
+        """Bytes of one step each rank receives from the other ranks' shares (0 without shards)."""
+        return sum(self.gather_bytes(op) for op in self.step)
+
+    @property
+    def d2h_bytes_per_step(self) -> int:
+        return self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
+
+    @property
+    def loads_per_step(self) -> int:
+        return sum(op.kind == LOAD for op in self.step)
+
+    def summary(self) -> dict:
+        """What `poros plan --json` prints and results rows record."""
+        return {
+            "model": self.model, "block_size": self.block_size, "grad_accum": self.grad_accum,
+            "accumulation": self.accumulation.value, "n_layers": self.n_layers,
+            "resident_layers": self.resident_layers, "streamed_layers": self.streamed_layers,
+            "kept_layers": list(self.kept_layers),
+            "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
+            "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
+            "shards": self.shards, "gathered_bytes_per_step": self.gathered_bytes_per_step,
+            "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.allocated,
+            "process_vram_bytes": self.memory.total, "memory": self.memory.parts(), "vram_budget": self.budget,
+            "graph_pool_bytes": self.graph_pool,
+            "buffers": [{"index": b.index, "bytes": b.nbytes, "resident": b.resident} for b in self.buffers],
+        }
+
+
+def shard_size(nbytes: int, shards: int) -> int:
+    """Bytes of one rank's share of an `nbytes` copy split over `shards` ranks: equal shares, each aligned
+    (the last one padded), as an all-gather needs them."""
+    return align(-(-nbytes // shards)) if shards > 1 else nbytes
+
+
+def gathered_size(nbytes: int, shards: int) -> int:
+    """Device bytes a sharded copy spans with its padding: every rank's share, what the gather fills (the
+    gather runs in place: each rank's share is its own slice of the buffer it receives the others' into)."""
+    return shards * shard_size(nbytes, shards)
+
+
+def _ranges(xs: list[int]) -> str:
+    """Sorted layer indices as runs: `0-23`, or `0, 4-5, 9` for a spread placement."""
+    runs: list[list[int]] = []
+    for x in xs:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+BESIDE_TENSORS = {  # the parts of a process's device memory that are not the allocator's tensors
+    "graph_pool": "reserved by CUDA graphs: the layer templates' intermediates",
+    "allocator_reserve": "the caching allocator's reserve beyond its tensors",
+    "context": "CUDA context, kernel modules, library handles",
+    "nccl": "NCCL's buffers",
+}
+
+
+def describe(plan: Plan) -> str:
+    """`poros plan`'s text: residency, bytes per step and the process's predicted peak by part."""
+    res, st = plan.resident_layers, plan.streamed_layers
+    span = lambda xs: "none" if not xs else f"{_ranges(xs)} ({len(xs)})"  # noqa: E731
+    lines = [
+        f"plan for {plan.model}: {plan.n_layers} layers, block size {plan.block_size}, grad_accum {plan.grad_accum}"
+        + (f" ({plan.accumulation.value}-major)" if plan.grad_accum > 1 else ""),
+        f"  streamed layers:  {span(st)}",
+        f"  resident layers:  {span(res)}" + (
+            "" if not plan.kept_layers else " (activations kept: no recompute)" if len(plan.kept_layers) == len(res)
+            else f" (activations kept, no recompute: {span(list(plan.kept_layers))})"),
+        f"  lm_head:          {'resident' if plan.head_resident else f'streamed into buffer {plan.head_buffer}'}",
+        f"  host->device per optimizer step: {gb(plan.h2d_bytes_per_step)} ({plan.loads_per_step} group loads"
+        + (f", saved inputs back: {gb(plan.d2h_bytes_per_step)})" if plan.offload_inputs else ")"),
+        *([f"  shared stream over {plan.shards} ranks: each rank copies its 1/{plan.shards} of every streamed "
+           f"block from host memory (above: rank 0's) and all-gathers {gb(plan.gathered_bytes_per_step)} per "
+           "optimizer step from the others, in place into the stream buffers"] if plan.shards > 1 else []),
+        f"  saved layer inputs{' and attention results' if plan.keep_attention else ''}: "
+        f"{'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
+    ]
+    m = plan.memory
+    parts = m.parts()
+    lines.append(f"  predicted peak device memory of the process: {gb(m.total)}"
+                 + (f" (budget {format_size(plan.budget)})" if plan.budget else ""))
+    lines.append(f"    {'tensors':21s} {gb(m.allocated)} (allocated)")
+    lines += [f"      {k:19s} {gb(v)}" for k, v in parts.items() if k not in BESIDE_TENSORS]
+    lines += [f"    {k:21s} {gb(parts[k])} ({what})" for k, what in BESIDE_TENSORS.items() if parts[k]]
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""The rules every plan keeps, properties of the plan alone (so tested without a GPU); `check` lists the
+ones a plan breaks:
+
+  - weights present: a layer runs only while its group is in its buffer;
+  - no early refill: a load into a buffer comes after a release that follows every read of the
+    buffer's previous contents (bitsandbytes keeps the packed weight on its autograd context, so a
+    refill before the backward that reads it corrupts gradients silently);
+  - order: per micro-batch, forwards ascend, the head follows the last forward, backwards descend
+    after the head; per layer, micro-batch backwards run in micro-batch order, so every LoRA
+    gradient is the same floating-point sum as resident QLoRA's;
+  - steady state: a step leaves the buffers as it found them, so every step is the same plan;
+  - gathered (shard_stream, `shards` ranks): each rank loads its 1/shards of a streamed copy and a gather
+    completes it from the other ranks; no compute reads a buffer between its load and its gather, and a
+    gather, which writes the buffer as a load does, never comes before the release after the last read.
+"""
+
+from __future__ import annotations
+
+from poros.engine.planning.plan import (
+    BACKWARD,
+    FORWARD,
+    GATHER,
+    GATHER_HEAD,
+    HEAD,
+    HEAD_SLOT,
+    LOAD,
+    LOAD_HEAD,
+    RELEASE,
+    RELEASE_HEAD,
+    Op,
+    Plan,
+)
+
+
+def check(plan: Plan) -> list[str]:
+    """Every rule the plan breaks (empty when it is safe to run); see the module docstring."""
+    problems: list[str] = []
+    holds: dict[int, int] = {}  # buffer -> group (or HEAD_SLOT)
+    released: dict[int, bool] = {}  # buffer -> released since its last read
+    ungathered: set[int] = set()  # buffers holding this rank's share of a load, the others' not gathered yet
+
+    def shared(op: Op) -> bool:
+        return plan.shards > 1 and (op.kind == LOAD_HEAD or not plan.groups[op.group].resident)
+
+    def gather(where: str, op: Op) -> None:
+        b, want = op.buffer, (op.group if op.kind == GATHER else HEAD_SLOT)
+        if plan.shards == 1:
+            problems.append(f"{where}: a gather in a plan whose copies are not shared among ranks")
+        if holds.get(b) != want:
+            problems.append(f"{where}: gathers {'the lm_head' if want == HEAD_SLOT else f'group {want}'} into "
+                            f"buffer {b}, which holds {holds.get(b)}")
+        if b in ungathered:  # right behind its load, which came after the release
+            ungathered.discard(b)
+        elif not released.get(b, True):
+            problems.append(f"{where}: gathers into buffer {b} before the release after the last read of its "
+                            f"contents: a pending backward would read the other ranks' new bytes")
+        else:
+            problems.append(f"{where}: gathers buffer {b} with no share of a load awaiting it")
+
+    for pos, op in enumerate(plan.setup):
+        if op.kind in (GATHER, GATHER_HEAD):
+            gather(f"setup op {pos} ({op})", op)
+            continue
+        holds[op.buffer] = op.group
+        released[op.buffer] = True
+        (ungathered.add if shared(op) else ungathered.discard)(op.buffer)
+    seen_fwd, seen_bwd, seen_head = set(), set(), set()
+    last_bwd: dict[int, int] = {}
+    group_of = plan.group_of
+
+    for pos, op in enumerate(plan.step):
+        where = f"op {pos} ({op})"
+        if op.kind in (LOAD, LOAD_HEAD):
+            b = op.buffer
+            if op.kind == LOAD and plan.groups[op.group].buffer != b:
+                problems.append(f"{where}: group {op.group} belongs in buffer {plan.groups[op.group].buffer}")
+            if b in holds and not released.get(b, True):
+                problems.append(f"{where}: loads buffer {b} before the release after the last read of its "
+                                f"contents (group {holds[b]}): a pending backward would read the new bytes")
+            if op.kind == LOAD and any(bb.index == b and bb.resident for bb in plan.buffers) and b in holds:
+                problems.append(f"{where}: reloads resident buffer {b}")
+            holds[b] = op.group if op.kind == LOAD else HEAD_SLOT
+            released[b] = False if op.kind == LOAD_HEAD else True
+            (ungathered.add if shared(op) else ungathered.discard)(b)
+        elif op.kind in (GATHER, GATHER_HEAD):
+            gather(where, op)
+        elif op.kind in (RELEASE, RELEASE_HEAD):
+            released[op.buffer] = True
+        elif op.kind in (FORWARD, BACKWARD):
+            g = group_of.get(op.layer)
+            if g is None:
+                problems.append(f"{where}: no group holds layer {op.layer}")
+                continue
+            if holds.get(g.buffer) != g.index:
+                problems.append(f"{where}: layer {op.layer}'s weights are not present (buffer {g.buffer} holds "
+                                f"{holds.get(g.buffer)}, not group {g.index})")
+            elif g.buffer in ungathered:
+                problems.append(f"{where}: reads buffer {g.buffer} before its gather: only this rank's share of "
+                                f"group {g.index} is there")
+            released[g.buffer] = False
+            key = (op.layer, op.micro)
+            if op.kind == FORWARD:
+                if key in seen_fwd:
+                    problems.append(f"{where}: layer {op.layer} forwarded twice for micro-batch {op.micro}")
+                if op.layer > 0 and (op.layer - 1, op.micro) not in seen_fwd:
+                    problems.append(f"{where}: forward before layer {op.layer - 1}'s for micro-batch {op.micro}")
+                seen_fwd.add(key)
+            else:
+                if key not in seen_fwd:
+                    problems.append(f"{where}: backward before the forward of layer {op.layer}, micro-batch {op.micro}")
+                if op.micro not in seen_head:
+                    problems.append(f"{where}: backward before the head of micro-batch {op.micro}")
+                if op.layer + 1 < plan.n_layers and (op.layer + 1, op.micro) not in seen_bwd:
+                    problems.append(f"{where}: backward before layer {op.layer + 1}'s for micro-batch {op.micro}")
+                if key in seen_bwd:
+                    problems.append(f"{where}: layer {op.layer} backpropagated twice for micro-batch {op.micro}")
+                if last_bwd.get(op.layer, -1) > op.micro:
+                    problems.append(f"{where}: micro-batch {op.micro} after {last_bwd[op.layer]} at layer {op.layer}: "
+                                    "LoRA gradients would be summed in another order than resident QLoRA's")
+                last_bwd[op.layer] = max(last_bwd.get(op.layer, -1), op.micro)
+                seen_bwd.add(key)
+        elif op.kind == HEAD:
+            if (plan.n_layers - 1, op.micro) not in seen_fwd:
+                problems.append(f"{where}: head before the last layer's forward of micro-batch {op.micro}")
+            if not plan.head_resident and holds.get(plan.head_buffer if plan.head_buffer is not None else -1) != HEAD_SLOT:
+                problems.append(f"{where}: the lm_head weight is not present")
+            elif plan.head_buffer in ungathered:
+                problems.append(f"{where}: reads the lm_head before its gather: only this rank's share is there")
+            if plan.head_buffer is not None:
+                released[plan.head_buffer] = False
+            seen_head.add(op.micro)
+        else:
+            problems.append(f"{where}: unknown operation")
+    resident = set(plan.resident_layers)
+    for i in plan.kept_layers:
+        if i not in resident:
+            problems.append(f"layer {i} keeps its activations but is streamed: its buffer is refilled before its "
+                            "backward reads the packed weight its autograd context holds")
+    want = {(i, m) for i in range(plan.n_layers) for m in range(plan.grad_accum)}
+    if seen_fwd != want or seen_bwd != want:
+        missing = sorted(want - seen_fwd) + sorted(want - seen_bwd)
+        problems.append(f"step: not every (layer, micro-batch) has one forward and one backward; missing {missing[:4]}")
+    if seen_head != set(range(plan.grad_accum)):
+        problems.append("step: not every micro-batch has its head")
+    if ungathered:
+        problems.append(f"step: ends with buffer(s) {sorted(ungathered)} holding a share whose gather never came")
+    return problems
