@@ -22,16 +22,16 @@ HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
 # (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
 # blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
 # the softmax's row sums (float32 per token x head). It matters at long context only
-# (tests/engine/test_plan.py holds it to the peaks in results/h200-reserved-memory).
+# (tests/engine/test_plan.py holds it to the peaks in experiments/h200-reserved-memory).
 FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
 # The CUDA graphs' private pool holds one layer's recompute and backward intermediates as captured, plus what
 # the captures do not share (each graph's own outputs, blocks freed on one capture's stream), in percent of
-# one layer's transient bytes: fitted to the pools' reserved bytes in results/h200-reserved-memory, rounded up
+# one layer's transient bytes: fitted to the pools' reserved bytes in experiments/h200-reserved-memory, rounded up
 # (tests/engine/test_budget.py holds it to them).
 GRAPH_POOL_PER_LAYER = 115
 # Compiled layers (`compile`) captured in CUDA graphs hold more: at seq 512 on qwen2.5-72b the reserved peak of
 # the plan with every resident layer keeping its activations grew 0.55 GB once inductor generated the
-# dequantizations (results/h200-40gb-inductor-dequant, against results/h200-compile-40gb-double-quant), and the
+# dequantizations (results/h200-40gb-inductor-dequant, against experiments/h200-compile-40gb-double-quant), and the
 # plans with 12 and 16 kept layers no longer fit the pool planned at GRAPH_POOL_PER_LAYER: their pools held
 # 1.9 GiB when they refused, 2.2 layers' transient bytes. Rounded up to 250.
 GRAPH_POOL_PER_LAYER_COMPILED = 250
@@ -53,12 +53,12 @@ NCCL_BUFFERS = 5 * 10**8
 # cached on one stream that another cannot use, holes between live blocks), as a share of the allocator's
 # planned bytes. The executor holds the allocator to the budget less the fixed costs (a per-process memory
 # fraction, expandable segments), so past that share it releases its cache and maps again instead of
-# growing; the slack keeps that rare (results/h200-reserved-memory: reserved against allocated peaks).
+# growing; the slack keeps that rare (experiments/h200-reserved-memory: reserved against allocated peaks).
 ALLOCATOR_SLACK = 0.05
 # TRANSIENT_SLACK: beyond that, a share of the transient bytes. One layer's backward frees and asks again for
 # intermediates of many sizes (at long context up to about a GB each), so the holes between its live blocks
 # grow with them: the share is the smallest that covers the holes of the long-context refusal recorded in
-# results/h200-budget-nvml/oom_seq16384.json (tests/engine/test_budget.py holds it to them), and half again.
+# experiments/h200-budget-nvml/oom_seq16384.json (tests/engine/test_budget.py holds it to them), and half again.
 TRANSIENT_SLACK = 0.12
 
 
