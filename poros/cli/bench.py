@@ -39,7 +39,7 @@ settings. Exits 1 if any cell failed (parity FAIL included) or regressed past --
 75 when --max-minutes stopped it with cells left (run the same command again).
 """
 
-SUITES = Path(__file__).resolve().parent.parent.parent / "suites"
+SUITES = Path(__file__).resolve().parent.parent / "suites"  # shipped in the package (poros/suites)
 
 
 def add_parser(sub) -> None:
@@ -191,8 +191,8 @@ def _preflight(args):
     preflight.check_runnable(m, device)
     if not args.keyword:  # with -k the suites check the models it selects, after collecting them
         preflight.check_host_memory([x for x in m.models if model_unavailable(x, device) is None], device)
-    if not SUITES.is_dir():
-        raise PorosError(f"suites folder not found at {SUITES}: install poros from a source checkout (pip install -e .)")
+    if not (SUITES / "test_matrix.py").is_file():
+        raise PorosError(f"the matrix suites are missing from this installation ({SUITES}): reinstall poros")
     return m.with_overrides(args.steps, args.passes)
 
 
@@ -233,7 +233,9 @@ def _run_locked(args, m, out: Path, lock) -> int:
     compare = args.benchmark_compare and Path(args.benchmark_compare).resolve()
     if compare and kept is not None and compare.parent == out.resolve() and compare.name in names:
         compare = kept / compare.name  # the earlier run compared with was just moved aside
-    argv = [str(SUITES), f"--matrix={resolve_matrix_path(args.file)}", f"--results={results}",
+    # the suites as the package ships them, under their own configuration; their ids read suites/test_matrix.py::...
+    argv = [str(SUITES / "test_matrix.py"), "-p", "poros.suites.plugin", "-c", str(SUITES / "pytest.ini"),
+            "--rootdir", str(SUITES.parent), f"--matrix={resolve_matrix_path(args.file)}", f"--results={results}",
             f"--benchmark-json={out / 'benchmark.json'}", "-p", "no:cacheprovider", "-q", "-rs"]
     for opt in ("steps", "passes", "parity_steps", "max_minutes"):
         if getattr(args, opt) is not None:

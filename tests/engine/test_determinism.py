@@ -217,8 +217,8 @@ def test_cli_reads_the_matrix_before_a_bench_runs(tmp_path, monkeypatch, mode, f
 
 
 def test_matrix_suites_turn_strict_mode_on_first(tmp_path, mode):
-    """suites/conftest.py's session start: strict mode and the cuBLAS workspace before anything else runs."""
-    spec = importlib.util.spec_from_file_location("suites_conftest", REPO / "suites" / "conftest.py")
+    """poros/suites/plugin.py's session start: strict mode and the cuBLAS workspace before anything else runs."""
+    spec = importlib.util.spec_from_file_location("suites_plugin", REPO / "poros" / "suites" / "plugin.py")
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
     data = yaml.safe_load((REPO / "matrices" / "cpu.yaml").read_text())

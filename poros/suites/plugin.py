@@ -1,0 +1,478 @@
+"""The matrix suites' pytest plugin: their options, and the hooks that parametrize them from `--matrix`; cells
+run model by model, parity first.
+
+`poros bench matrix` loads it (`-p poros.suites.plugin`) over the suites shipped in the package; a source
+checkout's `suites/` folder runs the same suites under plain `pytest suites/ --matrix=NAME`.
+
+Before any cell runs, the session start refuses bad settings, a missing device and models the
+matrix cannot run, in one line each, and takes the results folder's lock; each cell then shows
+one compact line (its outcome), the per-step detail only with -v (or in `poros bench`'s log).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+from pytest_benchmark.session import PerformanceRegression
+
+from poros.common.folders import OutputLock, ensure_folder
+from poros.config import Method
+from poros.engine.methods import METHODS, method_unavailable
+from poros.errors import PorosError
+from poros.harness import bench, preflight
+from poros.harness.bench import (
+    Cell,
+    ResultsWriter,
+    StoreCache,
+    matrix_cells,
+    matrix_device,
+    model_unavailable,
+    set_progress_writer,
+)
+from poros.harness.compare import current_name, load_compare_source
+from poros.harness.results import PassLog, passes_path
+
+OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("poros", "Poros matrix suites")
+    group.addoption("--matrix", default="cpu", help="matrix name (matrices/NAME.yaml) or file; default: cpu")
+    group.addoption("--steps", type=int, default=None, help="override the matrix's steps per pass (reduced run)")
+    group.addoption("--passes", type=int, default=None, help="override the matrix's timed passes (reduced run)")
+    group.addoption("--parity-steps", type=int, default=None, help="steps of the parity gate (default: the matrix's parity_steps)")
+    group.addoption("--results", default="out/results.jsonl", help="results JSON Lines file cells are appended to")
+    group.addoption("--resume", action="store_true",
+                    help="skip cells already recorded in --results and continue unfinished ones after their last pass")
+    group.addoption("--max-minutes", type=float, default=None,
+                    help="stop between passes before this many minutes have passed (exit 75; --resume continues)")
+
+
+def _register_markers(config) -> None:
+    config.addinivalue_line("markers", "bench: matrix benchmark cells (the matrix suites)")
+
+
+def _matrix(config):
+    m = preflight.load_matrix(config.getoption("--matrix"))
+    reduced = m.with_overrides(config.getoption("--steps"), config.getoption("--passes"))
+    return m, reduced
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark reads its options
+def pytest_configure(config):
+    _register_markers(config)
+    import importlib.metadata as md
+
+    try:
+        preflight.check_benchmark_json_resumable(md.version("pytest-benchmark"), config.getoption("--resume"))
+    except PorosError as e:
+        raise pytest.UsageError(str(e)) from None
+    if getattr(config.option, "benchmark_json", "absent") is None:  # keep its JSON beside the results
+        results = Path(config.getoption("--results"))
+        try:
+            ensure_folder(results.parent, "results folder")
+        except PorosError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.option.benchmark_json = results.with_name("benchmark.json")
+    compare = getattr(config.option, "benchmark_compare", None)
+    if isinstance(compare, str) and (compare.endswith(".json") or "/" in compare):
+        try:  # a file: pytest-benchmark would stop on a missing one with an internal error
+            load_compare_source(compare)
+        except PorosError as e:
+            raise pytest.UsageError(str(e)) from None
+    config._poros_benchmarks = _earlier_benchmarks(config)
+
+
+def _json_path(config) -> Path | None:
+    target = getattr(config.option, "benchmark_json", None)
+    return Path(target) if isinstance(target, (str, Path)) else None
+
+
+def _earlier_benchmarks(config) -> list[dict]:
+    """With --resume, the benchmarks the earlier runs wrote: pytest-benchmark rewrites its JSON with this
+    session's alone, and they are appended back at the end."""
+    path = _json_path(config)
+    if not config.getoption("--resume") or path is None or not path.is_file():
+        return []
+    try:
+        return json.loads(path.read_text()).get("benchmarks", [])
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return []
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    config._poros_pytest_session = session  # its exit status is set when a benchmark comparison fails
+    try:
+        deterministic = _matrix(config)[1].deterministic
+    except PorosError:  # the checks below refuse the matrix in one line
+        deterministic = False
+    if deterministic:
+        # first, before any CUDA work: cuBLAS reads its workspace configuration once per process
+        from poros.engine.trainer import enable_determinism
+
+        enable_determinism()
+    tw = config.get_terminal_writer()
+    capman = config.pluginmanager.getplugin("capturemanager")
+
+    def line(msg: str) -> None:
+        if capman is None:
+            tw.line(msg)
+        else:
+            with capman.global_and_fixture_disabled():  # fd-level capture would swallow it
+                tw.line(msg)
+        tw.flush()
+
+    set_progress_writer(line if config.option.verbose > 0 or bench.status_writer() is not None else None)
+    if bench.status_writer() is None:  # `poros bench` routes it to the terminal, its log gets `line`
+        bench.set_status_writer(lambda msg, final: final and line(msg))
+        config._poros_status = True
+    try:
+        _preflight(config)
+        _check_compare(config)
+    except PorosError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def _check_compare(config) -> None:
+    """`--benchmark-compare` / `--benchmark-compare-fail`: refused at the start where they would compare
+    nothing (pytest-benchmark only warns, and its regression check then passes by default); names recorded
+    under the earlier cell ids are matched under today's."""
+    bs = getattr(config, "_benchmarksession", None)  # pytest-benchmark's session, which loaded the source
+    if bs is None:
+        return
+    if bs.compare_fail and not bs.compare:
+        raise PorosError("--benchmark-compare-fail needs --benchmark-compare PATH: the benchmark.json of the run "
+                         "to compare with, e.g. --benchmark-compare=results/cpu/benchmark.json")
+    if not bs.compare:
+        return
+    if bs.compare_fail and bs.disabled:
+        raise PorosError("--benchmark-compare-fail with --benchmark-disable: nothing is timed to compare; drop one")
+    if not bs.compared_mapping:
+        if isinstance(bs.compare, str) and Path(bs.compare).exists():
+            load_compare_source(bs.compare)  # says what is wrong with the file
+        raise PorosError(f"--benchmark-compare {bs.compare if bs.compare is not True else ''}: no earlier run found "
+                         f"in {bs.storage}; pass the benchmark.json of the run to compare with, e.g. "
+                         f"--benchmark-compare=results/cpu/benchmark.json")
+    for names in bs.compared_mapping.values():
+        names.update({current_name(k): v for k, v in list(names.items())})
+
+
+def _check_compared_cells(config, items) -> None:
+    """A comparison must share cells with this selection: one sharing none compares nothing and its
+    regression check could not fail."""
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is None or not bs.compared_mapping:
+        return
+    timed = [item.nodeid for item in items if "benchmark" in getattr(item, "fixturenames", ())]
+    known = {name: bench for names in bs.compared_mapping.values() for name, bench in names.items()}
+    sources = ", ".join(map(str, bs.compared_mapping))
+    if timed and not set(known) & set(timed):
+        raise pytest.UsageError(f"--benchmark-compare {sources}: none of its cells is one of the {len(timed)} timed "
+                                f"cells selected here (it has e.g. {sorted(known)[0]}, this run e.g. {timed[0]}); "
+                                f"compare with a run of the same matrix")
+    steps = _matrix(config)[1].steps  # a benchmark round is one pass: passes of other lengths do not compare
+    other = sorted({(b.get("extra_info") or {}).get("steps") for name, b in known.items() if name in timed} - {steps, None})
+    if other:
+        raise pytest.UsageError(f"--benchmark-compare {sources}: its passes ran {other[0]} step(s) each, this run's "
+                                f"{steps}; pass --steps {other[0]}, or compare with a run of {steps}-step passes")
+
+
+def _preflight(config) -> None:
+    """Everything knowable before the first cell: counts, device, models, the results file."""
+    preflight.check_counts("pytest suites/", steps=config.getoption("--steps"), passes=config.getoption("--passes"),
+                           parity_steps=config.getoption("--parity-steps"))
+    m = _matrix(config)[1]
+    if m.device is not None:
+        preflight.check_device(m.device.value, f"{m.source}: device")
+    preflight.check_matrix(m)
+    preflight.check_ranks(m.settings.get("gpus", 1), bench.matrix_device(m), f"{m.source}: gpus")
+    results = Path(config.getoption("--results"))
+    lock = OutputLock(results.parent).acquire()
+    config.add_cleanup(lock.release)
+    warning = lock.stale_warning()
+    if warning:
+        bench.progress(warning)
+    writer = ResultsWriter(results)
+    warning = writer.repair()  # appending after a torn line would glue two rows together
+    if warning:
+        bench.progress(warning)
+    if config.getoption("--resume"):
+        preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
+    warning = ResultsWriter(passes_path(results)).repair()
+    if warning:
+        bench.progress(warning)
+    minutes = config.getoption("--max-minutes")
+    if minutes is not None and not minutes > 0:
+        raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
+    bench.reset_phases()
+    if bench.matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
+        from poros.engine.link import h2d_gbps
+
+        gbps = h2d_gbps("cuda")
+        bench.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")
+
+
+def pytest_generate_tests(metafunc):
+    if "cell" not in metafunc.fixturenames:
+        return
+    _, m = _matrix(metafunc.config)
+    gate = metafunc.function.__name__ == "test_parity"
+    cells = [c for c in matrix_cells(m) if (c.method is None) == gate]
+    # a matrix without a gate (one method) leaves test_parity no cell: pytest's empty-parameter item
+    # is deselected below
+    metafunc.parametrize("cell", cells, ids=[c.id for c in cells])
+
+
+def _cell(item):
+    spec = getattr(item, "callspec", None)
+    cell = spec.params.get("cell") if spec is not None else None
+    return cell if isinstance(cell, Cell) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    cells = [c.key for c in matrix_cells(_matrix(config)[1])]
+    order = {k: i for i, k in enumerate(cells)}
+    empty = [item for item in items if "cell" in getattr(item, "fixturenames", ()) and _cell(item) is None]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if item not in empty]
+
+    def key(item):
+        cell = _cell(item)
+        return order.get(cell.key, len(order)) if cell else -1
+
+    items.sort(key=key)
+
+
+def pytest_collection_finish(session):
+    config = session.config
+    items = [item for item in session.items if _cell(item) is not None]
+    cells = [_cell(item) for item in items]
+    config._poros_cells, config._poros_index = len(cells), 0
+    m = _matrix(config)[1]
+    device = matrix_device(m)
+    state = _session(config)
+    why = [state.unrunnable(c) for c in cells]
+    if cells and all(why):  # nothing would run: one line, not a run of skips that exits 0
+        raise pytest.UsageError(f"{m.source}: no selected cell can run here: {why[0]}")
+    _check_compared_cells(config, [item for item, w in zip(items, why) if not w])
+    # the gate holds the plans of the poros cells -k selected (every plan when it selected none)
+    selected = {c.plan for c, w in zip(cells, why) if c.method is Method.POROS and not w}
+    state.gate_plans = [p for p in m.plan_names() if p in selected] or None
+    runnable = {c.model for c, w in zip(cells, why) if not w}
+    try:  # only the models this session will build (-k may select a few)
+        preflight.check_host_memory(sorted(runnable), device)
+    except PorosError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    cell = _cell(item)
+    if cell is None:
+        return
+    config = item.config
+    config._poros_index = getattr(config, "_poros_index", 0) + 1
+    what = cell.method.value if cell.method else "parity gate"
+    stack = "" if cell.stack.name == "current" else f" [{cell.stack.name}]"
+    item._poros_t0 = time.perf_counter()
+    bench.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.model}{stack} {what}")
+
+
+def _outcome(item, report) -> str:
+    """The compact line's ending: the cell's result, why it was skipped, or why it failed."""
+    cell = _cell(item)
+    took = f" ({time.perf_counter() - getattr(item, '_poros_t0', time.perf_counter()):.1f} s)"
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        return f"skipped: {reason.removeprefix('Skipped: ')}"
+    session = item.funcargs.get("session") if hasattr(item, "funcargs") else None
+    if cell.method is None:
+        gates = session.gates.get(cell.gate_key) if session is not None else None
+        outcomes = [(p, g) for p, g in (gates or {}).items() if not isinstance(g, Exception)]
+        if outcomes:
+            parts = []
+            for plan, gate in outcomes:
+                detail = (f"{gate.method} vs {gate.gate}: {gate.tensors_compared} tensors, "
+                          f"{gate.steps} step{'s' if gate.steps != 1 else ''}")
+                if not gate.ok:
+                    detail += f", first mismatch {gate.first_mismatch}, max |diff| {gate.max_abs_diff:.3e}"
+                parts.append(("" if plan is None else f"{plan}: ") + f"parity {gate.parity} ({detail})")
+            return "; ".join(parts) + took
+    row = session.writer.last if session is not None else None
+    if row is not None and bench.row_key(row) != cell.key:
+        row = None  # the row of an earlier cell: this one wrote none
+    if report.passed and row is not None and row.get("s_per_step_median") is not None:
+        vram = f", peak {row['peak_vram_gb']:.2f} GB" if row.get("peak_vram_gb") is not None else ""
+        return f"{row['s_per_step_median']:.4f} s/step{vram}{took}"
+    if report.passed and row is not None and not row.get("timed", True):
+        return f"gate {row.get('parity') or 'not gated'}, not timed{took}"
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message.splitlines()[0] if crash is not None and crash.message else "see the log"
+        return f"FAILED: {message[:200]}{took}"
+    return f"done{took}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _cell(item) is None:
+        return
+    if (report.when == "call" or (report.when == "setup" and not report.passed)) and not getattr(
+            item, "_poros_reported", False):
+        item._poros_reported = True
+        bench.end_cell(_outcome(item, report))
+
+
+def pytest_keyboard_interrupt(excinfo):
+    bench.end_cell("interrupted")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    state = getattr(session.config, "_poros_session", None)
+    if state is not None and state.stopped and exitstatus == 0:
+        session.exitstatus = OUT_OF_TIME
+    if state is not None and state.ran:
+        state.record_part(int(session.exitstatus))
+        if state.keep_exports and not state.stopped:  # the run is complete: no later part needs them
+            from poros.harness.unsloth import remove_kept_exports
+
+            remove_kept_exports()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """pytest-benchmark raises its regression out of pytest's session end, which skips every plugin's
+    unconfigure (benchmarks of resumed runs would not be appended back) and ends in a traceback: here it
+    fails the run (exit 1) after its table and lines naming each regression."""
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is not None and bs.compared_mapping:
+        config._poros_compared = sum(1 for b in bs.benchmarks if b and any(
+            b.fullname in names for names in bs.compared_mapping.values()))
+    try:
+        return (yield)
+    except PerformanceRegression:
+        config._poros_regressions = [f"{name} - {why}" for name, why in bs.performance_regressions]
+        session = getattr(config, "_poros_pytest_session", None)
+        if session is not None and session.exitstatus in (pytest.ExitCode.OK, OUT_OF_TIME):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        sources = ", ".join(map(str, bs.compared_mapping))
+        terminalreporter.write_line(f"benchmark comparison with {sources}: {len(bs.performance_regressions)} "
+                                    f"regression(s) past --benchmark-compare-fail; exit status 1", red=True)
+        return None
+
+
+def pytest_unconfigure(config):
+    earlier, path = getattr(config, "_poros_benchmarks", []), _json_path(config)
+    if earlier and path is not None and path.is_file():  # pytest-benchmark has written this session's
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            mine = {b.get("fullname") for b in data.get("benchmarks", [])}
+            data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=4))
+            tmp.replace(path)
+    set_progress_writer(None)
+    if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
+        bench.set_status_writer(None)
+
+
+class Session:
+    """State shared by the cells of one run: matrix, results file, pass log, store cache, gate outcomes,
+    the time budget."""
+
+    def __init__(self, config):
+        self.config = config
+        self.full, self.matrix = _matrix(config)
+        self.reduced = (self.matrix.steps, self.matrix.passes) != (self.full.steps, self.full.passes)
+        given = config.getoption("--parity-steps")  # 0 is refused at session start, never replaced
+        self.parity_steps = self.matrix.parity_steps if given is None else given
+        results = Path(config.getoption("--results"))
+        self.writer = ResultsWriter(results)
+        self.passlog = PassLog(passes_path(results))
+        self.resume = config.getoption("--resume")
+        self.timed = not getattr(config.option, "benchmark_disable", False)
+        self.device = matrix_device(self.matrix)
+        self.stores = StoreCache(self.device)
+        self.gates: dict[tuple, dict] = {}
+        self.cells = matrix_cells(self.matrix)
+        self.index = 0
+        self.gate_plans: list | None = None  # the plans the gate holds (None: every plan of the matrix)
+        self.max_minutes = config.getoption("--max-minutes")
+        self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
+        self.stopped = False  # a cell stopped at the time budget
+        # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
+        self.keep_exports = self.max_minutes is not None
+        self.started = time.time()
+        self.ran = False  # a cell got past its checks: the part is recorded at the end
+
+    def record_part(self, exit_status: int) -> None:
+        """What this run (a part, under --resume) spent where: wall time and seconds per phase (store
+        builds, gates, trainer set-ups, warm-ups, timed passes, Unsloth's children), in the pass log."""
+        from poros.provenance import provenance
+
+        p = provenance()
+        phases = {k: round(v, 1) for k, v in bench.phase_times().items()}
+        self.passlog.add("part", "", "", started=self.started, ended=time.time(),
+                         wall_s=round(time.time() - self.started, 1), phases=phases, exit_status=exit_status,
+                         stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
+                         max_minutes=self.max_minutes)
+        bench.progress(f"this run: {time.time() - self.started:.0f} s; " +
+                       ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+
+    @property
+    def total(self) -> int:
+        return getattr(self.config, "_poros_cells", None) or len(self.cells)
+
+    def out_of_time(self) -> bool:
+        return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def unrunnable(self, cell) -> str | None:
+        """Why `cell` cannot run on this machine (None when it can)."""
+        why = cell.stack.mismatch() or model_unavailable(cell.model, self.device)
+        if why or cell.method is None:
+            return why
+        why = method_unavailable(cell.method, self.device)
+        if why:
+            return why
+        gpus = self.matrix.settings_for(cell.model, dict(cell.point), cell.method).get("gpus", 1)
+        if gpus > 1 and not METHODS[cell.method].in_process:
+            return f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods"
+        return None
+
+    @staticmethod
+    def fingerprint(*parts) -> str:
+        """What a cell runs with, hashed: passes and gate outcomes recorded under another are never reused."""
+        text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def cell_fingerprint(self, cell, cfg) -> str:
+        return self.fingerprint(self.matrix.name, cfg.as_dict(), self.matrix.steps)
+
+
+def _session(config) -> Session:
+    if getattr(config, "_poros_session", None) is None:
+        config._poros_session = Session(config)
+    return config._poros_session
+
+
+@pytest.fixture(scope="session")
+def session(request):
+    return _session(request.config)
+
+
+# A source checkout's suites/conftest.py takes the hooks and the fixture (`from poros.suites.plugin import *`), its
+# root conftest.py the options: pytest reads options from the conftest files at its root alone.
+__all__ = sorted(name for name, value in globals().items()
+                 if name.startswith("pytest_") and name != "pytest_addoption" and callable(value)) + ["session"]

@@ -1,0 +1,350 @@
+"""The matrix suite: per model × stack × sweep point the parity gate, then per method (poros per plan)
+the timed passes.
+
+The gate compares the matrix's gated method (poros) with its reference (`poros.engine.methods.gate_of`):
+resident QLoRA, or resident with gradient checkpointing in a matrix without plain resident (long
+context, where the two are run one after the other, the reference's states recorded in host memory).
+One reference gates every plan: with several plans its states are recorded once, in host memory.
+
+Each timed pass is kept (OUT/passes.jsonl) as it ends, and each gate outcome: `--resume` continues a
+cell after its last finished pass, and `--max-minutes` stops a run between passes.
+
+Run: pytest suites/ --matrix=cpu   (or b300, a100, h200, a path; --steps/--passes for quick runs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from poros.config import Method
+from poros.harness import bench
+from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
+from poros.harness.bench import (
+    Measurement,
+    OutOfTime,
+    cell_config,
+    computed_of,
+    free_device_memory,
+    kept_failure,
+    gate_config,
+    measure,
+    progress,
+    record,
+    stop_if_interrupted,
+)
+
+pytestmark = pytest.mark.bench
+
+
+def _announce(session, cell):
+    session.index += 1
+    progress(f"[cell {session.index}/{session.total}] {cell.id}")
+
+
+def _skip_if_not_runnable(session, cell):
+    why = session.unrunnable(cell)
+    if why:
+        pytest.skip(why)
+    if session.out_of_time():
+        session.stopped = True
+        pytest.skip(f"time budget reached (--max-minutes {session.max_minutes:g}); --resume continues")
+    session.ran = True
+
+
+def _gate_plans(session) -> list:
+    """The plans a gate holds to its reference: poros's plans where poros is the gated method (those of the
+    poros cells selected with -k, where it selected some)."""
+    pair = gate_of(session.matrix.methods)
+    if not (pair and pair[1] is Method.POROS):
+        return [None]
+    return session.gate_plans or session.matrix.plan_names()
+
+
+def _gate_fingerprint(session, cell, plan) -> str:
+    return session.fingerprint(session.matrix.name, gate_config(session.matrix, cell, plan).as_dict(), session.parity_steps)
+
+
+def _run_gate(session, cell) -> dict:
+    """Run the gate of `cell`'s model × stack × point: {plan: ParityResult or the exception it raised}."""
+    from poros.engine.parity import ParityResult, RecordedReference, parity, run_gate_recorded
+
+    m = session.matrix
+    reference, method = gate_of(m.methods)
+    plans = _gate_plans(session)
+    sequential = reference is Method.RESIDENT_GC
+    out = {}
+    cfgs = {plan: gate_config(m, cell, plan) for plan in plans}
+    if cfgs[plans[0]].gpus > 1:  # data-parallel ranks, started with torchrun; each gates its own states
+        from poros.harness.ranks import run_ranks
+
+        for plan, cfg in cfgs.items():
+            spec = {"kind": "gate", "config": cfg.as_dict(), "method": method.value, "reference": reference.value,
+                    "steps": session.parity_steps, "sequential": sequential}
+            try:
+                out[plan] = ParityResult(**run_ranks(spec, cfg.gpus, log=progress))
+            except Exception as e:
+                out[plan] = kept_failure(e)
+        return out
+    store = session.stores.get(cell.model, cfgs[plans[0]].double_quant)
+    if len(plans) == 1:
+        try:
+            out[plans[0]] = parity(cfgs[plans[0]], steps=session.parity_steps, store=store, method=method,
+                                   reference=reference, sequential=sequential)
+        except Exception as e:
+            out[plans[0]] = kept_failure(e)
+        return out
+    # one reference for every plan: its states recorded in host memory once
+    ref = make_trainer(reference, store, cfgs[plans[0]])
+    try:
+        recorded = RecordedReference(ref, session.parity_steps)
+    finally:
+        ref.close()
+        del ref
+        free_device_memory()
+    for plan, cfg in cfgs.items():
+        try:
+            trainer = make_trainer(method, store, cfg)
+            try:
+                out[plan] = run_gate_recorded(recorded, trainer)
+            finally:
+                trainer.close()
+                del trainer
+                free_device_memory()
+        except Exception as e:
+            out[plan] = kept_failure(e)
+    return out
+
+
+def _gate(session, cell) -> dict:
+    """The gate outcomes of this cell's model × stack × point, run once per session and kept in the pass
+    log (a resumed run reuses them); an outcome that raised raises again for every cell that needs it."""
+    from poros.engine.parity import ParityResult
+
+    key = cell.gate_key
+    if key not in session.gates:
+        plans = _gate_plans(session)
+        kept = {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan))
+                for plan in plans} if session.resume else {}
+        if kept and all(kept.values()):
+            session.gates[key] = {plan: ParityResult(**r) for plan, r in kept.items()}
+            progress("  parity gate: outcome kept from the earlier run (--resume)")
+        else:
+            t0 = time.monotonic()
+            with bench.phase("parity gate"):
+                session.gates[key] = _run_gate(session, cell)
+            for plan, result in session.gates[key].items():
+                if isinstance(result, ParityResult):
+                    session.passlog.add("gate", cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan),
+                                        result=dataclasses.asdict(result), seconds=time.monotonic() - t0)
+        free_device_memory()
+    return session.gates[key]
+
+
+def gate_for(session, cell):
+    """The gate outcome `cell` took part in (None: it took part in none: unsloth, or a method whose
+    computed settings differ from the gate's)."""
+    pair = gate_of(session.matrix.methods)
+    if pair is None or cell.method not in pair:
+        return None
+    if computed_of(cell_config(session.matrix, cell)) != computed_of(gate_config(session.matrix, cell, cell.plan)):
+        return None
+    outcomes = _gate(session, dataclasses.replace(cell, method=None, plan=None))
+    if cell.method is pair[1]:
+        outcome = outcomes.get(cell.plan)
+    else:  # the reference took part in every plan's gate: the first that failed, else the first
+        ran = [o for o in outcomes.values() if not isinstance(o, Exception)]
+        outcome = next((o for o in ran if not o.ok), ran[0] if ran else next(iter(outcomes.values())))
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def test_parity(session, cell):
+    _announce(session, cell)
+    _skip_if_not_runnable(session, cell)
+    m = session.matrix
+    if session.resume:
+        done = session.writer.done(m.name, timed=False)
+        pair = gate_of(m.methods)
+        members = [c for c in session.cells if c.gate_key == cell.gate_key and c.method in pair]
+        if members and all(c.key in done for c in members):
+            pytest.skip("already in results (--resume)")
+    longest = max((r.get("seconds") or 0.0 for r in session.passlog.records() if r.get("kind") == "gate"), default=0.0)
+    if session.deadline is not None and cell.gate_key not in session.gates and \
+            time.monotonic() + 1.2 * longest > session.deadline:  # a gate cut off by the caller's limit is lost
+        session.stopped = True
+        pytest.skip(f"time budget: the longest gate recorded took {longest:.0f} s; --resume continues")
+    outcomes = _gate(session, cell)
+    failed = []
+    for plan, result in outcomes.items():
+        name = "" if plan is None else f" plan {plan}"
+        if isinstance(result, Exception):
+            progress(f"  parity gate{name} FAILED to run: {type(result).__name__}: {str(result)[:200]}")
+            failed.append(f"{plan or 'gate'}: {type(result).__name__}: {str(result)[:200]}")
+            continue
+        progress(f"  parity{name} {result.parity} ({result.method} vs {result.gate}): {result.tensors_compared} "
+                 f"tensors, {result.steps} steps, first mismatch {result.first_mismatch}")
+        if not result.ok:
+            failed.append(f"{plan or 'gate'}: parity FAIL: first mismatching tensor {result.first_mismatch}, "
+                          f"max |diff| {result.max_abs_diff:.3e}")
+    if len(failed) == 1 and len(outcomes) == 1 and isinstance(next(iter(outcomes.values())), Exception):
+        raise next(iter(outcomes.values()))
+    assert not failed, "; ".join(failed)
+
+
+def test_step(session, cell, benchmark):
+    _announce(session, cell)
+    _skip_if_not_runnable(session, cell)
+    m = session.matrix
+    if session.resume and cell.key in session.writer.done(m.name, timed=session.timed):
+        pytest.skip("already in results (--resume)")
+    cfg = config_for(cell.method, cell_config(m, cell))  # the row records what it ran with
+    try:
+        _measure_cell(session, cell, cfg, benchmark)
+    except AssertionError:  # a parity FAIL: its rows are written, saying FAIL
+        raise
+    except OutOfTime as e:
+        session.stopped = True
+        done = len(session.passlog.passes(cell.id, session.cell_fingerprint(cell, cfg)))
+        pytest.skip(f"time budget reached after {done} of {m.passes} passes ({e}); --resume continues")
+    except KeyboardInterrupt:  # cut off (a chunk's time budget sends SIGINT): pytest-benchmark would
+        benchmark.has_error = True  # put the half-run benchmark into its JSON and crash on its empty stats
+        raise
+    except Exception as e:  # nothing is lost: the failure is a row too (and --resume retries it)
+        session.writer.append(record(m, cell, cfg, None, None, reduced=session.reduced, status="failed",
+                                     error=f"{type(e).__name__}: {e}"[:500]))
+        progress(f"  {cell.method.value}: FAILED ({type(e).__name__}: {str(e)[:200]})")
+        raise
+
+
+def _measure_cell(session, cell, cfg, benchmark):
+    m = session.matrix
+    gate = gate_for(session, cell)
+    store = session.stores.get(cell.model, cfg.double_quant) if cfg.gpus == 1 else None
+    arch = store.config.model_type if store is not None else ""
+
+    def write(meas, plan=None, arch=arch, alone=None) -> None:
+        _write(session, cell, cfg, benchmark, gate, meas, plan, arch, alone)
+
+    if not session.timed:  # --benchmark-disable: the gate decides, nothing is timed
+        write(None)
+    elif cfg.gpus > 1:
+        _measure_ranks(session, cell, cfg, gate, write, benchmark)
+    elif not METHODS[cell.method].in_process:  # Unsloth patches libraries globally: a child process
+        _measure_child(session, cell, cfg, store, write, benchmark)
+    else:
+        free_device_memory()
+        if cfg.device.value == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        fp = session.cell_fingerprint(cell, cfg)
+        earlier = session.passlog.passes(cell.id, fp) if session.resume else []
+        if earlier:
+            progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
+        if earlier and session.deadline is not None and len(earlier) < m.passes and \
+                time.monotonic() + (earlier[-1].get("overhead_s") or 0.0) + earlier[-1]["seconds"] > session.deadline:
+            raise OutOfTime("the trainer's set-up, warm-up and next pass would end past the time budget")
+        t_cell = time.monotonic()
+        with bench.phase("trainer set-up"):
+            trainer = make_trainer(cell.method, store, cfg)
+        plan = None if trainer.plan is None else trainer.plan.summary()
+        timed_s = []
+
+        def on_pass(rec):  # the set-up and warm-up a process spent before its first timed pass, for the next part
+            rec["overhead_s"] = time.monotonic() - t_cell - sum(timed_s) - rec["seconds"]
+            timed_s.append(rec["seconds"])
+            session.passlog.add("pass", cell.id, fp, **rec)
+
+        try:
+            meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
+                           warmup_steps=m.warmup_pass_steps, earlier=earlier, deadline=session.deadline,
+                           on_pass=on_pass, benchmark=benchmark)
+        finally:
+            trainer.close()
+            del trainer
+            free_device_memory()
+        write(meas, plan)
+    if gate is not None:
+        assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
+
+
+def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
+    """Unsloth, in a child process whose passes are rounds of the same timed-pass loop (kept in the pass log
+    as each ends) and which a time budget stops between passes. A part of a run in parts starts no child
+    whose load, warm-up and next pass would not fit, judged by the earlier parts' children."""
+    from poros.harness.unsloth import measure_unsloth
+
+    m = session.matrix
+    fp = session.cell_fingerprint(cell, cfg)
+    earlier = session.passlog.passes(cell.id, fp) if session.resume else []
+    if len(earlier) < m.passes and session.deadline is not None and earlier:
+        need = (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"]
+        if time.monotonic() + need > session.deadline:
+            raise OutOfTime(f"a child's start and next pass (about {need:.0f} s) would end past the time budget")
+    if len(earlier) < m.passes:
+        stop_if_interrupted()
+        t0 = time.monotonic()
+        this = []
+
+        def on_pass(rec):
+            rec = {**rec, "index": len(earlier) + len(this), "counters": []}
+            this.append(rec)
+            rec["child_overhead_s"] = time.monotonic() - t0 - sum(r["seconds"] for r in this)
+            session.passlog.add("pass", cell.id, fp, **rec)
+
+        try:
+            with bench.phase("unsloth child"):
+                measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress,
+                                warmup_steps=m.warmup_pass_steps, on_pass=on_pass, keep_export=session.keep_exports,
+                                benchmark=benchmark, earlier=earlier, deadline=session.deadline)
+        finally:  # the child's passes count as timed passes, the rest of its time as the child's
+            bench.add_phase_time("timed passes", sum(r["seconds"] for r in this))
+            bench.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
+        earlier = earlier + this
+
+    def peak(k):
+        values = [r[k] for r in earlier if r.get(k) is not None]
+        return max(values) if values else None
+
+    write(Measurement([r["seconds"] for r in earlier], [], peak("peak_vram_gb"), peak("peak_vram_nvml_gb"),
+                      peak_reserved_gb=peak("peak_reserved_gb"), alloc_retries=[r.get("alloc_retries") for r in earlier]))
+
+
+def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:
+    row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan,
+                 timed=meas is not None, alone=alone)
+    session.writer.append(row)
+    if meas is None:
+        progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
+        return
+    if benchmark.stats is None:  # every pass was timed by an earlier process: no round ran in this one
+        benchmark.skipped = True
+    benchmark.extra_info.update({k: row[k] for k in (  # steps: a round is one pass of that many steps
+        "steps", "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
+        "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "plan_name", "sweep")})
+    shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
+    progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "
+             f"{shown(row['peak_vram_gb'], '{:.2f}')} GB")
+    if row.get("capture_errors"):
+        progress(f"  {cell.method.value}: {row['capture_errors']} CUDA graph template(s) failed to capture; their "
+                 f"layers ran eagerly ({row['template_fallbacks']} eager layer calls)")
+    if row.get("alloc_retries_per_step"):
+        progress(f"  {cell.method.value}: the allocator released its cache {row['alloc_retries_per_step']:g} times "
+                 "a step (each waits for the device)")
+
+
+def _measure_ranks(session, cell, cfg, gate, write, benchmark) -> None:
+    """A data-parallel cell: its passes are rounds timed here as rank 0 reports them (poros.harness.ranks),
+    the rest of rank 0's measurement is the row's. It resumes per cell, not per pass."""
+    from poros.harness.ranks import run_ranks
+
+    m = session.matrix
+    spec = {"kind": "measure", "config": cfg.as_dict(), "method": cell.method.value, "steps": m.steps,
+            "passes": m.passes, "warmup": m.warmup_passes}
+    report = run_ranks(spec, cfg.gpus, log=progress, benchmark=benchmark)
+    alone = Measurement(**report["alone"]) if report.get("alone") else None
+    write(Measurement(**report["measurement"]), report["plan"], report["arch"], alone)
