@@ -17,7 +17,7 @@ from poros.models.shapes import SHAPES
 from poros.provenance import stack_label
 from poros.settings import BY_NAME, COMPUTED_NAMES, RUN, SCHEDULE_NAMES, SETTINGS, check_values
 
-MATRICES = Path(__file__).resolve().parents[2] / "matrices"
+MATRICES = Path(__file__).resolve().parents[1] / "matrices"  # shipped in the package (a checkout links matrices/ to it)
 DATASETS = ("synthetic",)
 PRECISIONS = ("nf4",)
 
@@ -344,13 +344,19 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
 
 
 def resolve_matrix_path(name_or_path: str) -> Path:
+    """A matrix file by path, or by name: `NAME` is `matrices/NAME.yaml` in the current folder where that exists,
+    else the matrix of that name shipped with Poros.
+
+    Raises:
+        ConfigError: naming what was looked for and the matrices known by name.
+    """
     p = Path(name_or_path)
     if p.is_file():
         return p
-    candidate = MATRICES / f"{name_or_path}.yaml"
-    if candidate.is_file():
-        return candidate
-    known = ", ".join(sorted(x.stem for x in MATRICES.glob("*.yaml")))
+    for candidate in (Path("matrices") / f"{name_or_path}.yaml", MATRICES / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted({x.stem for x in MATRICES.glob("*.yaml")} | {x.stem for x in Path("matrices").glob("*.yaml")}))
     raise ConfigError([f"matrix {name_or_path!r} is neither a file nor one of: {known}"], "matrix")
 
 
