@@ -127,13 +127,6 @@ def current_commit() -> str | None:
     return _static()["git"]["commit"]
 
 
-def stack_label() -> str:
-    """The running stack as the official results name it, e.g. 'torch 2.11.0+cu130 / transformers 5.17.0'."""
-    import torch
-
-    return f"torch {torch.__version__} / transformers {_version('transformers')}"
-
-
 def env_block() -> str:
     """A copy-and-paste environment block for bug reports (`poros env`)."""
     import torch

@@ -1,6 +1,7 @@
 """The methods a matrix compares, as one registry: how each is made, whether it can run here, and
-how the parity gate holds it to resident QLoRA. The registry itself loads no torch: each trainer's
-module is imported when one is made, so commands that only read it (`poros --help`, reports) stay light."""
+how the parity gate holds it to resident QLoRA. Their facts (labels, gated, reference, in-process) are the
+torch-free table of `poros.engine.method_info`, which reports read; the registry itself loads no torch: each
+trainer's module is imported when one is made, so commands that only read it (`poros --help`) stay light."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from poros.config import LoRACompute, Method, TrainConfig
+from poros.engine.method_info import INFO, MethodInfo, gate_of, gated  # noqa: F401  (gate_of, gated: re-exported)
 
 if TYPE_CHECKING:
     from poros.engine.distributed import World
@@ -16,24 +18,17 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class MethodSpec:
-    method: Method
-    label: str  # how reports name it
-    gated: bool  # held to bitwise parity with resident QLoRA
-    unavailable: Callable[[str], str | None]  # why it cannot run on a device (None when it can)
-    reference: bool = False  # a gate may compare the others with it (resident QLoRA, or its checkpointed form)
+class MethodSpec(MethodInfo):
+    """A method's facts (`MethodInfo`) with what runs it here."""
+
+    unavailable: Callable[[str], str | None] = lambda device: None  # why it cannot run on `device` (None: it can)
     # how its trainer is made, (store, cfg, world) -> Trainer; None: measured in a child process instead
     factory: Callable[..., Trainer] | None = None
-    finetune: bool = False  # `poros train` can train with it
 
-    @property
-    def in_process(self) -> bool:
-        """A Trainer in this process (False: measured in a child process)."""
-        return self.factory is not None
-
-
-def _always(device: str) -> str | None:
-    return None
+    def __post_init__(self):
+        if (self.factory is not None) != self.in_process:
+            raise ValueError(f"{self.method.value}: in_process is {self.in_process}, but a trainer factory is "
+                             f"{'given' if self.factory else 'missing'}")
 
 
 def _unsloth_unavailable(device: str) -> str | None:
@@ -63,16 +58,13 @@ def _resident_gc(store, cfg: TrainConfig, world: World) -> Trainer:
     return ResidentGCTrainer(store, cfg, world)
 
 
-METHODS: dict[Method, MethodSpec] = {s.method: s for s in (
-    MethodSpec(Method.POROS, "poros (blockwise residency)", gated=True, unavailable=_always, factory=_poros,
-               finetune=True),
-    MethodSpec(Method.RESIDENT, "resident (full QLoRA)", gated=True, unavailable=_always, reference=True,
-               factory=_resident, finetune=True),
-    # bitwise equal to resident (tests/engine/test_resident_gc.py): the reference where resident does not fit
-    MethodSpec(Method.RESIDENT_GC, "resident + gradient checkpointing", gated=True, unavailable=_always,
-               reference=True, factory=_resident_gc),
-    MethodSpec(Method.UNSLOTH, "unsloth", gated=False, unavailable=_unsloth_unavailable),
-)}
+_RUN = {  # what each method needs beyond its facts (poros.engine.method_info.INFO)
+    Method.POROS: dict(factory=_poros),
+    Method.RESIDENT: dict(factory=_resident),
+    Method.RESIDENT_GC: dict(factory=_resident_gc),
+    Method.UNSLOTH: dict(unavailable=_unsloth_unavailable),
+}
+METHODS: dict[Method, MethodSpec] = {m: MethodSpec(**vars(info), **_RUN[m]) for m, info in INFO.items()}
 FINETUNE_METHODS = tuple(m for m, s in METHODS.items() if s.finetune)  # what `poros train --method` takes
 
 
@@ -106,23 +98,3 @@ def config_for(method: Method, cfg: TrainConfig) -> TrainConfig:
 def method_unavailable(method: Method, device: str) -> str | None:
     """Declared capability gate of `method` on `device` (None when it can run)."""
     return METHODS[method].unavailable(device)
-
-
-def gate_of(methods) -> tuple[Method, Method] | None:
-    """The parity gate a set of methods gets, as (reference, method): the reference is resident QLoRA
-    where the set has it, else resident with gradient checkpointing (a long-context matrix, where plain
-    resident does not fit); the method is poros where the set has it, else another gated method. None
-    when the set has no reference and a gated method besides it."""
-    references = [m for m in METHODS if METHODS[m].reference and m in methods]
-    if not references:
-        return None
-    reference = references[0]
-    others = [m for m in methods if METHODS[m].gated and m is not reference]
-    if not others:
-        return None
-    return reference, Method.POROS if Method.POROS in others else others[0]
-
-
-def gated(methods) -> bool:
-    """Whether a set of methods gets a parity gate cell (`gate_of`)."""
-    return gate_of(methods) is not None

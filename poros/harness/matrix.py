@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import itertools
 import re
 from dataclasses import dataclass, fields
@@ -14,46 +13,12 @@ from poros.common.yamlfile import load_yaml
 from poros.config import Device, Method
 from poros.errors import ConfigError
 from poros.models.shapes import SHAPES
-from poros.provenance import stack_label
+from poros.harness.stacks import Stack, stack_problems
 from poros.settings import BY_NAME, COMPUTED_NAMES, RUN, SCHEDULE_NAMES, SETTINGS, check_values
 
 MATRICES = Path(__file__).resolve().parents[1] / "matrices"  # shipped in the package (a checkout links matrices/ to it)
 DATASETS = ("synthetic",)
 PRECISIONS = ("nf4",)
-
-
-@dataclass(frozen=True)
-class Stack:
-    """A software stack: `current` (what is installed) or pinned versions provided by a tox env."""
-
-    name: str
-    torch: str | None = None
-    transformers: str | None = None
-    bitsandbytes: str | None = None
-
-    @property
-    def is_current(self) -> bool:
-        return self.name == "current" and self.torch is None
-
-    def label(self) -> str:
-        if self.is_current:
-
-            return stack_label()
-        return f"torch {self.torch} / transformers {self.transformers}"
-
-    def mismatch(self) -> str | None:
-        """Why this stack is not the running environment (None when it is)."""
-        if self.is_current:
-            return None
-        for pkg in ("torch", "transformers", "bitsandbytes"):
-            want = getattr(self, pkg)
-            try:
-                have = md.version(pkg)
-            except md.PackageNotFoundError:
-                have = None
-            if want and (have is None or have.split("+")[0] != want.split("+")[0]):
-                return f"stack {self.name} needs {pkg} {want}, this environment has {have}; run it with tox -e {self.name}"
-        return None
 
 
 @dataclass(frozen=True)
@@ -242,10 +207,9 @@ def _parse_stacks(value, problems: list[str]) -> tuple[Stack, ...]:
             if missing:
                 problems.append(f"stacks[{i}]: missing key(s) {', '.join(sorted(missing))}")
             if not unknown and not missing:
-                bad = [k for k, v in s.items() if not isinstance(v, str)]
-                if bad:
-                    problems.append(f"stacks[{i}]: {', '.join(bad)} must be strings (quote versions)")
-                else:
+                bad = stack_problems(s, f"stacks[{i}]")
+                problems += bad
+                if not bad:
                     out.append(Stack(**s))
         else:
             problems.append(f"stacks[{i}]: expected 'current' or a mapping {{name, torch, transformers, bitsandbytes}}, got {s!r}")

@@ -244,8 +244,7 @@ def test_reference_matches_case_insensitively(tmp_path):
     ref_csv.write_text(
         "hardware,model,arch,stack,parity,poros_s_step_median,poros_s_step_std,resident_s_step,unsloth_s_step,"
         "poros_vram_gb,resident_vram_gb,unsloth_vram_gb,attention_note\n"
-        "B300,Qwen2.5-32B,qwen2,torch 2.10.0+cu128 / transformers 5.5.0,PASS,1.0012,0.0082,0.2755,0.4051,"
-        "11.04,36.53,20.54,note\n"
+        f"B300,Qwen2.5-32B,qwen2,{STACK},PASS,1.0012,0.0082,0.2755,0.4051,11.04,36.53,20.54,note\n"
         "A100-80GB-PCIe,Qwen2.5-32B,qwen2,,,2.0489,0.0091,0.7662,0.9086,10.95,,20.82,note\n"
         "B300,Qwen2.5-72B,qwen2,,,1.8680,0.0087,0.4489,0.5917,18.16,67.63,42.46,note\n"
     )
@@ -256,7 +255,56 @@ def test_reference_matches_case_insensitively(tmp_path):
     assert [r[1] for r in rows] == ["B300", "A100-80GB-PCIe"]  # 72B was not measured: no row
     assert rows[0][3:] == ["1.0012±0.0082", "1.2345±0.0123", "0.2755", "0.3456±0.0012",
                            "11.04 GB", "12.34 GB", "36.53 GB", "40.12 GB"]
-    assert rows[1][2] == "—" and rows[1][9] == "—"
+    # the A100 row states no stack: no measurement is known to be of its stack
+    assert rows[1][2] == "—" and rows[1][4] == rows[1][6] == rows[1][8] == rows[1][10] == "—"
+    # the results table names the model as the reference does
+    assert table_rows(md, "Qwen2.5-32B") and not table_rows(md, "qwen2.5-32b")
+
+
+def _reference_rows(md: str) -> dict:
+    """{(model, reference stack): (ref poros, measured poros, ref resident, measured resident)} of a page."""
+    return {(r[0], r[2]): (r[3], r[4], r[5], r[6]) for r in tables_with(md, "Reference stack")}
+
+
+def tables_with(md: str, column: str) -> list[list[str]]:
+    """The rows of the tables of `md` whose header has `column`."""
+    return [row for t in tables(md) if column in t[0] for row in t[2:]]
+
+
+TORCH210, TORCH212 = "torch 2.10.0+cu128 / transformers 5.5.0", "torch 2.12.0+cu130 / transformers 5.10.1"
+
+
+def _official_as_measured(stack: str) -> list[dict]:
+    """Rows of qwen3-32b on `stack` carrying the reference's own poros and resident figures of that stack."""
+    ref = load_reference(OFFICIAL_REFERENCE)
+    (r,) = [r for r in ref.to_dict("records") if r["model"] == "Qwen3-32B" and r["stack"] == stack]
+    return [fixture_row(model="qwen3-32b", arch="qwen3", method=m, stack=stack, s_per_step_median=r[f"{m}_s_step" if
+                        m == "resident" else "poros_s_step_median"], s_per_step_std=0.0) for m in ("poros", "resident")]
+
+
+def test_reference_row_stands_beside_its_own_stack_only(tmp_path):
+    """The reference's figures fed back as measurements of each stack: each reference row meets its own."""
+    ref = load_reference(OFFICIAL_REFERENCE)
+    both = load_results(write_jsonl(tmp_path / "both.jsonl", _official_as_measured(TORCH210) +
+                                    _official_as_measured(TORCH212)))
+    got = _reference_rows(render_markdown(both, ref))
+    assert got[("Qwen3-32B", TORCH210)] == ("1.0585±0.0044", "1.0585±0.0000", "0.2945", "0.2945±0.0000")
+    assert got[("Qwen3-32B", TORCH212)] == ("1.0483±0.0096", "1.0483±0.0000", "0.2960", "0.2960±0.0000")
+    assert got[("Qwen3-32B", "—")][1] == "—"  # the A100 row names no stack
+
+
+def test_reference_row_of_another_stack_shows_no_measurement(tmp_path):
+    """Only torch 2.10 measured: the torch 2.12 reference row stands beside nothing (not the 2.10 figures), and a
+    stack that differs only in its CUDA build, or does not state it, meets no reference row."""
+    ref = load_reference(OFFICIAL_REFERENCE)
+    only_210 = load_results(write_jsonl(tmp_path / "210.jsonl", _official_as_measured(TORCH210)))
+    got = _reference_rows(render_markdown(only_210, ref))
+    assert got[("Qwen3-32B", TORCH210)][1] == "1.0585±0.0000"  # the accepted neighbour
+    assert got[("Qwen3-32B", TORCH212)][1:4:2] == ("—", "—")
+    for other in ("torch 2.10.0+cu126 / transformers 5.5.0", "torch 2.10.0 / transformers 5.5.0"):
+        rows = [{**r, "stack": other} for r in _official_as_measured(TORCH210)]
+        got = _reference_rows(render_markdown(load_results(write_jsonl(tmp_path / "o.jsonl", rows)), ref))
+        assert {v[1] for v in got.values()} == {"—"}, other
 
 
 def test_write_report_writes_markdown_and_png(tmp_path):
@@ -378,7 +426,7 @@ def test_official_reference_ships_with_its_source():
 
 
 def test_report_with_the_official_reference(tmp_path, capsys):
-    results = write_jsonl(tmp_path / "r.jsonl", three_methods())
+    results = write_jsonl(tmp_path / "r.jsonl", three_methods(stack=TORCH210))
     out = tmp_path / "h200.md"
     assert main(["report", results, "-o", str(out), "--reference"]) == 0
     md = out.read_text()
@@ -386,7 +434,7 @@ def test_report_with_the_official_reference(tmp_path, capsys):
     rows = table_rows(md, "Qwen2.5-32B", ncols=11)
     assert [(r[1], r[3]) for r in rows] == [("B300", "1.0012±0.0082"), ("B300", "0.9900±0.0049"),
                                             ("A100-80GB-PCIe", "2.0489±0.0091")]
-    assert all(r[4] == "1.2345±0.0123" and r[6] == "0.3456±0.0012" for r in rows)
+    assert [(r[4], r[6]) for r in rows] == [("1.2345±0.0123", "0.3456±0.0012"), ("—", "—"), ("—", "—")]
     assert 'Reference figures: "Poros — Official Validation Results (NVIDIA B300 SXM6)"' in md
     assert str(tmp_path) not in md  # nothing machine-specific: reports re-render identically anywhere
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from poros.harness.report.pages import failures, render_markdown, render_sweep_markdown, write_report
 from poros.harness.report.plots import axis_figure, budget_figure, figure, plot, plot_title, sweep_figures
 from poros.harness.report.rows import (
-    METHODS,
     OFFICIAL_REFERENCE,
     field_problems,
     latest,
@@ -26,7 +25,7 @@ from poros.harness.report.sweep import (
 from poros.harness.report.tables import results_table, spread
 
 __all__ = [
-    "ATTENTION_COLUMNS", "METHODS", "OFFICIAL_REFERENCE", "SCALING_COLUMNS", "SWEEP_COLUMNS", "axis_figure",
+    "ATTENTION_COLUMNS", "OFFICIAL_REFERENCE", "SCALING_COLUMNS", "SWEEP_COLUMNS", "axis_figure",
     "budget_figure", "failures", "field_problems", "figure", "latest", "load_reference", "load_results", "on_cpu",
     "plot", "plot_title", "render_markdown", "render_sweep_markdown", "results_table", "schedule", "spread",
     "sweep_figures", "sweep_rows", "sweep_table", "write_report",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from poros.harness.report.plots import plot, plot_title, sweep_figures
-from poros.harness.report.rows import latest, load_reference, load_results, on_cpu
+from poros.harness.report.rows import latest, load_reference, load_results, named_as_reference, on_cpu
 from poros.harness.report.sweep import (
     SWEEP_INTRO,
     attention_table,
@@ -41,8 +41,9 @@ def failures(df: pd.DataFrame, sweep: bool = False) -> list[str]:
 
 
 def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> str:
-    """The full report: per hardware a configuration, results, time breakdown and provenance."""
-    df, parts = latest(df), []
+    """The full report: per hardware a configuration, results, time breakdown and provenance; with a
+    reference, its figures beside the measured ones, and the models it lists named as it names them."""
+    df, parts = latest(named_as_reference(df, reference)), []
     for hw, g in df.groupby("hardware", sort=False):
         parts += [f"# {title or 'Poros — Validation Results'} ({hw})", "## Configuration", config_table(g, hw)]
         reduced = g[g["reduced"].astype(bool)]
@@ -97,7 +98,7 @@ def write_report(results_paths, out_md, reference_csv=None, title: str | None = 
         return out_md
     reference = load_reference(reference_csv) if reference_csv is not None else None
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    png = plot(df, out_md.with_suffix(".png"))
+    png = plot(named_as_reference(df, reference), out_md.with_suffix(".png"))
     text = render_markdown(df, reference, title)
     shows = plot_title(df)
     out_md.write_text(text + f"\n## {shows}\n\n![{shows}]({png.name})\n")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from poros.engine.method_info import INFO, NAMES, is_planned
 from poros.harness.report.format import num
-from poros.harness.report.rows import METHODS, hardware_of, latest
+from poros.harness.report.rows import hardware_of, latest
 from poros.harness.report.sweep import attention_pairs, schedule_kind, sweep_rows
 
 
@@ -41,7 +42,7 @@ def figure(df: pd.DataFrame):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     many_stacks, many_hw = df["stack"].nunique() > 1, df["hardware"].nunique() > 1
-    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:red", "tab:green")))
+    colours = dict(zip(NAMES, ("tab:blue", "tab:orange", "tab:red", "tab:green")))
     if title == "s/step vs peak VRAM":
         ok = measured[measured["peak_vram_gb"].notna()]
         for method, colour in colours.items():
@@ -55,7 +56,7 @@ def figure(df: pd.DataFrame):
         ax.margins(x=0.2, y=0.1)  # room for the point labels
     else:
         groups = list(dict.fromkeys((r["model"], r["stack"], r["hardware"]) for r in measured.to_dict("records")))
-        methods = [m for m in METHODS if m in set(measured["method"])]
+        methods = [m for m in NAMES if m in set(measured["method"])]
         width = 0.8 / max(len(methods), 1)
         for i, method in enumerate(methods):
             rows = {(r["model"], r["stack"], r["hardware"]): r
@@ -94,7 +95,8 @@ AXES = (("seq", "seq_len", "Tokens/s against sequence length", "sequence length 
 LINE_CONTEXT = ("seq_len", "grad_accum", "attention", "gpus", "stack")  # what else a line of one axis holds fixed
 LINE_LABELS = {"seq_len": "seq {}", "grad_accum": "grad-accum {}", "attention": "{} attention", "gpus": "{} GPUs",
                "stack": "{}"}
-MARKS = {"resident": ("*", "resident QLoRA"), "resident_gc": ("P", "resident_gc"), "unsloth": ("D", "unsloth")}
+# each method that is not planned, as a mark beside the plans' lines: (marker, legend name)
+MARKS = {i.method.value: (marker, i.short) for marker, i in zip("*PD", (i for i in INFO.values() if not i.planned))}
 
 
 def _new_figure(panels: int = 1):
@@ -158,7 +160,7 @@ def budget_figure(rows: pd.DataFrame):
     kind a point), the reference's and Unsloth's of the same run and work as marks. None when no kind has two
     budgets in one run."""
     timed = rows[rows["timed_ok"] & rows["peak_vram_gb"].notna()]
-    poros = timed[timed["method"] == "poros"]
+    poros = timed[timed["method"].map(is_planned).astype(bool)]
     kind = poros.assign(kind=[", ".join(schedule_kind(c)) or "recompute" for c in poros["config"]])
     groups = kind.groupby(["run", "work", "kind"], sort=False)
     if not any(len(g) >= 2 for _, g in groups):

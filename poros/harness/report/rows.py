@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from poros.engine.method_info import NAMES
 from poros.errors import PorosError
 
 KEY = ("matrix", "model", "stack", "method")
@@ -17,8 +18,6 @@ REQUIRED = KEY + (
     "peak_vram_gb", "parity", "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share",
     "tokens_per_s", "config", "provenance",
 )
-METHODS = {"poros": "poros (blockwise residency)", "resident": "resident (full QLoRA)",
-           "resident_gc": "resident + gradient checkpointing", "unsloth": "unsloth"}
 STATUSES = ("ok", "failed", "skipped")
 REFERENCE_COLUMNS = (
     "hardware", "model", "arch", "stack", "parity", "poros_s_step_median", "poros_s_step_std", "resident_s_step",
@@ -59,8 +58,8 @@ def load_results(paths) -> pd.DataFrame:
             missing = [k for k in REQUIRED if k not in row]
             if missing:
                 raise PorosError(f"{path}:{n}: missing key(s) {', '.join(missing)}")
-            if row["method"] not in METHODS or row["status"] not in STATUSES:
-                raise PorosError(f"{path}:{n}: method must be one of {', '.join(METHODS)} and status one of "
+            if row["method"] not in NAMES or row["status"] not in STATUSES:
+                raise PorosError(f"{path}:{n}: method must be one of {', '.join(NAMES)} and status one of "
                                  f"{', '.join(STATUSES)}, got {row['method']!r} / {row['status']!r}")
             bad = field_problems(row)
             if bad:
@@ -124,6 +123,17 @@ def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
     if source:
         ref.attrs["source"] = source[0]
     return ref
+
+
+def named_as_reference(df: pd.DataFrame, ref: pd.DataFrame | None) -> pd.DataFrame:
+    """The rows with each model the reference lists named as the reference writes it, its arch too
+    (`Qwen3-32B`, `gemma3` for a row's `gemma3_text`); models the reference lacks keep their names."""
+    if ref is None:
+        return df
+    names = {str(m).lower(): (str(m), a if isinstance(a, str) and a else None) for m, a in zip(ref["model"], ref["arch"])}
+    found = [names.get(str(m).lower()) for m in df["model"]]
+    return df.assign(model=[n[0] if n else m for n, m in zip(found, df["model"])],
+                     arch=[n[1] if n and n[1] else a for n, a in zip(found, df["arch"])])
 
 
 def hardware_of(row) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from poros.engine.method_info import REFERENCES, by_value, is_planned
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none
 from poros.harness.report.rows import point_label
 
@@ -16,7 +17,6 @@ SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs",
                    "Speed-up", "Per-GPU efficiency")
 ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
                      "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
-REFERENCES = ("resident", "resident_gc")  # the gate's reference; plain resident preferred as the baseline
 TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk")  # what a row computes, but its GPUs
 SWEEP_INTRO = (
     "Each poros plan first passed the parity gate against the reference's states recorded in the same run "
@@ -66,7 +66,7 @@ def _sweep_row(r: dict) -> dict:
     c, p = r["config"], r["provenance"]
     gpus = p.get("gpus") or []
     uuid = gpus[0]["uuid"] if gpus else "cpu"
-    poros, control = r["method"] == "poros", r.get("control") is True  # a column other rows lack reads NaN
+    poros, control = is_planned(r["method"]), r.get("control") is True  # a column other rows lack reads NaN
     out = {**r, **{k: c.get(k) for k in TASK[2:]}, "grad_accum": c.get("grad_accum") or 1,
            "gpus": int(r.get("world_size") or c.get("gpus") or 1), "gpu": uuid,
            "gpu_label": uuid.removeprefix("GPU-")[:8], "host": p.get("host"), "control": control,
@@ -91,7 +91,7 @@ def sweep_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def baselines(rows: pd.DataFrame) -> pd.Series:
-    """s/step of the reference per (run, work): plain resident over resident_gc."""
+    """s/step of the reference per (run, work): plain resident over resident_gc (`REFERENCES`' order)."""
     ref = rows[rows["method"].isin(REFERENCES) & rows["timed_ok"]]
     ref = ref.assign(preference=ref["method"].map(REFERENCES.index)).sort_values("preference", kind="stable")
     return ref.groupby(["run", "work"])["s_per_step_median"].first()
@@ -109,7 +109,7 @@ def _sweep_parity(r: dict) -> str:
         return f"{verdict}; not timed: {reason}" if verdict else f"not run: {reason}"
     if r["control"]:
         return f"{r['parity']} (control: reference vs itself, {_steps(r.get('parity_steps'))})"
-    if r["method"] == "unsloth":
+    if not by_value(r["method"]).gated:
         return "not gated (other arithmetic)"
     return verdict or DASH
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pandas as pd
 
+from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
-from poros.harness.report.rows import METHODS, on_cpu
+from poros.harness.report.rows import on_cpu
+from poros.harness.stacks import same_stack
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
 SPREAD = 0.10  # a timed CPU cell whose passes spread more than this share of their median is flagged
@@ -45,7 +47,7 @@ def _parity(row) -> str:
         return DASH
     diff = num(row["parity_max_abs_diff"])
     gate = text_or_none(row.get("gate"))
-    against = "" if gate in (None, "resident") else f" vs {gate}"  # rows say which reference the gate ran
+    against = "" if gate in (None, REFERENCES[0]) else f" vs {gate}"  # rows say which reference the gate ran
     if row["parity"] == "PASS":
         return f"PASS{against}" if diff is None else f"PASS{against} ({diff:.2e})"
     return f"FAIL{against}" if diff is None else f"FAIL{against} (max |diff| {diff:.2e})"
@@ -53,13 +55,13 @@ def _parity(row) -> str:
 
 def _cells(df: pd.DataFrame) -> dict:
     """{(model, stack, point): {method: row, "plans": {plan: poros row}}} in order of first appearance
-    (later rows win); `poros` is the first plan's row."""
+    (later rows win); the planned method's (poros's) entry is its first plan's row."""
     cells: dict = {}
     for r in df.to_dict("records"):
         c = cells.setdefault((r["model"], r["stack"], r.get("point", "")), {"arch": r["arch"], "plans": {}})
-        if r["method"] == "poros":
+        if is_planned(r["method"]):
             c["plans"][r.get("plan_name")] = r
-            c.setdefault("poros", r)
+            c.setdefault(r["method"], r)
         else:
             c[r["method"]] = r
     return cells
@@ -69,8 +71,8 @@ def results_table(df: pd.DataFrame) -> str:
     """The official results table, one row per model × stack × sweep point × poros plan; columns of the
     methods the rows hold (resident_gc where plain resident is absent); on CPU without the VRAM columns."""
     present = set(df["method"])
-    ref = "resident" if "resident" in present or "resident_gc" not in present else "resident_gc"
-    others = [m for m in (ref, "unsloth") if m in present or m == ref]
+    ref = next((m for m in REFERENCES if m in present), REFERENCES[0])
+    others = [ref, *(m for m in UNGATED if m in present)]
     points = any(df.get("point", pd.Series([""])).astype(bool))
     plans = df["plan_name"].notna().any()
     columns = ["Model", "Arch", "Stack", *(["Settings"] if points else []), *(["Plan"] if plans else []),
@@ -122,7 +124,7 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
     as its default."""
 
     out = []
-    poros = [c for c, m in zip(df["config"], df["method"]) if m == "poros"]
+    poros = [c for c, m in zip(df["config"], df["method"]) if is_planned(m)]
     cpu = on_cpu(df)
     for s in SETTINGS:
         if s.kind not in (COMPUTED, SCHEDULE) or (cpu and s.gpu_only):
@@ -152,7 +154,7 @@ def config_table(df: pd.DataFrame, hw: str) -> str:
     cfg = lambda k: [c.get(k) for c in df["config"]]  # noqa: E731
     prov = list(df["provenance"])
     mem = uniq(g.get("memory_gb") for p in prov for g in p.get("gpus") or [] if g.get("name") == hw)
-    methods = [m for m in METHODS if m in set(df["method"])]
+    methods = [m for m in NAMES if m in set(df["method"])]
     bnb = uniq(p.get("versions", {}).get("bitsandbytes") for p in prov)
     rows = [
         ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
@@ -160,7 +162,7 @@ def config_table(df: pd.DataFrame, hw: str) -> str:
         ("Steps × passes", f"{runs_text(df)} (warm-up discarded; median ± std across passes)"),
         *_setting_rows(df),
         ("Dataset", uniq(f"`{d}`" for d in cfg("dataset") if d)),
-        ("Methods", ", ".join(METHODS[m] for m in methods)),
+        ("Methods", ", ".join(by_value(m).label for m in methods)),
         ("Software stacks", uniq(df["stack"], " and ") + ("" if bnb == DASH else f", bitsandbytes {bnb}")),
     ]
     return md_table(("Field", "Value"), rows)
@@ -183,27 +185,30 @@ def provenance_line(df: pd.DataFrame) -> str:
 
 
 def reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
+    """Each reference row whose model was measured, beside the cells measured on the reference row's stack
+    (`same_stack`: torch's version and build and transformers' version); — where none was."""
     cells, rows = _cells(df), []
+    baseline = REFERENCES[0]
     for r in ref.to_dict("records"):
-        measured = [c for (model, stack, _), c in cells.items() if model.lower() == str(r["model"]).lower()]
-        if not measured:
+        if not any(model.lower() == str(r["model"]).lower() for model, _, _ in cells):
             continue
-        # Compare like with like where the reference stack was measured; otherwise the first measured stack.
-        c = next((c for (m, s, _), c in cells.items() if m.lower() == r["model"].lower() and s == r["stack"]),
-                 measured[0])
+        c = next((c for (m, s, _), c in cells.items()
+                  if m.lower() == str(r["model"]).lower() and same_stack(s, r["stack"])), {})
         med, std = num(r["poros_s_step_median"]), num(r["poros_s_step_std"])
         ref_poros = DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}")
         ref_res = num(r["resident_s_step"])
         rows.append([r["model"], text_or_none(r["hardware"]) or DASH, text_or_none(r["stack"]) or DASH,
-                     ref_poros, _s_step(c.get("poros"), True),
-                     DASH if ref_res is None else f"{ref_res:.4f}", _s_step(c.get("resident"), True),
-                     fmt_gb(num(r["poros_vram_gb"])), fmt_gb(_ok(c.get("poros"), "peak_vram_gb")),
-                     fmt_gb(num(r["resident_vram_gb"])), fmt_gb(_ok(c.get("resident"), "peak_vram_gb"))])
+                     ref_poros, _s_step(c.get(PLANNED), True),
+                     DASH if ref_res is None else f"{ref_res:.4f}", _s_step(c.get(baseline), True),
+                     fmt_gb(num(r["poros_vram_gb"])), fmt_gb(_ok(c.get(PLANNED), "peak_vram_gb")),
+                     fmt_gb(num(r["resident_vram_gb"])), fmt_gb(_ok(c.get(baseline), "peak_vram_gb"))])
     cols = ("Model", "Reference hardware", "Reference stack", "ref poros s/step", "measured poros s/step",
             "ref resident s/step", "measured resident s/step", "ref poros VRAM", "measured poros VRAM",
             "ref resident VRAM", "measured resident VRAM")
     if not rows:
         return "No model is present in both the reference and the results."
     source = f"Reference figures: {ref.attrs['source']}. " if ref.attrs.get("source") else ""
-    return md_table(cols, rows) + (f"\n\n{source}Measured cells are on the reference row's stack where that stack "
-                                 "was measured, otherwise on the first stack measured for the model.")
+    measured = uniq(df["stack"], " and ")
+    return md_table(cols, rows) + (f"\n\n{source}Measured cells stand beside a reference row only where they ran "
+                                   f"on its stack (torch's version and CUDA build, and transformers' version); — "
+                                   f"where none did (measured here: {measured}).")
