@@ -11,7 +11,9 @@ EPILOG = """examples:
 
 Checks each file's settings and, against each model's config (a checkpoint folder's config.json
 included), that seq_len is within the model's max_position_embeddings and that Poros supports its
-layers. The device is not checked here: a file may be meant for another machine.
+layers. A file naming a reference (`reference: B300`, hardware as reports/reference/official.csv
+names it) must run each method on the attention path that reference's attention_note gives it.
+The device is not checked here: a file may be meant for another machine.
 """
 
 

@@ -50,6 +50,9 @@ class Matrix:
     method_settings: tuple[tuple[Method, tuple[tuple[str, object], ...]], ...] = ()
     # steps of each warm-up pass (None: `steps`); not `warmup_steps`, the learning rate's warm-up (a setting)
     warmup_pass_steps: int | None = None
+    # the hardware of the reference figures this matrix measures again, as the reference CSV names it (B300):
+    # its methods must run on the attention paths the reference's note says (poros.harness.protocol)
+    reference: str | None = None
     source: str = ""
 
     def __getattr__(self, name: str):  # matrix.seq_len etc.: the settings by name
@@ -95,7 +98,7 @@ class Matrix:
 
 _REQUIRED = ("name", "steps", "passes", "dataset", "methods", "models", "stacks")
 _OPTIONAL = ("hardware", "precision", "warmup_passes", "warmup_pass_steps", "device", "parity_steps", "model_overrides",
-             "sweep", "plans", "method_settings")
+             "sweep", "plans", "method_settings", "reference")
 PLAN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+]*")  # readable in cell ids and selectable with -k
 _MATRIX_SETTINGS = tuple(s.name for s in SETTINGS if s.kind != RUN)  # settings a matrix may set
 # what `model_overrides` may set per model: how poros schedules its work, never what is computed
@@ -237,7 +240,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         least = 0 if k == "warmup_passes" else 1
         if k in data and not (_is_int(data[k]) and data[k] >= least):
             problems.append(f"{k}: expected an integer >= {least}, got {data[k]!r}")
-    for k in ("name", "hardware", "precision", "dataset"):
+    for k in ("name", "hardware", "precision", "dataset", "reference"):
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: expected a string, got {data[k]!r}")
     if isinstance(data.get("dataset"), str) and data["dataset"] not in DATASETS:
@@ -303,7 +306,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         hardware=data.get("hardware"), precision=data.get("precision", "nf4").lower(),
         warmup_passes=data.get("warmup_passes", 1), device=device, parity_steps=data.get("parity_steps", 3),
         model_overrides=overrides, sweep=sweep, plans=plans, method_settings=method_settings,
-        warmup_pass_steps=data.get("warmup_pass_steps"), source=source,
+        warmup_pass_steps=data.get("warmup_pass_steps"), reference=data.get("reference"), source=source,
     )
 
 

@@ -12,6 +12,7 @@ from poros.engine.methods import config_for
 from poros.errors import CapabilityError, ConfigError, PorosError
 from poros.harness.matrix import load_matrix as load
 from poros.harness.matrix import resolve_matrix_path
+from poros.harness.protocol import reference_problems
 from poros.harness.results import passes_path
 from poros.harness.report import load_reference
 from poros.models.checkpoint import resolve
@@ -90,13 +91,14 @@ def model_problems(models, seq_len: int) -> list[str]:
 
 
 def check_matrix(m) -> None:
-    """A loaded matrix, against its models' configs (what `poros validate` adds to the file checks).
+    """A loaded matrix, against its models' configs and, where it names a reference, the reference's attention
+    paths (what `poros validate` adds to the file checks).
 
     Raises:
         ConfigError: listing every problem.
     """
     seq_len = max(p.get("seq_len", m.seq_len) for p in m.points())  # the longest the sweep asks for
-    problems = model_problems(m.models, seq_len)
+    problems = model_problems(m.models, seq_len) + reference_problems(m)
     if problems:
         raise ConfigError(problems, m.source)
 
