@@ -3,6 +3,7 @@
 # with the checkout; there, `. scripts/device_env.sh` puts them on the path.
 #
 #   scripts/stage_device.sh                      # bitsandbytes, Unsloth with what it imports, pytest-benchmark
+#                                                # and pygal (its --benchmark-histogram)
 #   scripts/stage_device.sh NAME==VERSION ...    # these packages instead
 #
 # Wheels are fetched without dependencies for the GPU machine's interpreter, not this one's:
@@ -16,7 +17,8 @@ python=${DEVICE_PYTHON:-3.12}
 cuda=${DEVICE_CUDA:-130}
 pkgs=("$@")
 [ ${#pkgs[@]} -gt 0 ] || pkgs=(bitsandbytes==0.49.2 unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0
-                               datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 pytest-benchmark==5.3.1)
+                               datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 pytest-benchmark==5.3.1
+                               pygal==3.1.3 pygaljs==1.0.2)
 rm -rf .devpkgs
 mkdir -p .devpkgs/wheels .devpkgs/site
 platforms=()
