@@ -1,5 +1,5 @@
 """The methods' facts are one torch-free table (`poros.engine.method_info`): the runnable registry is built on
-it, the report reads it, and no harness module names a method by a string of its own."""
+it, the report reads it, and no harness or suite module names a method by a string of its own."""
 
 from __future__ import annotations
 
@@ -62,10 +62,10 @@ def method_strings(source: str) -> list[tuple[int, str]]:
     return sorted((n.lineno, n.value) for n in found)
 
 
-HARNESS = sorted((ROOT / "poros" / "harness").rglob("*.py"))
+HARNESS = sorted([*(ROOT / "poros" / "harness").rglob("*.py"), *(ROOT / "suites").rglob("*.py")])
 
 
-@pytest.mark.parametrize("path", HARNESS, ids=lambda p: str(p.relative_to(ROOT / "poros" / "harness")))
+@pytest.mark.parametrize("path", HARNESS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_harness_names_no_method_by_string(path):
     assert method_strings(path.read_text()) == [], f"{path}: compare with poros.engine.method_info's facts instead"
 
