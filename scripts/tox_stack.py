@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from poros.harness.stacks import installed_torch
+
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = ("torch", "transformers", "bitsandbytes")  # what a stack pins (tox.ini, a matrix's stacks)
 EXTRA = "unsloth"
@@ -38,12 +40,11 @@ def pins(versions: dict[str, str | None]) -> list[str]:
 
 
 def installed() -> dict[str, str | None]:
-    import torch
-
+    """The versions of what a stack pins, as installed here (torch with its build)."""
     out = {}
     for pkg in PINNED:
         try:
-            out[pkg] = torch.__version__ if pkg == "torch" else md.version(pkg)
+            out[pkg] = installed_torch() if pkg == "torch" else md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = None
     return out

@@ -112,3 +112,12 @@ def test_benchmark_histogram_is_declared():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.startswith("pytest-benchmark[histogram]") for d in deps), deps
     assert importlib.util.find_spec("pygal") is not None and importlib.util.find_spec("pygaljs") is not None
+
+
+def test_stack_helper_reads_the_installed_pins():
+    from importlib import metadata
+
+    from poros.harness.stacks import installed_torch
+
+    assert _tox_stack().installed() == {"torch": installed_torch(), "transformers": metadata.version("transformers"),
+                                        "bitsandbytes": metadata.version("bitsandbytes")}
