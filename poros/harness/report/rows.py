@@ -24,7 +24,7 @@ REFERENCE_COLUMNS = (
     "unsloth_s_step", "poros_vram_gb", "resident_vram_gb", "unsloth_vram_gb",
 )
 # The official validation figures, shipped with the source tree (reports/reference/README.md).
-OFFICIAL_REFERENCE = Path(__file__).resolve().parents[3] / "reports" / "reference" / "official.csv"
+OFFICIAL_REFERENCE = Path(__file__).resolve().parent / "official.csv"  # shipped in the package (reports/reference/ links to it)
 
 
 def load_results(paths) -> pd.DataFrame:
