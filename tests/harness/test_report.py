@@ -303,8 +303,23 @@ def test_reference_row_of_another_stack_shows_no_measurement(tmp_path):
     assert got[("Qwen3-32B", TORCH212)][1:4:2] == ("—", "—")
     for other in ("torch 2.10.0+cu126 / transformers 5.5.0", "torch 2.10.0 / transformers 5.5.0"):
         rows = [{**r, "stack": other} for r in _official_as_measured(TORCH210)]
-        got = _reference_rows(render_markdown(load_results(write_jsonl(tmp_path / "o.jsonl", rows)), ref))
-        assert {v[1] for v in got.values()} == {"—"}, other
+        page = render_markdown(load_results(write_jsonl(tmp_path / "o.jsonl", rows)), ref)
+        # nothing pairs: no same-stack table, only the rows beside the reference, each naming its own stack
+        assert "## Reference vs measured" not in page and _reference_rows(page) == {}, other
+        assert f"| Qwen3-32B | NVIDIA H200 (this page) | {other} |" in page
+
+
+def test_the_rows_beside_the_reference_name_their_hardware_stack_and_attention(tmp_path):
+    ref = load_reference(OFFICIAL_REFERENCE)
+    page = render_markdown(load_results(write_jsonl(tmp_path / "m.jsonl", _official_as_measured(TORCH210))), ref)
+    section = page.split("## Beside the reference", 1)[1].split("\n\n")[1].splitlines()
+    b300 = next(line for line in section if line.startswith("| Qwen3-32B | B300 | torch 2.10.0+cu128"))
+    cells = [c.strip() for c in b300.strip("|").split("|")]
+    assert cells[3] == "poros math-only SDPA; baselines default flash"
+    assert cells[7:9] == ["3.59×", "2.61×"]  # the reference's own ratios, computed from its figures
+    assert cells[12:14] == ["70.7%", "45.7%"]  # its table says 45.8%: computed from the rounded figures
+    assert any(line.startswith("| Qwen3-32B | NVIDIA H200 (this page) |") for line in section)
+    assert not any(line.startswith("| Qwen2.5-72B |") for line in section), "a model not measured has no rows"
 
 
 def test_write_report_writes_markdown_and_png(tmp_path):

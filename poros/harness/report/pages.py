@@ -22,6 +22,8 @@ from poros.harness.report.tables import (
     config_table,
     provenance_line,
     reference_table,
+    hardware_table,
+    protocol_line,
     results_table,
     runs_text,
     spread,
@@ -50,13 +52,16 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
         if len(reduced):
             parts.append(f"> **Reduced run: {runs_text(reduced)} (the matrix file asks for more) — "
                          "not comparable to full runs.**")
-        parts += [f"## Results — {hw}", results_table(g)]
+        parts += [f"## Results — {hw}", *filter(None, [protocol_line(g)]), results_table(g)]
         if any(spread(r) for r in g.to_dict("records") if r["status"] == "ok"):
             parts.append(SPREAD_NOTE)
         if not on_cpu(g):  # no host→device copy to account for on the CPU
             parts += ["## Where the time goes (poros)", time_table(g)]
         if reference is not None:
-            parts += ["## Reference vs measured", reference_table(g, reference)]
+            parts += ["## Beside the reference", hardware_table(g, reference)]
+            paired = reference_table(g, reference)
+            if any(line.count("—") < 4 for line in paired.splitlines()[2:] if line.startswith("|")):
+                parts += ["## Reference vs measured, same stack", paired]
         parts.append(provenance_line(g))
     return "\n\n".join(parts) + "\n"
 

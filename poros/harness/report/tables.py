@@ -212,3 +212,74 @@ def reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
     return md_table(cols, rows) + (f"\n\n{source}Measured cells stand beside a reference row only where they ran "
                                    f"on its stack (torch's version and CUDA build, and transformers' version); — "
                                    f"where none did (measured here: {measured}).")
+
+
+def _ratio(a: float | None, b: float | None, *, cut: bool = False) -> str:
+    if a is None or not b:
+        return DASH
+    return f"{(1 - a / b) * 100:.1f}%" if cut else f"{a / b:.2f}×"
+
+
+def attention_text(rows: dict) -> str:
+    """The attention path each method ran, from its rows' settings: `all methods fast`, or per method."""
+    paths = {m: (r.get("config") or {}).get("attention") for m, r in rows.items() if r is not None}
+    if len(set(paths.values())) == 1:
+        return f"all methods {next(iter(paths.values()))}"
+    return "; ".join(f"{m} {a}" for m, a in paths.items())
+
+
+def hardware_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
+    """Per model, this page's figures beside every reference row of the model, each named with its hardware,
+    stack and attention paths: the ratios (poros against resident and Unsloth, VRAM cut) compare across
+    hardware where seconds do not. No row is paired with another: each stands for its own run."""
+    others = [REFERENCES[0], *UNGATED]
+    columns = ["Model", "Hardware", "Stack", "Attention", "poros s/step", *(f"{m} s/step" for m in others),
+               *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
+               *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
+    hw = uniq(df["hardware"]) if "hardware" in df else DASH
+    rows = []
+    for (model, stack, point), c in _cells(df).items():
+        if point:
+            continue
+        p = c.get(PLANNED)
+        o = [c.get(m) for m in others]
+        ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
+        os_, ov = [_ok(x, "s_per_step_median") for x in o], [_ok(x, "peak_vram_gb") for x in o]
+        rows.append([model, f"{hw} (this page)", stack, attention_text({m: c.get(m) for m in (PLANNED, *others)}),
+                     _s_step(p, True), *(_s_step(x) for x in o), *(_ratio(ps, s) for s in os_), fmt_gb(pv),
+                     *(fmt_gb(v) for v in ov), *(_ratio(pv, v, cut=True) for v in ov)])
+        for r in ref.to_dict("records"):
+            if str(r["model"]).lower() != str(model).lower():
+                continue
+            med, std = num(r["poros_s_step_median"]), num(r["poros_s_step_std"])
+            rs = [num(r.get(f"{m}_s_step")) for m in others]
+            rv = [num(r.get(f"{m}_vram_gb")) for m in others]
+            rpv = num(r["poros_vram_gb"])
+            rows.append([model, text_or_none(r["hardware"]) or DASH, text_or_none(r["stack"]) or DASH,
+                         text_or_none(r.get("attention_note")) or DASH,
+                         DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}"),
+                         *(DASH if s is None else f"{s:.4f}" for s in rs), *(_ratio(med, s) for s in rs),
+                         fmt_gb(rpv), *(fmt_gb(v) for v in rv), *(_ratio(rpv, v, cut=True) for v in rv)])
+    if not rows:
+        return "No model is present in both the reference and the results."
+    source = f"Reference figures: {ref.attrs['source']}. " if ref.attrs.get("source") else ""
+    return md_table(columns, rows) + (f"\n\n{source}Each row is one run on its own hardware and stack; compare the "
+                                      f"ratios and the VRAM across rows, not the seconds. The reference rows' ratios "
+                                      f"are computed from its published (rounded) figures: a last digit may differ "
+                                      f"from its own table's.")
+
+
+def protocol_line(df: pd.DataFrame) -> str:
+    """How every cell of the page was measured, in one line: steps × passes, the discarded warm-up, the gate."""
+    timed = df[df["status"] == "ok"].to_dict("records")
+    if not timed:
+        return ""
+    passes = uniq(f"{r['steps']} steps × {r['passes']} passes" for r in timed)
+    warm = {num(r.get("warmup_pass_steps", r.get("warmup_steps"))) for r in timed} - {None}
+    warm_text = f"{uniq(f'{n:g}-step' for n in sorted(warm))} warm-up" if warm else "warm-up pass"
+    gated = [r for r in timed if text_or_none(r.get("parity")) is not None and is_planned(r["method"])]
+    against = uniq(text_or_none(r.get("gate")) or REFERENCES[0] for r in gated)
+    gate = (f"; every {PLANNED} cell first gated bitwise against {against} on the same settings "
+            f"({uniq(r['parity'] for r in gated)})") if gated else ""
+    return (f"**Protocol:** each cell {passes} after a discarded {warm_text} in its process, s/step the median ± "
+            f"std across passes{gate}.")
