@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
                                                         "this command makes; required, so the call says what it does)")
     p.add_argument("--model", required=True, help="the base checkpoint folder the run trained on")
     p.add_argument("--adapter", required=True, help="the run's adapter folder (RUN/adapter)")
-    p.add_argument("--out", required=True, help="new (or empty) folder for the merged checkpoint")
+    p.add_argument("-o", "--out", required=True, help="new (or empty) folder for the merged checkpoint")
     p.set_defaults(run=run)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from poros.cli.parity import train_config
 from poros.engine.nvml import device_memory
+from poros.errors import CapabilityError
 from poros.engine.plan import Geometry, PlanRequest, describe, make_plan, resident_memory
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
@@ -56,6 +57,9 @@ def run(args) -> int:
     if cfg.vram_budget == "auto" and cfg.device.value == "cuda":
         import torch  # only `auto` touches the device
 
+        if not torch.cuda.is_available():
+            raise CapabilityError("--vram-budget auto measures the free memory of this machine's CUDA GPU, and torch "
+                                  "finds none here; give the budget as a size, e.g. --vram-budget 24GB")
         device = device_memory(torch.device("cuda"))
     plan = make_plan(geo, cfg, device)
     resident = resident_memory(geo, PlanRequest.of_config(cfg, device))

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="checkpoint folder: bf16/fp16 safetensors or a bitsandbytes NF4 checkpoint, with "
                                    "its tokenizer files")
     p.add_argument("--data", help="training data: JSON Lines, or a Parquet/Arrow file or folder (see below)")
-    p.add_argument("--out", help="run folder (new or empty, or the run to --resume)")
+    p.add_argument("-o", "--out", help="run folder (new or empty, or the run to --resume)")
     p.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run continues to it)")
     p.add_argument("--method", choices=[m.value for m in FINETUNE_METHODS], default=None,
                    help="poros (NF4 weights streamed from host memory) or resident (ordinary QLoRA) "

@@ -553,6 +553,49 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(files, reference
     assert_all_equal("resumed after a full disk vs uninterrupted", run_state(reference), run_state(out))
 
 
+def _files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda c: _truncate(c / "optimizer.pt"), "checkpoint/optimizer.pt: truncated"),
+    (lambda c: (c / "state.json").write_text("{garbage"), "checkpoint/state.json: not readable JSON"),
+    (lambda c: (c / "state.json").write_text('{"step": "four"}'), "checkpoint/state.json: expected an object"),
+    (lambda c: (c / "adapter" / "adapter_model.safetensors").unlink(),
+     "checkpoint/adapter/adapter_model.safetensors: missing"),
+    (lambda c: _truncate(c / "adapter" / "adapter_model.safetensors"),
+     "checkpoint/adapter/adapter_model.safetensors: not a readable safetensors file"),
+    (lambda c: (c.parent / "config.json").write_text("[]"), "config.json: expected the run's settings"),
+], ids=["optimizer-truncated", "state-garbage", "state-no-step", "adapter-missing", "adapter-truncated",
+        "record-garbage"])
+def test_a_damaged_checkpoint_is_named_and_nothing_is_touched(files, reference, tmp_path, capsys, damage, named):
+    run = _resume_copy(reference, tmp_path / "run")
+    damage(run / "checkpoint")
+    before = _files_of(run)
+    capsys.readouterr()
+    line = _refused(capsys, train(files, run, "--resume", steps=STEPS + 2), named)
+    assert "start again in a new --out" in line, line
+    assert _files_of(run) == before  # nothing touched, nothing written
+
+
+def test_a_damaged_checkpoint_names_the_previous_one_where_it_is_kept(files, reference, tmp_path, capsys):
+    """A save cut off after its swap leaves checkpoint.old beside the new checkpoint: where the new one is
+    damaged, the line says how to resume from the old one; that done, the run resumes (control)."""
+    run = _resume_copy(reference, tmp_path / "run")
+    shutil.copytree(run / "checkpoint", run / "checkpoint.old")
+    (run / "checkpoint" / "rng.pt").unlink()
+    capsys.readouterr()
+    _refused(capsys, train(files, run, "--resume", steps=STEPS + 1), "checkpoint/rng.pt: missing",
+             f"the previous checkpoint (step {STEPS}) is kept in {run / 'checkpoint.old'}")
+    shutil.move(run / "checkpoint", tmp_path / "damaged")
+    (run / "checkpoint.old").rename(run / "checkpoint")
+    assert train(files, run, "--resume", steps=STEPS + 1) == 0
+
+
 def test_resume_on_another_base_of_the_same_shapes_is_refused(files, reference, tmp_path, capsys):
     other = tiny_checkpoint(tmp_path / "other", "tiny-qwen2", generated_texts(150), seed=1)
     assert (other / "config.json").read_bytes() == (files["ckpt"] / "config.json").read_bytes()
