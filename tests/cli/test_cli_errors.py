@@ -99,8 +99,9 @@ def test_bench_refuses_an_output_path_that_is_a_file(capsys, tmp_path):
     (["parity", "--model", "tiny-qwen2", "--seq-len", "4096", "--steps", "1"], "exceeds tiny-qwen2's max_position"),
     (["parity", "--model", "tiny-qwen2", "--steps", "0"], "steps: expected an integer > 0, got 0"),
     (["build", "--model", "./no-such-checkpoint"], "'./no-such-checkpoint' does not exist"),
+    (["plan", "--model", "tiny-qwen2", "--vram-budget", "auto"], "--vram-budget auto measures the free memory"),
 ], ids=["build-device=cuda", "parity-device=cuda", "build-device=gpu", "parity-seq-len=4096", "parity-steps=0",
-        "build-model=missing-folder"])
+        "build-model=missing-folder", "plan-vram-budget=auto"])
 def test_commands_refuse_bad_input_in_one_line(capsys, no_cuda, argv, named):
     _refused(capsys, argv, named)
 
