@@ -121,6 +121,14 @@ def positive_int(v):
     return v
 
 
+def sequence_length(v):
+    """Tokens per sequence: at least two, since the loss of a sequence predicts each token from those before it."""
+    v = positive_int(v)
+    if v < 2:
+        raise ValueError(f"expected an integer >= 2 (a sequence of one token has no next token to learn), got {v}")
+    return v
+
+
 def seed_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SEED:
         raise ValueError(f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {_short(v)}")
@@ -263,7 +271,7 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     # what is computed
-    Setting("seq_len", 512, COMPUTED, positive_int, "tokens per sequence", "Sequence length"),
+    Setting("seq_len", 512, COMPUTED, sequence_length, "tokens per sequence", "Sequence length"),
     Setting("batch_size", 1, COMPUTED, positive_int, "sequences per micro-batch", "Batch size"),
     Setting("grad_accum", 1, COMPUTED, positive_int, "micro-batches per optimizer step", "Gradient accumulation"),
     Setting("lora_rank", 16, COMPUTED, positive_int, "LoRA rank", "LoRA rank"),
@@ -411,7 +419,7 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                                     help=f"turn off {s.flag}")
         else:
             parser.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar or s.name.upper(),
-                                type=int if s.check in (positive_int, seed_int, non_negative_int) else
+                                type=int if s.check in (positive_int, sequence_length, seed_int, non_negative_int) else
                                 float if s.check in (positive_number, non_negative_number, dropout_share) else str,
                                 help=help_)
 

@@ -487,7 +487,8 @@ def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, caps
     (["--seed", str(2**70)], "seed: expected an integer from 0 to 4294967295"),
     (["--seed", "-1"], "seed: expected an integer from 0 to 4294967295 (2**32 - 1), got -1"),
     (["--lora-rank", str(2**40)], "lora_rank: expected an integer > 0 and at most 2147483647"),
-], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40"])
+    (["--seq-len", "1"], "seq_len: expected an integer >= 2 (a sequence of one token has no next token to learn)"),
+], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40", "seq-len=1"])
 def test_settings_no_run_can_take_are_refused_before_work(files, tmp_path, capsys, flags, named):
     _refused(capsys, train(files, tmp_path / "run", *flags), named)
     assert not (tmp_path / "run").exists()
