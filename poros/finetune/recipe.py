@@ -39,7 +39,7 @@ from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.checkpoint import (  # noqa: F401  (write_adapter, save_checkpoint: re-exported)
     check_checkpoint, load_checkpoint, recover_checkpoint, save_checkpoint, write_adapter)
 from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file  # noqa: F401  (FinetuneConfig: re-exported)
-from poros.finetune.data import CACHE_DIR, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
+from poros.finetune.data import CACHE_DIR, DataError, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
 from poros.finetune.fingerprints import model_fingerprint, weights_fingerprint
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
 from poros.finetune.plan_line import dry_plan, plan_line
@@ -335,6 +335,11 @@ def _load_all(fc, tok, src, data_sha, world, say, scratch=None):
         cache = None if os.access(fc.data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
         data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, data_sha256=data_sha,
                          tokenizer_id=tid, cache_root=cache, say=say, eval_split=fc.eval_split)
+        if data.blocks < _sequences_per_step(cfg):  # a step would take some sequences twice
+            ranks = f" x gpus {cfg.gpus}" if cfg.gpus > 1 else ""
+            raise DataError(f"{fc.data}: {data.blocks} sequences of {cfg.seq_len} tokens, fewer than one step takes "
+                            f"(--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}{ranks} = "
+                            f"{_sequences_per_step(cfg)}), so a step would repeat sequences; lower them or add data")
         evals, flag = data.held_out, "--eval-split"
         if fc.eval_data is not None:
             cache = None if os.access(fc.eval_data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR

@@ -488,7 +488,12 @@ def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, caps
     (["--seed", "-1"], "seed: expected an integer from 0 to 4294967295 (2**32 - 1), got -1"),
     (["--lora-rank", str(2**40)], "lora_rank: expected an integer > 0 and at most 2147483647"),
     (["--seq-len", "1"], "seq_len: expected an integer >= 2 (a sequence of one token has no next token to learn)"),
-], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40", "seq-len=1"])
+    (["--warmup-steps", str(STEPS)], f"warmup_steps: expected fewer than steps ({STEPS}), got {STEPS}: the run"),
+    (["--warmup-steps", str(STEPS), "--lr-schedule", "cosine"], f"warmup_steps: expected fewer than steps ({STEPS})"),
+    (["--batch-size", "1000"], "fewer than one step takes (--batch-size 1000 x --grad-accum 2 = 2000), so a step "
+                               "would repeat sequences"),
+], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40", "seq-len=1", "warmup=steps",
+        "warmup=steps-cosine", "batch-beyond-data"])
 def test_settings_no_run_can_take_are_refused_before_work(files, tmp_path, capsys, flags, named):
     _refused(capsys, train(files, tmp_path / "run", *flags), named)
     assert not (tmp_path / "run").exists()
