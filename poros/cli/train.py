@@ -18,7 +18,7 @@ from poros.engine.methods import FINETUNE_METHODS
 from poros.engine.trainer import set_cublas_workspace
 from poros.errors import PorosError
 from poros.finetune.config import RUN_FILE, override_words, parse_overrides, read_run_file, resolve
-from poros.finetune.recipe import finetune
+from poros.finetune.recipe import check_paths, finetune
 from poros.harness import preflight as checks
 from poros.harness.ranks import free_port, launch_env
 from poros.settings import add_arguments, from_arguments
@@ -113,6 +113,7 @@ def _terminate(signum, frame):
 
 def run(args: argparse.Namespace) -> int:
     fc, chosen = finetune_config(args)
+    check_paths(fc)
     device = fc.train.device.value
     if not args.dry_run:  # a dry run shows a GPU's plan on any machine
         checks.check_device(device, "device")
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        summary = finetune(fc, resume=args.resume, resume_command=resume_command(fc.out.resolve()),
+        summary = finetune(fc, resume=args.resume, resume_command=resume_command(fc.out.absolute()),
                            dry_run=args.dry_run, cuda_defaults=chosen)
     except PorosError:
         if world.main:

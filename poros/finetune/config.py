@@ -34,6 +34,7 @@ from poros.config import BY_NAME, Method, TrainConfig
 from poros.engine.methods import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
 from poros.harness.matrix import load_yaml
+from poros.paths import unreadable
 from poros.settings import Attention, Device, LRSchedule
 
 MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
@@ -128,6 +129,9 @@ def read_run_file(path: str | Path) -> dict:
         ConfigError: the file is missing, not YAML, or not a mapping.
     """
     path = Path(path)
+    why = unreadable(path)
+    if why:
+        raise ConfigError([f"{path} {why}; expected a YAML run file"], "--config")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import gc
 import json
 import math
 import os
@@ -41,12 +42,13 @@ from poros.finetune.checkpoint import (  # noqa: F401  (write_adapter, save_chec
 from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file  # noqa: F401  (FinetuneConfig: re-exported)
 from poros.finetune.data import CACHE_DIR, DataError, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
 from poros.finetune.fingerprints import model_fingerprint, weights_fingerprint
-from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
+from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss, restore_signals, signals_held
 from poros.finetune.plan_line import dry_plan, plan_line
 from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
 from poros.harness.results import LOCK_NAME, OutputInUse, OutputLock
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
+from poros.paths import check_input
 from poros.provenance import provenance
 from poros.store.nf4_checkpoint import is_bnb_checkpoint
 
@@ -204,6 +206,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
 
+    check_paths(fc)
     world = init_world(fc.train.device.value)
     if world.distributed:
         if fc.train.gpus not in (1, world.size):
@@ -217,8 +220,25 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     if dry_run:  # tokens of data in a read-only folder go to a scratch folder, removed after
         with tempfile.TemporaryDirectory(prefix="poros-dry-run-") as scratch:
             return _finetune(fc, world, resume, progress, resume_command, on_step, Path(scratch), cuda_defaults)
-    with own_run_folder(fc.out, world):
-        return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
+    try:
+        with own_run_folder(fc.out, world):
+            return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
+    finally:
+        if signals_held():  # stopped by a signal: what the run left is collected while signals are ignored
+            gc.collect()
+            restore_signals()
+
+
+def check_paths(fc: FinetuneConfig) -> None:
+    """The run's data and folder paths name something to read (not a FIFO, which would never end, nor a loop of
+    symbolic links); a missing data file is said where the data is read.
+
+    Raises:
+        PorosError: naming the flag and the path.
+    """
+    for path, flag in ((fc.data, "--data"), (fc.eval_data, "--eval-data"), (fc.out, "--out")):
+        if path is not None:
+            check_input(path, flag)
 
 
 @contextlib.contextmanager
@@ -440,6 +460,8 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                     save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
                                     base_model)
                     saved = done
+                    if stopping:
+                        stop.settle()  # the checkpoint is saved: a second Ctrl-C has nothing left to abort
                     log.append(row)
                     plot_loss(log, out / "loss.png")
                 elif world.main:
@@ -449,6 +471,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                 raise PorosError(f"step {done}: writing into {out} failed ({e.strerror or e}); {kept}; free space, "
                                  f"then resume with: {again}") from None
             if stopping and not last:
+                stop.settle()  # (the other ranks, which save nothing)
                 summary.interrupted, summary.signal = True, stop.signum
                 bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
                             f"resume with:\n  {again}")

@@ -13,6 +13,7 @@ import torch
 
 from poros.errors import CheckpointError, UnknownModelError
 from poros.models.shapes import SHAPES, get_shape
+from poros.paths import unreadable
 
 
 @dataclass
@@ -39,6 +40,9 @@ def resolve(model: str) -> Source:
     path = Path(model).expanduser()
     if model in SHAPES:
         return Source(model, get_shape(model).config())
+    why = unreadable(path)
+    if why:
+        raise CheckpointError(f"checkpoint folder {model!r} {why}; pass the checkpoint folder")
     if path.is_dir():
         return Source(str(path), _checkpoint_config(path), checkpoint=path)
     if os.sep in model or model.startswith("."):

@@ -208,6 +208,37 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, referenc
     assert (out / "adapter/adapter_model.safetensors").is_file()
 
 
+def test_a_second_ctrl_c_after_the_checkpoint_is_saved_is_no_traceback(files, monkeypatch, capsys):
+    """The second Ctrl-C lands wherever the run is, here in a finalizer that garbage collection runs as the
+    stop's checkpoint is saved: Python would print "Exception ignored ..." with a traceback and lose it. It is
+    ignored: the run stops as the first asked, with its checkpoint and one resume line."""
+    import gc
+    import sys
+
+    real_plot, real_finetune, unraisable = poros.finetune.recipe.plot_loss, poros.finetune.recipe.finetune, []
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    def plot_then_ctrl_c(*args, **kwargs):  # loss.png is drawn once the checkpoint is saved
+        real_plot(*args, **kwargs)
+        Finalized()  # dropped at once: its finalizer takes the second Ctrl-C
+        gc.collect()
+
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(poros.finetune.recipe, "plot_loss", plot_then_ctrl_c)
+    monkeypatch.setattr(poros.cli.train, "finetune", lambda *a, **k: real_finetune(
+        *a, **k, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT)))
+    out = files["root"] / "stopped-twice"
+    assert train(files, out, "--save-every", "0") == 130
+    err = capsys.readouterr().err
+    assert unraisable == [] and "Traceback" not in err and "Exception ignored" not in err, (unraisable, err)
+    assert err.strip().splitlines()[-1].strip().endswith("--resume"), err
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the Ctrl-C handler is put back"
+
+
 def test_eval_data_is_scored_at_save_points_and_changes_nothing(files, reference):
     out = files["root"] / "eval"
     assert train(files, out, "--eval-data", str(files["eval"])) == 0
@@ -325,6 +356,42 @@ def test_bad_data_is_refused_in_one_line(files, tmp_path, capsys, content, named
     data.write_text(content)
     _refused(capsys, train(files, tmp_path / "run", data=data), *named)
     assert not (tmp_path / "run").exists(), "nothing is written for a refused run"
+
+
+@pytest.fixture
+def within_a_minute():
+    """A test that would hang on a blocking read ends instead, with TimeoutError."""
+    def give_up(signum, frame):
+        raise TimeoutError("still blocked after 60 s")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("flag", ["--data", "--eval-data", "--out", "--config", "--model"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink-loop"])
+def test_paths_that_are_no_file_are_one_line_before_any_read(files, tmp_path, capsys, within_a_minute, flag, kind):
+    """A FIFO with no writer would block the first read forever; a loop of symbolic links ends path resolution
+    in a traceback. Both are named with the flag that gave them, and nothing is written."""
+    import os
+
+    bad = tmp_path / "bad"
+    if kind == "fifo":
+        os.mkfifo(bad)
+    else:
+        os.symlink(tmp_path / "loop", bad)
+        os.symlink(bad, tmp_path / "loop")
+    out = tmp_path / "run"
+    argv = ["train", *(["--config", str(bad)] if flag == "--config" else []), "--model",
+            str(bad if flag == "--model" else files["ckpt"]), "--data", str(bad if flag == "--data" else files["data"]),
+            "--out", str(bad if flag == "--out" else out), "--steps", "2", *RUN_ARGS,
+            *(["--eval-data", str(bad)] if flag == "--eval-data" else [])]
+    why = "a FIFO (named pipe), not a file" if kind == "fifo" else "a loop of symbolic links"
+    _refused(capsys, main(argv), str(bad), why)
+    assert not out.exists()
 
 
 def test_messages_need_a_chat_template(files, tmp_path, capsys):
