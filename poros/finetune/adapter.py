@@ -51,6 +51,8 @@ def adapter_folder(path: str | Path, flag: str = "--adapter") -> Path:
         inner = path / "adapter" if (path / "adapter").is_dir() else path / "checkpoint" / "adapter"
         raise CheckpointError(f"{flag} {path} is a run folder; pass its adapter: {flag} {inner}"
                               + ("" if inner.parent == path else " (the run's last checkpoint: it did not finish)"))
+    if all((path / "adapter" / f).is_file() for f in ADAPTER_FILES):  # RUN/checkpoint
+        raise CheckpointError(f"{flag} {path} holds an adapter; pass it: {flag} {path / 'adapter'}")
     if not path.exists():
         raise CheckpointError(f"{flag} {path}: no such folder; pass RUN/adapter of a finished run")
     raise CheckpointError(f"{flag} {path}: not a peft adapter folder (adapter_config.json and "

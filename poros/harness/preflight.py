@@ -121,11 +121,13 @@ def plan_problems(m) -> list[str]:
                 cell = Cell(model, m.stacks[0], Method.POROS, tuple(point.items()), plan)
                 try:
                     cfg = cell_config(m, cell)
-                    if cfg.vram_budget is None or cfg.vram_budget == "auto":
-                        continue
+                    if cfg.vram_budget is None or (cfg.vram_budget == "auto" and cfg.device.value == "cuda"):
+                        continue  # (auto: what the run's GPU has free; on the CPU the planner refuses it below)
                     key = (model, cfg.lora_targets, cfg.double_quant)
                     if key not in geometries:
                         geometries[key] = Geometry.of_config(model, resolve(model).config, *key[1:])
+                    if cfg.vram_budget == "auto":
+                        make_plan(geometries[key], cfg)
                     request = PlanRequest.of_config(cfg)
                     least = replace(request, block_size=1, resident_layers=0, head_resident=False,
                                     offload_inputs=True if request.offload_inputs is None else request.offload_inputs)

@@ -70,6 +70,8 @@ def config_type_problems(raw: dict) -> list[str]:
             ok = isinstance(v, int) if k in INT_FIELDS else isinstance(v, (int, float))
             if not ok or isinstance(v, bool):
                 problems.append(f"{prefix}{k} is {json.dumps(v)[:40]} ({type(v).__name__}), expected {want}")
+            elif k in INT_FIELDS and k not in ("num_hidden_layers", "sliding_window") and v <= 0:  # (no layer: below)
+                problems.append(f"{prefix}{k} is {v}, expected an integer > 0")
     return problems
 
 

@@ -141,6 +141,9 @@ def test_validate_runs_the_planners_checks_as_plan_does(capsys, tmp_path):
     _refused(capsys, ["bench", "matrix", small, "-o", str(tmp_path / "o")], "tiny-qwen2: vram_budget 1 MB is below")
     assert not (tmp_path / "o").exists()
     assert main(["validate", _matrix(tmp_path, vram_budget="1GB")]) == 0
+    assert main(["validate", _matrix(tmp_path, vram_budget="auto")]) == 1  # on a cpu matrix: no GPU to measure
+    assert "tiny-qwen2: vram_budget auto needs a CUDA device to measure its free memory" in capsys.readouterr().out
+    assert main(["validate", _matrix(tmp_path, vram_budget="auto", device="cuda")]) == 0  # the run's GPU measures it
 
 
 def test_validate_refuses_what_a_matrix_lists_twice(capsys, tmp_path):

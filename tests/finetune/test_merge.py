@@ -191,6 +191,9 @@ def test_a_run_folder_as_adapter_says_what_to_pass(run, capsys):
                  ["generate", "--prompt", "The cat", "--device", "cpu"]):
         one_line_refusal(capsys, main([*argv, "--model", str(run["ckpt"]), "--adapter", str(folder)]),
                          f"--adapter {folder} is a run folder; pass its adapter: --adapter {folder / 'adapter'}")
+        one_line_refusal(capsys, main([*argv, "--model", str(run["ckpt"]), "--adapter", str(folder / "checkpoint")]),
+                         f"--adapter {folder / 'checkpoint'} holds an adapter; pass it: --adapter "
+                         f"{folder / 'checkpoint' / 'adapter'}")
 
 
 def test_a_truncated_base_is_one_line_before_any_work(run, tmp_path, capsys):

@@ -150,3 +150,12 @@ def test_validate_cli_exit_codes(capsys, malformed):
     assert "FAIL" in out and "colour" in out and "teleport" in out
     assert main(["validate", str(MATRICES / "cpu.yaml")]) == 0
     assert capsys.readouterr().out.startswith("ok")
+
+
+def test_a_key_given_twice_is_named_with_both_lines(tmp_path):
+    """PyYAML keeps the last of a repeated key without a word: the matrix would run the later value."""
+    path = tmp_path / "twice.yaml"
+    path.write_text((MATRICES / "cpu.yaml").read_text() + "seq_len: 64\n")
+    with pytest.raises(ConfigError) as e:
+        load_matrix(str(path))
+    assert "key 'seq_len' is given on line" in str(e.value) and "give it once" in str(e.value), str(e.value)

@@ -165,7 +165,9 @@ def _config(path: Path, **changes) -> None:
     ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (5)"),
     ({"num_hidden_layers": 4, "layer_types": ["full_attention"] * 4},
      "num_hidden_layers is 4, but the weights hold decoder layer 4 (5 layers)"),
-], ids=["zero-layers", "layer-types-disagree", "weights-of-more-layers"])
+    ({"vocab_size": -5}, "vocab_size is -5, expected an integer > 0"),
+    ({"num_attention_heads": 0}, "num_attention_heads is 0, expected an integer > 0"),
+], ids=["zero-layers", "layer-types-disagree", "weights-of-more-layers", "vocab-negative", "heads-zero"])
 def test_configs_that_do_not_describe_the_weights_are_named_from_the_config(ckpt, changes, named):
     """Knowable before any build: transformers' own validation, no layer at all, and weights of layers the config
     leaves out (they would be dropped without a word). Control: the undamaged checkpoint resolves (first test)."""
