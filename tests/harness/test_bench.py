@@ -332,11 +332,12 @@ def _rows(results: Path) -> list[dict]:
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_matrix_of_one_method_runs(tmp_path):
-    """One method, no gate: test_parity has no cell (pytest's empty-parameter item was an INTERNALERROR)."""
-    proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]})
+    """One method with no gate (the reference alone; poros alone is gated, above): test_parity has no cell
+    (pytest's empty-parameter item was an INTERNALERROR)."""
+    proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["resident"], "models": ["tiny-qwen2"]})
     assert proc.returncode == 0, proc.stdout[-2000:]
     rows = _rows(results)
-    assert [r["method"] for r in rows] == ["poros"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
+    assert [r["method"] for r in rows] == ["resident"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
 
 
 def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
