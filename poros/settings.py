@@ -135,6 +135,15 @@ def positive_int(v):
 
 
 @returns(int)
+def sequence_length(v):
+    """Tokens per sequence: at least two, since the loss of a sequence predicts each token from those before it."""
+    v = positive_int(v)
+    if v < 2:
+        raise ValueError(f"expected an integer >= 2 (a sequence of one token has no next token to learn), got {v}")
+    return v
+
+
+@returns(int)
 def seed_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SEED:
         raise ValueError(f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {_short(v)}")
@@ -292,7 +301,7 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     # what is computed
-    Setting("seq_len", 512, COMPUTED, positive_int, "tokens per sequence", "Sequence length"),
+    Setting("seq_len", 512, COMPUTED, sequence_length, "tokens per sequence", "Sequence length"),
     Setting("batch_size", 1, COMPUTED, positive_int, "sequences per micro-batch", "Batch size"),
     Setting("grad_accum", 1, COMPUTED, positive_int, "micro-batches per optimizer step", "Gradient accumulation"),
     Setting("lora_rank", 16, COMPUTED, positive_int, "LoRA rank", "LoRA rank"),

@@ -13,6 +13,8 @@ EPILOG = """examples:
 
 --model is the bf16 (or fp16/fp32) checkpoint the run trained on; each weight with an adapter becomes
 bf16(W + alpha/r * B @ A), the bits peft's merge_and_unload gives on a bf16 base; the rest is cast to bf16.
+The adapter is refused where its run (RUN/config.json) recorded other base weights, where its tensors'
+rank is not adapter_config.json's r, or where its shapes do not fit --model.
 Written one shard at a time into OUT.partial, then renamed. Then:
   AutoModelForCausalLM.from_pretrained("./Qwen3-32B-tuned", dtype=torch.bfloat16)
 Prints one JSON line; exit 0 when written, 2 on bad input.
@@ -25,7 +27,7 @@ def add_parser(sub) -> None:
                                                         "this command makes; required, so the call says what it does)")
     p.add_argument("--model", required=True, help="the base checkpoint folder the run trained on")
     p.add_argument("--adapter", required=True, help="the run's adapter folder (RUN/adapter)")
-    p.add_argument("--out", required=True, help="new (or empty) folder for the merged checkpoint")
+    p.add_argument("-o", "--out", required=True, help="new (or empty) folder for the merged checkpoint")
     p.set_defaults(run=run)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from poros.errors import ConfigError
 
 EPILOG = """examples:
@@ -9,8 +11,10 @@ EPILOG = """examples:
   poros generate --model ./tiny --adapter runs/tiny/adapter --prompt "The cat" --max-new-tokens 20 --device cpu
   poros generate --model ./tiny --prompt "The cat"        # the base alone, to compare
 
-The base loads in NF4 as training held it (--bf16: as stored); greedy decoding, so a call repeats.
-Prints the generated text (the prompt left out) on stdout.
+The base loads in NF4 as training held it (--bf16: as stored); greedy decoding, so a call repeats. It
+stops at the tokenizer's end-of-sequence token or at the model's last position (max_position_embeddings).
+--adapter is refused where its run recorded another base, or where its shapes do not fit --model.
+Prints the generated text (the prompt and the end-of-sequence token left out) on stdout.
 """
 
 
@@ -36,6 +40,6 @@ def run(args) -> int:
         raise ConfigError([f"expected an integer > 0, got {args.max_new_tokens}"], "--max-new-tokens")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     text = generate(args.model, args.adapter, args.prompt, max_new_tokens=args.max_new_tokens, device=device,
-                    nf4=not args.bf16, chat=args.chat)
+                    nf4=not args.bf16, chat=args.chat, say=lambda s: print(s, file=sys.stderr, flush=True))
     print(text, flush=True)
     return 0

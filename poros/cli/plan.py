@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from poros.cli.parity import train_config
 from poros.engine.planning.geometry import Geometry
+from poros.errors import CapabilityError
 from poros.engine.planning.memory import resident_memory
 from poros.engine.planning.plan import describe
 from poros.engine.planning.search import make_plan
@@ -60,6 +61,9 @@ def run(args) -> int:
 
         from poros.engine.nvml import device_memory
 
+        if not torch.cuda.is_available():
+            raise CapabilityError("--vram-budget auto measures the free memory of this machine's CUDA GPU, and torch "
+                                  "finds none here; give the budget as a size, e.g. --vram-budget 24GB")
         device = device_memory(torch.device("cuda"))
     plan = make_plan(geo, cfg, device)
     resident = resident_memory(geo, cfg)

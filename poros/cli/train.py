@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="checkpoint folder: bf16/fp16 safetensors or a bitsandbytes NF4 checkpoint, with "
                                    "its tokenizer files")
     p.add_argument("--data", help="training data: JSON Lines, or a Parquet/Arrow file or folder (see below)")
-    p.add_argument("--out", help="run folder (new or empty, or the run to --resume)")
+    p.add_argument("-o", "--out", help="run folder (new or empty, or the run to --resume)")
     p.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run continues to it)")
     p.add_argument("--method", choices=[m.value for m in FINETUNE_METHODS], default=None,
                    help="poros (NF4 weights streamed from host memory) or resident (ordinary QLoRA) "
@@ -111,9 +111,10 @@ def _terminate(signum, frame):
 def run(args: argparse.Namespace) -> int:
     from poros.engine.distributed import close_world, init_world
     from poros.engine.trainer import set_cublas_workspace
-    from poros.finetune.recipe import finetune
+    from poros.finetune.recipe import check_paths, finetune
 
     fc, chosen = finetune_config(args)
+    check_paths(fc)
     device = fc.train.device.value
     if not args.dry_run:  # a dry run shows a GPU's plan on any machine
         checks.check_device(device, "device")
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        summary = finetune(fc, resume=args.resume, resume_command=resume_command(fc.out.resolve()),
+        summary = finetune(fc, resume=args.resume, resume_command=resume_command(fc.out.absolute()),
                            dry_run=args.dry_run, cuda_defaults=chosen)
     except PorosError:
         if world.main:

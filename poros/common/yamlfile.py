@@ -8,14 +8,39 @@ import yaml
 
 
 class YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader reading numbers as YAML 1.2 does: `1e-4` and `2e9` are numbers (YAML 1.1, which
-    PyYAML follows, needs a dot and a signed exponent, so it reads them as strings)."""
+    """PyYAML's safe loader reading numbers as YAML 1.2 does (`1e-4` and `2e9` are numbers: YAML 1.1, which
+    PyYAML follows, needs a dot and a signed exponent, so it reads them as strings), and refusing a key given
+    twice in one mapping."""
 
 
 YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."))
+
+
+def _mapping_once(loader: YamlLoader, node, deep: bool = False) -> dict:
+    """A mapping whose keys are each given once: PyYAML keeps the last of a repeated key without a word, so a
+    setting given twice (`lr:` on two lines) would be decided by its order."""
+    first: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: construct_mapping merges it
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            again = key in first
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if again:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given on line {first[key]} and again on line {line}; give it once",
+                key_node.start_mark)
+        first[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_once)
 
 
 def load_yaml(text: str):

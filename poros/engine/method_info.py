@@ -50,14 +50,14 @@ def is_planned(name: str) -> bool:
 
 
 def gate_of(methods) -> tuple[Method, Method] | None:
-    """The parity gate a set of methods gets, as (reference, method): the reference is resident QLoRA
-    where the set has it, else resident with gradient checkpointing (a long-context matrix, where plain
-    resident does not fit); the method is the planned one (poros) where the set has it, else another gated
-    method. None when the set has no reference and a gated method besides it."""
+    """The parity gate a set of methods gets, as (reference, method): the method is the planned one (poros)
+    where the set has it, else another gated method; the reference is resident QLoRA where the set has it,
+    else resident with gradient checkpointing (a long-context matrix, where plain resident does not fit),
+    else resident QLoRA all the same: a gated method is never timed without its gate, and a reference the set
+    does not list is run for the gate (its states recorded), not timed. None when the set has no gated method
+    but a reference."""
     references = [m for m in INFO if INFO[m].reference and m in methods]
-    if not references:
-        return None
-    reference = references[0]
+    reference = references[0] if references else Method.RESIDENT
     others = [m for m in methods if INFO[m].gated and m is not reference]
     if not others:
         return None

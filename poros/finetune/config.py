@@ -34,6 +34,7 @@ from poros.common.yamlfile import load_yaml
 from poros.config import BY_NAME, Method, TrainConfig
 from poros.engine.methods import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
+from poros.paths import unreadable
 from poros.settings import Attention, Device, LRSchedule
 
 MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
@@ -128,6 +129,9 @@ def read_run_file(path: str | Path) -> dict:
         ConfigError: the file is missing, not YAML, or not a mapping.
     """
     path = Path(path)
+    why = unreadable(path)
+    if why:
+        raise ConfigError([f"{path} {why}; expected a YAML run file"], "--config")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -211,11 +215,11 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     model = run.pop("model")
     if not isinstance(model, str) or not model:
         raise ConfigError([f"model: expected a checkpoint folder, got {model!r:.60}"], "poros train")
-    problems, train, fc = [], None, None
+    problems, train, fc = _warmup_problems(values, run), None, None
     try:
         train = TrainConfig.from_settings({k: v for k, v in values.items() if v is not None}, model=model)
-    except ConfigError as e:
-        problems += e.problems
+    except ConfigError as e:  # (warm-up past the run's end is said once, above, for every schedule)
+        problems += [p for p in e.problems if not (problems and p.startswith("warmup_steps:"))]
     try:  # checked with or without a valid train: every problem at once
         fc = FinetuneConfig(train=train, **run)
     except ConfigError as e:
@@ -223,6 +227,15 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     if problems:
         raise ConfigError(problems, "poros train")
     return fc, chosen
+
+
+def _warmup_problems(values: dict, run: dict) -> list[str]:
+    """Warm-up that does not end before the run does: the rate never reaches `lr`, on any schedule."""
+    warmup, steps = values.get("warmup_steps"), run.get("steps")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, steps)) and 0 < steps <= warmup:
+        return [f"warmup_steps: expected fewer than steps ({steps}), got {warmup}: the run would end before its "
+                f"learning rate reaches lr"]
+    return []
 
 
 def _graphs_left_off(key: str, values: dict) -> bool:

@@ -148,7 +148,8 @@ def encode_records(tok, records: list[dict], source: str, lines: list[int] | Non
     `lines` gives each record's line in `source` (errors name it); default: 1, 2, ...
 
     Raises:
-        DataError: `messages` with a tokenizer that has no chat template.
+        DataError: `messages` with a tokenizer that has no chat template; text or prompt-completion records
+            with one that has no end-of-sequence token.
     """
     lines = lines or list(range(1, len(records) + 1))
     chats = [i for i, r in enumerate(records) if "messages" in r]
@@ -162,6 +163,12 @@ def encode_records(tok, records: list[dict], source: str, lines: list[int] | Non
     ids: list[int] = []
     labels: list[int] = []
     eos = tok.eos_token_id
+    plain = next((i for i, r in enumerate(records) if "messages" not in r), None)
+    if eos is None and plain is not None:
+        kind = "prompt-completion" if "prompt" in records[plain] else "text"
+        raise DataError(f"{source}:{lines[plain]}: a {kind} record, but the tokenizer has no end-of-sequence token "
+                        "(eos_token), so packed records would run together and a completion would have no end to "
+                        "learn; set eos_token in tokenizer_config.json, or use chat records")
     short = [r["text"] for r in records if "text" in r and len(r["text"]) <= PIECE_CHARS]
     text_ids = iter(tok(short, add_special_tokens=True)["input_ids"] if short else [])
     for line, rec in zip(lines, records):

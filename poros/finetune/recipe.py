@@ -19,15 +19,12 @@ alone writes the run folder. The number of ranks is part of the arithmetic (`gpu
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import enum
-import hashlib
+import gc
 import json
 import math
 import os
-import random
-import shutil
 import sys
 import tempfile
 import time
@@ -41,20 +38,23 @@ from poros.config import BY_NAME, COMPUTED_NAMES
 from poros.engine.distributed import any_rank, barrier, init_world, share_store
 from poros.engine.methods import make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
+from poros.finetune.checkpoint import (  # noqa: F401  (write_adapter, save_checkpoint: re-exported)
+    check_checkpoint, load_checkpoint, recover_checkpoint, save_checkpoint, write_adapter)
 from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file  # noqa: F401  (FinetuneConfig: re-exported)
-from poros.finetune.data import CACHE_DIR, TOKENIZER_META, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
-from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss
+from poros.finetune.data import CACHE_DIR, DataError, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
+from poros.finetune.fingerprints import model_fingerprint, weights_fingerprint
+from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss, restore_signals, signals_held
 from poros.finetune.plan_line import dry_plan, plan_line
 from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
+from poros.paths import check_input
 from poros.provenance import provenance
+from poros.store.nf4_checkpoint import is_bnb_checkpoint
 
 # settings that change what a step computes (--seed also draws the LoRA init and the data order);
 # --resume refuses a change to any of them and accepts new schedule settings
 EXACT_FIELDS = (*COMPUTED_NAMES, "seed", "device")
-WEIGHT_SAMPLES = 64  # windows of each weight file read for the base's fingerprint
-WEIGHT_WINDOW = 1 << 16
 
 
 @dataclass
@@ -77,34 +77,6 @@ class RunSummary:
 # --- fingerprints and the run folder -----------------------------------------------------------
 
 
-def weights_fingerprint(folder: Path) -> str:
-    """The weight files by content, sampled: each file's safetensors header and WEIGHT_SAMPLES windows
-    spread over its data (a few MB read for any size). Two checkpoints of the same shapes differ here."""
-    h = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}".encode())
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            h.update(head + fh.read(min(n, 1 << 24)))
-            for k in range(WEIGHT_SAMPLES):
-                fh.seek(size * k // WEIGHT_SAMPLES)
-                h.update(fh.read(WEIGHT_WINDOW))
-    return h.hexdigest()
-
-
-def model_fingerprint(folder: Path) -> str:
-    """config.json and tokenizer files by content, weight files by name and size (cheap for 60 GB)."""
-    h = hashlib.sha256()
-    for name in ("config.json", *TOKENIZER_META):
-        if (folder / name).is_file():
-            h.update(name.encode() + b"\0" + (folder / name).read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f"{f.name}\0{f.stat().st_size}".encode())
-    return h.hexdigest()
-
-
 def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
     """Check the run folder; on resume return its config.json (settings of the run so far) with the
     checkpoint's state.json under "checkpoint"."""
@@ -117,16 +89,36 @@ def _prepare_out(out: Path, resume: bool, steps: int) -> dict | None:
         return None
     if not (out / "config.json").is_file():
         raise ConfigError([f"{out} holds no run (no config.json); leave out --resume to start one"], "--resume")
-    _recover_checkpoint(out)
-    if not (out / "checkpoint" / "state.json").is_file():
+    recover_checkpoint(out)
+    if not (out / "checkpoint").is_dir():
         raise ConfigError([f"{out} has no checkpoint (checkpoint/state.json) to continue from; start again in a "
                            "new --out"], "--resume")
-    before = json.loads((out / "config.json").read_text())
-    before["checkpoint"] = json.loads((out / "checkpoint" / "state.json").read_text())
+    before = _run_record(out / "config.json")
+    before["checkpoint"] = check_checkpoint(out)
     if steps <= before["checkpoint"]["step"]:
         raise ConfigError([f"the run in {out} is already at step {before['checkpoint']['step']}, got --steps "
                            f"{steps}; raise --steps to train further"], "--steps")
     return before
+
+
+def _run_record(path: Path) -> dict:
+    """A run folder's config.json, as --resume reads it (its settings and fingerprints).
+
+    Raises:
+        CheckpointError: a record that is not one (the run cannot be checked, so it is not continued).
+    """
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        record, why = None, f"not readable JSON ({str(e).splitlines()[0][:80]})"
+    else:
+        why = "expected the run's settings and fingerprints"
+    ok = isinstance(record, dict) and isinstance(record.get("settings"), dict) and \
+        isinstance(record["settings"].get("train"), dict) and isinstance(record.get("fingerprints"), dict)
+    if not ok:
+        raise CheckpointError(f"{path}: {why}; the run's settings cannot be checked, so it cannot resume: start "
+                              f"again in a new --out ({path.parent} is left as it is)")
+    return record
 
 
 def _as_recorded(value):
@@ -146,107 +138,17 @@ def _check_resume(before: dict, now: dict) -> None:
     if a != b:  # which records train and which are held out
         diffs.append(f"eval_split {a} (now {b})")
     for k in ("model", "data"):
-        a, b = before["fingerprints"][k], now["fingerprints"][k]
+        a, b = before["fingerprints"].get(k), now["fingerprints"][k]
         if a != b:
             diffs.append(f"{k} {now['settings'][k]} (other content than the run's: sha256 {b[:12]}, was {a[:12]})")
     a, b = before["fingerprints"].get("weights"), now["fingerprints"]["weights"]
-    if a is not None and a != b and before["fingerprints"]["model"] == now["fingerprints"]["model"]:
+    if a is not None and a != b and before["fingerprints"].get("model") == now["fingerprints"]["model"]:
         diffs.append(f"model {now['settings']['model']} (other weights than the run's base, in files of the same "
                      f"names and sizes: sampled sha256 {b[:12]}, was {a[:12]})")
     if diffs:
         raise ConfigError([f"settings differ from the run in {now['settings']['out']} and would change its result: "
                            f"{', '.join(diffs)}; use the run's settings (its run.yaml: poros train --config "
                            f"{now['settings']['out']}/run.yaml --resume) or a new --out"], "--resume")
-
-
-# --- checkpoint --------------------------------------------------------------------------------
-
-
-def _adapter_keys(trainer) -> dict[str, torch.nn.Parameter]:
-    """peft's saved key (adapter name removed) for each trainable LoRA parameter."""
-    from peft.utils import get_peft_model_state_dict
-
-    params = {n: p for n, p in trainer.params}
-    by_id = {id(p): p for p in params.values()}
-    sd = get_peft_model_state_dict(trainer.qlora.peft, state_dict=params, save_embedding_layers=False)
-    keys = {k: by_id[id(v)] for k, v in sd.items() if id(v) in by_id}
-    if len(keys) != len(params):
-        raise PorosError(f"peft names {len(keys)} of the {len(params)} LoRA parameters; cannot save the adapter")
-    return keys
-
-
-def write_adapter(trainer, folder: Path, base_model: str) -> Path:
-    """The trainer's LoRA weights as a peft adapter folder (adapter_config.json,
-    adapter_model.safetensors) for `PeftModel.from_pretrained(base_model, folder)`."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: p.detach().to("cpu").contiguous() for k, p in _adapter_keys(trainer).items()}
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(trainer.qlora.peft.peft_config["default"])
-    config.base_model_name_or_path = base_model
-    config.inference_mode = True
-    config.save_pretrained(str(folder))
-    return folder
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(trainer, run: Path, state: dict, base_model: str) -> Path:
-    """Write checkpoint/ whole or not at all: into checkpoint.partial/, then swapped in."""
-    tmp, final, old = run / "checkpoint.partial", run / "checkpoint", run / "checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        write_adapter(trainer, tmp / "adapter", base_model)
-        torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    except BaseException:  # a full disk, say: the previous checkpoint stays as it was
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _recover_checkpoint(run: Path) -> None:
-    """A save cut off between its two renames leaves only checkpoint.old: take it back."""
-    if not (run / "checkpoint").exists() and (run / "checkpoint.old").exists():
-        (run / "checkpoint.old").rename(run / "checkpoint")
-
-
-def load_checkpoint(trainer, folder: Path) -> dict:
-    """Restore LoRA weights, AdamW state and RNG states saved by `save_checkpoint`; returns state.json."""
-    from safetensors.torch import load_file
-
-    saved = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
-    keys = _adapter_keys(trainer)
-    if set(saved) != set(keys):
-        missing, extra = sorted(set(keys) - set(saved)), sorted(set(saved) - set(keys))
-        raise CheckpointError(f"{folder}: the adapter does not match the model: missing {missing[:3]}, "
-                              f"unexpected {extra[:3]}")
-    with torch.no_grad():
-        for k, p in keys.items():
-            p.copy_(saved[k])
-    device = trainer.params[0][1].device
-    trainer.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=device, weights_only=True))
-    _set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
-    return json.loads((folder / "state.json").read_text())
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -304,6 +206,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
 
+    check_paths(fc)
     world = init_world(fc.train.device.value)
     if world.distributed:
         if fc.train.gpus not in (1, world.size):
@@ -317,8 +220,25 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
     if dry_run:  # tokens of data in a read-only folder go to a scratch folder, removed after
         with tempfile.TemporaryDirectory(prefix="poros-dry-run-") as scratch:
             return _finetune(fc, world, resume, progress, resume_command, on_step, Path(scratch), cuda_defaults)
-    with own_run_folder(fc.out, world):
-        return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
+    try:
+        with own_run_folder(fc.out, world):
+            return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
+    finally:
+        if signals_held():  # stopped by a signal: what the run left is collected while signals are ignored
+            gc.collect()
+            restore_signals()
+
+
+def check_paths(fc: FinetuneConfig) -> None:
+    """The run's data and folder paths name something to read (not a FIFO, which would never end, nor a loop of
+    symbolic links); a missing data file is said where the data is read.
+
+    Raises:
+        PorosError: naming the flag and the path.
+    """
+    for path, flag in ((fc.data, "--data"), (fc.eval_data, "--eval-data"), (fc.out, "--out")):
+        if path is not None:
+            check_input(path, flag)
 
 
 @contextlib.contextmanager
@@ -366,7 +286,8 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
     tok = load_tokenizer(src.checkpoint)
     record = {"settings": fc.settings(),
               "fingerprints": {"model": model_fingerprint(src.checkpoint), "data": file_sha256(fc.data),
-                               "weights": weights_fingerprint(src.checkpoint)}}
+                               "weights": weights_fingerprint(src.checkpoint),
+                               "weights_format": "nf4" if is_bnb_checkpoint(src.checkpoint) else "float"}}
     if before is not None:
         _check_resume(before, record)
     data, evals = _load_all(fc, tok, src, record["fingerprints"]["data"], world, bar.message, scratch)
@@ -434,6 +355,11 @@ def _load_all(fc, tok, src, data_sha, world, say, scratch=None):
         cache = None if os.access(fc.data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
         data = load_data(fc.data, tok, cfg.seq_len, seed=cfg.seed, vocab_size=vocab, data_sha256=data_sha,
                          tokenizer_id=tid, cache_root=cache, say=say, eval_split=fc.eval_split)
+        if data.blocks < _sequences_per_step(cfg):  # a step would take some sequences twice
+            ranks = f" x gpus {cfg.gpus}" if cfg.gpus > 1 else ""
+            raise DataError(f"{fc.data}: {data.blocks} sequences of {cfg.seq_len} tokens, fewer than one step takes "
+                            f"(--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum}{ranks} = "
+                            f"{_sequences_per_step(cfg)}), so a step would repeat sequences; lower them or add data")
         evals, flag = data.held_out, "--eval-split"
         if fc.eval_data is not None:
             cache = None if os.access(fc.eval_data.parent, os.W_OK) else (scratch or fc.out) / CACHE_DIR
@@ -534,6 +460,8 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                     save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
                                     base_model)
                     saved = done
+                    if stopping:
+                        stop.settle()  # the checkpoint is saved: a second Ctrl-C has nothing left to abort
                     log.append(row)
                     plot_loss(log, out / "loss.png")
                 elif world.main:
@@ -543,6 +471,7 @@ def _loop(fc, trainer, data, evals, start, log, base_model, bar, resume_command,
                 raise PorosError(f"step {done}: writing into {out} failed ({e.strerror or e}); {kept}; free space, "
                                  f"then resume with: {again}") from None
             if stopping and not last:
+                stop.settle()  # (the other ranks, which save nothing)
                 summary.interrupted, summary.signal = True, stop.signum
                 bar.message(f"stopped at step {done}/{fc.steps}; checkpoint saved in {out / 'checkpoint'}; "
                             f"resume with:\n  {again}")

@@ -153,13 +153,11 @@ def check_record(rec, where: str, counts: RecordCounts) -> dict:
                         f"got {got}")
     if "prompt" in rec:
         for k in ("prompt", "completion"):
-            if not isinstance(rec[k], str) or not rec[k]:
-                raise DataError(f'{where}: "{k}" must be a non-empty string, got {rec[k]!r:.60}')
+            _check_text(rec[k], k, where)
         counts.completion += 1
         return rec
     if "text" in rec:
-        if not isinstance(rec["text"], str) or not rec["text"]:
-            raise DataError(f'{where}: "text" must be a non-empty string, got {rec["text"]!r:.60}')
+        _check_text(rec["text"], "text", where)
         counts.text += 1
         return rec
     msgs = rec["messages"]
@@ -170,6 +168,9 @@ def check_record(rec, where: str, counts: RecordCounts) -> dict:
                         f"got {msgs!r:.60}")
     turns = []
     for i, m in enumerate(msgs):
+        if _lone_surrogate(m["content"]):
+            raise DataError(f"{where}: message {i}'s content holds a lone surrogate escape (e.g. \\ud800 without its "
+                            "pair), which is no character; fix the escape or drop it")
         role = _known_role(m["role"], where, i)
         if role != m["role"]:
             counts.mapped[(m["role"], role)] += 1
@@ -177,6 +178,25 @@ def check_record(rec, where: str, counts: RecordCounts) -> dict:
         turns.append(m)
     counts.chat += 1
     return {**rec, "messages": turns}
+
+
+def _check_text(v, key: str, where: str) -> None:
+    """A record's text: a string of more than whitespace (nothing to learn from otherwise), all characters."""
+    if not isinstance(v, str) or not v.strip():
+        got = "only whitespace" if isinstance(v, str) and v else f"{v!r:.60}"
+        raise DataError(f'{where}: "{key}" must be a string of more than whitespace, got {got}')
+    if _lone_surrogate(v):
+        raise DataError(f'{where}: "{key}" holds a lone surrogate escape (e.g. \\ud800 without its pair), which is '
+                        "no character; fix the escape or drop it")
+
+
+def _lone_surrogate(text: str) -> bool:
+    """JSON's \\uXXXX escapes may name half of a UTF-16 pair alone; no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _known_role(role: str, where: str, turn: int) -> str:

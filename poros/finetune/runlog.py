@@ -94,21 +94,32 @@ class Progress:
 
 class StopRequest:
     """The first Ctrl-C (SIGINT) or SIGTERM (what schedulers and preemption send) asks the loop to save a
-    checkpoint and stop after the current step; a second aborts at once. Only the main thread receives
-    signals; elsewhere nothing is installed."""
+    checkpoint and stop after the current step; a second aborts at once. Once that checkpoint is saved
+    (`settle`), nothing is left that a second could abort without loss: further signals are ignored until
+    `restore_signals`, so none lands as a traceback in whatever runs then (a finalizer that garbage
+    collection runs prints "Exception ignored ..."). Only the main thread receives signals; elsewhere
+    nothing is installed."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, say):
         self.requested, self.say, self.previous = False, say, {}
         self.signum: int | None = None
+        self.settled = False
 
     def _handler(self, signum, frame):
+        if self.settled:
+            return
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         self.say(f"{name}: saving a checkpoint after this step (Ctrl-C again aborts without saving)")
+
+    def settle(self) -> None:
+        """The stop's checkpoint is saved: signals from now on are ignored (their handler stays installed past
+        the block, until `restore_signals`)."""
+        self.settled = True
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -116,6 +127,24 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        if self.settled and self.previous:
+            _lingering.append(self.previous)
+        else:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
         self.previous = {}
+
+
+_lingering: list[dict] = []  # the handlers settled StopRequests replaced, for `restore_signals`
+
+
+def signals_held() -> bool:
+    """Whether a settled StopRequest still ignores signals."""
+    return bool(_lingering)
+
+
+def restore_signals() -> None:
+    """Put back the handlers a settled StopRequest left ignoring signals."""
+    while _lingering:
+        for s, handler in _lingering.pop().items():
+            signal.signal(s, handler)

@@ -216,7 +216,15 @@ def _parse_stacks(value, problems: list[str]) -> tuple[Stack, ...]:
                     out.append(Stack(**s))
         else:
             problems.append(f"stacks[{i}]: expected 'current' or a mapping {{name, torch, transformers, bitsandbytes}}, got {s!r}")
+    names = [s.name for s in out]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"stacks: {name} is listed twice; name each stack once")
     return tuple(out)
+
+
+def _model_identity(name: str) -> str:
+    """What a model entry names: a registered shape, or a checkpoint folder wherever it is written from."""
+    return name if name in SHAPES else str(Path(name).expanduser().resolve())
 
 
 def _known_model(name: str) -> bool:
@@ -257,15 +265,24 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
                     methods.append(Method(m))
                 except ValueError:
                     problems.append(f"methods: unknown method {m!r} (known: {', '.join(x.value for x in Method)})")
+                    continue
+                if methods.count(methods[-1]) > 1:
+                    problems.append(f"methods: {m} is listed twice; list each method once")
+                    methods.pop()
     models: list[str] = []
     if "models" in data:
         if not isinstance(data["models"], list) or not data["models"]:
             problems.append(f"models: expected a non-empty list, got {data['models']!r}")
         else:
+            seen: dict[str, str] = {}
             for m in data["models"]:
                 if not isinstance(m, str) or not _known_model(m):
                     problems.append(f"models: unknown model {m!r} (not registered, not a checkpoint folder)")
+                elif _model_identity(m) in seen:
+                    twice = "" if seen[_model_identity(m)] == m else f" (as {seen[_model_identity(m)]!r} too)"
+                    problems.append(f"models: {m!r} is listed twice{twice}; list each model once")
                 else:
+                    seen[_model_identity(m)] = m
                     models.append(m)
     stacks = _parse_stacks(data["stacks"], problems) if "stacks" in data else ()
     overrides = _parse_overrides(data["model_overrides"], models, problems) if "model_overrides" in data else ()

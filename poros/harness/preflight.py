@@ -99,8 +99,49 @@ def check_matrix(m) -> None:
     """
     seq_len = max(p.get("seq_len", m.seq_len) for p in m.points())  # the longest the sweep asks for
     problems = model_problems(m.models, seq_len) + reference_problems(m)
+    problems += plan_problems(m) if not problems else []
     if problems:
         raise ConfigError(problems, m.source)
+
+
+def plan_problems(m) -> list[str]:
+    """What `poros plan` refuses for a poros cell from its config alone, for every model, sweep point and plan
+    of the matrix: a budget below the smallest plan (a `vram_budget: auto` is the run's device's to measure).
+    The smallest plan (block size 1, nothing resident, saved inputs in host memory where the settings leave it
+    open) is built first; only where it does not fit does the planner search, and refuse in its own words."""
+    from dataclasses import replace
+
+    from poros.engine.planning.geometry import Geometry
+    from poros.engine.planning.search import PlanRequest, build_plan, make_plan
+    from poros.harness.bench import Cell, cell_config
+    from poros.harness.results import point_id
+
+    if Method.POROS not in m.methods:
+        return []
+    problems, geometries = [], {}
+    for model in m.models:
+        for point in m.points():
+            for plan in m.plan_names():
+                cell = Cell(model, m.stacks[0], Method.POROS, tuple(point.items()), plan)
+                try:
+                    cfg = cell_config(m, cell)
+                    if cfg.vram_budget is None or (cfg.vram_budget == "auto" and cfg.device.value == "cuda"):
+                        continue  # (auto: what the run's GPU has free; on the CPU the planner refuses it below)
+                    key = (model, cfg.lora_targets, cfg.double_quant)
+                    if key not in geometries:
+                        geometries[key] = Geometry.of_config(model, resolve(model).config, *key[1:])
+                    if cfg.vram_budget == "auto":
+                        make_plan(geometries[key], cfg)
+                    request = PlanRequest.of_config(cfg)
+                    least = replace(request, config=cfg.replace(block_size=1, offload_inputs=True if cfg.offload_inputs is None
+                                                                               else cfg.offload_inputs), resident_layers=0,
+                                    head_resident=False)
+                    if build_plan(geometries[key], least).memory.total > request.budget:
+                        make_plan(geometries[key], cfg)  # the planner's own search, and its refusal
+                except PorosError as e:
+                    where = " ".join(x for x in (point_id(point), plan and f"plan {plan}") if x)
+                    problems.append(f"{model}{f' ({where})' if where else ''}: {e}")
+    return problems
 
 
 def check_host_memory(models, device: str) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from poros.errors import CheckpointError, UnknownModelError
 from poros.models.shapes import SHAPES, get_shape
+from poros.paths import unreadable
 
 if TYPE_CHECKING:  # reading a tensor imports it: resolving a model by name loads no torch
     import torch
@@ -40,6 +42,9 @@ def resolve(model: str) -> Source:
     path = Path(model).expanduser()
     if model in SHAPES:
         return Source(model, get_shape(model).config())
+    why = unreadable(path)
+    if why:
+        raise CheckpointError(f"checkpoint folder {model!r} {why}; pass the checkpoint folder")
     if path.is_dir():
         return Source(str(path), _checkpoint_config(path), checkpoint=path)
     if os.sep in model or model.startswith("."):
@@ -67,6 +72,8 @@ def config_type_problems(raw: dict) -> list[str]:
             ok = isinstance(v, int) if k in INT_FIELDS else isinstance(v, (int, float))
             if not ok or isinstance(v, bool):
                 problems.append(f"{prefix}{k} is {json.dumps(v)[:40]} ({type(v).__name__}), expected {want}")
+            elif k in INT_FIELDS and k not in ("num_hidden_layers", "sliding_window") and v <= 0:  # (no layer: below)
+                problems.append(f"{prefix}{k} is {v}, expected an integer > 0")
     return problems
 
 
@@ -89,14 +96,43 @@ def _checkpoint_config(path: Path):
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError, TypeError) as e:
         raise CheckpointError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
-    except Exception as e:  # huggingface_hub's strict dataclass validation (transformers 5) names the field
-        if type(e).__name__ != "StrictDataclassFieldValidationError":
+    except Exception as e:  # huggingface_hub's strict dataclass validation (transformers 5): a field, or
+        # the class's own checks (num_hidden_layers against layer_types)
+        if not type(e).__name__.startswith("StrictDataclass"):
             raise
         text = " ".join(line.strip() for line in str(e).splitlines()[:2])
         raise CheckpointError(f"{path}/config.json: {text[:240]}; correct config.json") from None
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     config.use_cache = False
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:
+        raise CheckpointError(f"{path}/config.json: num_hidden_layers is {layers}; a model to fine-tune has at least "
+                              "one decoder layer: correct config.json")
+    _check_layer_count(path, layers)
     return config
+
+
+LAYER_KEY = re.compile(r"layers\.(\d+)\.")
+
+
+def _check_layer_count(path: Path, layers: int | None) -> None:
+    """Weights of decoder layers config.json does not name would be left out without a word: refused.
+    (A folder of config.json alone, or with weights that do not open, is left to what reads them.)
+
+    Raises:
+        CheckpointError: naming both counts.
+    """
+    if not isinstance(layers, int) or not any(path.glob("*.safetensors")):
+        return
+    try:
+        names = CheckpointReader(path).names()
+    except CheckpointError:
+        return
+    found = [int(m.group(1)) for m in map(LAYER_KEY.match, names) if m]
+    if found and max(found) >= layers:
+        raise CheckpointError(f"{path}/config.json: num_hidden_layers is {layers}, but the weights hold decoder layer "
+                              f"{max(found)} ({max(found) + 1} layers); correct num_hidden_layers, or use the "
+                              "config.json saved with these weights")
 
 
 class CheckpointReader:
@@ -127,6 +163,15 @@ class CheckpointReader:
                 raise CheckpointError(f"{path}: shard {shard} named in model.safetensors.index.json is missing")
         self._by_suffix = {self._strip(k): (k, shard) for k, shard in weight_map.items()}
 
+    def check_readable(self) -> None:
+        """Every weight file opens (its header is whole): a truncated or corrupt file is named before any work.
+
+        Raises:
+            CheckpointError: naming the first file that does not open.
+        """
+        for shard in sorted({shard for _, shard in self._by_suffix.values()}):
+            self._handle(shard)
+
     def _handle(self, shard: str):
         from safetensors import safe_open
 
@@ -145,6 +190,10 @@ class CheckpointReader:
             if p and key.startswith(p):
                 return key[len(p) :]
         return key
+
+    def names(self) -> list[str]:
+        """Every tensor's name, its model prefix (`model.`, `language_model.`, ...) removed."""
+        return list(self._by_suffix)
 
     def has(self, name: str) -> bool:
         return self._strip(name) in self._by_suffix

@@ -46,6 +46,10 @@ def skeleton(config) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # advice for other uses of a class (BERT's `is_decoder`) is not Poros's to print
     try:
         with init_empty_weights(include_buffers=False), _meta_weights():
             return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -55,6 +59,8 @@ def skeleton(config) -> nn.Module:
         raise CheckpointError(f"model_type {getattr(config, 'model_type', '?')!r}: no causal-LM model in transformers "
                               f"{transformers.__version__} ({str(e).splitlines()[0][:160]}); Poros trains decoder-only "
                               f"causal LMs such as qwen2, qwen3, gemma3, gemma4") from None
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -72,7 +78,8 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
                 best = (name, module)
     if best is None:
         arch = type(model).__name__
-        raise CheckpointError(f"{arch}: no decoder layer list (nn.ModuleList named layers/h/blocks) found")
+        raise CheckpointError(f"{arch}: no decoder layer list (nn.ModuleList named layers/h/blocks) found; Poros "
+                              "trains decoder-only causal LMs such as qwen2, qwen3, gemma3, gemma4")
     return best
 
 

@@ -5,8 +5,10 @@ run model by model, parity first.
 checkout's `suites/` folder runs the same suites under plain `pytest suites/ --matrix=NAME`.
 
 Before any cell runs, the session start refuses bad settings, a missing device and models the
-matrix cannot run, in one line each, and takes the results folder's lock; each cell then shows
-one compact line (its outcome), the per-step detail only with -v (or in `poros bench`'s log).
+matrix cannot run, in one line each, and takes the results folder's lock; the folder then belongs to
+this run as `poros bench`'s output folder does: an earlier run's files are moved into `earlier/N/`
+(with `--resume`, kept and continued when they are this matrix's rows). Each cell then shows one
+compact line (its outcome), the per-step detail only with -v (or in `poros bench`'s log).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from poros.harness.bench import (
     set_progress_writer,
 )
 from poros.harness.compare import current_name, load_compare_source
-from poros.harness.results import PassLog, passes_path
+from poros.harness.results import RUN_FILES, PassLog, keep_earlier, passes_path
 
 OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
 
@@ -128,6 +130,8 @@ def pytest_sessionstart(session):
         tw.flush()
 
     set_progress_writer(line if config.option.verbose > 0 or bench.status_writer() is not None else None)
+    config._poros_say = line
+    config._poros_standalone = bench.status_writer() is None  # not under `poros bench`, which owns its folder
     if bench.status_writer() is None:  # `poros bench` routes it to the terminal, its log gets `line`
         bench.set_status_writer(lambda msg, final: final and line(msg))
         config._poros_status = True
@@ -197,6 +201,8 @@ def _preflight(config) -> None:
     warning = lock.stale_warning()
     if warning:
         bench.progress(warning)
+    if not config.getoption("--resume"):
+        _keep_earlier(config, results)
     writer = ResultsWriter(results)
     warning = writer.repair()  # appending after a torn line would glue two rows together
     if warning:
@@ -215,6 +221,21 @@ def _preflight(config) -> None:
 
         gbps = h2d_gbps("cuda")
         bench.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")
+
+
+def _keep_earlier(config, results: Path) -> None:
+    """A new run owns its results folder: an earlier run's files there (this matrix's or another's) are
+    moved into `earlier/N/`, as `poros bench` moves them, so no row of it is mixed into this run's. Under
+    `poros bench` they are gone already, and its log of this run stays."""
+    names = {*RUN_FILES, results.name, f"{results.name}.torn", passes_path(results).name}
+    json_path = _json_path(config)
+    if json_path is not None and json_path.parent.resolve() == results.parent.resolve():
+        names.add(json_path.name)
+    if not getattr(config, "_poros_standalone", True):
+        names.discard("bench.log")
+    kept, moved = keep_earlier(results.parent, sorted(names))
+    if kept is not None:
+        getattr(config, "_poros_say", bench.progress)(f"kept the earlier run's {', '.join(moved)} in {kept}/")
 
 
 def pytest_generate_tests(metafunc):

@@ -83,9 +83,18 @@ def test_help_shows_one_default_per_flag(capsys, command):
         shown = words.count("(default: ")
         assert shown <= 1, f"{flag}: {shown} defaults in {words!r}"
         takes_value = len(opt.split("  ")[0].split()) > 1 and not flag.startswith("-h")
-        if takes_value and flag not in ("--model", "--data", "--out", "--steps"):
+        if takes_value and flag not in ("--model", "--data", "--out", "-o", "--steps"):
             assert shown == 1, f"{flag}: no default in {words!r}"
             checked += 1
     assert checked >= 15, options
     if command == "plan":
         assert "(default: cuda: its costs, no device needed)" in " ".join(text.split())  # as the plan is made
+
+
+@pytest.mark.parametrize("argv", [["train"], ["export", "--merge", "--model", "m", "--adapter", "a"],
+                                  ["bench", "matrix", "cpu"]], ids=["train", "export", "bench"])
+def test_dash_o_is_out_wherever_out_is(argv):
+    from poros.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*argv, "-o", "there"]).out == parser.parse_args([*argv, "--out", "there"]).out == "there"

@@ -99,8 +99,10 @@ def test_bench_refuses_an_output_path_that_is_a_file(capsys, tmp_path):
     (["parity", "--model", "tiny-qwen2", "--seq-len", "4096", "--steps", "1"], "exceeds tiny-qwen2's max_position"),
     (["parity", "--model", "tiny-qwen2", "--steps", "0"], "steps: expected an integer > 0, got 0"),
     (["build", "--model", "./no-such-checkpoint"], "'./no-such-checkpoint' does not exist"),
+    (["plan", "--model", "tiny-qwen2", "--vram-budget", "auto"], "--vram-budget auto measures the free memory"),
+    (["parity", "--model", "tiny-qwen2", "--seq-len", "1", "--steps", "1"], "seq_len: expected an integer >= 2"),
 ], ids=["build-device=cuda", "parity-device=cuda", "build-device=gpu", "parity-seq-len=4096", "parity-steps=0",
-        "build-model=missing-folder"])
+        "build-model=missing-folder", "plan-vram-budget=auto", "parity-seq-len=1"])
 def test_commands_refuse_bad_input_in_one_line(capsys, no_cuda, argv, named):
     _refused(capsys, argv, named)
 
@@ -120,6 +122,42 @@ def test_validate_names_seq_len_beyond_positions_and_binary_files(capsys, tmp_pa
     assert code == 1 and err == "" and "Traceback" not in out
     assert "  - seq_len: 4096 exceeds tiny-qwen2's max_position_embeddings (2048); use seq_len <= 2048" in out, out
     assert "not UTF-8" in out and f"ok   {REPO / 'matrices' / 'cpu.yaml'}" in out, out
+
+
+def test_validate_runs_the_planners_checks_as_plan_does(capsys, tmp_path):
+    """A budget below the smallest plan fails every poros cell: validate says so in the planner's own words
+    (those `poros plan` refuses the same settings with), for the matrix's budget and for a plan's; bench
+    refuses before writing anything; a budget that fits is ok (control)."""
+    said = _refused(capsys, ["plan", "--model", "tiny-qwen2", "--device", "cpu", "--seq-len", "64", "--lora-rank",
+                             "4", "--block-size", "2", "--vram-budget", "1MB"],
+                    "vram_budget 1 MB is below the smallest plan").removeprefix("poros plan: error: ")
+    small = _matrix(tmp_path, vram_budget="1MB")
+    assert main(["validate", small]) == 1
+    assert f"  - tiny-qwen2: {said}" in capsys.readouterr().out
+    plans = _matrix(tmp_path, plans={"streamed": {}, "tiny": {"vram_budget": "1MB"}, "ok": {"vram_budget": "1GB"}})
+    assert main(["validate", plans]) == 1
+    out = capsys.readouterr().out
+    assert f"  - tiny-qwen2 (plan tiny): {said}" in out and "plan ok" not in out and "plan streamed" not in out, out
+    _refused(capsys, ["bench", "matrix", small, "-o", str(tmp_path / "o")], "tiny-qwen2: vram_budget 1 MB is below")
+    assert not (tmp_path / "o").exists()
+    assert main(["validate", _matrix(tmp_path, vram_budget="1GB")]) == 0
+    assert main(["validate", _matrix(tmp_path, vram_budget="auto")]) == 1  # on a cpu matrix: no GPU to measure
+    assert "tiny-qwen2: vram_budget auto needs a CUDA device to measure its free memory" in capsys.readouterr().out
+    assert main(["validate", _matrix(tmp_path, vram_budget="auto", device="cuda")]) == 0  # the run's GPU measures it
+
+
+def test_validate_refuses_what_a_matrix_lists_twice(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "sub").mkdir()
+    twice = _matrix(tmp_path, models=["tiny-qwen2", str(ckpt), "tiny-qwen2", f"{tmp_path}/sub/../ckpt"],
+                    methods=["poros", "resident", "poros"], stacks=["current", "current"])
+    assert main(["validate", twice]) == 1
+    out = capsys.readouterr().out
+    for needle in ("models: 'tiny-qwen2' is listed twice", f"(as {str(ckpt)!r} too)", "methods: poros is listed twice",
+                   "stacks: current is listed twice"):
+        assert needle in out, out
+    assert main(["validate", _matrix(tmp_path)]) == 0  # control: each once
 
 
 # --- reports: never over their input, binary files in one line -------------------------------------

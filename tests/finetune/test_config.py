@@ -64,7 +64,9 @@ def test_an_override_without_a_value_is_refused():
 @pytest.mark.parametrize("text,named", [
     ("- a\n- b\n", "expected a mapping of settings"),
     ("lr: [1, 2\n", "run.yaml:2: not YAML"),
-], ids=["file=list", "file=broken"])
+    ("lr: 1e-4\nsteps: 10\nlr: 1e-3\n", r"run.yaml:3: not YAML \(key 'lr' is given on line 1 and again on line 3"),
+    ("lora_targets: {q_proj: 1, q_proj: 2}\n", "key 'q_proj' is given on line 1 and again on line 1"),
+], ids=["file=list", "file=broken", "file=key-twice", "file=nested-key-twice"])
 def test_a_run_file_that_is_not_a_mapping_names_the_file(tmp_path, text, named):
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -72,6 +74,14 @@ def test_a_run_file_that_is_not_a_mapping_names_the_file(tmp_path, text, named):
         read_run_file(path)
     with pytest.raises(ConfigError, match="no such run file"):
         read_run_file(tmp_path / "none.yaml")
+
+
+def test_yaml_keys_given_once_and_merge_keys_read_as_before():
+    """Control of the key given twice: distinct keys, nested mappings and YAML merge keys (`<<`)."""
+    from poros.common.yamlfile import load_yaml
+
+    assert load_yaml("a: {b: 1, c: 2}\nd: &x {e: 1}\nf:\n  <<: *x\n  g: 2\n") == {
+        "a": {"b": 1, "c": 2}, "d": {"e": 1}, "f": {"e": 1, "g": 2}}
 
 
 # --- the defaults on a GPU ------------------------------------------------------------------------

@@ -59,8 +59,13 @@ def test_a_line_that_is_not_json_names_file_and_line(tmp_path):
 @pytest.mark.parametrize(
     "record,named",
     [({"prompt": "x"}, "one of"), ({"text": "x", "messages": []}, "one of"), (["text"], "one of"),
-     ({"text": 3}, '"text"'), ({"messages": [{"role": "user"}]}, '"messages"'), ({"messages": []}, '"messages"')],
-    ids=["neither", "both", "not-an-object", "text-not-string", "message-without-content", "messages-empty"],
+     ({"text": 3}, '"text"'), ({"messages": [{"role": "user"}]}, '"messages"'), ({"messages": []}, '"messages"'),
+     ({"text": " \n\t "}, '"text" must be a string of more than whitespace, got only whitespace'),
+     ({"prompt": "q", "completion": "  "}, '"completion" must be a string of more than whitespace'),
+     ({"text": "a \ud800 b"}, '"text" holds a lone surrogate escape'),
+     ({"messages": [{"role": "user", "content": "\udfff"}]}, "message 0's content holds a lone surrogate escape")],
+    ids=["neither", "both", "not-an-object", "text-not-string", "message-without-content", "messages-empty",
+         "text-whitespace", "completion-whitespace", "text-lone-surrogate", "message-lone-surrogate"],
 )
 def test_a_bad_record_names_file_and_line(tmp_path, record, named):
     path = tmp_path / "d.jsonl"
@@ -69,6 +74,33 @@ def test_a_bad_record_names_file_and_line(tmp_path, record, named):
         read_records(path)
     line = _error_line(e)
     assert f"{path}:2:" in line and named in line
+
+
+def test_text_with_whitespace_and_escaped_pairs_is_read(tmp_path):
+    """Controls of the refusals above: whitespace around text, and a surrogate pair escaped as JSON writes it."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "  a b  "}, {"text": "smile \ud83d\ude00"}])
+    assert read_records(path) == [{"text": "  a b  "}, {"text": "smile \U0001F600"}]
+
+
+def test_text_records_need_an_end_of_sequence_token(tmp_path):
+    """Without one, packed text records run together and a completion has no end to learn: refused naming the
+    first such record; chat records, whose template ends each turn, need none (control)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from poros.finetune.data import encode_records
+
+    folder = tmp_path / "tok"
+    train_tokenizer(folder, generated_texts(50))
+    bare = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                   chat_template=PreTrainedTokenizerFast.from_pretrained(str(folder)).chat_template)
+    assert bare.eos_token_id is None
+    chats = [{"messages": m} for m in generated_chats(2)]
+    for recs, line in (([*chats, {"text": "a b"}], 3), ([{"prompt": "q", "completion": "a"}], 1)):
+        with pytest.raises(DataError) as e:
+            encode_records(bare, recs, "d.jsonl")
+        assert _error_line(e).startswith(f"d.jsonl:{line}: a ") and "no end-of-sequence token" in _error_line(e)
+    ids, labels = encode_records(bare, chats, "d.jsonl")
+    assert ids and any(x != -100 for x in labels)
 
 
 def test_records_are_read_in_order(tmp_path):
@@ -398,7 +430,7 @@ def test_prompt_completion_records_learn_the_completion_and_its_end_only(tok):
 
 @pytest.mark.parametrize("record,named", [
     ({"prompt": "a"}, "got keys ['prompt']"),
-    ({"prompt": "a", "completion": ""}, '"completion" must be a non-empty string'),
+    ({"prompt": "a", "completion": ""}, '"completion" must be a string of more than whitespace, got '),
     ({"prompt": "a", "completion": "b", "text": "c"}, "got keys ['completion', 'prompt', 'text']"),
 ], ids=["completion=missing", "completion=empty", "also=text"])
 def test_a_bad_prompt_completion_record_names_file_and_line(tmp_path, record, named):
@@ -507,7 +539,7 @@ def test_a_bad_table_row_and_a_dataset_dict_without_train_are_named(tmp_path, to
     datasets.Dataset.from_list([{"text": "fine"}, {"text": ""}]).to_parquet(str(path))
     with pytest.raises(DataError) as e:
         load_data(path, tok, 16, seed=0, vocab_size=len(tok))
-    assert f"{path}: row 2: " in _error_line(e) and '"text" must be a non-empty string' in str(e.value)
+    assert f"{path}: row 2: " in _error_line(e) and '"text" must be a string of more than whitespace' in str(e.value)
     datasets.DatasetDict({"test": datasets.Dataset.from_list([{"text": "a"}])}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match="a DatasetDict without a train split \\(splits: test\\)"):
         load_data(tmp_path / "dd", tok, 16, seed=0, vocab_size=len(tok))

@@ -92,7 +92,7 @@ def test_export_refuses_what_it_cannot_merge_in_one_line(run, tmp_path, capsys):
     other = tiny_checkpoint(tmp_path / "gemma", "tiny-gemma3", generated_texts(50))
     capsys.readouterr()  # what writing it printed
     one_line_refusal(capsys, main(["export", "--merge", "--model", str(other), "--adapter", str(run["adapter"]),
-                                   "--out", str(tmp_path / "o")]), "does not have", "the checkpoint the run trained on")
+                                   "--out", str(tmp_path / "o")]), "adapts", "the checkpoint the run trained on")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
     one_line_refusal(capsys, main(argv[:1] + argv[2:] + ["--out", str(tmp_path / "o")]), "give --merge")
 
@@ -116,10 +116,10 @@ def test_generate_continues_greedily_with_the_adapter(run, capsys):
     with torch.no_grad():
         for _ in range(8):
             nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:  # where generation stops; not printed
+                break
             new.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-            if nxt == tok.eos_token_id:
-                break
     assert text == tok.decode(new), (text, tok.decode(new))
     # the NF4 base (as trained) runs too, and the base alone is a different model
     assert main(["generate", "--model", str(run["ckpt"]), "--adapter", str(run["adapter"]), "--prompt", prompt,
@@ -137,3 +137,125 @@ def test_generate_continues_greedily_with_the_adapter(run, capsys):
     assert main(["generate", "--model", str(run["ckpt"]), "--adapter", str(bare), "--prompt", prompt,
                  "--max-new-tokens", "8", "--device", "cpu", "--bf16"]) == 0
     assert capsys.readouterr().out.removesuffix("\n") == alone, "an adapter of zeros is the base"
+
+
+# --- an adapter only where it belongs --------------------------------------------------------------
+
+
+def _run_copy(run, dst):
+    """The run folder copied whole (its record beside the adapter), to change a file of it."""
+    return shutil.copytree(run["root"] / "run", dst)
+
+
+def test_an_adapter_of_another_base_is_refused_by_export_and_generate(run, tmp_path, capsys):
+    """A base of the same shapes but other weights (another seed): both commands name the run's base and write
+    nothing; the run's own base, in a copy of its folder, is taken (control)."""
+    other = tiny_checkpoint(tmp_path / "other", "tiny-qwen2", generated_texts(120), seed=1)
+    capsys.readouterr()
+    out = tmp_path / "merged"
+    one_line_refusal(capsys, main(["export", "--merge", "--model", str(other), "--adapter", str(run["adapter"]),
+                                   "--out", str(out)]), "was trained on other weights than", str(run["ckpt"]))
+    assert not out.exists() and not out.with_name("merged.partial").exists()
+    one_line_refusal(capsys, main(["generate", "--model", str(other), "--adapter", str(run["adapter"]),
+                                   "--prompt", "The cat", "--device", "cpu", "--bf16"]), "was trained on other weights")
+    same = shutil.copytree(run["ckpt"], tmp_path / "same")
+    assert main(["export", "--merge", "--model", str(same), "--adapter", str(run["adapter"]), "-o", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["merged"] == str(out)
+
+
+def test_an_adapter_outside_its_run_is_checked_by_shapes_and_says_so(run, tmp_path, capsys):
+    alone = shutil.copytree(run["adapter"], tmp_path / "adapter")
+    assert main(["export", "--merge", "--model", str(run["ckpt"]), "--adapter", str(alone), "--out",
+                 str(tmp_path / "m")]) == 0
+    assert "is not inside its run folder (no RUN/config.json), so its base is checked by shapes only" in \
+        capsys.readouterr().err
+
+
+def test_the_tensors_rank_is_trusted_over_adapter_config(run, tmp_path, capsys):
+    """A rank in adapter_config.json that the tensors do not have would scale the change by alpha/r wrongly:
+    refused, as peft refuses to load it; the config as written merges (the first test)."""
+    copy = _run_copy(run, tmp_path / "run")
+    cfg_path = copy / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for r in (cfg["r"] // 2, cfg["r"] * 2):
+        cfg_path.write_text(json.dumps({**cfg, "r": r}))
+        for argv in (["export", "--merge", "--out", str(tmp_path / "m")],
+                     ["generate", "--prompt", "The cat", "--device", "cpu", "--bf16"]):
+            one_line_refusal(capsys, main([*argv, "--model", str(run["ckpt"]), "--adapter", str(copy / "adapter")]),
+                             f"says r {r}, but the adapter's tensors have rank {cfg['r']}")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_run_folder_as_adapter_says_what_to_pass(run, capsys):
+    folder = run["root"] / "run"
+    for argv in (["export", "--merge", "--out", str(run["root"] / "never")],
+                 ["generate", "--prompt", "The cat", "--device", "cpu"]):
+        one_line_refusal(capsys, main([*argv, "--model", str(run["ckpt"]), "--adapter", str(folder)]),
+                         f"--adapter {folder} is a run folder; pass its adapter: --adapter {folder / 'adapter'}")
+        one_line_refusal(capsys, main([*argv, "--model", str(run["ckpt"]), "--adapter", str(folder / "checkpoint")]),
+                         f"--adapter {folder / 'checkpoint'} holds an adapter; pass it: --adapter "
+                         f"{folder / 'checkpoint' / 'adapter'}")
+
+
+def test_a_truncated_base_is_one_line_before_any_work(run, tmp_path, capsys):
+    base = shutil.copytree(run["ckpt"], tmp_path / "base")
+    shard = base / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = tmp_path / "m"
+    one_line_refusal(capsys, main(["export", "--merge", "--model", str(base), "--adapter", str(run["adapter"]),
+                                   "--out", str(out)]), f"{shard}: not a readable safetensors file")
+    assert not out.exists() and not out.with_name("m.partial").exists()
+    one_line_refusal(capsys, main(["generate", "--model", str(base), "--prompt", "The cat", "--device", "cpu"]),
+                     f"{shard}: not a readable safetensors file")
+
+
+# --- generate at its edges -----------------------------------------------------------------------
+
+
+def _config_copy(run, dst, **changes):
+    """The base with config.json changed (weights and tokenizer as they are); no generation_config.json."""
+    base = shutil.copytree(run["ckpt"], dst)
+    (base / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, **changes}))
+    return base
+
+
+def test_generate_refuses_prompts_it_cannot_continue(run, tmp_path, capsys):
+    one_line_refusal(capsys, main(["generate", "--model", str(run["ckpt"]), "--prompt", "", "--device", "cpu"]),
+                     "--prompt: '' is no tokens to continue")
+    small = _config_copy(run, tmp_path / "small", vocab_size=8)  # the tokenizer's ids reach about 500
+    one_line_refusal(capsys, main(["generate", "--model", str(small), "--prompt", "The cat", "--device", "cpu"]),
+                     "beyond the model's 8 embeddings", "the tokenizer files do not belong to this checkpoint")
+    short = _config_copy(run, tmp_path / "short", max_position_embeddings=4)
+    one_line_refusal(capsys, main(["generate", "--model", str(short), "--prompt", "the cat sat on the mat by the "
+                                   "window", "--device", "cpu"]), "reads at most 4 (max_position_embeddings)")
+
+
+def test_generate_stops_at_the_tokenizers_end_of_sequence(run, tmp_path, capsys):
+    """A base whose final norm is zero gives every token the same logit, so greedy decoding picks id 0, the
+    tokenizer's end-of-sequence token, at once: generation stops there (its config names another
+    end-of-sequence id, which transformers alone would wait for)."""
+    from safetensors.torch import load_file, save_file
+
+    from poros.finetune.data import load_tokenizer
+
+    base = _config_copy(run, tmp_path / "eos", eos_token_id=5)
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.norm.weight"] = torch.zeros_like(weights["model.norm.weight"])
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    assert load_tokenizer(base).eos_token_id == 0
+    assert main(["generate", "--model", str(base), "--prompt", "The cat", "--max-new-tokens", "6", "--device", "cpu",
+                 "--bf16"]) == 0
+    assert capsys.readouterr().out == "\n"
+
+
+def test_generate_caps_new_tokens_at_the_models_positions(run, tmp_path, capsys):
+    short = _config_copy(run, tmp_path / "short", max_position_embeddings=12)
+    assert main(["generate", "--model", str(short), "--prompt", "The cat", "--max-new-tokens", "40",
+                 "--device", "cpu", "--bf16"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 40 capped at 10: the prompt's 2 tokens" in err, err
+    assert main(["generate", "--model", str(short), "--prompt", "The cat", "--max-new-tokens", "10",
+                 "--device", "cpu", "--bf16"]) == 0
+    assert "capped" not in capsys.readouterr().err  # control: within the positions, nothing to say

@@ -207,6 +207,37 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(files, referenc
     assert (out / "adapter/adapter_model.safetensors").is_file()
 
 
+def test_a_second_ctrl_c_after_the_checkpoint_is_saved_is_no_traceback(files, monkeypatch, capsys):
+    """The second Ctrl-C lands wherever the run is, here in a finalizer that garbage collection runs as the
+    stop's checkpoint is saved: Python would print "Exception ignored ..." with a traceback and lose it. It is
+    ignored: the run stops as the first asked, with its checkpoint and one resume line."""
+    import gc
+    import sys
+
+    real_plot, real_finetune, unraisable = poros.finetune.recipe.plot_loss, poros.finetune.recipe.finetune, []
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    def plot_then_ctrl_c(*args, **kwargs):  # loss.png is drawn once the checkpoint is saved
+        real_plot(*args, **kwargs)
+        Finalized()  # dropped at once: its finalizer takes the second Ctrl-C
+        gc.collect()
+
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(poros.finetune.recipe, "plot_loss", plot_then_ctrl_c)
+    monkeypatch.setattr(poros.cli.train, "finetune", lambda *a, **k: real_finetune(
+        *a, **k, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT)))
+    out = files["root"] / "stopped-twice"
+    assert train(files, out, "--save-every", "0") == 130
+    err = capsys.readouterr().err
+    assert unraisable == [] and "Traceback" not in err and "Exception ignored" not in err, (unraisable, err)
+    assert err.strip().splitlines()[-1].strip().endswith("--resume"), err
+    assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the Ctrl-C handler is put back"
+
+
 def test_eval_data_is_scored_at_save_points_and_changes_nothing(files, reference):
     out = files["root"] / "eval"
     assert train(files, out, "--eval-data", str(files["eval"])) == 0
@@ -324,6 +355,42 @@ def test_bad_data_is_refused_in_one_line(files, tmp_path, capsys, content, named
     data.write_text(content)
     _refused(capsys, train(files, tmp_path / "run", data=data), *named)
     assert not (tmp_path / "run").exists(), "nothing is written for a refused run"
+
+
+@pytest.fixture
+def within_a_minute():
+    """A test that would hang on a blocking read ends instead, with TimeoutError."""
+    def give_up(signum, frame):
+        raise TimeoutError("still blocked after 60 s")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("flag", ["--data", "--eval-data", "--out", "--config", "--model"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink-loop"])
+def test_paths_that_are_no_file_are_one_line_before_any_read(files, tmp_path, capsys, within_a_minute, flag, kind):
+    """A FIFO with no writer would block the first read forever; a loop of symbolic links ends path resolution
+    in a traceback. Both are named with the flag that gave them, and nothing is written."""
+    import os
+
+    bad = tmp_path / "bad"
+    if kind == "fifo":
+        os.mkfifo(bad)
+    else:
+        os.symlink(tmp_path / "loop", bad)
+        os.symlink(bad, tmp_path / "loop")
+    out = tmp_path / "run"
+    argv = ["train", *(["--config", str(bad)] if flag == "--config" else []), "--model",
+            str(bad if flag == "--model" else files["ckpt"]), "--data", str(bad if flag == "--data" else files["data"]),
+            "--out", str(bad if flag == "--out" else out), "--steps", "2", *RUN_ARGS,
+            *(["--eval-data", str(bad)] if flag == "--eval-data" else [])]
+    why = "a FIFO (named pipe), not a file" if kind == "fifo" else "a loop of symbolic links"
+    _refused(capsys, main(argv), str(bad), why)
+    assert not out.exists()
 
 
 def test_messages_need_a_chat_template(files, tmp_path, capsys):
@@ -486,7 +553,13 @@ def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, caps
     (["--seed", str(2**70)], "seed: expected an integer from 0 to 4294967295"),
     (["--seed", "-1"], "seed: expected an integer from 0 to 4294967295 (2**32 - 1), got -1"),
     (["--lora-rank", str(2**40)], "lora_rank: expected an integer > 0 and at most 2147483647"),
-], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40"])
+    (["--seq-len", "1"], "seq_len: expected an integer >= 2 (a sequence of one token has no next token to learn)"),
+    (["--warmup-steps", str(STEPS)], f"warmup_steps: expected fewer than steps ({STEPS}), got {STEPS}: the run"),
+    (["--warmup-steps", str(STEPS), "--lr-schedule", "cosine"], f"warmup_steps: expected fewer than steps ({STEPS})"),
+    (["--batch-size", "1000"], "fewer than one step takes (--batch-size 1000 x --grad-accum 2 = 2000), so a step "
+                               "would repeat sequences"),
+], ids=["lr=inf", "lr=nan", "seed=2**70", "seed=-1", "lora-rank=2**40", "seq-len=1", "warmup=steps",
+        "warmup=steps-cosine", "batch-beyond-data"])
 def test_settings_no_run_can_take_are_refused_before_work(files, tmp_path, capsys, flags, named):
     _refused(capsys, train(files, tmp_path / "run", *flags), named)
     assert not (tmp_path / "run").exists()
@@ -550,6 +623,49 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(files, reference
     assert json.loads((out / "checkpoint/state.json").read_text())["step"] == 2
     assert train(files, out, "--resume") == 0  # the intact checkpoint resumes to the reference's end
     assert_all_equal("resumed after a full disk vs uninterrupted", run_state(reference), run_state(out))
+
+
+def _files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda c: _truncate(c / "optimizer.pt"), "checkpoint/optimizer.pt: truncated"),
+    (lambda c: (c / "state.json").write_text("{garbage"), "checkpoint/state.json: not readable JSON"),
+    (lambda c: (c / "state.json").write_text('{"step": "four"}'), "checkpoint/state.json: expected an object"),
+    (lambda c: (c / "adapter" / "adapter_model.safetensors").unlink(),
+     "checkpoint/adapter/adapter_model.safetensors: missing"),
+    (lambda c: _truncate(c / "adapter" / "adapter_model.safetensors"),
+     "checkpoint/adapter/adapter_model.safetensors: not a readable safetensors file"),
+    (lambda c: (c.parent / "config.json").write_text("[]"), "config.json: expected the run's settings"),
+], ids=["optimizer-truncated", "state-garbage", "state-no-step", "adapter-missing", "adapter-truncated",
+        "record-garbage"])
+def test_a_damaged_checkpoint_is_named_and_nothing_is_touched(files, reference, tmp_path, capsys, damage, named):
+    run = _resume_copy(reference, tmp_path / "run")
+    damage(run / "checkpoint")
+    before = _files_of(run)
+    capsys.readouterr()
+    line = _refused(capsys, train(files, run, "--resume", steps=STEPS + 2), named)
+    assert "start again in a new --out" in line, line
+    assert _files_of(run) == before  # nothing touched, nothing written
+
+
+def test_a_damaged_checkpoint_names_the_previous_one_where_it_is_kept(files, reference, tmp_path, capsys):
+    """A save cut off after its swap leaves checkpoint.old beside the new checkpoint: where the new one is
+    damaged, the line says how to resume from the old one; that done, the run resumes (control)."""
+    run = _resume_copy(reference, tmp_path / "run")
+    shutil.copytree(run / "checkpoint", run / "checkpoint.old")
+    (run / "checkpoint" / "rng.pt").unlink()
+    capsys.readouterr()
+    _refused(capsys, train(files, run, "--resume", steps=STEPS + 1), "checkpoint/rng.pt: missing",
+             f"the previous checkpoint (step {STEPS}) is kept in {run / 'checkpoint.old'}")
+    shutil.move(run / "checkpoint", tmp_path / "damaged")
+    (run / "checkpoint.old").rename(run / "checkpoint")
+    assert train(files, run, "--resume", steps=STEPS + 1) == 0
 
 
 def test_resume_on_another_base_of_the_same_shapes_is_refused(files, reference, tmp_path, capsys):

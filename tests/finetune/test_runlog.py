@@ -49,6 +49,22 @@ def test_log_keeps_rows_through_the_checkpoint_on_resume(tmp_path):
     assert RunLog(path, keep_through=0).rows() == [], "a new run starts an empty log"
 
 
+def test_after_the_stop_is_settled_further_signals_are_ignored_until_restored():
+    """Once the stop's checkpoint is saved a second Ctrl-C has nothing to abort: ignored, wherever it lands,
+    until the command restores the handlers (the control, a second Ctrl-C before that, aborts: below)."""
+    from poros.finetune.runlog import restore_signals, signals_held
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequest(lambda s: None) as stop:
+        signal.raise_signal(signal.SIGINT)
+        stop.settle()
+        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt
+    assert signals_held() and signal.getsignal(signal.SIGINT) is not before
+    signal.raise_signal(signal.SIGTERM)  # still ignored after the block
+    restore_signals()
+    assert not signals_held() and signal.getsignal(signal.SIGINT) is before
+
+
 def test_first_ctrl_c_asks_second_aborts():
     said = []
     before = signal.getsignal(signal.SIGINT)

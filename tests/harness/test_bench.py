@@ -101,6 +101,57 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     assert "already in results (--resume)" in again.stdout
 
 
+def test_a_poros_cell_is_never_timed_without_its_gate():
+    """A matrix of poros alone still has its gate cell (resident QLoRA run for the reference, not timed); a
+    matrix of no gated method has none."""
+    poros = matrix_cells(parse_matrix({**TINY, "methods": ["poros"], "models": ["tiny-qwen2"]}))
+    assert [c.id for c in poros] == ["model:tiny-qwen2-stack:current-gate:parity",
+                                     "model:tiny-qwen2-stack:current-method:poros"]
+    alone = matrix_cells(parse_matrix({**TINY, "methods": ["resident"], "models": ["tiny-qwen2"]}))
+    assert [c.id for c in alone] == ["model:tiny-qwen2-stack:current-method:resident"]
+
+
+@pytest.mark.slow  # the suites end to end in a subprocess
+def test_a_poros_only_matrix_gates_against_a_reference_it_does_not_time(tmp_path):
+    matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]}
+    proc, results = _suite(tmp_path, matrix)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [(r["method"], r["parity"], r["gate"]) for r in rows] == [("poros", "PASS", "resident")], rows
+
+
+def _suite_start(tmp_path, results: Path, *extra):
+    """The suites' session start alone (every cell deselected): what it does to the results folder."""
+    import yaml
+
+    matrix = tmp_path / "own.yaml"
+    matrix.write_text(yaml.safe_dump({**TINY, "name": "own", "methods": ["poros", "resident"],
+                                      "models": ["tiny-qwen2"]}))
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={matrix}", f"--results={results}",
+           "-q", "-p", "no:cacheprovider", "-k", "no-such-cell", *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
+    """`pytest suites/` never appends to an earlier run's rows: they move to earlier/N/ (with the stale report
+    and passes); --resume keeps them only when they are this matrix's (control: refused, nothing moved)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = json.dumps({"matrix": "other", "model": "tiny-qwen2", "method": "poros"}) + "\n"
+    for name, text in (("results.jsonl", rows), ("report.md", "stale\n"), ("passes.jsonl", "")):
+        (out / name).write_text(text)
+    resumed = _suite_start(tmp_path, out / "results.jsonl", "--resume")
+    assert resumed.returncode == 4 and "holds rows of matrix 'other', this run is 'own'" in resumed.stderr, \
+        resumed.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["passes.jsonl", "report.md", "results.jsonl"]
+    fresh = _suite_start(tmp_path, out / "results.jsonl")
+    assert fresh.returncode == 5, fresh.stdout[-2000:] + fresh.stderr[-2000:]  # no cell selected
+    assert f"kept the earlier run's passes.jsonl, report.md, results.jsonl in {out / 'earlier' / '1'}/" in \
+        fresh.stdout, fresh.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["earlier"]
+    assert (out / "earlier" / "1" / "results.jsonl").read_text() == rows
+
+
 @pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
     """Long-context matrices run poros and resident_gc (plain resident does not fit): the gate compares
@@ -281,11 +332,12 @@ def _rows(results: Path) -> list[dict]:
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_matrix_of_one_method_runs(tmp_path):
-    """One method, no gate: test_parity has no cell (pytest's empty-parameter item was an INTERNALERROR)."""
-    proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]})
+    """One method with no gate (the reference alone; poros alone is gated, above): test_parity has no cell
+    (pytest's empty-parameter item was an INTERNALERROR)."""
+    proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["resident"], "models": ["tiny-qwen2"]})
     assert proc.returncode == 0, proc.stdout[-2000:]
     rows = _rows(results)
-    assert [r["method"] for r in rows] == ["poros"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
+    assert [r["method"] for r in rows] == ["resident"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
 
 
 def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):

@@ -170,3 +170,12 @@ def test_the_warm_up_pass_and_the_learning_rate_warm_up_are_set_apart():
 
     m = load_matrix("h200")
     assert m.warmup_pass_steps == 20 and m.settings["warmup_steps"] == 20
+
+
+def test_a_key_given_twice_is_named_with_both_lines(tmp_path):
+    """PyYAML keeps the last of a repeated key without a word: the matrix would run the later value."""
+    path = tmp_path / "twice.yaml"
+    path.write_text((MATRICES / "cpu.yaml").read_text() + "seq_len: 64\n")
+    with pytest.raises(ConfigError) as e:
+        load_matrix(str(path))
+    assert "key 'seq_len' is given on line" in str(e.value) and "give it once" in str(e.value), str(e.value)

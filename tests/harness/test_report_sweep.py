@@ -220,3 +220,19 @@ def test_every_committed_plot_is_linked_by_a_page():
     pngs = {p.name for p in (ROOT / "reports").glob("*.png")}
     used = {png for report in MANIFEST for png in linked((ROOT / report).read_text())}
     assert pngs == used, f"plots no page links: {sorted(pngs - used)}; links without a plot: {sorted(used - pngs)}"
+
+
+def test_a_plain_matrix_rows_beside_a_sweeps_render_on_both_pages(tmp_path, capsys):
+    """Rows of an older schema (no plan_name, gate, world_size, sweep, attention_backends) in one file beside
+    a sweep's in another: what the older rows lack reads as their null on both pages, never NaN."""
+    old = [{k: v for k, v in fixture_row(method=m).items()} for m in ("poros", "resident")]
+    swept = [row("resident"), row(plan="24GB", attention_backends={"1x40x512x128": "flash"}, control=False)]
+    files = [write_jsonl(tmp_path / "plain.jsonl", old), write_jsonl(tmp_path / "sweep.jsonl", swept)]
+    for flags in ([], ["--sweep"]):
+        out = tmp_path / f"page{len(flags)}.md"
+        assert main(["report", *files, "-o", str(out), *flags]) == 0, capsys.readouterr().err
+        md = out.read_text()
+        assert_tables_well_formed(md)
+        assert not re.search(r"\bnan\b", md, re.IGNORECASE), md
+    plain = (tmp_path / "page0.md").read_text()
+    assert "| 24GB |" in plain and "| — | PASS (0.00e+00) |" in plain, plain

@@ -124,7 +124,8 @@ def test_a_broken_index_is_named(ckpt):
 def test_a_config_of_no_causal_lm_is_named(ckpt):
     import transformers
 
-    transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4).save_pretrained(str(ckpt))
+    # as many layers as the qwen2 weights left in the folder hold, so the architecture is what is refused
+    transformers.ViTConfig(hidden_size=64, num_hidden_layers=5, num_attention_heads=4).save_pretrained(str(ckpt))
     msg = _refused(ckpt)
     assert "model_type 'vit'" in msg and "no causal-LM model" in msg, msg
 
@@ -132,7 +133,7 @@ def test_a_config_of_no_causal_lm_is_named(ckpt):
 def test_a_causal_lm_without_a_decoder_layer_list_is_named(ckpt):
     import transformers
 
-    transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+    transformers.BertConfig(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, intermediate_size=128,
                             vocab_size=256, is_decoder=True).save_pretrained(str(ckpt))
     msg = _refused(ckpt)
     assert msg.startswith(f"{ckpt}: BertLMHeadModel: no decoder layer list"), msg
@@ -152,3 +153,37 @@ def test_gpt2_conv1d_layers_are_refused_naming_the_module(tmp_path):
     problems = preflight.model_problems([str(path)], 64)  # `poros validate` and bench say so before any build
     assert len(problems) == 1 and "Conv1D" in problems[0]
     assert json.loads((path / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def _config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"num_hidden_layers": 0, "layer_types": []}, "num_hidden_layers is 0; a model to fine-tune has at least one"),
+    ({"num_hidden_layers": 3}, "`num_hidden_layers` (3) must be equal to the number of `layer_types` (5)"),
+    ({"num_hidden_layers": 4, "layer_types": ["full_attention"] * 4},
+     "num_hidden_layers is 4, but the weights hold decoder layer 4 (5 layers)"),
+    ({"vocab_size": -5}, "vocab_size is -5, expected an integer > 0"),
+    ({"num_attention_heads": 0}, "num_attention_heads is 0, expected an integer > 0"),
+], ids=["zero-layers", "layer-types-disagree", "weights-of-more-layers", "vocab-negative", "heads-zero"])
+def test_configs_that_do_not_describe_the_weights_are_named_from_the_config(ckpt, changes, named):
+    """Knowable before any build: transformers' own validation, no layer at all, and weights of layers the config
+    leaves out (they would be dropped without a word). Control: the undamaged checkpoint resolves (first test)."""
+    from poros.models.checkpoint import resolve
+
+    _config(ckpt, **changes)
+    with pytest.raises(CheckpointError) as e:
+        resolve(str(ckpt))
+    msg = _one_line(e.value)
+    assert msg.startswith(f"{ckpt}/config.json: ") and named in msg, msg
+
+
+def test_a_config_alone_is_still_a_shape_to_plan(ckpt):
+    """`poros plan` takes a folder of config.json alone: the layer count is checked only against weights."""
+    from poros.models.checkpoint import resolve
+
+    (ckpt / "model.safetensors").unlink()
+    _config(ckpt, num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    assert resolve(str(ckpt)).config.num_hidden_layers == 4

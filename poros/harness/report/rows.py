@@ -69,7 +69,20 @@ def load_results(paths) -> pd.DataFrame:
                             "sweep": row.get("sweep") if isinstance(row.get("sweep"), dict) else {}})
     if not records:
         raise PorosError(f"no result rows in {', '.join(map(str, paths))}")
-    return pd.DataFrame.from_records(records)
+    return frame(records)
+
+
+def frame(records: list[dict]) -> pd.DataFrame:
+    """Rows as a DataFrame in which what a row lacks reads as its own null would: rows of an older schema
+    beside newer ones lack keys the newer write, and pandas would fill those with NaN, which is truthy and
+    neither a text nor a mapping. Texts missing read None (pandas' string columns hold NaN for None too)."""
+    keys = dict.fromkeys(k for r in records for k in r)
+    df = pd.DataFrame.from_records([{k: r.get(k) for k in keys} for r in records])
+    for column in df.columns:
+        if isinstance(df[column].dtype, pd.StringDtype):
+            values = df[column].astype(object)
+            df[column] = values.where(values.notna(), None)
+    return df
 
 
 NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",

@@ -8,7 +8,7 @@ import pandas as pd
 
 from poros.engine.method_info import REFERENCES, by_value, is_planned
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none
-from poros.harness.report.rows import point_label
+from poros.harness.report.rows import frame, point_label
 
 SWEEP_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Schedule",
                  "Parity (gate)", "s/step", "vs resident", "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak",
@@ -68,7 +68,7 @@ def _sweep_row(r: dict) -> dict:
     uuid = gpus[0]["uuid"] if gpus else "cpu"
     poros, control = is_planned(r["method"]), r.get("control") is True  # a column other rows lack reads NaN
     out = {**r, **{k: c.get(k) for k in TASK[2:]}, "grad_accum": c.get("grad_accum") or 1,
-           "gpus": int(r.get("world_size") or c.get("gpus") or 1), "gpu": uuid,
+           "gpus": int(num(r.get("world_size")) or c.get("gpus") or 1), "gpu": uuid,
            "gpu_label": uuid.removeprefix("GPU-")[:8], "host": p.get("host"), "control": control,
            "label": " ".join(x for x in (r["method"], poros and text_or_none(r.get("plan_name")), control and "(control)")
                              if x),
@@ -84,7 +84,7 @@ def _sweep_row(r: dict) -> dict:
 def sweep_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of a sweep page, in order; a row repeating a cell of its run (work, method, plan, sweep point,
     control or not) replaces the earlier one."""
-    rows = pd.DataFrame.from_records([_sweep_row(r) for r in df.to_dict("records")])
+    rows = frame([_sweep_row(r) for r in df.to_dict("records")])
     rows["plan_key"] = rows["plan_name"].fillna("")
     keys = ["run", "work", "method", "plan_key", "point", "control"]
     return rows.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
