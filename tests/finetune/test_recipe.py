@@ -227,7 +227,7 @@ def test_a_second_ctrl_c_after_the_checkpoint_is_saved_is_no_traceback(files, mo
 
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     monkeypatch.setattr(poros.finetune.recipe, "plot_loss", plot_then_ctrl_c)
-    monkeypatch.setattr(poros.cli.train, "finetune", lambda *a, **k: real_finetune(
+    monkeypatch.setattr(poros.finetune.recipe, "finetune", lambda *a, **k: real_finetune(
         *a, **k, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT)))
     out = files["root"] / "stopped-twice"
     assert train(files, out, "--save-every", "0") == 130
