@@ -274,12 +274,6 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
     """
     from poros.harness.bench import cell_config, matrix_cells, point_id, row_key
 
-    if commit is _THIS_COMMIT:
-        from poros.provenance import current_commit
-
-        commit = current_commit()
-    check_same_commit(rows, path, commit)
-    check_same_commit(list(passes), passes_path(path), commit)
     other = sorted({str(r.get("matrix")) for r in rows if r.get("matrix") != m.name})
     if other:
         raise PorosError(f"--resume: {path} holds rows of matrix {', '.join(map(repr, other))}, this run is "
@@ -309,6 +303,12 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
         if r.get("stack") != cell.stack.label():
             raise PorosError(f"--resume: {path}:{n} ({what}) ran on stack {r.get('stack')!r}, this environment is "
                              f"{cell.stack.label()!r}; resume on that stack, or {fix}")
+    if commit is _THIS_COMMIT:
+        from poros.provenance import current_commit
+
+        commit = current_commit()
+    check_same_commit(rows, path, commit)
+    check_same_commit(list(passes), passes_path(path), commit)
 
 
 def check_reference(path) -> None:
