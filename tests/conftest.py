@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 
 import pytest
+
+
+def pytest_configure(config):
+    """A worker of `pytest -n 2` (pytest-xdist) shares the cores with the other: one thread each, for torch here
+    and for the processes a test starts (torch sizes its pool from OMP_NUM_THREADS). Those processes must not
+    believe they are xdist workers themselves: pytest-benchmark turns itself off in a process that inherits
+    PYTEST_XDIST_WORKER, and a suite run by a test would write no benchmark.json."""
+    if hasattr(config, "workerinput"):
+        for name in [k for k in os.environ if k.startswith("PYTEST_XDIST_")]:
+            del os.environ[name]
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")
