@@ -76,9 +76,15 @@ def read_adapter(path: str | Path) -> Adapter:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: not readable JSON ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        kind = cfg.get("peft_type") if isinstance(cfg, dict) else type(cfg).__name__
-        raise CheckpointError(f"{cfg_path}: a {kind} adapter; this takes LoRA adapters of nn.Linear layers")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object (peft's adapter config), got "
+                              f"{type(cfg).__name__}")
+    if "peft_type" not in cfg:
+        raise CheckpointError(f"{cfg_path}: names no peft_type; expected the adapter_config.json peft writes "
+                              f"beside its weights (peft_type LORA)")
+    if cfg["peft_type"] != "LORA":
+        raise CheckpointError(f"{cfg_path}: a {cfg['peft_type']} adapter; this takes LoRA adapters of nn.Linear "
+                              f"layers")
     odd = [what for k, what in UNMERGEABLE.items() if cfg.get(k)]
     if odd:
         raise CheckpointError(f"{cfg_path}: an adapter with {odd[0]}; this takes plain LoRA adapters (one rank and "

@@ -47,6 +47,9 @@ def resolve(model: str) -> Source:
         raise CheckpointError(f"checkpoint folder {model!r} {why}; pass the checkpoint folder")
     if path.is_dir():
         return Source(str(path), _checkpoint_config(path), checkpoint=path)
+    if path.exists():
+        raise CheckpointError(f"model {model!r} is a file; expected a checkpoint folder (config.json, safetensors, "
+                              f"tokenizer) or a registered name: {', '.join(SHAPES)}")
     if os.sep in model or model.startswith("."):
         raise CheckpointError(f"checkpoint folder {model!r} does not exist")
     get_shape(model)  # raises UnknownModelError listing the known names

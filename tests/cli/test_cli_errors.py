@@ -107,6 +107,14 @@ def test_commands_refuse_bad_input_in_one_line(capsys, no_cuda, argv, named):
     _refused(capsys, argv, named)
 
 
+def test_a_model_path_that_is_a_file_says_so_not_unknown_name(capsys, tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    for argv in (["plan", "--model", str(weights)], ["parity", "--model", str(weights), "--steps", "1"]):
+        _refused(capsys, argv, f"model {str(weights)!r} is a file; expected a checkpoint folder")
+    _refused(capsys, ["plan", "--model", "gpt-17"], "unknown model 'gpt-17'")  # a name, not a path
+
+
 def test_a_bench_matrix_that_is_binary_or_a_folder_is_one_line(capsys, tmp_path):
     binary = tmp_path / "m.yaml"
     binary.write_bytes(b"name: x\n\x89\xff\x00")

@@ -186,6 +186,23 @@ def test_the_tensors_rank_is_trusted_over_adapter_config(run, tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
+def test_an_adapter_config_that_is_not_a_lora_adapters_says_what_it_lacks(run, tmp_path, capsys):
+    """A config with no peft_type, another peft_type, or no object at all: named in one line, nothing written;
+    the untouched copy exports (positive control)."""
+    copy = _run_copy(run, tmp_path / "run")
+    cfg_path = copy / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    argv = ["export", "--merge", "--model", str(run["ckpt"]), "--adapter", str(copy / "adapter")]
+    for text, says in ((json.dumps({k: v for k, v in cfg.items() if k != "peft_type"}), "names no peft_type"),
+                       (json.dumps({**cfg, "peft_type": "IA3"}), "a IA3 adapter"),
+                       ("[1, 2]", "expected a JSON object")):
+        cfg_path.write_text(text)
+        one_line_refusal(capsys, main([*argv, "--out", str(tmp_path / "m")]), str(cfg_path), says)
+        assert not (tmp_path / "m").exists()
+    cfg_path.write_text(json.dumps(cfg))
+    assert main([*argv, "--out", str(tmp_path / "m")]) == 0
+
+
 def test_a_run_folder_as_adapter_says_what_to_pass(run, capsys):
     folder = run["root"] / "run"
     for argv in (["export", "--merge", "--out", str(run["root"] / "never")],
