@@ -224,7 +224,10 @@ def _run_locked(args, m, out: Path, lock) -> int:
         warning = writer.repair()
         if warning:
             say(warning)
-        preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
+        records = PassLog(passes_path(results)).records()
+        preflight.check_resume(writer.rows(), m, results, records)
+        if not writer.rows() and not records:  # the first part of a run in parts, or a mistyped -o
+            say(f"--resume: nothing recorded in {out} yet; the run starts at its first cell")
         kept, names = None, []  # the suites append this run's benchmarks to benchmark.json
     else:
         kept, names = keep_earlier(out)

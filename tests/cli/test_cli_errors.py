@@ -254,6 +254,14 @@ def _bench(*argv, cwd=REPO, **kw) -> subprocess.CompletedProcess:
                           text=True, timeout=600, **kw)
 
 
+@pytest.mark.slow  # `poros bench` in a subprocess
+def test_resume_into_a_folder_with_nothing_recorded_says_it_starts_afresh(tmp_path):
+    """The first part of a run in parts, or a mistyped -o: announced in one line, not a silent fresh run."""
+    out = tmp_path / "typo"
+    run = _bench(_matrix(tmp_path), "-o", str(out), "--resume", "-k", "no-such-cell")
+    assert f"--resume: nothing recorded in {out} yet; the run starts at its first cell" in run.stderr, run.stderr
+
+
 @pytest.mark.slow  # `poros bench` end to end in a subprocess
 def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_path):
     out = tmp_path / "out"
@@ -295,6 +303,7 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     assert f"was left by pid {gone.stdout.strip()} on host" in again.stderr, again.stderr
     assert f"{out / 'results.jsonl'}:2 is a partial row" in again.stderr, again.stderr
     assert "tiny-qwen2 poros: skipped: already in results (--resume)" in again.stderr, again.stderr
+    assert "nothing recorded" not in again.stderr, again.stderr
     assert (out / "results.jsonl.torn").read_text() == torn + "\n"
     resumed = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert resumed[0] == rows[0] and [r["method"] for r in resumed] == ["poros", "resident"]
