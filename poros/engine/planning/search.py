@@ -280,14 +280,23 @@ def make_plan(geo: Geometry, cfg: TrainConfig, device: DeviceMemory | None = Non
 def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
     """The plan that copies the fewest bytes per step and whose process's predicted peak (`Memory.total`: the
     allocator's tensors, the CUDA graphs' pool, the allocator's reserve and the fixed costs) fits
-    `request.budget`: the lm_head resident first (it saves its own copy and a reload), then as many layers as
-    fit (placed as `placement` says: from the last one down, or spread), with the largest block size up to
-    `block_size` that fits; saved inputs in host memory where `offload_inputs` asks for it, else wherever
-    copies fewer bytes.
+    `request.budget` (`search_budget`).
 
     Raises:
         BudgetError: no plan fits; names the smallest budget that would.
     """
+    best, smallest = search_budget(geo, request)
+    if best is None:
+        raise BudgetError(refusal(geo, request.budget, smallest))
+    return best
+
+
+def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Plan]:
+    """(the plan that copies the fewest bytes per step within `request.budget`, None where none fits; the
+    smallest plan the search built): the lm_head resident first (it saves its own copy and a reload), then as
+    many layers as fit (placed as `placement` says: from the last one down, or spread), with the largest block
+    size up to `block_size` that fits; saved inputs in host memory where `offload_inputs` asks for it, else
+    wherever copies fewer bytes."""
     best, smallest = None, None
     cfg, budget = request.config, request.budget
     choices = [(b, h, o) for b in range(cfg.block_size, 0, -1) for h in (True, False)
@@ -306,19 +315,23 @@ def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
                 hi = r - 1
         if fit is not None and (best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step):
             best = fit
-    if best is None:
-        m = smallest.memory
-        beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
-                  m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
-        graphs = " or drop --cuda-graphs" if m.graph_pool else ""
-        raise BudgetError(f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name} "
-                          f"({gb(m.total)} for the process: {gb(m.allocated)} of tensors with block size {smallest.block_size}, "
-                          f"every layer streamed, saved inputs in host memory" + "".join(f", {b}" for b in beside)
-                          + f"); use --vram-budget {_size_at_least(m.total)} or more, or a shorter --seq-len{graphs}")
-    return best
+    return best, smallest
 
 
-def _size_at_least(n: int) -> str:
+def refusal(geo: Geometry, budget: int, smallest: Plan, at: str = "", shorter: str = "a shorter --seq-len") -> str:
+    """Why no plan fits `budget` (`at`: on which settings, where a search varies them), from the smallest plan
+    the search built: its parts, and the smallest budget that would hold it (or `shorter`: less work)."""
+    m = smallest.memory
+    beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
+              m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
+    graphs = " or drop --cuda-graphs" if m.graph_pool else ""
+    return (f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name}{at} "
+            f"({gb(m.total)} for the process: {gb(m.allocated)} of tensors with block size {smallest.block_size}, "
+            f"every layer streamed, saved inputs in host memory" + "".join(f", {b}" for b in beside)
+            + f"); use --vram-budget {size_at_least(m.total)} or more, or {shorter}{graphs}")
+
+
+def size_at_least(n: int) -> str:
     """`n` bytes rounded up to a tenth of its unit, as --vram-budget takes it."""
     unit, name = (10**9, "GB") if n >= 10**9 else (10**6, "MB") if n >= 10**6 else (10**3, "kB")
     return f"{-(-n * 10 // unit) / 10:g}{name}"

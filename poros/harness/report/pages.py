@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from poros.harness.report.floor import FLOOR_NOTE, with_floors
 from poros.harness.report.plots import plot, plot_title, sweep_figures
 from poros.harness.report.rows import latest, load_reference, load_results, named_as_reference, on_cpu
 from poros.harness.report.sweep import (
     SWEEP_INTRO,
     attention_table,
     backends_table,
+    floor_table,
     scaling_table,
     sweep_rows,
     sweep_table,
@@ -45,7 +47,7 @@ def failures(df: pd.DataFrame, sweep: bool = False) -> list[str]:
 def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> str:
     """The full report: per hardware a configuration, results, time breakdown and provenance; with a
     reference, its figures beside the measured ones, and the models it lists named as it names them."""
-    df, parts = latest(named_as_reference(df, reference)), []
+    df, parts = with_floors(latest(named_as_reference(df, reference))), []
     for hw, g in df.groupby("hardware", sort=False):
         parts += [f"# {title or 'Poros — Validation Results'} ({hw})", "## Configuration", config_table(g, hw)]
         reduced = g[g["reduced"].astype(bool)]
@@ -67,12 +69,13 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
 
 
 def render_sweep_markdown(df: pd.DataFrame, title: str | None = None, plots=()) -> str:
-    """The sweep page: every row, data-parallel scaling, math against the fast path, the attention backends,
-    provenance, then the plots (heading, PNG name) it links."""
-    rows = sweep_rows(df)
+    """The sweep page: every row, each streamed step against its floors, data-parallel scaling, math against the
+    fast path, the attention backends, provenance, then the plots (heading, PNG name) it links."""
+    rows = with_floors(sweep_rows(df))
     parts = [f"# {title or 'Poros — plans measured'}", SWEEP_INTRO, sweep_table(rows)]
-    sections = (("Data-parallel scaling", "Tokens/s under data parallelism against the same plan on one GPU of the "
-                 "same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling_table),
+    sections = (("Against the floors", FLOOR_NOTE, floor_table),
+                ("Data-parallel scaling", "Tokens/s under data parallelism against the same plan on one GPU of "
+                 "the same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling_table),
                 ("Attention: math against the fast path", "Each method or plan on another attention setting "
                  "against the same run on math (same store, same GPU); `vs math` divides the s/step.",
                  attention_table),

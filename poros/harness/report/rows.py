@@ -11,6 +11,8 @@ import pandas as pd
 
 from poros.engine.method_info import NAMES
 from poros.errors import PorosError
+from poros.harness.report.format import text_or_none
+from poros.settings import COMPUTED, SETTINGS, Setting
 
 KEY = ("matrix", "model", "stack", "method")
 REQUIRED = KEY + (
@@ -86,7 +88,8 @@ def frame(records: list[dict]) -> pd.DataFrame:
 
 
 NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",
-           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s")
+           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s",
+           "link_h2d_gbps", "copy_floor_s")
 SECTIONS = ("config", "provenance")  # mappings every row holds
 TEXTS = ("matrix", "model", "stack", "arch")
 
@@ -158,6 +161,30 @@ def on_cpu(df: pd.DataFrame) -> bool:
     """Whether every row ran on the CPU, where device memory, host→device copies and CUDA mean nothing."""
     return all((c.get("device") or ("cuda" if p.get("gpus") else "cpu")) == "cpu"
                for c, p in zip(df["config"], df["provenance"]))
+
+
+def setting_shown(s: Setting, config: dict) -> str:
+    """How a row's value of setting `s` reads in a report; a setting the row predates reads as its default."""
+    return s.show(s.value(config[s.name])) if config.get(s.name) is not None else s.show(s.default)
+
+
+def computed_key(row) -> tuple:
+    """What a row computes: its model, stack and every computed setting (poros/settings.py). Rows that agree on
+    it do the same arithmetic on the same work, whatever their method's schedule."""
+    return (row["model"], row["stack"], *(setting_shown(s, row["config"]) for s in SETTINGS if s.kind == COMPUTED))
+
+
+def gpu_uuid(row) -> str:
+    """The UUID of the GPU a row ran on (its process's first; `cpu` without one)."""
+    gpus = row["provenance"].get("gpus") or []
+    return gpus[0]["uuid"] if gpus else "cpu"
+
+
+def run_of(row) -> str:
+    """A row's run: one matrix on one machine and GPU; rows that name their run (`run`) keep apart runs of one
+    matrix."""
+    return " ".join(str(x) for x in (row["matrix"], row["provenance"].get("host"), gpu_uuid(row),
+                                     text_or_none(row.get("run")) or ""))
 
 
 def point_label(sweep) -> str:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pandas as pd
 
 from poros.engine.method_info import REFERENCES, by_value, is_planned
+from poros.harness.report.floor import FLOOR_COLUMNS, floor_cells
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none
-from poros.harness.report.rows import frame, point_label
+from poros.harness.report.rows import frame, gpu_uuid, point_label, run_of
 
 SWEEP_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Schedule",
                  "Parity (gate)", "s/step", "vs resident", "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak",
@@ -17,6 +18,7 @@ SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs",
                    "Speed-up", "Per-GPU efficiency")
 ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
                      "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
+FLOOR_ROW_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Method / plan", "Schedule", "s/step", *FLOOR_COLUMNS)
 TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk")  # what a row computes, but its GPUs
 SWEEP_INTRO = (
     "Each poros plan first passed the parity gate against the reference's states recorded in the same run "
@@ -64,8 +66,7 @@ def schedule_kind(config: dict) -> list[str]:
 def _sweep_row(r: dict) -> dict:
     """A row with the columns a sweep page groups by: what it computed, where and in which run it ran."""
     c, p = r["config"], r["provenance"]
-    gpus = p.get("gpus") or []
-    uuid = gpus[0]["uuid"] if gpus else "cpu"
+    uuid = gpu_uuid(r)
     poros, control = is_planned(r["method"]), r.get("control") is True  # a column other rows lack reads NaN
     out = {**r, **{k: c.get(k) for k in TASK[2:]}, "grad_accum": c.get("grad_accum") or 1,
            "gpus": int(num(r.get("world_size")) or c.get("gpus") or 1), "gpu": uuid,
@@ -74,8 +75,7 @@ def _sweep_row(r: dict) -> dict:
                              if x),
            "schedule": schedule(c) if poros else DASH, "point": point_label(r["sweep"]),
            "timed_ok": r["status"] == "ok" and not control and num(r["s_per_step_median"]) is not None}
-    # a run: one matrix (or sweep) on one machine and GPU; rows that name their run keep apart runs of one matrix
-    out["run"] = " ".join(str(x) for x in (r["matrix"], out["host"], uuid, text_or_none(r.get("run")) or ""))
+    out["run"] = run_of(r)
     out["task"] = " | ".join(str(out[k]) for k in TASK)
     out["work"] = f"{out['task']} | {out['gpus']}"
     return out
@@ -197,3 +197,12 @@ def backends_table(rows: pd.DataFrame) -> str | None:
         return None
     return md_table(("Model", "Attention setting", "Layer shape", "Backend", "Methods"),
                   [[*k, ", ".join(sorted(ms))] for k, ms in seen.items()])
+
+
+def floor_table(rows: pd.DataFrame) -> str | None:
+    """Each timed row with a copy floor beside its floors (`floor.with_floors` adds them to `rows`); None when no
+    row has one (rows from before the link probe was recorded)."""
+    out = [[r["model"], str(r["gpus"]), r["gpu_label"], _fmt(r["seq_len"], "{:.0f}"), r["label"], r["schedule"],
+            f"{r['s_per_step_median']:.4f}", *floor_cells(r)]
+           for r in rows.to_dict("records") if r["timed_ok"] and num(r.get("copy_floor_s")) is not None]
+    return md_table(FLOOR_ROW_COLUMNS, out) if out else None

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pandas as pd
 
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
+from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
-from poros.harness.report.rows import on_cpu
+from poros.harness.report.rows import on_cpu, setting_shown
 from poros.harness.stacks import same_stack
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
@@ -100,6 +101,9 @@ def results_table(df: pd.DataFrame) -> str:
 
 
 def time_table(df: pd.DataFrame) -> str:
+    """Where each poros row's time goes: bytes copied, the copy rate, the share hidden behind compute; where rows
+    carry a link probe, the step's floors and how near it runs to them (`floor.with_floors` adds them to `df`)."""
+    floors = probed(df)
     rows = []
     for (model, stack, point), c in _cells(df).items():
         for plan, p in c["plans"].items():
@@ -108,10 +112,11 @@ def time_table(df: pd.DataFrame) -> str:
             name = ", ".join(x for x in (point, plan and f"plan {plan}") if x)
             rows.append([model + (f" ({name})" if name else ""), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
                          DASH if gbps is None else f"{gbps:.1f} GB/s",
-                         DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}"])
+                         DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}",
+                         *(floor_cells(p) if floors else [])])
     columns = ["Model", "Stack", "Host→device per step", "Copy GB/s (weights)", "Copy hidden behind compute",
-               "Tokens/s"]
-    return md_table(columns, rows)
+               "Tokens/s", *(FLOOR_COLUMNS if floors else ())]
+    return md_table(columns, rows) + (f"\n\n{FLOOR_NOTE}" if floors else "")
 
 
 def runs_text(df: pd.DataFrame) -> str:
@@ -132,7 +137,7 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
         configs = list(df["config"]) if s.kind == COMPUTED else poros
         if not configs:
             continue
-        show = lambda c: s.show(s.value(c[s.name])) if c.get(s.name) is not None else s.show(s.default)  # noqa: E731
+        show = lambda c: setting_shown(s, c)  # noqa: E731
         if not s.report_default and all(show(c) == s.show(s.default) for c in configs):
             continue
         if s.kind == COMPUTED:  # a method that ran with its own value (a matrix's method_settings) is named

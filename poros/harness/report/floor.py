@@ -1,0 +1,77 @@
+"""How far a streamed step is from what bounds it from below, derived from saved rows alone.
+
+A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
+its own process measured it, poros/engine/link.py). Its compute floor is the fastest step of the same work with
+nothing streamed: resident QLoRA, resident_gc, or a plan that copies no bytes, of the same model, stack and
+computed settings (poros/settings.py), in the same run on the same GPU. That row may be written before or after
+the streamed one, so the floor is found here, when a page is rendered, not when a row is written.
+`floor_share` is the larger floor over the step's s/step: 100% is a step at its floor.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from poros.engine.method_info import REFERENCES, is_planned
+from poros.harness.report.format import DASH, num
+from poros.harness.report.rows import computed_key, run_of
+
+FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
+              "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
+              "the row's process; the compute floor the fastest step of the same model and computed settings with "
+              "nothing streamed (resident QLoRA, or a plan that copies nothing) in the same run on the same GPU, — "
+              "where none ran.")
+
+
+def streams_nothing(row: dict) -> bool:
+    """Whether a row's step computes with every weight on the device: a reference method (resident QLoRA and its
+    checkpointed form), or a plan that copied no bytes host->device. Unsloth computes other arithmetic."""
+    return row["method"] in REFERENCES or (is_planned(row["method"]) and num(row.get("bytes_h2d_per_step")) == 0)
+
+
+def _timed(row: dict) -> float | None:
+    """A row's s/step where it was timed (status ok, not a control) and is a positive number, else None."""
+    s = num(row.get("s_per_step_median"))
+    return s if row["status"] == "ok" and row.get("control") is not True and s and s > 0 else None
+
+
+def compute_floors(rows: list[dict]) -> dict[tuple, float]:
+    """The fastest s/step with nothing streamed per (run, computed settings) among `rows`."""
+    out: dict[tuple, float] = {}
+    for r in rows:
+        s = _timed(r)
+        if s is not None and streams_nothing(r):
+            key = (run_of(r), computed_key(r))
+            out[key] = min(s, out.get(key, s))
+    return out
+
+
+def with_floors(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with `compute_floor_s` (None where no step of the same work streamed nothing in the same run and GPU)
+    and `floor_share` (None where the row has no copy floor or no timing) for every row."""
+    rows = df.to_dict("records")
+    floors = compute_floors(rows)
+    compute, share = [], []
+    for r in rows:
+        copy, s = num(r.get("copy_floor_s")), _timed(r)
+        floor = floors.get((run_of(r), computed_key(r))) if copy is not None else None
+        compute.append(floor)
+        share.append(None if copy is None or s is None else max(copy, floor or 0.0) / s)
+    return df.assign(compute_floor_s=pd.Series(compute, index=df.index, dtype=object),
+                     floor_share=pd.Series(share, index=df.index, dtype=object))
+
+
+def probed(df: pd.DataFrame) -> bool:
+    """Whether any row carries a link probe (rows from before it was recorded carry none)."""
+    return "link_h2d_gbps" in df and any(num(v) is not None for v in df["link_h2d_gbps"])
+
+
+def floor_cells(row: dict) -> list[str]:
+    """Link, copy floor, compute floor and floor share as a page shows them, — for what a row lacks."""
+    link, copy = num(row.get("link_h2d_gbps")), num(row.get("copy_floor_s"))
+    compute, share = num(row.get("compute_floor_s")), num(row.get("floor_share"))
+    return [DASH if link is None else f"{link:.1f} GB/s", DASH if copy is None else f"{copy:.4f} s",
+            DASH if compute is None else f"{compute:.4f} s", DASH if share is None else f"{share * 100:.0f}%"]
+
+
+FLOOR_COLUMNS = ("Link (probe)", "Copy floor", "Compute floor", "Floor share")

@@ -1,0 +1,158 @@
+"""The floor share on report pages (poros/harness/report/floor.py): a streamed step's copy floor (its row's
+`copy_floor_s`) and compute floor (the fastest step of the same work with nothing streamed, same run, same GPU),
+from fixture rows with made-up numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from poros.cli import main
+from poros.harness.report import load_results, render_markdown
+from poros.harness.report.floor import FLOOR_COLUMNS, with_floors
+from tests.harness.test_report import assert_tables_well_formed, fixture_row, tables, write_jsonl
+from tests.harness.test_report_sweep import render, row, table
+
+LINK, COPY = 50.0, 0.79  # GB/s the probe found; the poros row's weight bytes over it, in seconds
+POROS_S, RESIDENT_S = 1.2345, 0.3456  # fixture_row's s/step of the two methods
+
+
+def probed(**kw) -> dict:
+    """The fixture poros row with a link probe and its copy floor."""
+    return fixture_row(**{"link_h2d_gbps": LINK, "copy_floor_s": COPY, **kw})
+
+
+def resident(**kw) -> dict:
+    return fixture_row(method="resident", **kw)
+
+
+def on_gpu(r: dict, uuid: str) -> dict:
+    return {**r, "provenance": {**r["provenance"], "gpus": [{**r["provenance"]["gpus"][0], "uuid": uuid}]}}
+
+
+def with_config(r: dict, **settings) -> dict:
+    return {**r, "config": {**r["config"], **settings}}
+
+
+def floors_of(tmp_path, rows) -> list[tuple]:
+    """(method, compute floor, floor share) of every row, as the report layer derives them."""
+    df = with_floors(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    return list(zip(df["method"], df["compute_floor_s"], df["floor_share"]))
+
+
+def time_rows(md: str) -> list[dict]:
+    """The rows of the matrix page's time table (the one with a Floor share column), by column name."""
+    (found,) = [t for t in tables(md) if "Copy hidden behind compute" in t[0]]
+    return [dict(zip(found[0], r)) for r in found[2:]]
+
+
+@pytest.mark.parametrize("resident_first", [False, True], ids=lambda f: f"resident_first={f}")
+def test_the_compute_floor_is_resident_of_the_same_run_and_gpu_whichever_row_comes_first(tmp_path, resident_first):
+    rows = [probed(), resident(), fixture_row(method="unsloth")]
+    if resident_first:
+        rows = rows[1:2] + rows[:1] + rows[2:]
+    assert dict((m, (c, s)) for m, c, s in floors_of(tmp_path, rows))["poros"] == (
+        RESIDENT_S, max(COPY, RESIDENT_S) / POROS_S)
+
+
+def test_the_larger_floor_counts(tmp_path):
+    """A copy floor below the compute floor: the share is the compute floor's."""
+    (poros,) = [x for x in floors_of(tmp_path, [probed(copy_floor_s=0.1), resident()]) if x[0] == "poros"]
+    assert poros == ("poros", RESIDENT_S, RESIDENT_S / POROS_S) and RESIDENT_S > 0.1
+
+
+def test_the_fastest_step_streaming_nothing_is_the_floor_and_unsloth_is_none(tmp_path):
+    """A plan that copies no bytes is the same work with nothing streamed: faster than resident, it is the floor.
+    Unsloth, faster still, computes other arithmetic and is not."""
+    kept = fixture_row(plan_name="100GB", bytes_h2d_per_step=0, s_per_step_median=0.3)
+    fast_unsloth = fixture_row(method="unsloth", s_per_step_median=0.01)
+    streamed = probed(plan_name="24GB")
+    got = {(m, c) for m, c, _ in floors_of(tmp_path, [streamed, kept, resident(), fast_unsloth])}
+    assert ("poros", 0.3) in got
+    # negative control: without the plan that streams nothing, resident is the floor again
+    got = {(m, c) for m, c, _ in floors_of(tmp_path, [streamed, resident(), fast_unsloth])}
+    assert ("poros", RESIDENT_S) in got
+
+
+@pytest.mark.parametrize("other", [
+    lambda r: on_gpu(r, "GPU-other-uuid"),
+    lambda r: {**r, "provenance": {**r["provenance"], "host": "other-host"}},
+    lambda r: {**r, "matrix": "other-matrix"},
+    lambda r: {**r, "run": "another run"},
+    lambda r: {**r, "stack": "torch 2.10.0+cu128 / transformers 5.5.0"},
+    lambda r: with_config(r, seq_len=1024),
+    lambda r: with_config(r, attention="fast"),
+    lambda r: with_config(r, compile=True),
+    lambda r: with_config(r, lora_compute="bf16"),
+    lambda r: with_config(r, loss_chunk=256),
+    lambda r: with_config(r, grad_accum=8),
+    lambda r: {**r, "model": "qwen3-32b"},
+    lambda r: {**r, "status": "failed", "s_per_step_median": None},
+    lambda r: {**r, "control": True},
+], ids=["other-gpu", "other-host", "other-matrix", "other-run", "other-stack", "other-seq-len", "other-attention",
+        "other-compile", "other-lora-compute", "other-loss-chunk", "other-grad-accum", "other-model", "not-timed",
+        "control"])
+def test_a_resident_row_of_other_work_or_another_run_or_gpu_is_not_the_floor(tmp_path, other):
+    """Negative control: the only resident row differs in one way; the poros row keeps its copy floor alone."""
+    got = floors_of(tmp_path, [probed(), other(resident())])
+    assert got[0] == ("poros", None, COPY / POROS_S)
+    # ... and the same rows with that resident row as it was pair up
+    assert floors_of(tmp_path, [probed(), resident()])[0] == ("poros", RESIDENT_S, COPY / POROS_S)
+
+
+def test_without_a_resident_row_the_share_is_the_copy_floors(tmp_path):
+    assert floors_of(tmp_path, [probed()]) == [("poros", None, COPY / POROS_S)]
+
+
+def test_rows_without_a_probe_get_no_floor(tmp_path):
+    """Rows from before the probe: no floor, no share, and the matrix page's time table keeps its columns."""
+    got = floors_of(tmp_path, [fixture_row(), resident()])
+    assert all(c is None and s is None for _, c, s in got)
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", [fixture_row(), resident()])))
+    assert_tables_well_formed(md)
+    assert "Floor share" not in md and list(time_rows(md)[0]) == [
+        "Model", "Stack", "Host→device per step", "Copy GB/s (weights)", "Copy hidden behind compute", "Tokens/s"]
+
+
+def test_the_matrix_page_shows_link_floors_and_share(tmp_path):
+    rows = [probed(), resident(), fixture_row(method="unsloth")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert_tables_well_formed(md)
+    (r,) = time_rows(md)
+    assert [r[c] for c in FLOOR_COLUMNS] == ["50.0 GB/s", "0.7900 s", "0.3456 s", f"{COPY / POROS_S * 100:.0f}%"]
+    assert r["Floor share"] == "64%"
+    assert "Floor share: the larger of a step's two floors over its s/step" in md
+
+
+def test_a_plan_without_a_probe_beside_one_with_it_reads_dashes(tmp_path):
+    rows = [probed(plan_name="streamed"), fixture_row(plan_name="24GB"), resident()]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert_tables_well_formed(md)
+    by_plan = {r["Model"]: r for r in time_rows(md)}
+    assert by_plan["qwen2.5-32b (plan streamed)"]["Floor share"] == "64%"
+    assert [by_plan["qwen2.5-32b (plan 24GB)"][c] for c in FLOOR_COLUMNS] == ["—"] * 4
+
+
+FLOOR_TABLE = ("Model", "GPUs", "GPU", "Seq", "Method / plan", "Schedule", "s/step", *FLOOR_COLUMNS)
+
+
+def test_the_sweep_page_lists_each_streamed_step_against_its_floors(tmp_path):
+    rows = [row(s=2.0, link_h2d_gbps=LINK, copy_floor_s=1.5), row("resident", s=0.5),
+            row(s=4.0, seq=4096, plan="long", link_h2d_gbps=LINK, copy_floor_s=1.5),  # no resident at 4096
+            row(s=3.0, uuids=("B",), link_h2d_gbps=LINK, copy_floor_s=1.5)]  # another GPU, no resident there
+    md = render(tmp_path, rows)
+    assert "## Against the floors" in md
+    got = [(r["Seq"], r["Method / plan"], r["GPU"], r["Compute floor"], r["Floor share"]) for r in table(md, FLOOR_TABLE)]
+    assert got == [("512", "poros streamed", "A", "0.5000 s", "75%"), ("4096", "poros long", "A", "—", "38%"),
+                   ("512", "poros streamed", "B", "—", "50%")]
+
+
+def test_a_sweep_page_without_probes_has_no_floor_section(tmp_path):
+    md = render(tmp_path, [row(), row("resident", s=0.5)])
+    assert "Against the floors" not in md and "Floor share" not in md
+
+
+def test_a_probe_that_is_not_a_number_is_a_one_line_error(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "r.jsonl", [probed(link_h2d_gbps="fast"), resident()])
+    assert main(["report", path, "-o", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path}:1: field link_h2d_gbps: expected a number or null" in err, err
