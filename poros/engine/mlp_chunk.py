@@ -8,10 +8,11 @@ chunk under non-reentrant checkpointing, so one chunk's intermediates are alive 
 are dropped as each chunk ends) and in the backward (each chunk recomputed just before its backward). The
 outputs are concatenated along the sequence.
 
-The MLP's matmuls then run on fewer rows, so the bits may differ from the unchunked MLP's (on the CPU they do
-not where a row's result does not depend on the row count: tests/engine/test_mlp_chunk.py). It is a setting of
-what is computed, shared by every method of a run: every method runs the same chunks through the same kernels,
-whether its layer runs eagerly, recomputed, compiled or from a layer template.
+The MLP's matmuls then run on fewer rows, and each LoRA weight gradient is summed chunk by chunk, so the bits
+differ from the unchunked MLP's (on the CPU each token's output and input gradient stay the same, the LoRA
+weight gradients do not: tests/engine/test_mlp_chunk.py). It is a setting of what is computed, shared by every
+method of a run: every method runs the same chunks through the same kernels, whether its layer runs eagerly,
+recomputed, compiled (the chunks' checkpoints traced into the layer's graph) or from a layer template.
 
 LoRA dropout (`lora_dropout`) draws each chunk's masks under keys of its own (the step and micro-batch of the
 chunk's first run, and the chunk's index), pinned for the chunk's recompute: poros may run that recompute on its
