@@ -27,6 +27,7 @@ from poros.errors import ConfigError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Attention
 from tests.capabilities import requires_bitsandbytes
+from tests.engine.test_graphs import stand_in_graphs
 from tests.plans import plan_request
 
 pytestmark = requires_bitsandbytes
@@ -48,7 +49,8 @@ def assert_pass(result, steps: int = STEPS) -> None:
 # --- every method with the same chunk is bitwise equal ----------------------------------------------------
 
 
-GATES = [(m, 48) for m in TINY] + [("tiny-qwen2", 32)] + [pytest.param(m, 32, marks=pytest.mark.slow) for m in TINY[1:]]
+GATES = [(m, 48) for m in TINY] + [("tiny-qwen2", 32)] + [
+    pytest.param(m, 32, marks=pytest.mark.slow) for m in TINY[1:]]
 
 
 @pytest.mark.parametrize("model,chunk", GATES, ids=lambda v: f"model={v}" if isinstance(v, str) else f"mlp_chunk={v}")
@@ -81,33 +83,46 @@ def test_resident_gc_equals_resident_with_dropout(stores):
                        method=Method.RESIDENT_GC))
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
-def test_layer_templates_equal_resident(stores, keep):
-    """Layer templates (run eagerly, as without capture) run their own copies of the layers, chunked; with
-    kept activations the resident layers run the MLP's chunks with autograd and keep their checkpoints."""
+@pytest.mark.parametrize("capture,keep", [
+    pytest.param(False, False, id="templates=eager"), pytest.param(True, False, id="templates=stand-in-graphs"),
+    pytest.param(True, True, id="templates=stand-in-graphs-kept"),
+    pytest.param(False, True, id="templates=eager-kept", marks=pytest.mark.slow)])
+def test_layer_templates_equal_resident(stores, monkeypatch, capture, keep):
+    """Layer templates run their own copies of the layers, chunked: eagerly (as without capture), or on the
+    capture path with CPU stand-ins for the CUDA graph API (each template captured once, then replayed; a kept
+    template's backward replay is a second backward over its retained autograd graph, which recomputes the
+    chunks again). With kept activations the resident layers run the chunks with autograd and keep only their
+    checkpoints."""
+    if capture:
+        stand_in_graphs(monkeypatch)
     store = stores("tiny-qwen3")
     cfg = config("tiny-qwen3", mlp_chunk=48, keep_activations=keep)
     plan = build_plan(geometry_of_store(store, cfg), plan_request(cfg, block_size=2, resident_layers=2 if keep else 0))
     poros = PorosTrainer(store, cfg, plan=plan)
-    poros.use_layer_templates(capture=False)
+    poros.use_layer_templates(capture=capture)
     assert_pass(run_gate(ResidentTrainer(store, cfg), poros, STEPS))
     c = poros.counters()
-    assert c["template_fallbacks"] == 0 and c["layer_templates"] + c["kept_templates"] > 0
-    assert len(plan.kept_layers) == (2 if keep else 0)
+    assert c["template_fallbacks"] == 0 and c["capture_errors"] == 0 and c["layer_templates"] > 0
+    assert c["kept_templates"] == (2 * cfg.grad_accum if keep else 0)
+    assert c["graphs_captured"] == (c["layer_templates"] + c["forward_templates"] + c["kept_templates"]
+                                    if capture else 0)
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_compile_caches")
-@pytest.mark.parametrize("templates", [False, True], ids=["eager", "templates"])
-def test_compiled_poros_equals_compiled_resident(stores, templates):
+@pytest.mark.parametrize("side", ["poros", "poros-templates", "resident_gc"], ids=lambda s: f"method={s}")
+def test_compiled_methods_equal_compiled_resident(stores, side):
     """Compiled layers trace the chunks' checkpoints into their graphs (torch.compile's activation
     checkpointing); every method compiles the same layers, so the bits agree."""
     store = stores("tiny-qwen2")
     cfg = config("tiny-qwen2", mlp_chunk=48, compile=True)
-    poros = PorosTrainer(store, cfg)
-    if templates:
-        poros.use_layer_templates(capture=False)
-    assert_pass(run_gate(ResidentTrainer(store, cfg), poros, 2), steps=2)
+    if side == "resident_gc":
+        other = make_trainer(Method.RESIDENT_GC, store, cfg)
+    else:
+        other = PorosTrainer(store, cfg)
+        if side == "poros-templates":
+            other.use_layer_templates(capture=False)
+    assert_pass(run_gate(ResidentTrainer(store, cfg), other, 2), steps=2)
 
 
 # --- negative controls: the gate sees a side that chunks otherwise ----------------------------------------
