@@ -353,6 +353,11 @@ SETTINGS: tuple[Setting, ...] = (
             "tokens per chunk of the head: one chunk's logits at a time, recomputed in backward, never the whole "
             "sequence's (the model's loss reduction, bitwise its loss on the CPU; every method alike)",
             "Loss chunk (tokens)", metavar="TOKENS", default_help="none: the model's own head"),
+    Setting("mlp_chunk", None, COMPUTED, optional_positive_int,
+            "tokens per chunk of every decoder layer's MLP: one chunk's intermediate activations at a time, each "
+            "chunk recomputed in backward (every method alike; the MLP's matmuls run on fewer rows, so its bits "
+            "may differ from the whole sequence's)", "MLP chunk (tokens)", metavar="TOKENS",
+            default_help="none: the whole sequence at once", report_default=False),
     # Off by default: a double-quantized store holds other absmax values (bitsandbytes expands the nested
     # absmax to float32 before each use, which differs slightly from the original), so the weights and every
     # result bit differ from a plain store's; off keeps results comparable with runs recorded without it.

@@ -5,11 +5,17 @@ runs a layer's forward twice (without autograd, then again in backward) and resi
 masks drawn that way differ between the two runs and between a forward and its recompute. A
 `KeyedDropout` draws its mask from a generator seeded by (seed, optimizer step, micro-batch, module):
 every call with the same keys draws the same mask, on whatever schedule the call comes.
+
+Where a recompute runs inside a backward (`mlp_chunk`'s checkpointed chunks), on poros's backward thread while
+its own thread moves the keys on, the chunk pins the keys it first ran under (`DropoutKeys.pinned`): for the
+thread that runs it, until it returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 
 import torch
 from torch import nn
@@ -24,8 +30,27 @@ class DropoutKeys:
         self.enabled = True  # off: identity (an eval pass)
 
     def generator_seed(self, module: int) -> int:
-        text = f"poros-lora-dropout:{self.seed}:{self.step}:{self.micro}:{module}".encode()
-        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+        pin = getattr(_PINNED, "keys", None)
+        if pin is not None and pin[0] is self:
+            _, step, micro, chunk = pin
+            text = f"poros-lora-dropout:{self.seed}:{step}:{micro}:{module}:chunk{chunk}"
+        else:
+            text = f"poros-lora-dropout:{self.seed}:{self.step}:{self.micro}:{module}"
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+    @contextlib.contextmanager
+    def pinned(self, step: int, micro: int, chunk: int):
+        """While inside, on this thread, masks are drawn under `step` and `micro` (not the keys' current ones)
+        and chunk `chunk` of a module's input (each chunk its own masks)."""
+        before = getattr(_PINNED, "keys", None)
+        _PINNED.keys = (self, step, micro, chunk)
+        try:
+            yield
+        finally:
+            _PINNED.keys = before
+
+
+_PINNED = threading.local()  # (keys, step, micro, chunk) pinned on this thread (`DropoutKeys.pinned`)
 
 
 class KeyedDropout(nn.Module):

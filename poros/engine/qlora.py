@@ -11,6 +11,7 @@ from poros.config import LoRACompute, TrainConfig
 from poros.engine.dropout import DropoutKeys, key_lora_dropout
 from poros.engine.head import use_chunked_loss
 from poros.engine.lora_compute import lora_in_activation_dtype
+from poros.engine.mlp_chunk import use_chunked_mlp
 from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
 from poros.store.arena import NF4Store, SlotTensors, slot_tensors
@@ -107,8 +108,9 @@ class QLoRAModel:
         self.code = store.code.to(self.device)
         self.nested_code = None if store.nested_code is None else store.nested_code.to(self.device)
         if cfg.loss_chunk is not None:  # before the LoRA wrapper, which calls the model's forward
-
             use_chunked_loss(model, cfg.loss_chunk)
+        if cfg.mlp_chunk is not None:  # the MLP modules' forward: their LoRA layers, added later, run inside it
+            use_chunked_mlp(self.layers, cfg.mlp_chunk)
         self.hf = model
         self.dropout_keys = DropoutKeys(cfg.seed)  # what the LoRA dropout masks are drawn from (lora_dropout > 0)
 

@@ -397,6 +397,17 @@ def test_distinct_schedules_share_one_configuration_cell(tmp_path):
     assert cell == "4"
 
 
+def test_the_mlp_chunk_row_shows_where_a_run_chunked(tmp_path):
+    """`mlp_chunk` labels its configuration row only where a run set it (pages of earlier rows stay as they are)."""
+    plain = [fixture_row(method=m) for m in ("poros", "resident")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "plain.jsonl", plain)))
+    assert not table_rows(md, "MLP chunk (tokens)", ncols=2)
+    config = {**fixture_row()["config"], "mlp_chunk": 4096}
+    chunked = [fixture_row(method=m, config=config) for m in ("poros", "resident")]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "chunked.jsonl", chunked)))
+    assert [r[1] for r in table_rows(md, "MLP chunk (tokens)", ncols=2)] == ["4096"]
+
+
 def test_cpu_report_leaves_out_device_memory_and_copies(tmp_path):
     rows = [{**cpu_row(method=m), "per_pass_s": [1.0, 1.0]} for m in ("poros", "resident")]
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))

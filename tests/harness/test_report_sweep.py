@@ -73,6 +73,14 @@ def test_the_baseline_is_keyed_by_length_accumulation_and_gpus(tmp_path):
     assert vs_resident(render(tmp_path, rows))[3:] == ["1.50×", "1.50×", "1.50×", "—", "—"]
 
 
+def test_the_baseline_is_keyed_by_the_chunks(tmp_path):
+    """A row with mlp_chunk is compared with the reference of the same chunk, and with none where it has none."""
+    chunked = {"config": {"mlp_chunk": 4096}}
+    rows = [row("resident", s=1.0), row("resident", s=2.0, **chunked), row(s=3.0, **chunked), row(s=3.0),
+            row(s=3.0, config={"mlp_chunk": 1024})]
+    assert vs_resident(render(tmp_path, rows)) == ["1.00×", "1.00×", "1.50×", "3.00×", "—"]
+
+
 def test_a_data_parallel_row_is_not_compared_with_a_one_gpu_reference(tmp_path):
     """Negative control of the key: without the two-GPU reference there is no ratio."""
     assert vs_resident(render(tmp_path, [row("resident", s=1.0), row(s=3.0, gpus=2)])) == ["1.00×", "—"]

@@ -178,12 +178,20 @@ def graph_pool_bytes(layer_transient: int, compiled: bool) -> int:
     return -(-layer_transient * (GRAPH_POOL_PER_LAYER_COMPILED if compiled else GRAPH_POOL_PER_LAYER) // 100)
 
 
+def mlp_intermediate_bytes(geo: Geometry, tokens: int, batch: int, mlp_chunk: int | None = None) -> int:
+    """The MLP intermediates alive at once in a layer's recompute + backward: `tokens`' (one micro-batch's), or
+    with `mlp_chunk` one chunk's (`mlp_chunk` tokens of each of the `batch` sequences: poros/engine/mlp_chunk.py)."""
+    return (min(tokens, mlp_chunk * batch) if mlp_chunk else tokens) * ACT_INTERMEDIATE * geo.intermediate
+
+
 def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention, overlap: bool,
-                    loss_chunk: int | None = None, deterministic: bool = False) -> tuple[int, int]:
+                    loss_chunk: int | None = None, deterministic: bool = False,
+                    mlp_chunk: int | None = None) -> tuple[int, int]:
     """(head, layers): peak bytes the head and the layer backward hold beyond what persists (the head's
-    logits `loss_chunk` tokens at a time when it is set)."""
+    logits `loss_chunk` tokens at a time when it is set, the MLP's intermediates `mlp_chunk` tokens at a time)."""
     tokens = seq_len * batch
-    layer = (tokens * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + 2 * geo.max_linear
+    layer = (tokens * ACT_HIDDEN * geo.hidden + mlp_intermediate_bytes(geo, tokens, batch, mlp_chunk)
+             + 2 * geo.max_linear
              + (ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention is Attention.MATH else 0)
              + fused_backward_bytes(geo, seq_len, batch, attention, deterministic))
     head = (min(tokens, loss_chunk * batch) if loss_chunk else tokens) * HEAD_LOGITS * geo.vocab
@@ -200,19 +208,27 @@ def attention_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
     return seq_len * batch * geo.q_width * 2 + batch * geo.heads * rows * 4
 
 
-def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention) -> int:
-    """What one layer's forward with autograd keeps for its backward, one micro-batch."""
-    return seq_len * batch * (ACT_HIDDEN * geo.hidden + ACT_INTERMEDIATE * geo.intermediate) + (
+def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention,
+                           mlp_chunk: int | None = None) -> int:
+    """What one layer's forward with autograd keeps for its backward, one micro-batch. A chunked MLP
+    (`mlp_chunk`) keeps none of its intermediates (its checkpointed chunks keep their inputs, views of the
+    MLP's input): the backward recomputes one chunk's at a time, which `transient_bytes` counts."""
+    tokens = seq_len * batch
+    return tokens * ACT_HIDDEN * geo.hidden + (0 if mlp_chunk else mlp_intermediate_bytes(geo, tokens, batch)) + (
         ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention is Attention.MATH else 0)
 
 
 def resident_memory(geo: Geometry, cfg: TrainConfig) -> int:
-    """Predicted peak of resident QLoRA on `cfg`'s settings (every weight on the device, every activation kept)."""
+    """Predicted peak of resident QLoRA on `cfg`'s settings (every weight on the device, every activation kept;
+    the head's logits and a chunked MLP's intermediates one chunk at a time where `cfg` chunks them)."""
     head_t, _ = transient_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, overlap=False,
-                                deterministic=cfg.deterministic)
-    per_layer = layer_activation_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention)
+                                loss_chunk=cfg.loss_chunk, deterministic=cfg.deterministic)
+    per_layer = layer_activation_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, cfg.mlp_chunk)
+    # a layer's backward: its dequantized weight, and with a chunked MLP the chunk it recomputes
+    backward = 2 * geo.max_linear + (mlp_intermediate_bytes(geo, cfg.seq_len * cfg.batch_size, cfg.batch_size,
+                                                            cfg.mlp_chunk) if cfg.mlp_chunk else 0)
     return (geo.layer_ends[-1] + 2 * geo.head_bytes + lora_bytes(geo, cfg.lora_rank) + geo.dense_device_bytes
-            + geo.n_layers * per_layer + max(head_t, 2 * geo.max_linear))
+            + geo.n_layers * per_layer + max(head_t, backward))
 
 
 AUTO_HEADROOM = 0.02  # share of the device's memory `vram_budget: auto` leaves free (others' growth, the driver's)

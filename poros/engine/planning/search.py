@@ -244,7 +244,8 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     # any GPU that streams weights.
     window = block * live
     saved = (window + live) * one_saved if offload_inputs else n * live * one_saved
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, c.loss_chunk, c.deterministic)
+    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, c.loss_chunk, c.deterministic,
+                                      c.mlp_chunk)
     kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
@@ -258,7 +259,7 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         templates=((resident_layers - len(kept)) * template_bytes(geo, c.lora_rank)
                    + len(kept) * live * (template_bytes(geo, c.lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
-        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention),
+        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention, c.mlp_chunk),
         graph_pool=graph_pool_bytes(layer_t, c.compile) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
