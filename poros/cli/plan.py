@@ -5,12 +5,14 @@ from __future__ import annotations
 from poros.cli.parity import train_config
 from poros.engine.planning.geometry import Geometry
 from poros.errors import CapabilityError
+from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.memory import resident_memory
 from poros.engine.planning.plan import describe
 from poros.engine.planning.search import make_plan
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.settings import add_arguments
+from poros.store.host_memory import available_host_memory
 
 EPILOG = """examples:
   poros plan --model qwen2.5-72b
@@ -19,15 +21,19 @@ EPILOG = """examples:
   poros plan --model qwen2.5-72b --double-quant            # absmax quantized again: fewer bytes per step
   poros plan --model ./my-checkpoint --seq-len 4096      # config.json alone suffices
   poros plan --model qwen2.5-72b --gpus 2 --shard-stream  # bytes each rank copies and gathers
+  poros plan --model qwen2.5-72b --seq-len 32768 --loss-chunk 4096 --vram-budget 40GB --host-budget 110GB
+      # saved inputs split: the last layers' on the device, the rest in host memory within 110 GB
 
 Prints which layers stream and which stay resident, the bytes copied host->device per optimizer
 step and the predicted peak device memory of the process by part: the allocator's tensors, the CUDA
 graphs' pool, the allocator's reserve, the CUDA context and (several ranks) NCCL's buffers. A budget
 holds that total, what nvidia-smi shows for the process. --json prints one object (keys include
 h2d_bytes_per_step, gathered_bytes_per_step, process_vram_bytes, peak_vram_bytes (the tensors alone),
-memory (the parts), resident_layers, streamed_layers, block_size; with --gpus N --shard-stream the bytes
-and the memory are each rank's). A budget below the smallest plan is refused, naming the smallest budget
-that would work. The plan is for a CUDA device unless --device cpu.
+memory (the parts), resident_layers, streamed_layers, block_size, host_inputs (the layers whose saved
+inputs go through host memory), host_bytes (the NF4 store and those inputs); with --gpus N --shard-stream the
+bytes and the memory are each rank's). A budget below the smallest plan is refused, naming the smallest budget
+that would work, and so is a plan whose host memory exceeds --host-budget (auto: what this machine has
+available, from /proc/meminfo). The plan is for a CUDA device unless --device cpu.
 """
 
 
@@ -65,7 +71,8 @@ def run(args) -> int:
             raise CapabilityError("--vram-budget auto measures the free memory of this machine's CUDA GPU, and torch "
                                   "finds none here; give the budget as a size, e.g. --vram-budget 24GB")
         device = device_memory(torch.device("cuda"))
-    plan = make_plan(geo, cfg, device)
+    available = available_host_memory()  # `host_budget: auto`: this machine's, the store not built yet
+    plan = make_plan(geo, cfg, device, host=None if available is None else HostMemory(available))
     resident = resident_memory(geo, cfg)
     if args.json:
         print(json.dumps({**plan.summary(), "resident_qlora_peak_vram_bytes": resident}))
