@@ -36,24 +36,26 @@ class HostSaved:
     def scope(self, model: torch.nn.Module):
         """Tensors autograd saves inside go to host memory, the tensors of `model`'s own weights excepted."""
         own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-
-        def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() in own or t.is_sparse or not _dense(t):
-                return t
-            host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
-            host.copy_(t)
-            self.bytes_d2h += t.numel() * t.element_size()
-            return t.device, host
-
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            device, host = packed
-            self.bytes_h2d += host.numel() * host.element_size()
-            return host.to(device, non_blocking=self.pin, copy=True)
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, own), self.unpack):
             yield
+
+    def pack(self, t: torch.Tensor, own: set):
+        """`t` copied to host memory, with its device; `t` itself where it stays (a weight in `own`, a layout a
+        copy would not keep)."""
+        if t.untyped_storage().data_ptr() in own or t.is_sparse or not _dense(t):
+            return t
+        host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
+        host.copy_(t)
+        self.bytes_d2h += t.numel() * t.element_size()
+        return t.device, host
+
+    def unpack(self, packed) -> torch.Tensor:
+        """What `pack` kept, on its device again."""
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        self.bytes_h2d += host.numel() * host.element_size()
+        return host.to(device, non_blocking=self.pin, copy=True)
 
     def counters(self) -> dict:
         """The bytes that went to host memory and back since the last call."""
