@@ -19,7 +19,7 @@ from poros.engine.planning.search import PlanRequest, build_plan, make_plan, pla
 from poros.errors import BudgetError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Accumulation
-from poros.store.host_memory import MEMORY_HEADROOM
+from poros.store.host_memory import MEMORY_HEADROOM, store_bytes
 from poros.store.layout import align
 from tests.plans import plan_request
 
@@ -108,7 +108,7 @@ def test_every_split_keeps_the_rules_and_its_memory(resident, block, accum, orde
     assert plan.host_inputs == tuple(recomputed[: max(0, len(recomputed) - k)])
     keys = [(i, m) for i in plan.host_inputs for m in range(accum)]
     assert moves(plan, P.OFFLOAD) == moves(plan, P.FETCH) == keys
-    assert {op.buffer for op in plan.step if op.kind == P.OFFLOAD} == set(range(plan.host_slots)) if keys else True
+    assert {op.buffer for op in plan.step if op.kind == P.OFFLOAD} == set(range(plan.host_slots))
     assert device_held_peak(plan) * plan.input_bytes <= plan.memory.saved_inputs
 
 
@@ -234,3 +234,24 @@ def test_a_budget_keeps_as_many_inputs_on_the_device_as_fit_and_the_host_the_res
     with pytest.raises(BudgetError, match=r"vram_budget 40 GB is below .*; host_budget [0-9.]+ GB holds the saved "
                                           r"inputs of 9 of 80 layers beside the NF4 store \(44.48 GB\), the device the rest$"):
         plan_for_budget(q72, plan_request(**kw, host_budget=loose.store_bytes + 5 * GB))
+
+
+def test_poros_plan_prints_the_split_and_refuses_a_host_that_cannot_hold_it(capsys):
+    import json
+
+    from poros.cli import main
+    from tests.fixtures import one_line_refusal
+
+    argv = ["plan", "--model", "qwen2.5-72b", "--seq-len", "16384", "--offload-inputs"]
+    assert main([*argv, "--device-inputs", "30", "--host-budget", "100GB"]) == 0
+    out = capsys.readouterr().out
+    assert "saved layer inputs: device for layers 50-79 (30), host memory for 0-49 (50)" in out, out
+    assert "host memory: NF4 store 44.48 GB + saved inputs 13.42 GB (50 slots, page-locked) = 57.90 GB " \
+           "(host budget 100 GB)" in out, out
+    assert main([*argv, "--device-inputs", "30", "--host-budget", "100GB", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["host_inputs"] == list(range(50)) and summary["device_inputs"] == 30
+    store = store_bytes(resolve("qwen2.5-72b").config)  # what a build's host check counts for the store
+    assert summary["host_bytes"] == store + 50 * 16384 * 8192 * 2 and summary["host_budget"] == 100 * GB
+    one_line_refusal(capsys, main([*argv, "--host-budget", "60GB"]), "80 layers in host memory",
+                     "more than host_budget 60 GB")
