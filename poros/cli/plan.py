@@ -8,7 +8,7 @@ from poros.errors import CapabilityError
 from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.memory import resident_memory
 from poros.engine.planning.plan import describe
-from poros.engine.planning.search import make_plan
+from poros.engine.planning.budget import make_plan
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.settings import add_arguments
@@ -32,8 +32,9 @@ h2d_bytes_per_step, gathered_bytes_per_step, process_vram_bytes, peak_vram_bytes
 memory (the parts), resident_layers, streamed_layers, block_size, host_inputs (the layers whose saved
 inputs go through host memory), host_bytes (the NF4 store and those inputs); with --gpus N --shard-stream the
 bytes and the memory are each rank's). A budget below the smallest plan is refused, naming the smallest budget
-that would work, and so is a plan whose host memory exceeds --host-budget (auto: what this machine has
-available, from /proc/meminfo). The plan is for a CUDA device unless --device cpu.
+that would work, and so is a plan whose saved inputs in host memory, beside the NF4 store, exceed
+--host-budget (auto: what this machine has available, from /proc/meminfo, where it has a CUDA GPU to run the
+plan; elsewhere unchecked unless given). The plan is for a CUDA device unless --device cpu.
 """
 
 
@@ -49,6 +50,12 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan's summary as one JSON object")
     p.add_argument("--ops", action="store_true", help="also list the operations of one optimizer step")
     p.set_defaults(run=run)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run(args) -> int:
@@ -71,8 +78,11 @@ def run(args) -> int:
             raise CapabilityError("--vram-budget auto measures the free memory of this machine's CUDA GPU, and torch "
                                   "finds none here; give the budget as a size, e.g. --vram-budget 24GB")
         device = device_memory(torch.device("cuda"))
-    available = available_host_memory()  # `host_budget: auto`: this machine's, the store not built yet
-    plan = make_plan(geo, cfg, device, host=None if available is None else HostMemory(available))
+    host = None
+    if cfg.host_budget == "auto" and cfg.device.value == "cuda" and _has_cuda():  # this machine runs it: its memory
+        available = available_host_memory()  # the store not built yet
+        host = None if available is None else HostMemory(available)
+    plan = make_plan(geo, cfg, device, host=host)
     resident = resident_memory(geo, cfg)
     if args.json:
         print(json.dumps({**plan.summary(), "resident_qlora_peak_vram_bytes": resident}))

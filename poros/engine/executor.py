@@ -45,7 +45,7 @@ from poros.engine import kept_attention
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
 from poros.engine.planning.inputs import HostMemory
-from poros.engine.planning.search import make_plan
+from poros.engine.planning.budget import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
 from poros.engine.saved_inputs import SavedInputs

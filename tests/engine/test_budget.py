@@ -31,7 +31,8 @@ from poros.engine.planning.memory import (
     auto_budget,
     transient_bytes,
 )
-from poros.engine.planning.search import PlanRequest, build_plan, make_plan, plan_for_budget
+from poros.engine.planning.search import PlanRequest, build_plan
+from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.errors import BudgetError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Attention

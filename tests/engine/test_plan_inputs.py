@@ -15,7 +15,8 @@ from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.inputs import HostMemory, host_budget, input_ops
 from poros.engine.planning.rules import check
-from poros.engine.planning.search import PlanRequest, build_plan, make_plan, plan_for_budget
+from poros.engine.planning.search import PlanRequest, build_plan
+from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.errors import BudgetError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Accumulation
@@ -214,6 +215,8 @@ def test_a_plan_beyond_the_host_budget_is_refused_in_one_line(q72):
     text = str(refused.value)
     assert "\n" not in text and "80 layers in host memory (21.47 GB)" in text and "more than host_budget 60 GB" in text
     assert make_plan(q72, TrainConfig(**kw, device_inputs=30, host_budget="60GB")).host_bytes <= 60 * GB
+    # the store alone is the build's to check (poros/store/host_memory.py): a plan with nothing in host memory passes
+    assert not make_plan(q72, TrainConfig(**{**kw, "offload_inputs": False}, host_budget="10GB")).host_inputs
 
 
 def test_a_budget_keeps_as_many_inputs_on_the_device_as_fit_and_the_host_the_rest(q72):

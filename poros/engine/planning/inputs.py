@@ -114,11 +114,13 @@ def input_ops(step: list[Op], host: tuple[int, ...], live: int, window: int) -> 
 
 
 def host_refusal(plan, what: str) -> str | None:
-    """The one-line refusal of a plan (`what` names it) whose host memory exceeds its host budget; None when it fits."""
+    """The one-line refusal of a plan (`what` names it) that keeps saved inputs in host memory beyond its host
+    budget; None when it fits, or keeps none there (the store alone is the build's to check:
+    poros/store/host_memory.py)."""
     from poros.engine.planning.memory import gb
     from poros.settings import format_size
 
-    if plan.host_budget is None or plan.host_bytes <= plan.host_budget:
+    if plan.host_budget is None or not plan.host_inputs or plan.host_bytes <= plan.host_budget:
         return None
     return (f"{what} keeps the saved inputs of {len(plan.host_inputs)} layers in host memory ({gb(plan.host_input_bytes)}) "
             f"beside the NF4 store ({gb(plan.store_bytes)}): {gb(plan.host_bytes)}, more than host_budget "
