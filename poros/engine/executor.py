@@ -44,17 +44,15 @@ from poros.engine.graphs import LayerTemplates
 from poros.engine import kept_attention
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
-from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.budget import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.saved_inputs import SavedInputs
+from poros.engine.saved_inputs import SavedInputs, host_memory
 from poros.engine.compiling import backward_keeps_saved_tensors, compile_layers
 from poros.engine.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
 from poros.settings import format_size
 from poros.store.arena import slot_tensors
-from poros.store.host_memory import available_host_memory
 
 
 class _Captured(Exception):
@@ -217,8 +215,7 @@ class PorosTrainer(Trainer):
     def _plan_for_device(self) -> P.Plan:
         device = device_memory(self.device) if self.device.type == "cuda" else None
         geo = geometry_of_store(self.store, self.cfg)
-        available = available_host_memory()  # the store is built: what the host has left, and the store itself
-        host = None if available is None else HostMemory(available, held=geo.store_bytes)
+        host = host_memory(self.cfg, self.world, geo.store_bytes)  # the store built: what the host has left, and it
         return make_plan(geo, self.cfg, device, ranks=self.world.size, host=host)
 
     def _shared_stream(self) -> None:

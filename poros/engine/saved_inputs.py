@@ -16,11 +16,16 @@ weight copy enqueued after it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from poros.engine.distributed import World, largest
 from poros.engine.planning import plan as P
+from poros.engine.planning.inputs import HostMemory
 from poros.errors import CapabilityError, PinningError
 from poros.store.arena import memlock_limit, pin_in_place
+from poros.store.host_memory import available_host_memory
 from poros.store.layout import align
 
 
@@ -186,3 +191,17 @@ class SavedInputs:
         self.emptied.clear()
         if self.arena is not None:
             self.arena.release()
+
+
+def host_memory(cfg, world: World, store_bytes: int) -> HostMemory | None:
+    """This host's memory as `host_budget: auto` plans with it (None: unmeasured), once the store (`store_bytes`)
+    is built: what the host has left, and the store. Data-parallel ranks share their host's memory and one store
+    (poros.engine.distributed `share_store`): each plans for its share (of its host's ranks) of the least any
+    rank found, so that every rank makes the same plan."""
+    if cfg.host_budget != "auto" or cfg.device.value != "cuda":
+        return None
+    available = available_host_memory()
+    if world.distributed:
+        least = -largest(-(math.inf if available is None else float(available)), world)
+        available = None if math.isinf(least) else int(least) // world.local_size
+    return None if available is None else HostMemory(available, held=store_bytes)

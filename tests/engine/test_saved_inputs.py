@@ -139,3 +139,24 @@ def test_the_arena_lays_tensors_out_as_planned():
     assert views[0].data_ptr() - arena.bytes.data_ptr() == 1024 and views[1].data_ptr() - views[0].data_ptr() == 256
     with pytest.raises(CapabilityError, match="does not fit its host slot"):
         arena.views(0, (torch.zeros(300, dtype=torch.float32),))
+
+
+def test_host_memory_is_measured_for_cuda_runs_and_shared_among_a_hosts_ranks(monkeypatch):
+    """`host_budget: auto` on CUDA: what the host has left and the built store; data-parallel ranks each plan
+    for their share of the least any rank found (the same plan on every rank); a size, or the CPU, measures
+    nothing."""
+    from poros.engine import saved_inputs
+    from poros.engine.distributed import World
+    from poros.engine.planning.inputs import HostMemory
+
+    monkeypatch.setattr(saved_inputs, "available_host_memory", lambda: 100 * 10**9)
+    cuda = TrainConfig(model="m", device="cuda")
+    assert saved_inputs.host_memory(cuda, World(), 40) == HostMemory(100 * 10**9, held=40)
+    assert saved_inputs.host_memory(cuda.replace(host_budget="90GB"), World(), 40) is None
+    assert saved_inputs.host_memory(TrainConfig(model="m"), World(), 40) is None
+    seen = []
+    monkeypatch.setattr(saved_inputs, "largest", lambda v, world: seen.append(v) or max(v, -80e9))  # another rank: 80 GB
+    two = World(rank=1, size=2, local_rank=1, local_size=2)
+    assert saved_inputs.host_memory(cuda, two, 40) == HostMemory(40 * 10**9, held=40) and seen == [-100e9]
+    monkeypatch.setattr(saved_inputs, "available_host_memory", lambda: None)  # this rank cannot read /proc/meminfo
+    assert saved_inputs.host_memory(cuda, two, 40) == HostMemory(40 * 10**9, held=40)

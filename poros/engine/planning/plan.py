@@ -1,9 +1,10 @@
 """A plan as data: where every decoder layer's NF4 bytes live on the device (a resident region, loaded
-once, or a streamed group that takes turns in a rotating buffer), and the ordered operations of one
-optimizer step: load a group into its buffer, forward a layer for a micro-batch, the head, recompute
-and backward a layer, release a buffer, and for a saved input the plan keeps in host memory, its copy out
-(offload) and back (fetch) through a slot of the host's saved-input arena. The executor (poros/engine/executor.py) runs any plan and derives
-every stream ordering from it; `describe` is its text in `poros plan`."""
+once, or a streamed group that takes turns in a rotating buffer), where each layer's saved input lives
+(the device, or host memory), and the ordered operations of one optimizer step: load a group into its
+buffer, forward a layer for a micro-batch, the head, recompute and backward a layer, release a buffer, and
+for a saved input in host memory its copy out (offload) and back (fetch) through its slot of the host
+arena. The executor (poros/engine/executor.py) runs any plan and derives every stream ordering from it;
+`describe` is its text in `poros plan`."""
 
 from __future__ import annotations
 
@@ -128,10 +129,6 @@ class Plan:
     def host_slots(self) -> int:
         """Slots of the host's saved-input arena: one per host-held layer and live micro-batch."""
         return len(self.host_inputs) * self.live_inputs
-
-    def input_slot_of(self, layer: int, micro: int) -> int:
-        """The slot of `layer`'s saved input for `micro` (a layer in `host_inputs`)."""
-        return self.host_inputs.index(layer) * self.live_inputs + micro % self.live_inputs
 
     @property
     def host_input_bytes(self) -> int:
