@@ -124,5 +124,5 @@ def host_refusal(plan, what: str) -> str | None:
         return None
     return (f"{what} keeps the saved inputs of {len(plan.host_inputs)} layers in host memory ({gb(plan.host_input_bytes)}) "
             f"beside the NF4 store ({gb(plan.store_bytes)}): {gb(plan.host_bytes)}, more than host_budget "
-            f"{format_size(plan.host_budget)} allows; give --device-inputs N for more of them on the device, a larger "
-            "--vram-budget, a shorter --seq-len, or a --host-budget this machine has")
+            f"{format_size(plan.host_budget)} allows; keep more of them on the device (--offload-inputs --device-inputs "
+            "N, or a larger --vram-budget), use a shorter --seq-len, or give a --host-budget this machine has")
