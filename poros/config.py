@@ -31,6 +31,7 @@ class Method(str, enum.Enum):
     POROS = "poros"  # NF4 store in host memory, streamed onto the device by a plan
     RESIDENT = "resident"  # ordinary QLoRA: the whole NF4 model on the device
     RESIDENT_GC = "resident_gc"  # resident QLoRA with gradient checkpointing per decoder layer (long context)
+    RESIDENT_GC_OFFLOAD = "resident_gc_offload"  # resident_gc, its checkpointed layer inputs in host memory
     UNSLOTH = "unsloth"  # Unsloth's FastLanguageModel, as users run it (GPU only)
 
 
@@ -81,6 +82,10 @@ def _combination_problems(cfg: TrainConfig, valid: Callable[..., bool]) -> list[
     if valid("kept_layers", "keep_activations") and cfg.kept_layers is not None and not cfg.keep_activations:
         problems.append(f"kept_layers: counts the resident layers that keep their activations, so it needs "
                         f"keep_activations; got kept_layers={cfg.kept_layers} without it")
+    if valid("device_inputs", "offload_inputs") and cfg.device_inputs is not None and not cfg.offload_inputs:
+        problems.append(f"device_inputs: counts the layers whose saved inputs stay on the device while the others "
+                        f"go through host memory, so it needs offload_inputs; got device_inputs={cfg.device_inputs} "
+                        "without it")
     if valid("cuda_graphs", "device") and cfg.cuda_graphs and cfg.device is not Device.CUDA:
         problems.append(f"cuda_graphs: needs device cuda, got {cfg.device.value!r}")
     if valid("shard_stream", "gpus") and cfg.shard_stream and cfg.gpus < 2:

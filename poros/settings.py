@@ -242,6 +242,18 @@ def optional_size(v):
 
 
 @returns(int | None)
+def optional_count(v):
+    """An integer >= 0, or none."""
+    if v is None or v == "none":
+        return None
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
+        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
+    return v
+
+
+@returns(int | None)
 def optional_positive_int(v):
     if v is None or v == "none":
         return None
@@ -380,7 +392,19 @@ SETTINGS: tuple[Setting, ...] = (
             "buffer position", "CUDA-graph layers", gpu_only=True),
     Setting("offload_inputs", False, SCHEDULE, flag,
             "poros: keep each layer's saved input in host memory (device->host in forward, back ahead of its "
-            "backward); with a VRAM budget the planner turns it on where it needs to", "Saved inputs in host memory"),
+            "backward); with a VRAM budget the planner turns it on where it needs to, for as few layers as it can",
+            "Saved inputs in host memory"),
+    Setting("device_inputs", None, SCHEDULE, optional_count,
+            "poros, with offload_inputs: the saved inputs of this many recomputed layers, the last ones (the first "
+            "their backward needs), stay on the device; the others go through host memory",
+            "Saved inputs on the device (layers)", metavar="N", report_default=False,
+            default_help="none: every saved input in host memory"),
+    Setting("host_budget", "auto", SCHEDULE, optional_size,
+            "poros: host memory the NF4 store and the saved inputs kept in host memory may take together (100GB, "
+            "120GiB, or auto: /proc/meminfo's MemAvailable, within a cgroup's memory limit, less a tenth of it as headroom, "
+            "plus the store the process holds already; none: unchecked); a plan that needs more is refused",
+            "Host memory budget", metavar="SIZE", gpu_only=True, report_default=False,
+            default_help="auto on a CUDA device; unchecked on the CPU, where the device's memory is the host's"),
     Setting("keep_activations", False, SCHEDULE, flag,
             "poros: resident layers keep their activations from forward to backward instead of recomputing them "
             "(resident QLoRA's own arithmetic; with CUDA graphs in templates of their own; the plan counts their "

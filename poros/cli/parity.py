@@ -21,6 +21,8 @@ EPILOG = """examples:
   poros parity --model qwen3-32b --device cuda --attention flash --deterministic --method resident_gc
   poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \
       --gate resident_gc --sequential --vram-budget 24GB --offload-inputs --cuda-graphs --steps 2
+  poros parity --model qwen2.5-72b --device cuda --attention fast --deterministic --seq-len 65536 \
+      --loss-chunk 4096 --gate resident_gc_offload --sequential --vram-budget 130GB --steps 1
   poros parity --model ./my-checkpoint --device cuda --attention math --grad-accum 2
   torchrun --nproc-per-node 2 -m poros parity --model qwen3-32b --device cuda --cuda-graphs --grad-accum 4
       # data-parallel: poros against resident QLoRA under DistributedDataParallel, every rank gated
@@ -57,7 +59,8 @@ def add_parser(sub) -> None:
                         "exact here?)")
     p.add_argument("--gate", default="resident", choices=references,
                    help="the reference: resident QLoRA (default) or resident_gc, resident with gradient "
-                        "checkpointing, where resident does not fit (long context)")
+                        "checkpointing, where resident does not fit (long context), or resident_gc_offload, its "
+                        "layer inputs in host memory, where resident_gc does not fit either")
     p.add_argument("--control", action="store_true",
                    help="compare the reference with a second run of itself: is this stack repeatable at all?")
     p.add_argument("--sequential", action="store_true",

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from poros.cli.parity import train_config
+from poros.engine.planning.budget import make_plan
 from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.limits import BUDGET_STEP, SEQ_LEN_STEP, Limit, longest_seq_len, smallest_budget
 from poros.engine.planning.memory import resident_memory
 from poros.engine.planning.plan import describe
-from poros.engine.planning.search import PlanRequest, make_plan
+from poros.engine.planning.search import PlanRequest
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
 from poros.settings import MAX_COUNT, add_arguments, format_size, parse_size, sequence_length
+from poros.store.host_memory import available_host_memory
 
 EPILOG = """examples:
   poros plan --model qwen2.5-72b
@@ -22,15 +25,20 @@ EPILOG = """examples:
   poros plan --model qwen2.5-72b --gpus 2 --shard-stream  # bytes each rank copies and gathers
   poros plan --model qwen2.5-72b --seq-len 16384 --attention fast --loss-chunk 4096 --smallest-budget
   poros plan --model qwen2.5-72b --vram-budget 24GB --offload-inputs --loss-chunk 4096 --longest-seq-len
+  poros plan --model qwen2.5-72b --seq-len 32768 --loss-chunk 4096 --vram-budget 40GB --host-budget 110GB
+      # saved inputs split: the last layers' on the device, the rest in host memory within 110 GB
 
 Prints which layers stream and which stay resident, the bytes copied host->device per optimizer
 step and the predicted peak device memory of the process by part: the allocator's tensors, the CUDA
 graphs' pool, the allocator's reserve, the CUDA context and (several ranks) NCCL's buffers. A budget
 holds that total, what nvidia-smi shows for the process. --json prints one object (keys include
 h2d_bytes_per_step, gathered_bytes_per_step, process_vram_bytes, peak_vram_bytes (the tensors alone),
-memory (the parts), resident_layers, streamed_layers, block_size; with --gpus N --shard-stream the bytes
-and the memory are each rank's). A budget below the smallest plan is refused, naming the smallest budget
-that would work. The plan is for a CUDA device unless --device cpu.
+memory (the parts), resident_layers, streamed_layers, block_size, host_inputs (the layers whose saved
+inputs go through host memory), host_bytes (the NF4 store and those inputs); with --gpus N --shard-stream the
+bytes and the memory are each rank's). A budget below the smallest plan is refused, naming the smallest budget
+that would work, and so is a plan whose saved inputs in host memory, beside the NF4 store, exceed
+--host-budget (auto: what this machine has available, from /proc/meminfo, where it has a CUDA GPU to run the
+plan; elsewhere unchecked unless given). The plan is for a CUDA device unless --device cpu.
 
 --smallest-budget prints the smallest --vram-budget, a multiple of --budget-step, for which the planner
 finds a plan on the other settings, and that plan; --longest-seq-len the longest --seq-len, a multiple of
@@ -103,6 +111,12 @@ def search_steps(args) -> tuple[int, int]:
     return budget, seq
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args) -> int:
     import json
 
@@ -123,18 +137,22 @@ def run(args) -> int:
             raise CapabilityError("--vram-budget auto measures the free memory of this machine's CUDA GPU, and torch "
                                   "finds none here; give the budget as a size, e.g. --vram-budget 24GB")
         device = device_memory(torch.device("cuda"))
+    host = None
+    if cfg.host_budget == "auto" and cfg.device.value == "cuda" and _has_cuda():  # this machine runs it: its memory
+        available = available_host_memory()  # the store not built yet
+        host = None if available is None else HostMemory(available)
     found, head = {}, None  # a search's findings (--json) and its lines
     if args.smallest_budget:
-        limit = smallest_budget(geo, PlanRequest.of_config(cfg, device), budget_step)
+        limit = smallest_budget(geo, PlanRequest.of_config(cfg, device, host=host), budget_step)
         found = limit_summary(limit, "smallest_vram_budget_bytes", "budget_step_bytes")
         head = smallest_text(geo.name, cfg.seq_len, limit)
     elif args.longest_seq_len:
         top = getattr(source.config, "max_position_embeddings", None) or MAX_COUNT
-        limit = longest_seq_len(geo, PlanRequest.of_config(cfg, device), top, seq_len_step)
+        limit = longest_seq_len(geo, PlanRequest.of_config(cfg, device, host=host), top, seq_len_step)
         cfg = cfg.replace(seq_len=limit.value)
         found = {**limit_summary(limit, "longest_seq_len", "seq_len_step"), "max_position_embeddings": top}
         head = longest_text(geo.name, limit.plan.budget, top, limit)
-    plan = limit.plan if found else make_plan(geo, cfg, device)
+    plan = limit.plan if found else make_plan(geo, cfg, device, host=host)
     resident = resident_memory(geo, cfg)
     if args.json:
         summary = {**plan.summary(), "resident_qlora_peak_vram_bytes": resident}

@@ -10,6 +10,8 @@ operations then run the layers themselves:
                       refilled (poros/engine/buffers.py: the copies and the events that order them);
   gather              with copies shared among data-parallel ranks (shard_stream), the other ranks'
                       shares of the load before, all-gathered into the buffer;
+  offload, fetch      a saved input the plan keeps in host memory, out after its forward and back ahead of its
+                      backward (poros/engine/saved_inputs.py);
   forward, backward   a layer, by the runner of its kind (poros/engine/runners.py: recomputed or kept,
                       eagerly or through layer templates replayed from CUDA graphs);
   head                the Hugging Face forward again, each layer handing on its input and the last one
@@ -36,15 +38,16 @@ from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.rules import check
 from poros.engine.attention import sdpa_context
-from poros.engine.buffers import HEAD_KEY, DeviceBuffers, SavedInputs
+from poros.engine.buffers import HEAD_KEY, DeviceBuffers
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.graphs import LayerTemplates
 from poros.engine import kept_attention
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory
-from poros.engine.planning.search import make_plan
+from poros.engine.planning.budget import make_plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
+from poros.engine.saved_inputs import SavedInputs, host_memory
 from poros.engine.compiling import backward_keeps_saved_tensors, compile_layers
 from poros.engine.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
@@ -191,7 +194,7 @@ class PorosTrainer(Trainer):
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
         self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
-        self.saved = SavedInputs(self.plan, self.device)
+        self.saved = SavedInputs(self.plan, self.device, pin=self.cfg.pin_memory)
         self.runners = self._runners(model.layers)
         if self.cfg.compile:
             compile_layers(model.layers)
@@ -211,7 +214,9 @@ class PorosTrainer(Trainer):
 
     def _plan_for_device(self) -> P.Plan:
         device = device_memory(self.device) if self.device.type == "cuda" else None
-        return make_plan(geometry_of_store(self.store, self.cfg), self.cfg, device, ranks=self.world.size)
+        geo = geometry_of_store(self.store, self.cfg)
+        host = host_memory(self.cfg, self.world, geo.store_bytes)  # the store built: what the host has left, and it
+        return make_plan(geo, self.cfg, device, ranks=self.world.size, host=host)
 
     def _shared_stream(self) -> None:
         """With copies shared among the ranks: the same plan on every rank, and the gathers' process group."""
@@ -347,7 +352,9 @@ class PorosTrainer(Trainer):
         handlers = {P.LOAD: self.buffers.load, P.LOAD_HEAD: self.buffers.load_head, P.RELEASE: self._release,
                     P.RELEASE_HEAD: self._release, P.FORWARD: self._forward, P.HEAD: self._head,
                     P.BACKWARD: self._backward, P.GATHER: self.buffers.gather,
-                    P.GATHER_HEAD: self.buffers.gather_head}
+                    P.GATHER_HEAD: self.buffers.gather_head,
+                    P.OFFLOAD: lambda op: self.saved.offload((op.layer, op.micro), op.buffer),
+                    P.FETCH: lambda op: self.saved.fetch((op.layer, op.micro))}
         with sdpa_context(self.cfg.attention):
             for op in self.plan.step:
                 handlers[op.kind](op)
@@ -390,8 +397,6 @@ class PorosTrainer(Trainer):
         if not self.plan.head_resident:
             self.buffers.acquire(HEAD_KEY)
         step.leaf = step.hidden.pop(m).detach().requires_grad_(True)
-        if step.backwards < len(self._backward_keys):  # the next backward's saved input comes back behind the head
-            self.saved.prefetch(self._backward_keys[step.backwards])
         out = self._run_model(_Pass.HEAD, step.batches[m])
         loss = out.loss / self.cfg.grad_accum
         loss.backward()
@@ -404,8 +409,6 @@ class PorosTrainer(Trainer):
         self.dropout_micro(m, len(step.batches))
         self.buffers.acquire(self.plan.groups[op.group].buffer)
         k = step.backwards = step.backwards + 1
-        for key in self._backward_keys[k: k + self.saved.window]:  # offloaded inputs, a window ahead
-            self.saved.prefetch(key)
 
         def grad() -> torch.Tensor:  # the gradient at this layer's output, once the backward before is done
             self._resolve()

@@ -16,6 +16,9 @@ class MethodInfo:
     short: str  # how a plot's legend names it beside poros's lines
     gated: bool  # held to bitwise parity with resident QLoRA
     reference: bool = False  # a gate may compare the others with it (resident QLoRA, or its checkpointed form)
+    # as a gate's reference, run first and its states recorded in host memory: long context, where it and the
+    # method do not fit the device together
+    recorded: bool = False
     in_process: bool = True  # a Trainer in this process (False: measured in a child process)
     finetune: bool = False  # `poros train` can train with it
     planned: bool = False  # its cells run a plan (schedule settings, a matrix's `plans:`, host→device copies)
@@ -25,7 +28,12 @@ INFO: dict[Method, MethodInfo] = {i.method: i for i in (
     MethodInfo(Method.POROS, "poros (blockwise residency)", "poros", gated=True, finetune=True, planned=True),
     MethodInfo(Method.RESIDENT, "resident (full QLoRA)", "resident QLoRA", gated=True, reference=True, finetune=True),
     # bitwise equal to resident (tests/engine/test_resident_gc.py): the reference where resident does not fit
-    MethodInfo(Method.RESIDENT_GC, "resident + gradient checkpointing", "resident_gc", gated=True, reference=True),
+    MethodInfo(Method.RESIDENT_GC, "resident + gradient checkpointing", "resident_gc", gated=True, reference=True,
+               recorded=True),
+    # resident_gc, every checkpointed layer's input in host memory (tests/engine/test_resident_gc.py: bitwise
+    # resident_gc's): the reference where even resident_gc's saved inputs do not fit the device
+    MethodInfo(Method.RESIDENT_GC_OFFLOAD, "resident + gradient checkpointing, inputs in host memory",
+               "resident_gc_offload", gated=True, reference=True, recorded=True),
     MethodInfo(Method.UNSLOTH, "unsloth", "unsloth", gated=False, in_process=False),
 )}
 NAMES: tuple[str, ...] = tuple(m.value for m in INFO)  # every method as rows and matrices name it, in table order
@@ -56,7 +64,7 @@ def gate_of(methods) -> tuple[Method, Method] | None:
     else resident QLoRA all the same: a gated method is never timed without its gate, and a reference the set
     does not list is run for the gate (its states recorded), not timed. None when the set has no gated method
     but a reference."""
-    references = [m for m in INFO if INFO[m].reference and m in methods]
+    references = [m for m in INFO if INFO[m].reference and m in methods]  # resident, resident_gc, resident_gc_offload
     reference = references[0] if references else Method.RESIDENT
     others = [m for m in methods if INFO[m].gated and m is not reference]
     if not others:

@@ -58,10 +58,17 @@ def _resident_gc(store, cfg: TrainConfig, world: World) -> Trainer:
     return ResidentGCTrainer(store, cfg, world)
 
 
+def _resident_gc_offload(store, cfg: TrainConfig, world: World) -> Trainer:
+    from poros.engine.trainer import ResidentGCOffloadTrainer
+
+    return ResidentGCOffloadTrainer(store, cfg, world)
+
+
 _RUN = {  # what each method needs beyond its facts (poros.engine.method_info.INFO)
     Method.POROS: dict(factory=_poros),
     Method.RESIDENT: dict(factory=_resident),
     Method.RESIDENT_GC: dict(factory=_resident_gc),
+    Method.RESIDENT_GC_OFFLOAD: dict(factory=_resident_gc_offload),
     Method.UNSLOTH: dict(unavailable=_unsloth_unavailable),
 }
 METHODS: dict[Method, MethodSpec] = {m: MethodSpec(**vars(info), **_RUN[m]) for m, info in INFO.items()}

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from poros.engine import kept_attention
-from poros.engine.buffers import SavedInputs
+from poros.engine.saved_inputs import SavedInputs
 from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall, hidden_of
 

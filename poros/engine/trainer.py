@@ -21,6 +21,7 @@ from poros.engine.attention import BackendLog, sdpa_context
 from poros.engine.compiling import compile_layers, enable_deterministic_compile, install_layer_compilation
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
+from poros.engine.host_saved import HostSaved
 from poros.engine.planning.plan import Plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.schedule import learning_rate
@@ -341,3 +342,23 @@ class ResidentGCTrainer(ResidentTrainer):
         for layer in model.layers:
             layer.forward = functools.partial(checkpoint, torch.compile(type(layer).forward.__get__(layer)),
                                               use_reentrant=False)
+
+
+class ResidentGCOffloadTrainer(ResidentGCTrainer):
+    """resident_gc with every checkpointed layer's input, and what the head saves, in host memory from its
+    forward to its backward (poros/engine/host_saved.py, as torch.autograd.graph.save_on_cpu keeps them): the
+    reference at lengths where resident_gc's saved inputs do not fit the device beside the model. The same
+    kernels read the same bytes, so its bits are resident_gc's (tests/engine/test_resident_gc.py gates that)."""
+
+    method = Method.RESIDENT_GC_OFFLOAD.value
+
+    def _make_model(self) -> QLoRAModel:
+        self.host_saved = HostSaved(pin=self.device.type == "cuda" and self.cfg.pin_memory)
+        return super()._make_model()
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        with self.host_saved.scope(self.model):
+            return super().forward_backward(batch)
+
+    def counters(self) -> dict:
+        return self.host_saved.counters()

@@ -9,9 +9,11 @@ import torch
 from poros.config import Method
 from poros.engine.nvml import device_memory
 from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.plan import Plan
-from poros.engine.planning.search import make_plan
+from poros.engine.planning.budget import make_plan
 from poros.settings import format_size
+from poros.store.host_memory import available_host_memory
 
 
 def dry_plan(fc, source) -> Plan | None:
@@ -25,7 +27,9 @@ def dry_plan(fc, source) -> Plan | None:
         if cfg.device.value != "cuda" or not torch.cuda.is_available():
             return None
         device = device_memory(torch.device("cuda"))
-    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant), cfg, device)
+    available = available_host_memory()  # `host_budget: auto`: this machine's, before the store is built
+    return make_plan(Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant), cfg, device,
+                     host=None if available is None else HostMemory(available))
 
 
 def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str:
@@ -41,6 +45,9 @@ def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str
             parts.append(f"{plan.n_layers} layers: {len(plan.resident_layers)} resident, {len(plan.streamed_layers)} "
                          f"streamed in blocks of {plan.block_size}, predicted peak "
                          f"{format_size(plan.memory.total)}{budget}")
+            if plan.host_inputs:
+                parts.append(f"saved inputs of {len(plan.host_inputs)} layers in host memory "
+                             f"({format_size(plan.host_input_bytes)}), {len(plan.device_input_layers)} on the device")
         elif cfg.vram_budget == "auto":
             parts.append(f"vram_budget auto (planned from the free device memory at the start), blocks of "
                          f"{cfg.block_size}")

@@ -530,7 +530,8 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
             "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",
-            "shards", "gathered_bytes_per_step")},
+            "shards", "gathered_bytes_per_step", "d2h_bytes_per_step", "host_inputs", "host_input_bytes", "host_bytes",
+            "host_budget")},
         "predicted_peak_vram_gb": None if plan is None else plan["peak_vram_bytes"] / 1e9,  # the allocated peak
         # the process's, what the budget holds and the NVML peak measures
         "predicted_process_vram_gb": None if plan is None else plan["process_vram_bytes"] / 1e9,

@@ -112,7 +112,8 @@ def plan_problems(m) -> list[str]:
     from dataclasses import replace
 
     from poros.engine.planning.geometry import Geometry
-    from poros.engine.planning.search import PlanRequest, build_plan, make_plan
+    from poros.engine.planning.search import PlanRequest, build_plan
+    from poros.engine.planning.budget import make_plan
     from poros.harness.bench import Cell, cell_config
     from poros.harness.results import point_id
 

@@ -3,7 +3,8 @@ the timed passes.
 
 The gate compares the matrix's gated method (poros) with its reference (`poros.engine.methods.gate_of`):
 resident QLoRA, or resident with gradient checkpointing in a matrix without plain resident (long
-context, where the two are run one after the other, the reference's states recorded in host memory).
+context, where the two are run one after the other, the reference's states recorded in host memory),
+its layer inputs in host memory too (resident_gc_offload) in a matrix that lists only that.
 One reference gates every plan: with several plans its states are recorded once, in host memory.
 
 Each timed pass is kept (OUT/passes.jsonl) as it ends, and each gate outcome: `--resume` continues a
@@ -74,7 +75,7 @@ def _run_gate(session, cell) -> dict:
     m = session.matrix
     reference, method = gate_of(m.methods)
     plans = _gate_plans(session)
-    sequential = reference is Method.RESIDENT_GC
+    sequential = METHODS[reference].recorded
     out = {}
     cfgs = {plan: gate_config(m, cell, plan) for plan in plans}
     if cfgs[plans[0]].gpus > 1:  # data-parallel ranks, started with torchrun; each gates its own states

@@ -4,6 +4,7 @@ within the budget before the trainer's first device allocation; NVML reading thi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -30,7 +31,8 @@ from poros.engine.planning.memory import (
     auto_budget,
     transient_bytes,
 )
-from poros.engine.planning.search import PlanRequest, build_plan, make_plan, plan_for_budget
+from poros.engine.planning.search import PlanRequest, build_plan
+from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.errors import BudgetError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Attention
@@ -410,4 +412,12 @@ def test_the_compiled_graph_pool_covers_the_compiled_kept_plans(monkeypatch):
     monkeypatch.setattr(memory, "GRAPH_POOL_PER_LAYER_COMPILED", GRAPH_POOL_PER_LAYER)
     eager_pool = _plan(failed[1])
     assert len(eager_pool.resident_layers) == rows[1][0]["resident_layers"] + 3
-    assert f"{eager_pool.memory.total / GB:.2f}" == "39.98"
+    # as that run's planner placed them: every saved input in host memory (a planner now keeps on the device
+    # as many as the rest of the budget holds, here 5 layers' and 0.01 GB more)
+    cfg = failed[1]
+    request = PlanRequest.of_config(cfg.replace(block_size=eager_pool.block_size))
+    ran = build_plan(Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant),
+                     dataclasses.replace(request, device_inputs=0, resident_layers=len(eager_pool.resident_layers),
+                                         head_resident=eager_pool.head_resident))
+    assert len(eager_pool.device_input_layers) > len(ran.device_input_layers) == 0
+    assert f"{ran.memory.total / GB:.2f}" == "39.98"

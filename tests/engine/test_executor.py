@@ -43,18 +43,19 @@ def plan_for(store, cfg, **kw):
 PLAN_SPACE = dict(
     family=st.sampled_from(TINY), layers=st.integers(2, 6), block=st.integers(1, 4), accum=st.integers(1, 3),
     order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
-    overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), keep=st.booleans(),
+    overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), on_device=st.integers(0, 6),
+    keep=st.booleans(),
     kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]))
 HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @settings(max_examples=4, **HYPOTHESIS)
 @given(**PLAN_SPACE)
-def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, keep,
-                               kept, placement):
+def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, on_device,
+                               keep, kept, placement):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
-    (0, some, all) and placement, the lm_head's place, saved inputs' place and kept activations: every plan
-    trains bitwise like resident QLoRA."""
+    (0, some, all) and placement, the lm_head's place, saved inputs' place (how many layers' on the device) and
+    kept activations: every plan trains bitwise like resident QLoRA."""
     config = get_shape(family).config()
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
@@ -63,10 +64,12 @@ def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, he
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
                       overlap_backward=overlap)
     plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
-                    keep_activations=keep, kept_layers=kept if keep else None, placement=Placement(placement))
+                    keep_activations=keep, kept_layers=kept if keep else None, placement=Placement(placement),
+                    device_inputs=on_device if offload else None)
     result, _ = gate(store, cfg, plan)
     assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
-                       f"head={head} overlap={overlap} offload={offload} keep={keep}/{kept}: {result.first_mismatch}")
+                       f"head={head} overlap={overlap} offload={offload}/{on_device} keep={keep}/{kept}: "
+                       f"{result.first_mismatch}")
 
 
 @pytest.mark.slow  # each plan builds its own store and runs the gate

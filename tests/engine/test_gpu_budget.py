@@ -77,7 +77,8 @@ def worker(seq: int, budget_gb: int) -> None:
     """One process: the store once, then each plan for (seq, budget); one JSON line each."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: strict determinism
     from poros.engine.planning.memory import ProcessCosts
-    from poros.engine.planning.search import PlanRequest, plan_for_budget
+    from poros.engine.planning.search import PlanRequest
+    from poros.engine.planning.budget import plan_for_budget
     from poros.engine.executor import geometry_of_store
     from poros.store.build import build_store
 

@@ -23,7 +23,7 @@ def test_registry_is_built_on_the_table():
         assert {k: getattr(spec, k) for k in vars(INFO[m])} == vars(INFO[m])
         assert spec.in_process == (spec.factory is not None)
     assert NAMES == tuple(m.value for m in Method)
-    assert PLANNED == "poros" and REFERENCES == ("resident", "resident_gc") and UNGATED == ("unsloth",)
+    assert PLANNED == "poros" and REFERENCES == ("resident", "resident_gc", "resident_gc_offload") and UNGATED == ("unsloth",)
     assert by_value("poros") is INFO[Method.POROS] and by_value("parity") is None
     assert is_planned("poros") and not is_planned("resident") and not is_planned("teleport")
 

@@ -19,10 +19,9 @@ from poros.engine.planning.rules import check
 from poros.engine.planning.search import (
     build_plan,
     kept_set,
-    make_plan,
-    plan_for_budget,
     resident_set,
 )
+from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.models.checkpoint import resolve
 from poros.errors import BudgetError
 from poros.settings import LORA_TARGETS, Accumulation, Attention, Placement

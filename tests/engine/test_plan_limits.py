@@ -25,7 +25,8 @@ from poros.engine.planning.limits import (
     out_of_order,
     smallest_budget,
 )
-from poros.engine.planning.search import PlanRequest, make_plan, plan_for_budget
+from poros.engine.planning.budget import make_plan, plan_for_budget
+from poros.engine.planning.search import PlanRequest
 from poros.errors import BudgetError, ConfigError
 from poros.harness.matrix import load_matrix
 from poros.models.checkpoint import resolve

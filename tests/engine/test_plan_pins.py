@@ -16,7 +16,7 @@ from poros.config import TrainConfig
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.memory import DeviceMemory
 from poros.engine.planning.plan import describe
-from poros.engine.planning.search import make_plan
+from poros.engine.planning.budget import make_plan
 from poros.models.checkpoint import resolve
 
 PINS = Path(__file__).with_name("plan_pins.json")

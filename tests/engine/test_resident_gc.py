@@ -1,6 +1,8 @@
 """Resident QLoRA with gradient checkpointing (`resident_gc`): it checkpoints every decoder layer, it is
 bitwise equal to plain resident QLoRA, and poros is bitwise equal to it, so it can be the gate's
-reference where plain resident does not fit; a matrix without resident gets that gate."""
+reference where plain resident does not fit; a matrix without resident gets that gate. `resident_gc_offload`
+keeps every checkpointed layer's input in host memory, with resident_gc's bits: the reference where even
+resident_gc does not fit."""
 
 from __future__ import annotations
 
@@ -41,11 +43,14 @@ def test_every_layer_is_recomputed_in_backward(stores, model):
     plain.close()
 
 
-@pytest.mark.parametrize("reference,method", [(Method.RESIDENT, Method.RESIDENT_GC), (Method.RESIDENT_GC, Method.POROS)],
-                         ids=["resident_gc=resident", "poros=resident_gc"])
+@pytest.mark.parametrize("reference,method", [
+    (Method.RESIDENT, Method.RESIDENT_GC), (Method.RESIDENT_GC, Method.POROS),
+    (Method.RESIDENT_GC, Method.RESIDENT_GC_OFFLOAD), (Method.RESIDENT_GC_OFFLOAD, Method.POROS)],
+    ids=["resident_gc=resident", "poros=resident_gc", "resident_gc_offload=resident_gc", "poros=resident_gc_offload"])
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
 def test_gated_bitwise(stores, model, reference, method):
-    """resident_gc is bitwise resident QLoRA, and poros is bitwise resident_gc (the long-context gate)."""
+    """resident_gc is bitwise resident QLoRA, and poros is bitwise resident_gc (the long-context gate); so is
+    resident_gc with its layers' inputs in host memory."""
     cfg = _cfg(model)
     result = run_gate(make_trainer(reference, stores(model), cfg), make_trainer(method, stores(model), cfg), steps=2)
     assert result.ok, f"first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
@@ -89,11 +94,69 @@ def test_sequential_parity_fails_for_other_arithmetic(stores, monkeypatch):
     assert result.parity == "FAIL" and result.first_mismatch.startswith("step0.weight:"), result.first_mismatch
 
 
+def test_resident_gc_offload_keeps_every_layer_input_in_host_memory(stores):
+    """Each step packs every checkpointed layer's input (and what the head saves) into host memory and
+    unpacks as many bytes."""
+    cfg = _cfg("tiny-qwen3")
+    trainer = make_trainer(Method.RESIDENT_GC_OFFLOAD, stores("tiny-qwen3"), cfg)
+    try:
+        c = trainer.step().counters
+    finally:
+        trainer.close()
+    n, hidden = len(stores("tiny-qwen3").layers), stores("tiny-qwen3").config.hidden_size
+    assert c["saved_bytes_d2h"] == c["saved_bytes_h2d"] >= n * cfg.grad_accum * 64 * hidden * 2
+
+
+def test_resident_gc_offload_recomputes_from_the_bytes_in_host_memory(stores, monkeypatch):
+    """Negative control: one value of one layer input changed on its way back from host memory FAILs the gate
+    against resident_gc (the recompute reads the host copy, not the device's)."""
+    from poros.engine.host_saved import HostSaved
+
+    real, hidden, changed = HostSaved.unpack, stores("tiny-qwen3").config.hidden_size, []
+
+    def unpack(self, packed):
+        t = real(self, packed)
+        if not changed and isinstance(packed, tuple) and t.dim() == 3 and t.shape[-1] == hidden:
+            changed.append(t.shape)
+            t = t.clone()
+            t.view(-1)[7] += 1
+        return t
+
+    cfg = _cfg("tiny-qwen3")
+    monkeypatch.setattr(HostSaved, "unpack", unpack)
+    result = run_gate(make_trainer(Method.RESIDENT_GC, stores("tiny-qwen3"), cfg),
+                      make_trainer(Method.RESIDENT_GC_OFFLOAD, stores("tiny-qwen3"), cfg), steps=1)
+    assert changed and result.parity == "FAIL" and ".grad:" in result.first_mismatch, result.first_mismatch
+
+
+def test_host_saved_moves_activations_and_leaves_weights():
+    """A linear saves its input and its weight: the input goes to host memory and comes back with its bytes, the
+    weight stays (negative control: without the model named, the weight moves too)."""
+    import torch
+
+    from poros.engine.host_saved import HostSaved
+
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    lin(x * 2).sum().backward()
+    want = x.grad, lin.weight.grad
+    for model, moved in ((lin, 3 * 8 * 4), (torch.nn.Module(), 3 * 8 * 4 + 4 * 8 * 4)):
+        x.grad = lin.weight.grad = lin.bias.grad = None
+        saved = HostSaved(pin=False)
+        with saved.scope(model):
+            y = lin(x * 2)
+        y.sum().backward()
+        assert saved.counters() == {"saved_bytes_d2h": moved, "saved_bytes_h2d": moved}
+        assert torch.equal(x.grad, want[0]) and torch.equal(lin.weight.grad, want[1])
+
+
 METHOD_SETS = [
     ([Method.POROS, Method.RESIDENT, Method.UNSLOTH], (Method.RESIDENT, Method.POROS)),
     ([Method.POROS, Method.RESIDENT_GC, Method.UNSLOTH], (Method.RESIDENT_GC, Method.POROS)),
     ([Method.RESIDENT_GC, Method.POROS, Method.RESIDENT], (Method.RESIDENT, Method.POROS)),
     ([Method.RESIDENT, Method.RESIDENT_GC], (Method.RESIDENT, Method.RESIDENT_GC)),
+    ([Method.POROS, Method.RESIDENT_GC_OFFLOAD, Method.UNSLOTH], (Method.RESIDENT_GC_OFFLOAD, Method.POROS)),
+    ([Method.RESIDENT_GC_OFFLOAD, Method.RESIDENT_GC, Method.POROS], (Method.RESIDENT_GC, Method.POROS)),
     # a gated method is never timed ungated: resident QLoRA is its reference even where the set omits it
     ([Method.POROS, Method.UNSLOTH], (Method.RESIDENT, Method.POROS)),
     ([Method.POROS], (Method.RESIDENT, Method.POROS)),
@@ -114,7 +177,9 @@ def test_gate_of_a_method_set(methods, pair):
     (["--method", "resident_gc"], "resident", "resident_gc"),
     (["--gate", "resident_gc", "--sequential"], "resident_gc (recorded)", "poros"),
     (["--gate", "resident_gc", "--control"], "control", "resident_gc"),
-], ids=["resident_gc-vs-resident", "poros-vs-resident_gc-recorded", "control"])
+    (["--gate", "resident_gc_offload", "--sequential", "--offload-inputs", "--device-inputs", "2"],
+     "resident_gc_offload (recorded)", "poros"),
+], ids=["resident_gc-vs-resident", "poros-vs-resident_gc-recorded", "control", "poros-split-vs-resident_gc_offload"])
 def test_cli_parity_names_method_and_gate(capsys, argv, gate, method):
     import json
 

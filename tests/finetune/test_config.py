@@ -9,7 +9,7 @@ import pytest
 
 from poros.config import Method
 from poros.engine.planning.geometry import Geometry
-from poros.engine.planning.search import make_plan
+from poros.engine.planning.budget import make_plan
 from poros.errors import ConfigError
 from poros.finetune.config import (CUDA_DEFAULTS, dump_run_file, override_words, parse_overrides, read_run_file,
                                    resolve)
@@ -123,6 +123,11 @@ def test_the_plan_line_names_the_plan_and_the_defaults_it_took():
             f"{plan.block_size}, predicted peak") in line
     assert f"(budget {format_size(plan.budget)})" in line and "CUDA-graph layers" in line
     assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs (set one to change it)")
+    assert "in host memory" not in line
+    split = make_plan(Geometry.of_config("tiny-qwen2", source.config, fc.train.lora_targets),
+                      fc.train.replace(offload_inputs=True, device_inputs=2))
+    assert "saved inputs of 3 layers in host memory (" in plan_line(fc, split, chosen)
+    assert ", 2 on the device; CUDA-graph layers" in plan_line(fc, split, chosen)
     fc, chosen = resolve({**BASE, "method": "resident"}, cuda_available=True)
     assert plan_line(fc, None, chosen).startswith("plan: resident on cuda; attention fast (deterministic); defaults")
     fc, _ = resolve(dict(BASE), cuda_available=True)

@@ -11,6 +11,7 @@ import pytest
 
 from poros.harness.bench import ResultsWriter, matrix_cells, model_unavailable
 from poros.harness.matrix import load_matrix, parse_matrix
+from poros.models.checkpoint import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(name="t", steps=2, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
@@ -153,19 +154,27 @@ def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
 
 
 @pytest.mark.slow  # the suites end to end in a subprocess
-def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path):
-    """Long-context matrices run poros and resident_gc (plain resident does not fit): the gate compares
-    them, and both rows say which reference it ran against."""
-    matrix = {**TINY, "methods": ["poros", "resident_gc"], "models": ["tiny-gemma3"]}
+@pytest.mark.parametrize("reference,schedule", [("resident_gc", {}),
+                                                ("resident_gc_offload", {"offload_inputs": True, "device_inputs": 2})],
+                         ids=["resident_gc", "resident_gc_offload-split"])
+def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, reference, schedule):
+    """Long-context matrices run poros and resident_gc (plain resident does not fit), or resident_gc with its
+    inputs in host memory beside poros with its own split between device and host: the gate compares them,
+    and both rows say which reference it ran against; poros's row records where its saved inputs lived."""
+    matrix = {**TINY, **schedule, "methods": ["poros", reference], "models": ["tiny-gemma3"]}
     assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [
         "model:tiny-gemma3-stack:current-gate:parity", "model:tiny-gemma3-stack:current-method:poros",
-        "model:tiny-gemma3-stack:current-method:resident_gc"]
+        f"model:tiny-gemma3-stack:current-method:{reference}"]
     proc, results = _suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    assert "parity PASS (poros vs resident_gc (recorded): " in proc.stdout, proc.stdout[-2000:]
+    assert f"parity PASS (poros vs {reference} (recorded): " in proc.stdout, proc.stdout[-2000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    assert {r["method"] for r in rows} == {"poros", "resident_gc"}
-    assert all(r["parity"] == "PASS" and r["gate"] == "resident_gc" for r in rows), rows
+    assert {r["method"] for r in rows} == {"poros", reference}
+    assert all(r["parity"] == "PASS" and r["gate"] == reference for r in rows), rows
+    (poros,) = [r for r in rows if r["method"] == "poros"]
+    assert poros["plan"]["host_inputs"] == ([0, 1, 2] if schedule else [])
+    hidden = resolve("tiny-gemma3").config.hidden_size
+    assert poros["plan"]["d2h_bytes_per_step"] == (3 * 64 * hidden * 2 if schedule else 0)
 
 
 def _plugin(tmp_path, name: str, make_model_source: str) -> dict:

@@ -12,15 +12,15 @@ from poros.harness.matrix import MATRICES, load_matrix, parse_matrix
 from poros.harness.protocol import note_attention, reference_problems
 from poros.harness.report import load_reference
 
-P, R, RG, U = Method.POROS, Method.RESIDENT, Method.RESIDENT_GC, Method.UNSLOTH
+P, R, RG, RGO, U = Method.POROS, Method.RESIDENT, Method.RESIDENT_GC, Method.RESIDENT_GC_OFFLOAD, Method.UNSLOTH
 
 
 def test_notes_of_the_official_reference():
     assert set(load_reference()["attention_note"]) == {"poros math-only SDPA; baselines default flash",
                                                        "all methods default fast path"}
     assert note_attention("poros math-only SDPA; baselines default flash") == {
-        P: Attention.MATH, R: Attention.FLASH, RG: Attention.FLASH, U: Attention.FLASH}
-    assert note_attention("all methods default fast path") == dict.fromkeys((P, R, RG, U), Attention.DEFAULT)
+        P: Attention.MATH, R: Attention.FLASH, RG: Attention.FLASH, RGO: Attention.FLASH, U: Attention.FLASH}
+    assert note_attention("all methods default fast path") == dict.fromkeys((P, R, RG, RGO, U), Attention.DEFAULT)
 
 
 @pytest.mark.parametrize("note, why", [

@@ -201,6 +201,8 @@ def test_budget_plot_a_line_per_kind_of_plan_and_marks_of_the_run(tmp_path):
     ({}, "every layer streamed"),
     ({"vram_budget": 49_000_000_000, "cuda_graphs": True}, "budget 49 GB, CUDA graphs"),
     ({"vram_budget": "auto", "offload_inputs": True}, "budget auto, inputs in host memory"),
+    ({"offload_inputs": True, "device_inputs": 20}, "every layer streamed, inputs in host memory (the last 20 layers' "
+                                                    "on the device)"),
     ({"overlap_backward": False, "accumulation": "micro"}, "every layer streamed, serial backward, micro-major "
                                                            "accumulation"),
     ({"vram_budget": 40_000_000_000, "keep_activations": True, "kept_layers": 20, "placement": "spread"},

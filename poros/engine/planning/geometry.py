@@ -24,6 +24,7 @@ class Geometry:
     max_linear: int  # elements of the largest decoder linear weight
     lora_in_out: tuple[int, ...]  # per LoRA-able linear of every layer: in + out features
     dense_device_bytes: int  # norms, biases and buffers the device holds for every method
+    store_bytes: int = 0  # the NF4 store in host memory: the arena and every dense weight (poros/store/host_memory.py)
 
     @property
     def n_layers(self) -> int:
@@ -35,11 +36,12 @@ class Geometry:
         from torch import nn
 
         from poros.models.skeleton import decoder_layers, layer_linears, skeleton
+        from poros.store.host_memory import host_need
 
         model = skeleton(config)
         list_name, layers = decoder_layers(model)
         linears = [layer_linears(layer, f"{list_name}.{i}") for i, layer in enumerate(layers)]
-        layouts, _ = plan_layout(linears, double_quant)
+        layouts, arena = plan_layout(linears, double_quant)
         head = model.get_output_embeddings().weight
         lora = tuple(a + b for layer in linears for n, (b, a) in layer if n.rsplit(".", 1)[-1] in lora_targets)
         dense = 0
@@ -61,4 +63,4 @@ class Geometry:
             head_bytes=head.numel() * 2, hidden=config.hidden_size, vocab=config.vocab_size,
             intermediate=max(mlp, default=4 * config.hidden_size), heads=heads, q_width=q_width,
             max_linear=max(a * b for layer in linears for _, (a, b) in layer),
-            lora_in_out=lora, dense_device_bytes=dense)
+            lora_in_out=lora, dense_device_bytes=dense, store_bytes=host_need(model, layers, arena, "meta").store)

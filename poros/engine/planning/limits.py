@@ -15,7 +15,8 @@ from typing import Callable
 
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.plan import Plan
-from poros.engine.planning.search import PlanRequest, refusal, search_budget
+from poros.engine.planning.budget import refusal, search_budget
+from poros.engine.planning.search import PlanRequest
 from poros.errors import BudgetError, ConfigError
 from poros.settings import format_size
 
@@ -156,7 +157,7 @@ def longest_seq_len(geo: Geometry, request: PlanRequest, top: int, step: int = S
                            f"max_position_embeddings); use a step of at most {top}"])
     limit = highest_fit(lambda n: search_budget(geo, at_seq_len(request, n))[0], step, top)
     if limit is None:
-        _, smallest = search_budget(geo, at_seq_len(request, step))
-        raise BudgetError("no sequence length fits: " + refusal(geo, request.budget, smallest, at=f" at {step} tokens",
+        _, seen = search_budget(geo, at_seq_len(request, step))
+        raise BudgetError("no sequence length fits: " + refusal(geo, request, seen, at=f" at {step} tokens",
                                                                  shorter="a smaller --seq-len-step"))
     return limit

@@ -201,11 +201,16 @@ def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attentio
 LSE_ROWS = 32  # memory-efficient attention pads its log-sum-exp's rows to a multiple of this
 
 
-def attention_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
-    """What `keep_attention` saves per layer and micro-batch: the widest layer's attention output (bf16) and its
-    log-sum-exp (fp32, per head and query row)."""
+def attention_parts(geo: Geometry, seq_len: int, batch: int) -> tuple[int, int]:
+    """What `keep_attention` saves per layer and micro-batch, tensor by tensor: the widest layer's attention
+    output (bf16) and its log-sum-exp (fp32, per head and query row)."""
     rows = -(-seq_len // LSE_ROWS) * LSE_ROWS
-    return seq_len * batch * geo.q_width * 2 + batch * geo.heads * rows * 4
+    return seq_len * batch * geo.q_width * 2, batch * geo.heads * rows * 4
+
+
+def attention_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
+    """The bytes of `attention_parts` together."""
+    return sum(attention_parts(geo, seq_len, batch))
 
 
 def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention,

@@ -1,8 +1,10 @@
 """A plan as data: where every decoder layer's NF4 bytes live on the device (a resident region, loaded
-once, or a streamed group that takes turns in a rotating buffer), and the ordered operations of one
-optimizer step: load a group into its buffer, forward a layer for a micro-batch, the head, recompute
-and backward a layer, release a buffer. The executor (poros/engine/executor.py) runs any plan and derives
-every stream ordering from it; `describe` is its text in `poros plan`."""
+once, or a streamed group that takes turns in a rotating buffer), where each layer's saved input lives
+(the device, or host memory), and the ordered operations of one optimizer step: load a group into its
+buffer, forward a layer for a micro-batch, the head, recompute and backward a layer, release a buffer, and
+for a saved input in host memory its copy out (offload) and back (fetch) through its slot of the host
+arena. The executor (poros/engine/executor.py) runs any plan and derives every stream ordering from it;
+`describe` is its text in `poros plan`."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from poros.store.layout import align
 LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (
     "load", "release", "forward", "head", "backward", "load_head", "release_head")
 GATHER, GATHER_HEAD = "gather", "gather_head"  # the other ranks' shares of the load before (shard_stream)
+OFFLOAD, FETCH = "offload", "fetch"  # a saved input device->host into its slot, and back host->device
 HEAD_SLOT = -1  # what a buffer lent to the lm_head weight holds
 
 
@@ -35,7 +38,7 @@ class Op:
         if self.micro >= 0:
             parts.append(f"m{self.micro}")
         if self.buffer >= 0:
-            parts.append(f"b{self.buffer}")
+            parts.append(f"{'s' if self.kind in (OFFLOAD, FETCH) else 'b'}{self.buffer}")
         return ":".join(parts)
 
 
@@ -84,11 +87,15 @@ class Plan:
     step: tuple[Op, ...]
     memory: Memory
     budget: int | None = None
-    # saved layer inputs: kept on the device, or copied to host memory in forward (device->host, the
-    # direction the weights leave idle) and back ahead of their backward, `input_window` at a time
-    offload_inputs: bool = False
+    # saved layer inputs: kept on the device, or, for the layers in `host_inputs`, copied to host memory in
+    # forward (device->host, the direction the weights leave idle) and back ahead of their backward, the
+    # fetches `input_window` backward operations ahead (poros/engine/planning/inputs.py)
+    host_inputs: tuple[int, ...] = ()
     input_bytes: int = 0  # what one recompute needs saved (one layer, one micro-batch): input, kept attention
+    input_slot: int = 0  # host bytes of one saved input's slot: its tensors, each aligned
     input_window: int = 0
+    store_bytes: int = 0  # the NF4 store in host memory, beside the saved inputs there
+    host_budget: int | None = None  # bytes of host memory for both (None: unchecked)
     keep_attention: bool = False  # recomputed layers save their attention's results with their input
     # resident layers that keep their activations from forward to backward: no recompute, resident
     # QLoRA's own forward with autograd and its backward from the kept output
@@ -107,6 +114,37 @@ class Plan:
 
     def gathered_size(self, nbytes: int) -> int:
         return gathered_size(nbytes, self.shards)
+
+    @property
+    def offload_inputs(self) -> bool:
+        """Whether any saved input goes through host memory."""
+        return bool(self.host_inputs)
+
+    @property
+    def live_inputs(self) -> int:
+        """Micro-batches whose saved inputs of one layer are kept at once: every one, layer-major; one, micro-major."""
+        return self.grad_accum if self.accumulation is Accumulation.LAYER else 1
+
+    @property
+    def host_slots(self) -> int:
+        """Slots of the host's saved-input arena: one per host-held layer and live micro-batch."""
+        return len(self.host_inputs) * self.live_inputs
+
+    @property
+    def host_input_bytes(self) -> int:
+        """Host bytes of the saved-input arena (exact: allocated at this size and page-locked in place)."""
+        return self.host_slots * self.input_slot
+
+    @property
+    def host_bytes(self) -> int:
+        """The plan's host memory: the NF4 store and the saved-input arena."""
+        return self.store_bytes + self.host_input_bytes
+
+    @property
+    def device_input_layers(self) -> list[int]:
+        """Recomputed layers whose saved inputs stay on the device."""
+        host, kept = set(self.host_inputs), set(self.kept_layers)
+        return [i for i in range(self.n_layers) if i not in host and i not in kept]
 
     @property
     def graph_pool(self) -> int:
@@ -145,9 +183,9 @@ class Plan:
 
     @property
     def h2d_bytes_per_step(self) -> int:
-        """Host->device bytes of one step on rank 0 (with shards, the rank whose share is never short)."""
-        inputs = self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
-        return sum(self.op_bytes(op) for op in self.step) + inputs
+        """Host->device bytes of one step on rank 0 (with shards, the rank whose share is never short): the weights'
+        loads and every host-held saved input brought back once per micro-batch."""
+        return sum(self.op_bytes(op) for op in self.step) + self.d2h_bytes_per_step
 
     @property
     def gathered_bytes_per_step(self) -> int:
@@ -156,7 +194,9 @@ class Plan:
 
     @property
     def d2h_bytes_per_step(self) -> int:
-        return self.n_layers * self.grad_accum * self.input_bytes if self.offload_inputs else 0
+        """Device->host bytes of one step: every host-held saved input, once per micro-batch (from the placement;
+        the rules hold the offload and fetch operations to it)."""
+        return len(self.host_inputs) * self.grad_accum * self.input_bytes
 
     @property
     def loads_per_step(self) -> int:
@@ -171,6 +211,8 @@ class Plan:
             "kept_layers": list(self.kept_layers),
             "head_resident": self.head_resident, "h2d_bytes_per_step": self.h2d_bytes_per_step,
             "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
+            "host_inputs": list(self.host_inputs), "device_inputs": len(self.device_input_layers),
+            "host_input_bytes": self.host_input_bytes, "host_bytes": self.host_bytes, "host_budget": self.host_budget,
             "shards": self.shards, "gathered_bytes_per_step": self.gathered_bytes_per_step,
             "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.allocated,
             "process_vram_bytes": self.memory.total, "memory": self.memory.parts(), "vram_budget": self.budget,
@@ -210,6 +252,19 @@ BESIDE_TENSORS = {  # the parts of a process's device memory that are not the al
 }
 
 
+def _describe_inputs(plan: Plan, span) -> list[str]:
+    """Where the saved inputs live, and the plan's host memory."""
+    what = f"saved layer inputs{' and attention results' if plan.keep_attention else ''}"
+    if not plan.host_inputs:
+        return [f"  {what}: device"]
+    budget = "unchecked" if plan.host_budget is None else f"host budget {format_size(plan.host_budget)}"
+    where = (f"device for layers {span(plan.device_input_layers)}, host memory for {span(list(plan.host_inputs))}"
+             if plan.device_input_layers else "host memory")
+    return [f"  {what}: {where} (device->host in forward, back {plan.input_window} backward operations ahead)",
+            f"  host memory: NF4 store {gb(plan.store_bytes)} + saved inputs {gb(plan.host_input_bytes)} "
+            f"({plan.host_slots} slots, page-locked) = {gb(plan.host_bytes)} ({budget})"]
+
+
 def describe(plan: Plan) -> str:
     """`poros plan`'s text: residency, bytes per step and the process's predicted peak by part."""
     res, st = plan.resident_layers, plan.streamed_layers
@@ -227,8 +282,7 @@ def describe(plan: Plan) -> str:
         *([f"  shared stream over {plan.shards} ranks: each rank copies its 1/{plan.shards} of every streamed "
            f"block from host memory (above: rank 0's) and all-gathers {gb(plan.gathered_bytes_per_step)} per "
            "optimizer step from the others, in place into the stream buffers"] if plan.shards > 1 else []),
-        f"  saved layer inputs{' and attention results' if plan.keep_attention else ''}: "
-        f"{'host memory (device->host in forward)' if plan.offload_inputs else 'device'}",
+        *_describe_inputs(plan, span),
     ]
     m = plan.memory
     parts = m.parts()

@@ -11,13 +11,18 @@ ones a plan breaks:
   - steady state: a step leaves the buffers as it found them, so every step is the same plan;
   - gathered (shard_stream, `shards` ranks): each rank loads its 1/shards of a streamed copy and a gather
     completes it from the other ranks; no compute reads a buffer between its load and its gather, and a
-    gather, which writes the buffer as a load does, never comes before the release after the last read.
+    gather, which writes the buffer as a load does, never comes before the release after the last read;
+  - saved inputs in host memory: exactly the inputs of the layers the plan places there (`host_inputs`, never
+    a kept layer's) are offloaded, each after the forward that saves it and into its own slot, and fetched once,
+    after it was offloaded and before its backward; no offload overwrites a slot whose input has not been
+    fetched yet (the backward would read another input).
 """
 
 from __future__ import annotations
 
 from poros.engine.planning.plan import (
     BACKWARD,
+    FETCH,
     FORWARD,
     GATHER,
     GATHER_HEAD,
@@ -25,6 +30,7 @@ from poros.engine.planning.plan import (
     HEAD_SLOT,
     LOAD,
     LOAD_HEAD,
+    OFFLOAD,
     RELEASE,
     RELEASE_HEAD,
     Op,
@@ -129,7 +135,7 @@ def check(plan: Plan) -> list[str]:
             if plan.head_buffer is not None:
                 released[plan.head_buffer] = False
             seen_head.add(op.micro)
-        else:
+        elif op.kind not in (OFFLOAD, FETCH):  # saved inputs' moves: `_input_problems`
             problems.append(f"{where}: unknown operation")
     resident = set(plan.resident_layers)
     for i in plan.kept_layers:
@@ -144,4 +150,63 @@ def check(plan: Plan) -> list[str]:
         problems.append("step: not every micro-batch has its head")
     if ungathered:
         problems.append(f"step: ends with buffer(s) {sorted(ungathered)} holding a share whose gather never came")
+    return problems + _input_problems(plan)
+
+
+def _input_problems(plan: Plan) -> list[str]:
+    """The saved-input rules (module docstring): each input's state along the step, and each slot's contents."""
+    problems: list[str] = []
+    host, kept = set(plan.host_inputs), set(plan.kept_layers)
+    for i in sorted(host & kept):
+        problems.append(f"layer {i} keeps its activations: it saves no input for host memory to hold")
+    state: dict = {}  # (layer, micro) -> "device" (saved there), "host" (in a slot), "back" (fetched), "done"
+    slots: dict[int, tuple] = {}  # slot -> the input in it, not fetched yet
+    for pos, op in enumerate(plan.step):
+        where, key = f"op {pos} ({op})", (op.layer, op.micro)
+        if op.kind == FORWARD and op.layer not in kept:
+            state[key] = "device"
+        elif op.kind == OFFLOAD:
+            if op.layer not in host:
+                problems.append(f"{where}: moves layer {op.layer}'s saved input, which the plan keeps on the device")
+            if state.get(key) != "device":
+                problems.append(f"{where}: offloads the input of layer {op.layer}, micro-batch {op.micro}, "
+                                f"{'which is not on the device' if key in state else 'before its forward saved it'}")
+            if not 0 <= op.buffer < plan.host_slots:
+                problems.append(f"{where}: slot {op.buffer} is not one of the host arena's {plan.host_slots}")
+            elif op.buffer in slots:
+                problems.append(f"{where}: overwrites slot {op.buffer}, which holds the input of layer "
+                                f"{slots[op.buffer][0]}, micro-batch {slots[op.buffer][1]}, before it is fetched: "
+                                "that backward would read another input")
+            slots[op.buffer] = key
+            state[key] = "host"
+        elif op.kind == FETCH:
+            if state.get(key) != "host":
+                problems.append(f"{where}: fetches the input of layer {op.layer}, micro-batch {op.micro} "
+                                + ("before it was offloaded" if state.get(key) in (None, "device") else
+                                   "when it is not in host memory"))
+            elif slots.get(op.buffer) != key:
+                problems.append(f"{where}: fetches slot {op.buffer}, which holds "
+                                f"{slots.get(op.buffer, 'nothing')}, not the input of layer {op.layer}, "
+                                f"micro-batch {op.micro}")
+            slots.pop(op.buffer, None)
+            state[key] = "back"
+        elif op.kind == BACKWARD and op.layer not in kept:
+            if state.get(key) == "host":
+                problems.append(f"{where}: backward of layer {op.layer}, micro-batch {op.micro} before its saved "
+                                "input is fetched from host memory")
+            state[key] = "done"
+    moved = {(op.layer, op.micro) for op in plan.step if op.kind == OFFLOAD}
+    for i in sorted(host - kept):
+        for m in range(plan.grad_accum):
+            if (i, m) not in moved:
+                problems.append(f"layer {i}'s saved input (micro-batch {m}) is placed in host memory but never "
+                                "offloaded: the device would hold it and the plan's memory would not count it")
+    offloads = [(op.layer, op.micro) for op in plan.step if op.kind == OFFLOAD]
+    fetches = [(op.layer, op.micro) for op in plan.step if op.kind == FETCH]
+    for what, keys in (("offloaded", offloads), ("fetched", fetches)):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            problems.append(f"step: saved inputs {what} twice: {twice[:4]}")
+    if slots:
+        problems.append(f"step: ends with slot(s) {sorted(slots)} holding inputs never fetched")
     return problems

@@ -1,21 +1,27 @@
-"""Plans from requests: `build_plan` makes the plan a request describes (its groups, buffers and the
-operations of a steady-state step); `plan_for_budget` searches block size, residency, the lm_head's place
-and the saved inputs' place for the plan that copies the fewest bytes within a budget; `make_plan` is the
-plan a run's config asks for."""
+"""Plans from requests: `PlanRequest` is what a run asks of the planner, `build_plan` makes the plan a request
+describes (its groups, buffers and the operations of a steady-state step). The searches within a budget, and
+the plan a run's config asks for, are poros/engine/planning/budget.py's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from poros.config import TrainConfig
 from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.inputs import (
+    HostMemory,
+    host_budget,
+    host_layers,
+    input_ops,
+    saved_bytes,
+    slot_bytes,
+)
 from poros.engine.planning.memory import (
     DeviceMemory,
     Memory,
     ProcessCosts,
-    attention_bytes,
+    attention_parts,
     auto_budget,
-    gb,
     graph_pool_bytes,
     layer_activation_bytes,
     lora_bytes,
@@ -41,8 +47,8 @@ from poros.engine.planning.plan import (
     gathered_size,
 )
 from poros.engine.planning.rules import check
-from poros.errors import BudgetError, CapabilityError
-from poros.settings import Accumulation, Device, Placement, format_size
+from poros.errors import CapabilityError
+from poros.settings import Accumulation, Device, Placement
 from poros.store.layout import align
 
 
@@ -159,9 +165,11 @@ def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_bu
 class PlanRequest:
     """What a run asks of the planner: its settings (`config`, read as they are), and what `of_config` derives
     from the device it runs on. `build_plan` makes the plan that keeps `resident_layers` (and, with
-    `head_resident`, the lm_head) on the device; `plan_for_budget` searches the block size, the residency, the
-    lm_head's place and (unless `config.offload_inputs` asks for host memory) the saved inputs' place for the
-    plan that copies the fewest bytes within `budget`."""
+    `head_resident`, the lm_head) on the device, and the saved inputs of the last `device_inputs` recomputed layers
+    (None: as `config` asks: with `offload_inputs`, its `device_inputs`, by default none; without, all);
+    `plan_for_budget` searches the block size, the residency, the lm_head's place and (unless `config.offload_inputs`
+    places them) the saved inputs' place for the plan that copies the fewest bytes within `budget`, its host
+    memory within `host_budget`."""
 
     config: TrainConfig
     resident_layers: int = 0
@@ -169,13 +177,16 @@ class PlanRequest:
     budget: int | None = None  # bytes of the process's device memory; recorded on the plan, fitted by `plan_for_budget`
     process: ProcessCosts = ProcessCosts()  # what the process holds beside the allocator's tensors
     shards: int = 1  # ranks sharing every streamed copy (shard_stream); see Plan.shards
+    device_inputs: int | None = None  # recomputed layers whose saved inputs stay on the device (None: as config says)
+    host_budget: int | None = None  # bytes of host memory for the NF4 store and the saved inputs there (None: unchecked)
 
     @classmethod
-    def of_config(cls, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None) -> PlanRequest:
+    def of_config(cls, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None,
+                  host: HostMemory | None = None) -> PlanRequest:
         """The request `cfg` makes: on a CUDA device for the whole process (its context measured in `device`
         where given, NCCL's buffers for several ranks); `vram_budget: auto` is what `device` has free
         (`auto_budget`); `ranks`, the data-parallel ranks running it (default `cfg.gpus`), share every streamed
-        copy under `shard_stream`.
+        copy under `shard_stream`; `host_budget: auto` is what `host` has free (inputs.host_budget).
 
         Raises:
             CapabilityError: `vram_budget: auto` without a device to measure.
@@ -188,14 +199,16 @@ class PlanRequest:
         ranks = ranks or cfg.gpus
         process = (ProcessCosts.cuda(ranks, device.context if device else None) if cfg.device is Device.CUDA
                    else ProcessCosts())
-        return cls(cfg, budget=budget, process=process, shards=ranks if cfg.shard_stream else 1)
+        return cls(cfg, budget=budget, process=process, shards=ranks if cfg.shard_stream else 1,
+                   host_budget=host_budget(cfg.host_budget, host, cfg.device is Device.CUDA))
 
 
 def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
     spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
-    layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them."""
+    layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them;
+    the saved inputs of all but the last `device_inputs` recomputed layers go through host memory."""
     r, c = request, request.config
     block_size, grad_accum, accumulation, seq_len, batch_size = (c.block_size, c.grad_accum, c.accumulation,
                                                                   c.seq_len, c.batch_size)
@@ -236,17 +249,22 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
                 setup.append(Op(GATHER, group=grp, buffer=b))
     live = grad_accum if accumulation is Accumulation.LAYER else 1  # micro-batches whose inputs are kept at once
     one_input = seq_len * batch_size * geo.hidden * 2
-    one_saved = one_input + (attention_bytes(geo, seq_len, batch_size) if c.keep_attention else 0)
+    parts = (one_input, *(attention_parts(geo, seq_len, batch_size) if c.keep_attention else ()))
+    one_saved = sum(parts)  # what one recompute needs saved: its input, with kept attention its results
     # offloaded: inputs back on the device ahead of their backward, one block's worth. A copy back starts once
-    # the compute stream reaches the backward before (poros/engine/buffers.py `SavedInputs.prefetch`) and
-    # has that backward's time: a layer's recompute and backward take more than 2 x 6 x hidden^2 FLOPs a token
-    # where its copy moves 2 x hidden bytes (with kept attention about twice that), tens of times shorter on
-    # any GPU that streams weights.
+    # the compute stream reaches its fetch, a backward before (poros/engine/saved_inputs.py), and has that
+    # backward's time: a layer's recompute and backward take more than 2 x 6 x hidden^2 FLOPs a token where its
+    # copy moves 2 x hidden bytes (with kept attention about twice that), tens of times shorter on any GPU that
+    # streams weights.
     window = block * live
-    saved = (window + live) * one_saved if offload_inputs else n * live * one_saved
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, c.loss_chunk, c.deterministic,
                                       c.mlp_chunk)
     kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
+    device_inputs = r.device_inputs if r.device_inputs is not None else (
+        (c.device_inputs or 0) if offload_inputs else None)
+    host = host_layers(n, kept, device_inputs)
+    on_device = n - len(kept) - len(host)
+    saved = saved_bytes(n, on_device, len(host), live, window, one_saved)
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
@@ -262,77 +280,11 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention, c.mlp_chunk),
         graph_pool=graph_pool_bytes(layer_t, c.compile) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
-                head_pad, geo.head_bytes, tuple(setup), tuple(step), memory, r.budget, offload_inputs,
-                one_saved, window, c.keep_attention, kept, shards=shards)
+                head_pad, geo.head_bytes, tuple(setup), tuple(input_ops(step, host, live, window)), memory, r.budget,
+                host_inputs=host, input_bytes=one_saved, input_slot=slot_bytes(parts), input_window=window,
+                store_bytes=geo.store_bytes, host_budget=r.host_budget, keep_attention=c.keep_attention,
+                kept_layers=kept, shards=shards)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
     return plan
-
-
-def make_plan(geo: Geometry, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None) -> Plan:
-    """The plan a TrainConfig `cfg` asks for: every layer streamed, or the fastest whose process fits
-    `cfg.vram_budget` (`device`: the CUDA device as the run found it, for its context and `vram_budget: auto`;
-    `ranks`: the data-parallel ranks that run it, default `cfg.gpus`)."""
-    request = PlanRequest.of_config(cfg, device, ranks)
-    return build_plan(geo, request) if request.budget is None else plan_for_budget(geo, request)
-
-
-def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
-    """The plan that copies the fewest bytes per step and whose process's predicted peak (`Memory.total`: the
-    allocator's tensors, the CUDA graphs' pool, the allocator's reserve and the fixed costs) fits
-    `request.budget` (`search_budget`).
-
-    Raises:
-        BudgetError: no plan fits; names the smallest budget that would.
-    """
-    best, smallest = search_budget(geo, request)
-    if best is None:
-        raise BudgetError(refusal(geo, request.budget, smallest))
-    return best
-
-
-def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Plan]:
-    """(the plan that copies the fewest bytes per step within `request.budget`, None where none fits; the
-    smallest plan the search built): the lm_head resident first (it saves its own copy and a reload), then as
-    many layers as fit (placed as `placement` says: from the last one down, or spread), with the largest block
-    size up to `block_size` that fits; saved inputs in host memory where `offload_inputs` asks for it, else
-    wherever copies fewer bytes."""
-    best, smallest = None, None
-    cfg, budget = request.config, request.budget
-    choices = [(b, h, o) for b in range(cfg.block_size, 0, -1) for h in (True, False)
-               for o in ((True,) if cfg.offload_inputs else (False, True))]
-    for block, head, offload in choices:
-        tried = replace(request, config=cfg.replace(block_size=block, offload_inputs=offload), head_resident=head)
-        lo, hi, fit = 0, geo.n_layers, None
-        while lo <= hi:  # most resident layers that fit (memory grows with them)
-            r = (lo + hi) // 2
-            p = build_plan(geo, replace(tried, resident_layers=r))
-            if smallest is None or p.memory.total < smallest.memory.total:
-                smallest = p
-            if p.memory.total <= budget:
-                fit, lo = p, r + 1
-            else:
-                hi = r - 1
-        if fit is not None and (best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step):
-            best = fit
-    return best, smallest
-
-
-def refusal(geo: Geometry, budget: int, smallest: Plan, at: str = "", shorter: str = "a shorter --seq-len") -> str:
-    """Why no plan fits `budget` (`at`: on which settings, where a search varies them), from the smallest plan
-    the search built: its parts, and the smallest budget that would hold it (or `shorter`: less work)."""
-    m = smallest.memory
-    beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
-              m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
-    graphs = " or drop --cuda-graphs" if m.graph_pool else ""
-    return (f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name}{at} "
-            f"({gb(m.total)} for the process: {gb(m.allocated)} of tensors with block size {smallest.block_size}, "
-            f"every layer streamed, saved inputs in host memory" + "".join(f", {b}" for b in beside)
-            + f"); use --vram-budget {size_at_least(m.total)} or more, or {shorter}{graphs}")
-
-
-def size_at_least(n: int) -> str:
-    """`n` bytes rounded up to a tenth of its unit, as --vram-budget takes it."""
-    unit, name = (10**9, "GB") if n >= 10**9 else (10**6, "MB") if n >= 10**6 else (10**3, "kB")
-    return f"{-(-n * 10 // unit) / 10:g}{name}"

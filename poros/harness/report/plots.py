@@ -42,7 +42,7 @@ def figure(df: pd.DataFrame):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     many_stacks, many_hw = df["stack"].nunique() > 1, df["hardware"].nunique() > 1
-    colours = dict(zip(NAMES, ("tab:blue", "tab:orange", "tab:red", "tab:green")))
+    colours = dict(zip(NAMES, ("tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:green")))
     if title == "s/step vs peak VRAM":
         ok = measured[measured["peak_vram_gb"].notna()]
         for method, colour in colours.items():
@@ -96,7 +96,7 @@ LINE_CONTEXT = ("seq_len", "grad_accum", "attention", "gpus", "stack")  # what e
 LINE_LABELS = {"seq_len": "seq {}", "grad_accum": "grad-accum {}", "attention": "{} attention", "gpus": "{} GPUs",
                "stack": "{}"}
 # each method that is not planned, as a mark beside the plans' lines: (marker, legend name)
-MARKS = {i.method.value: (marker, i.short) for marker, i in zip("*PD", (i for i in INFO.values() if not i.planned))}
+MARKS = {i.method.value: (marker, i.short) for marker, i in zip("*PXD", (i for i in INFO.values() if not i.planned))}
 
 
 def _new_figure(panels: int = 1):

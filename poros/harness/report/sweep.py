@@ -49,7 +49,8 @@ def schedule_kind(config: dict) -> list[str]:
     if config.get("placement") == "spread":
         parts.append("spread")
     if config.get("offload_inputs"):
-        parts.append("inputs in host memory")
+        kept = config.get("device_inputs")
+        parts.append("inputs in host memory" + ("" if not kept else f" (the last {kept} layers' on the device)"))
     if config.get("overlap_backward") is False:
         parts.append("serial backward")
     if config.get("accumulation") not in (None, "layer"):

@@ -1,0 +1,163 @@
+"""The plan a run asks for (`make_plan`): the one its settings describe, or the one `plan_for_budget` finds, which
+searches block size, residency, the lm_head's place and the saved inputs' place for the plan that copies the
+fewest bytes within a VRAM budget. A plan whose host memory (the NF4 store and the saved inputs kept there)
+exceeds its host budget is refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from poros.config import TrainConfig
+from poros.engine.planning.geometry import Geometry
+from poros.engine.planning.inputs import HostMemory, host_refusal, least_on_device
+from poros.engine.planning.memory import DeviceMemory, gb
+from poros.engine.planning.plan import Plan
+from poros.engine.planning.search import PlanRequest, build_plan
+from poros.errors import BudgetError
+from poros.settings import format_size
+
+
+def make_plan(geo: Geometry, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None,
+              host: HostMemory | None = None) -> Plan:
+    """The plan a TrainConfig `cfg` asks for: every layer streamed, or the fastest whose process fits
+    `cfg.vram_budget` (`device`: the CUDA device as the run found it, for its context and `vram_budget: auto`;
+    `ranks`: the data-parallel ranks that run it, default `cfg.gpus`; `host`: this machine's host memory, for
+    `host_budget: auto`).
+
+    Raises:
+        BudgetError: no plan fits the VRAM budget, or its host memory exceeds the host budget (one line each).
+    """
+    request = PlanRequest.of_config(cfg, device, ranks, host)
+    if request.budget is not None:
+        return plan_for_budget(geo, request)
+    plan = build_plan(geo, request)
+    refusal = host_refusal(plan, "the plan")
+    if refusal:
+        raise BudgetError(refusal)
+    return plan
+
+
+def plan_for_budget(geo: Geometry, request: PlanRequest) -> Plan:
+    """The plan that copies the fewest bytes per step and whose process's predicted peak (`Memory.total`: the
+    allocator's tensors, the CUDA graphs' pool, the allocator's reserve and the fixed costs) fits
+    `request.budget`, its host memory `request.host_budget` (`search_budget`).
+
+    Raises:
+        BudgetError: no plan fits; names the smallest budget that would, or what the host memory holds.
+    """
+    best, seen = search_budget(geo, request)
+    if best is None:
+        raise BudgetError(refusal(geo, request, seen))
+    return best
+
+
+@dataclass
+class Search:
+    """What a budget search saw besides its answer: the smallest plan it built, the plan over the host budget
+    that needs the least host memory, and how many layers' saved inputs the host holds where fewer than all."""
+
+    smallest: Plan | None = None
+    over_host: Plan | None = None
+    host_holds: tuple[int, int] | None = None
+
+    def note(self, p: Plan) -> None:
+        if self.smallest is None or p.memory.total < self.smallest.memory.total:
+            self.smallest = p
+
+
+def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Search]:
+    """(the plan that copies the fewest bytes per step within `request.budget` and `request.host_budget`, None
+    where none fits; what the search saw): the lm_head resident first (it saves its own copy and a reload), then
+    as many layers as fit (placed as `placement` says: from the last one down, or spread), with the largest block
+    size up to `block_size` that fits; saved inputs where `offload_inputs` (and `device_inputs`) place them, else
+    all on the device or, where that copies fewer bytes, split: as many layers resident as fit beside the fewest
+    saved inputs on the device the host allows, then as many saved inputs on the device as the rest of the budget
+    holds. Weights come first: a resident layer saves two copies of its bytes a step (its loads in forward and in
+    backward), a saved input on the device one (its copy back; the copy out runs in the direction the weights
+    leave idle)."""
+    cfg = request.config
+    seen = Search()
+    placed = cfg.offload_inputs or request.device_inputs is not None
+    best = None
+    for block in range(cfg.block_size, 0, -1):
+        for head in (True, False):
+            tried = replace(request, config=cfg.replace(block_size=block), head_resident=head)
+            fits = [_most_resident(geo, tried, seen.note)] + ([] if placed else [_split(geo, tried, seen)])
+            for fit in fits:
+                if fit is None:
+                    continue
+                if host_refusal(fit, "") is not None:
+                    over = seen.over_host
+                    seen.over_host = fit if over is None or fit.host_bytes < over.host_bytes else over
+                elif best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step:
+                    best = fit
+    return best, seen
+
+
+def refusal(geo: Geometry, request: PlanRequest, seen: Search, at: str = "", shorter: str = "a shorter --seq-len") -> str:
+    """Why no plan fits `request`'s budgets (`at`: on which settings, where a search varies them), from what the
+    search saw: the host budget where a plan fit the device but not the host, else the smallest plan's parts and
+    the smallest budget that would hold it (or `shorter`: less work)."""
+    budget = request.budget
+    if seen.over_host is not None:
+        return host_refusal(seen.over_host, f"the plan for vram_budget {format_size(budget)}{at}")
+    m, smallest = seen.smallest.memory, seen.smallest
+    beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
+              m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
+    graphs = " or drop --cuda-graphs" if m.graph_pool else ""
+    held = seen.host_holds  # (layers whose inputs the host holds, of how many), where it holds fewer than all
+    host = "" if held is None else (f"; host_budget {format_size(request.host_budget)} holds the saved inputs of "
+                                    f"{held[0]} of {held[1]} layers beside the NF4 store ({gb(geo.store_bytes)}), the "
+                                    "device the rest")
+    return (f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name}{at} "
+            f"({gb(m.total)} for the process: {gb(m.allocated)} of tensors with block size {smallest.block_size}, "
+            f"every layer streamed, saved inputs in host memory where the host has room"
+            + "".join(f", {b}" for b in beside)
+            + f"); use --vram-budget {size_at_least(m.total)} or more, or {shorter}{graphs}{host}")
+
+
+def _most_resident(geo: Geometry, request: PlanRequest, note) -> Plan | None:
+    """The plan of `request` with the most resident layers whose process fits `request.budget` (None: not even
+    with none); `note` sees every plan built."""
+    lo, hi, fit = 0, geo.n_layers, None
+    while lo <= hi:  # memory grows with the resident layers
+        r = (lo + hi) // 2
+        p = build_plan(geo, replace(request, resident_layers=r))
+        note(p)
+        if p.memory.total <= request.budget:
+            fit, lo = p, r + 1
+        else:
+            hi = r - 1
+    return fit
+
+
+def _split(geo: Geometry, request: PlanRequest, seen: Search) -> Plan | None:
+    """The split plan of `request`: the most resident layers that fit beside the fewest saved inputs on the
+    device that the host budget allows, then the most saved inputs on the device that fit beside them
+    (`seen.host_holds`: how many layers' inputs the host holds, where fewer than all)."""
+    probe = build_plan(geo, replace(request, device_inputs=0))  # every recomputed layer's input in host memory
+    n = len(probe.host_inputs)
+    least = least_on_device(n, probe.live_inputs, probe.input_slot, probe.store_bytes, probe.host_budget)
+    if least:
+        seen.host_holds = (n - min(least, n), n)
+    if least is None or least >= n:
+        return None  # the host holds not even the store, or no saved input beside it: all on the device or none
+    fit = _most_resident(geo, replace(request, device_inputs=least), seen.note)
+    if fit is None:
+        return None
+    lo, hi = least + 1, len(probe.host_inputs) - 1
+    while lo <= hi:  # device memory grows with the saved inputs kept there
+        k = (lo + hi) // 2
+        p = build_plan(geo, replace(request, device_inputs=k, resident_layers=len(fit.resident_layers)))
+        seen.note(p)
+        if p.memory.total <= request.budget:
+            fit, lo = p, k + 1
+        else:
+            hi = k - 1
+    return fit
+
+
+def size_at_least(n: int) -> str:
+    """`n` bytes rounded up to a tenth of its unit, as --vram-budget takes it."""
+    unit, name = (10**9, "GB") if n >= 10**9 else (10**6, "MB") if n >= 10**6 else (10**3, "kB")
+    return f"{-(-n * 10 // unit) / 10:g}{name}"
