@@ -362,3 +362,12 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
 
     def counters(self) -> dict:
         return self.host_saved.counters()
+
+    def close(self) -> None:
+        """As every trainer, and the pinned blocks its saved inputs used go back to the system: PyTorch's caching
+        host allocator keeps freed pinned blocks for reuse, and at long context they are tens of GB that the
+        method gated next (poros, its NF4 store and its saved inputs pinned in place) needs."""
+        super().close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch._C._host_emptyCache()  # CUDA builds of torch >= 2.5; private, and the only way to release them
