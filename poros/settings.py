@@ -370,6 +370,13 @@ SETTINGS: tuple[Setting, ...] = (
             "chunk recomputed in backward (every method alike; the MLP's matmuls run on fewer rows, so its bits "
             "may differ from the whole sequence's)", "MLP chunk (tokens)", metavar="TOKENS",
             default_help="none: the whole sequence at once", report_default=False),
+    Setting("attention_chunk", None, COMPUTED, optional_positive_int,
+            "tokens per chunk of every decoder layer's token-wise modules outside its MLP (the attention's q/k/v/o "
+            "projections with their LoRA, the layer's norms): one chunk's saved tensors at a time, each chunk "
+            "recomputed in backward, only the attention core over the whole sequence (every method alike; the "
+            "matmuls run on fewer rows, so the bits may differ from the whole sequence's)",
+            "Attention chunk (tokens)", metavar="TOKENS", default_help="none: the whole sequence at once",
+            report_default=False),
     # Off by default: a double-quantized store holds other absmax values (bitsandbytes expands the nested
     # absmax to float32 before each use, which differs slightly from the original), so the weights and every
     # result bit differ from a plain store's; off keeps results comparable with runs recorded without it.

@@ -11,6 +11,7 @@ from poros.config import LoRACompute, TrainConfig
 from poros.engine.dropout import DropoutKeys, key_lora_dropout
 from poros.engine.head import use_chunked_loss
 from poros.engine.lora_compute import lora_in_activation_dtype
+from poros.engine.attention_chunk import use_chunked_attention
 from poros.engine.mlp_chunk import use_chunked_mlp
 from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
@@ -140,6 +141,8 @@ class QLoRAModel:
             lora_in_activation_dtype(self.peft)
         if self.cfg.lora_dropout > 0:  # peft's nn.Dropout draws from the global generator: keyed masks instead
             key_lora_dropout(self.peft, self.cfg.lora_dropout, self.dropout_keys)
+        if self.cfg.attention_chunk is not None:  # on the LoRA layers, so that each chunk holds its adapters
+            use_chunked_attention(self.layers, self.cfg.attention_chunk)
         gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
         with torch.no_grad():
             for name, p in self.peft.named_parameters():

@@ -128,7 +128,8 @@ def test_malformed_matrix_lists_every_problem(malformed):
     assert len(problems) == len(EXPECTED), f"expected {len(EXPECTED)} problems, got {problems}"
 
 
-SINGLE = [("stacks", []), ("block_size", 0), ("attention", "warp"), ("dataset", "wiki"), ("mlp_chunk", 0)]
+SINGLE = [("stacks", []), ("block_size", 0), ("attention", "warp"), ("dataset", "wiki"), ("mlp_chunk", 0),
+          ("attention_chunk", 0)]
 
 
 @pytest.mark.parametrize("key,bad", SINGLE, ids=[f"{k}={v!r}" for k, v in SINGLE])

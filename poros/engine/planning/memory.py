@@ -16,6 +16,16 @@ from poros.settings import Attention
 # the head holds the logits in bf16 and fp32 and their gradient.
 ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
 ACT_INTERMEDIATE = 14  # bytes per token x intermediate
+# `attention_chunk` (poros/engine/attention_chunk.py) runs a layer's norms and attention projections a chunk at a
+# time, so what they save for the backward is one chunk's, not the sequence's. Measured on the CPU
+# (tests/engine/test_attention_chunk.py: bytes a tiny layer's forward saves, with and without the chunk), what
+# leaves per token per hidden unit is the two norms' float32 copies of their inputs (4 bytes each) less the
+# bf16 input the post-attention norm's checkpoint now keeps (2 bytes): 6. The LoRA layers' rank-wide products
+# leave too (negligible at rank 16 against hidden 8192), and with `lora_compute: fp32` their float32 copies of
+# the projections' inputs (16 bytes more), which this does not count: the term is the least the chunk removes.
+# The peak live during the CPU backward falls by more (the norms' float32 gradients are one chunk's too); GPU
+# peaks must confirm the term before it is raised.
+ACT_ATTENTION_CHUNKED = 6  # bytes per token x hidden that attention_chunk takes out of a layer's saved tensors
 ATTN_SCORES = 6  # bytes per token^2 x head (math attention keeps the scores and their softmax)
 HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
 # Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
@@ -184,13 +194,24 @@ def mlp_intermediate_bytes(geo: Geometry, tokens: int, batch: int, mlp_chunk: in
     return (min(tokens, mlp_chunk * batch) if mlp_chunk else tokens) * ACT_INTERMEDIATE * geo.intermediate
 
 
+def attention_chunk_saving(geo: Geometry, tokens: int, batch: int, attention_chunk: int | None) -> int:
+    """Bytes `attention_chunk` takes out of what a layer's forward saves for its backward (`tokens` of one
+    micro-batch; one chunk's, `attention_chunk` tokens of each of the `batch` sequences, are still saved while
+    that chunk is recomputed): ACT_ATTENTION_CHUNKED per hidden unit."""
+    if not attention_chunk:
+        return 0
+    return (tokens - min(tokens, attention_chunk * batch)) * ACT_ATTENTION_CHUNKED * geo.hidden
+
+
 def transient_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention, overlap: bool,
                     loss_chunk: int | None = None, deterministic: bool = False,
-                    mlp_chunk: int | None = None) -> tuple[int, int]:
+                    mlp_chunk: int | None = None, attention_chunk: int | None = None) -> tuple[int, int]:
     """(head, layers): peak bytes the head and the layer backward hold beyond what persists (the head's
-    logits `loss_chunk` tokens at a time when it is set, the MLP's intermediates `mlp_chunk` tokens at a time)."""
+    logits `loss_chunk` tokens at a time when it is set, the MLP's intermediates `mlp_chunk` tokens at a time, the
+    norms' and attention projections' saved tensors `attention_chunk` tokens at a time)."""
     tokens = seq_len * batch
-    layer = (tokens * ACT_HIDDEN * geo.hidden + mlp_intermediate_bytes(geo, tokens, batch, mlp_chunk)
+    layer = (tokens * ACT_HIDDEN * geo.hidden - attention_chunk_saving(geo, tokens, batch, attention_chunk)
+             + mlp_intermediate_bytes(geo, tokens, batch, mlp_chunk)
              + 2 * geo.max_linear
              + (ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention is Attention.MATH else 0)
              + fused_backward_bytes(geo, seq_len, batch, attention, deterministic))
@@ -214,21 +235,25 @@ def attention_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
 
 
 def layer_activation_bytes(geo: Geometry, seq_len: int, batch: int, attention: Attention,
-                           mlp_chunk: int | None = None) -> int:
+                           mlp_chunk: int | None = None, attention_chunk: int | None = None) -> int:
     """What one layer's forward with autograd keeps for its backward, one micro-batch. A chunked MLP
     (`mlp_chunk`) keeps none of its intermediates (its checkpointed chunks keep their inputs, views of the
-    MLP's input): the backward recomputes one chunk's at a time, which `transient_bytes` counts."""
+    MLP's input): the backward recomputes one chunk's at a time, which `transient_bytes` counts; so do the
+    chunked norms and attention projections (`attention_chunk`) of theirs."""
     tokens = seq_len * batch
-    return tokens * ACT_HIDDEN * geo.hidden + (0 if mlp_chunk else mlp_intermediate_bytes(geo, tokens, batch)) + (
+    return (tokens * ACT_HIDDEN * geo.hidden - attention_chunk_saving(geo, tokens, batch, attention_chunk)
+            + (0 if mlp_chunk else mlp_intermediate_bytes(geo, tokens, batch))) + (
         ATTN_SCORES * batch * geo.heads * seq_len * seq_len if attention is Attention.MATH else 0)
 
 
 def resident_memory(geo: Geometry, cfg: TrainConfig) -> int:
     """Predicted peak of resident QLoRA on `cfg`'s settings (every weight on the device, every activation kept;
-    the head's logits and a chunked MLP's intermediates one chunk at a time where `cfg` chunks them)."""
+    the head's logits, a chunked MLP's intermediates and the chunked attention projections' and norms' saved
+    tensors one chunk at a time where `cfg` chunks them)."""
     head_t, _ = transient_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, overlap=False,
                                 loss_chunk=cfg.loss_chunk, deterministic=cfg.deterministic)
-    per_layer = layer_activation_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, cfg.mlp_chunk)
+    per_layer = layer_activation_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, cfg.mlp_chunk,
+                                       cfg.attention_chunk)
     # a layer's backward: its dequantized weight, and with a chunked MLP the chunk it recomputes
     backward = 2 * geo.max_linear + (mlp_intermediate_bytes(geo, cfg.seq_len * cfg.batch_size, cfg.batch_size,
                                                             cfg.mlp_chunk) if cfg.mlp_chunk else 0)

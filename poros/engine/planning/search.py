@@ -258,7 +258,7 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     # streams weights.
     window = block * live
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, c.loss_chunk, c.deterministic,
-                                      c.mlp_chunk)
+                                      c.mlp_chunk, c.attention_chunk)
     kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
     device_inputs = r.device_inputs if r.device_inputs is not None else (
         (c.device_inputs or 0) if offload_inputs else None)
@@ -277,7 +277,8 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
         templates=((resident_layers - len(kept)) * template_bytes(geo, c.lora_rank)
                    + len(kept) * live * (template_bytes(geo, c.lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
-        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention, c.mlp_chunk),
+        kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention, c.mlp_chunk,
+                                                                        c.attention_chunk),
         graph_pool=graph_pool_bytes(layer_t, c.compile) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(input_ops(step, host, live, window)), memory, r.budget,

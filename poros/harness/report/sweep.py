@@ -20,7 +20,8 @@ ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/ste
                      "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
 FLOOR_ROW_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Method / plan", "Schedule", "s/step", *FLOOR_COLUMNS)
 # what a row computes, but its GPUs
-TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk", "mlp_chunk")
+TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk", "mlp_chunk",
+        "attention_chunk")
 SWEEP_INTRO = (
     "Each poros plan first passed the parity gate against the reference's states recorded in the same run "
     "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after discarded warm-up. "
@@ -172,7 +173,8 @@ def attention_pairs(rows: pd.DataFrame) -> pd.DataFrame:
     work but for attention (columns `_other`, `_math`)."""
     timed = rows[rows["timed_ok"]].reset_index()
     timed = timed.assign(same=[" | ".join(str(r[k]) for k in ("run", "model", "stack", "seq_len", "grad_accum",
-                                                              "loss_chunk", "mlp_chunk", "gpus", "label"))
+                                                              "loss_chunk", "mlp_chunk", "attention_chunk", "gpus",
+                                                              "label"))
                                for r in timed.to_dict("records")])
     other, math_ = timed[timed["attention"] != "math"], timed[timed["attention"] == "math"]
     pairs = other.merge(math_, on="same", suffixes=("_other", "_math"))
