@@ -2,5 +2,7 @@
 export PYTHONPATH=$PWD/.devpkgs/site:$PWD
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 poros() { python3 -m poros "$@"; }
+# tox with its own packages first on its path: `devtox -e installed -- --matrix=h200 --steps 2 -k ...`
+devtox() { PYTHONPATH=$PWD/.devpkgs/tox:$PYTHONPATH python3 -m tox "$@"; }
 # The copied tree has no .git: pass the commit in, e.g. `export POROS_GIT_COMMIT=$(git rev-parse HEAD)`
 # evaluated here before the call, so results record what ran.

@@ -3,7 +3,7 @@
 # with the checkout; there, `. scripts/device_env.sh` puts them on the path.
 #
 #   scripts/stage_device.sh                      # bitsandbytes, Unsloth with what it imports, pytest-benchmark
-#                                                # and pygal (its --benchmark-histogram)
+#                                                # and pygal (its --benchmark-histogram); tox apart (.devpkgs/tox)
 #   scripts/stage_device.sh NAME==VERSION ...    # these packages instead
 #
 # Wheels are fetched without dependencies for the GPU machine's interpreter, not this one's:
@@ -36,5 +36,15 @@ if [ -d .devpkgs/site/bitsandbytes ]; then
   find .devpkgs/site/bitsandbytes -maxdepth 1 -name 'libbitsandbytes_*.so' \
     ! -name "libbitsandbytes_cuda${cuda}.so" ! -name 'libbitsandbytes_cpu.so' -delete
 fi
+# tox and what it imports, apart: on the path of the tox process alone (device_env.sh's `devtox`), so that none of
+# them shadows the machine's own copies for everything else
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python" --implementation cp \
+  "${platforms[@]}" -d .devpkgs/tox-wheels tox==4.67.15 virtualenv==21.15.11 distlib==0.4.4 filelock==4.3.1 \
+  platformdirs==4.14.9 pluggy==1.7.0 pyproject-api==1.12.1 cachetools==8.0.2 colorama==0.4.6 packaging==26.4 \
+  python-discovery==1.9.6 tomli-w==1.2.0 typing-extensions==4.16.0
+for w in .devpkgs/tox-wheels/*.whl; do
+  python3 -m zipfile -e "$w" .devpkgs/tox
+done
+rm -rf .devpkgs/tox-wheels
 rm -rf .devpkgs/site/studio .devpkgs/site/unsloth_cli .devpkgs/site/dill/tests .devpkgs/site/multiprocess/tests
 du -sh .devpkgs

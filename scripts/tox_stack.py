@@ -6,13 +6,14 @@
 OUT is a scratch folder (tox passes its env's tmp folder) for the CPU matrix's rows and report.
 
 Where torch finds a CUDA GPU it first installs the Unsloth extra (pyproject's `unsloth` requirements) under
-the env's pins, so that installing it cannot move torch, transformers or bitsandbytes; where the extra cannot
+the env's pins (not with POROS_STACK_EXTRA=0, as the `installed` env sets: it installs nothing), so that installing it cannot move torch, transformers or bitsandbytes; where the extra cannot
 be installed on those pins it says so in one line and the matrix runs without it (its cells are skipped).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
         print("usage: tox_stack.py OUT [PYTEST ARGS...] (OUT: a scratch folder, e.g. tox's {envtmpdir})", file=sys.stderr)
         return 2
     out, args = argv[0], argv[1:]
-    if cuda_present():
+    if os.environ.get("POROS_STACK_EXTRA", "1") != "0" and cuda_present():
         versions = installed()
         done = subprocess.run(install_extra_command(versions), cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:

@@ -121,3 +121,27 @@ def test_stack_helper_reads_the_installed_pins():
 
     assert _tox_stack().installed() == {"torch": installed_torch(), "transformers": metadata.version("transformers"),
                                         "bitsandbytes": metadata.version("bitsandbytes")}
+
+
+def test_the_installed_env_pins_and_installs_nothing():
+    """`tox -e installed`: the machine's own packages (a GPU machine without an index), poros from the checkout,
+    the same helper; not in the default env_list."""
+    env = INI["testenv:installed"]
+    assert "installed" not in ENVS
+    assert env["system_site_packages"].strip() == "true" and env["package"].strip() == "skip"
+    assert env["deps"].strip() == ""
+    assert "POROS_STACK_EXTRA = 0" in env["set_env"] and "PYTHONPATH = {toxinidir}" in env["set_env"]
+    assert "commands" not in env  # [testenv]'s: scripts/tox_stack.py
+
+
+def test_the_stack_helper_installs_no_extra_when_told(monkeypatch, tmp_path):
+    """POROS_STACK_EXTRA=0 (the installed env): not even on a CUDA machine; the control, unset, does install."""
+    ts = _tox_stack()
+    ran = []
+    monkeypatch.setattr(ts, "cuda_present", lambda: True)
+    monkeypatch.setattr(ts, "commands", lambda out, args: [])
+    monkeypatch.setattr(ts.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setenv("POROS_STACK_EXTRA", "0")
+    assert ts.main([str(tmp_path)]) == 0 and ran == []
+    monkeypatch.delenv("POROS_STACK_EXTRA")
+    assert ts.main([str(tmp_path)]) == 0 and ran and ran[0][2:4] == ["pip", "install"]
