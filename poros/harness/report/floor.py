@@ -19,8 +19,8 @@ from poros.harness.report.rows import computed_key, run_of
 FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
               "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
               "the row's process; the compute floor the fastest step of the same model and computed settings with "
-              "nothing streamed (resident QLoRA, or a plan that copies nothing) in the same run on the same GPU, — "
-              "where none ran.")
+              "nothing streamed (resident QLoRA, or a plan that copies nothing) in the same run on the same GPU (— "
+              "where none ran: the share is then the copy floor's).")
 
 
 def streams_nothing(row: dict) -> bool:
