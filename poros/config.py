@@ -86,6 +86,12 @@ def _combination_problems(cfg: TrainConfig, valid: Callable[..., bool]) -> list[
         problems.append(f"device_inputs: counts the layers whose saved inputs stay on the device while the others "
                         f"go through host memory, so it needs offload_inputs; got device_inputs={cfg.device_inputs} "
                         "without it")
+    if valid("input_stride", "keep_attention") and cfg.input_stride > 1 and cfg.keep_attention:
+        problems.append(f"input_stride: a regenerated input has no attention results saved with it, so it needs "
+                        f"keep_attention off; got input_stride={cfg.input_stride} with keep_attention")
+    if valid("input_stride", "cuda_graphs") and cfg.input_stride > 1 and cfg.cuda_graphs:
+        problems.append(f"input_stride: regenerates inputs with eager (or compiled) forwards, not through layer "
+                        f"templates; drop cuda_graphs (--no-cuda-graphs), got input_stride={cfg.input_stride}")
     if valid("cuda_graphs", "device") and cfg.cuda_graphs and cfg.device is not Device.CUDA:
         problems.append(f"cuda_graphs: needs device cuda, got {cfg.device.value!r}")
     if valid("shard_stream", "gpus") and cfg.shard_stream and cfg.gpus < 2:

@@ -406,6 +406,11 @@ SETTINGS: tuple[Setting, ...] = (
             "their backward needs), stay on the device; the others go through host memory",
             "Saved inputs on the device (layers)", metavar="N", report_default=False,
             default_help="none: every saved input in host memory"),
+    Setting("input_stride", 1, SCHEDULE, positive_int,
+            "poros: save the input of every N-th recomputed layer only; the backward regenerates the inputs between "
+            "from the saved one with the same no-grad forwards the forward pass ran, within the weights already on "
+            "the device (fewer saved-input bytes on the device or in host memory, for extra layer forwards)",
+            "Saved-input stride (layers)", metavar="N", report_default=False),
     Setting("host_budget", "auto", SCHEDULE, optional_size,
             "poros: host memory the NF4 store and the saved inputs kept in host memory may take together (100GB, "
             "120GiB, or auto: /proc/meminfo's MemAvailable, within a cgroup's memory limit, less a tenth of it as headroom, "

@@ -12,6 +12,8 @@ operations then run the layers themselves:
                       shares of the load before, all-gathered into the buffer;
   offload, fetch      a saved input the plan keeps in host memory, out after its forward and back ahead of its
                       backward (poros/engine/saved_inputs.py);
+  regenerate          with `input_stride`, a layer's no-grad forward again in backward, from its input: the
+                      input of the layer above, which saved none (poros/engine/planning/regen.py);
   forward, backward   a layer, by the runner of its kind (poros/engine/runners.py: recomputed or kept,
                       eagerly or through layer templates replayed from CUDA graphs);
   head                the Hugging Face forward again, each layer handing on its input and the last one
@@ -160,6 +162,7 @@ class PorosTrainer(Trainer):
         # keep their saved tensors for kept layers' templates
         self._held = contextlib.ExitStack()
         self._pass, self._step, self._gathers = _Pass.PLAIN, None, None
+        self._regenerations = 0  # regenerate operations run this step (input_stride)
         super().__init__(store, cfg, world)
 
     def _distribute(self) -> None:
@@ -262,7 +265,11 @@ class PorosTrainer(Trainer):
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""
         t, worker, compiled = self.templates, self._worker, self.cfg.compile
-        recompute = Recompute(layers, worker, self.saved, compiled, self.cfg.keep_attention) if t is None else TemplateRecompute(
+        if t is not None and self.plan.regenerated:
+            raise CapabilityError("input_stride: regenerated inputs run eager (or compiled) forwards, not layer "
+                                  "templates; drop cuda_graphs or input_stride")
+        recompute = Recompute(layers, worker, self.saved, compiled, self.cfg.keep_attention,
+                              frozenset(self.plan.regenerated)) if t is None else TemplateRecompute(
             layers, worker, self.saved, t, compiled)
         kept = Kept(layers, worker, compiled) if t is None else TemplateKept(layers, worker, t, compiled)
         return [kept if i in self.plan.kept_layers else recompute for i in range(len(layers))]
@@ -354,7 +361,7 @@ class PorosTrainer(Trainer):
                     P.BACKWARD: self._backward, P.GATHER: self.buffers.gather,
                     P.GATHER_HEAD: self.buffers.gather_head,
                     P.OFFLOAD: lambda op: self.saved.offload((op.layer, op.micro), op.buffer),
-                    P.FETCH: lambda op: self.saved.fetch((op.layer, op.micro))}
+                    P.FETCH: lambda op: self.saved.fetch((op.layer, op.micro)), P.REGEN: self._regenerate}
         with sdpa_context(self.cfg.attention):
             for op in self.plan.step:
                 handlers[op.kind](op)
@@ -392,6 +399,13 @@ class PorosTrainer(Trainer):
         self.buffers.acquire(self.plan.groups[op.group].buffer)
         step.hidden[m] = self.runners[i].forward((i, m), step.hidden[m], step.calls.pop((i, m)))
 
+    def _regenerate(self, op: P.Op) -> None:
+        j, m = op.layer, op.micro
+        self.dropout_micro(m, len(self._step.batches))  # the masks the forward drew
+        self.buffers.acquire(self.plan.groups[op.group].buffer)
+        self.saved.put((j + 1, m), self.runners[j].regenerate((j, m)))
+        self._regenerations += 1
+
     def _head(self, op: P.Op) -> None:
         m, step = op.micro, self._step
         if not self.plan.head_resident:
@@ -422,6 +436,7 @@ class PorosTrainer(Trainer):
     def step(self, batches=None):
         self.buffers.reset_counters()
         self.saved.bytes_d2h = self.saved.bytes_h2d = 0
+        self._regenerations = 0
         try:
             return super().step(batches)
         except torch.OutOfMemoryError as e:
@@ -438,6 +453,8 @@ class PorosTrainer(Trainer):
             out.update(input_bytes_d2h=self.saved.bytes_d2h, input_bytes_h2d=self.saved.bytes_h2d)
             out["bytes_h2d"] += self.saved.bytes_h2d
         out["peak_blocks_resident"] = sum(not b.resident for b in self.plan.buffers)
+        if self.plan.regenerated:
+            out["regenerations"] = self._regenerations
         if self.cfg.keep_attention:  # fused attention calls of the recomputes: taken from the forward, or run again
             recompute = next((r for r in self.runners if isinstance(r, Recompute)), None)
             calls = recompute.attention_calls if recompute is not None else {}

@@ -6,7 +6,9 @@
                   enqueued there, while the executor's thread enqueues the next layer's recompute. With
                   `keep_attention` the forward's attention results are saved with the input and the
                   recompute takes them instead of running attention's forward again
-                  (poros/engine/kept_attention.py).
+                  (poros/engine/kept_attention.py). A layer whose input the plan regenerates
+                  (`input_stride`) saves none; `regenerate` runs a layer's forward again, the very call the
+                  forward pass made, from its input: the next layer's input, bit for bit.
   Kept            resident QLoRA's forward, with autograd, its activations kept until its backward
                   (`keep_activations`: no recompute).
   TemplateRecompute, TemplateKept
@@ -100,9 +102,10 @@ class Recompute(Runner):
             (while `kept_attention.installed()` is entered).
     """
 
-    def __init__(self, layers, worker, saved: SavedInputs, compiled: bool = False, keep_attention: bool = False):
+    def __init__(self, layers, worker, saved: SavedInputs, compiled: bool = False, keep_attention: bool = False,
+                 regenerated: frozenset[int] = frozenset()):
         super().__init__(layers, worker, compiled)
-        self.saved, self.keep_attention = saved, keep_attention
+        self.saved, self.keep_attention, self.regenerated = saved, keep_attention, regenerated
         self.calls: dict[Key, tuple[LayerCall, bool]] = {}  # the call and whether its input requires grad
         self.attention: dict[Key, kept_attention.AttentionRecord] = {}  # keep_attention: the forward's calls
         self.attention_calls = {"replayed": 0, "computed": 0}  # keep_attention: fused attention calls in recomputes
@@ -110,7 +113,8 @@ class Recompute(Runner):
     def forward(self, key, x, call):
         self.calls[key] = (call, self.input_grad(key, x))
         if not self.keep_attention:
-            self.saved.put(key, x)
+            if key[0] not in self.regenerated:
+                self.saved.put(key, x)
             return self._forward(key, x, call)
         with kept_attention.recording() as record:
             out = self._forward(key, x, call)
@@ -125,6 +129,11 @@ class Recompute(Runner):
         with torch.enable_grad():  # the training graph (module docstring); its saved activations dropped here
             leaf = x.detach().requires_grad_(self.calls[key][1])
             return hidden_of(call(self.layers[key[0]], leaf)).detach()
+
+    def regenerate(self, key: Key) -> torch.Tensor:
+        """Layer key[0]'s output for micro-batch key[1] again, as its forward made it: the same call on the same
+        input (saved, or regenerated itself), which stays where it is for the layer's own backward."""
+        return self._forward(key, self.saved.peek(key)[0], self.calls[key][0])
 
     def recompute(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's forward again, with autograd, from its saved input: (input leaf, output)."""

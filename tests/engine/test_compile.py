@@ -267,3 +267,21 @@ def test_the_graph_cache_key_tells_kept_saved_tensors_from_donated_ones(stores, 
     monkeypatch.setattr(RecomputeDequantization, "uuid", lambda self: "poros-recompute-dequantization-control")
     result, _ = _kept_templates_gate(stores, monkeypatch, tmp_path)
     assert not result.ok and result.first_mismatch.startswith("step0.grad:")
+
+
+def test_compiled_regenerations_are_the_forward_pass_bits(stores):
+    """input_stride with compiled layers: the regenerating forward is the forward pass's (the training graph,
+    its saved tensors dropped), so compiled poros still equals compiled resident; negative control: regenerating
+    through the inference graph (no autograd, as an eager regeneration would) gives other bits and FAILs."""
+    cfg = compiled("tiny-qwen2", input_stride=2)
+    result = parity(cfg, steps=1, store=stores("tiny-qwen2"))
+    assert result.ok, _ok(result)
+
+    def inference_regenerate(self, key):
+        with torch.no_grad():
+            return runners.hidden_of(self.calls[key][0](self.layers[key[0]], self.saved.peek(key)[0]))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runners.Recompute, "regenerate", inference_regenerate)
+        result = parity(cfg, steps=1, store=stores("tiny-qwen2"))
+    assert result.parity == "FAIL", _ok(result)

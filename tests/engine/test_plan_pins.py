@@ -38,6 +38,10 @@ CASES = [
         model="tiny-qwen3", block_size=2, grad_accum=4, lora_rank=64, seq_len=256, vram_budget="13.4MB"), None),
     ("tiny-gemma4-auto", dict(model="tiny-gemma4", device="cuda", vram_budget="auto", seq_len=256,
                               lora_targets="q_proj,v_proj"), (2 * GB, int(1.0357 * GB), 10**7, 3 * 10**8)),
+    ("qwen2.5-72b-64k-36gb-input-stride-2", dict(
+        model="qwen2.5-72b", device="cuda", vram_budget="36GB", host_budget="120GB", seq_len=65536, input_stride=2,
+        attention="fast", deterministic=True, lora_compute="bf16", loss_chunk=2048, mlp_chunk=2048,
+        attention_chunk=2048, overlap_backward=False, compile=True), None),
 ]
 
 

@@ -74,7 +74,9 @@ def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Sea
     saved inputs on the device the host allows, then as many saved inputs on the device as the rest of the budget
     holds. Weights come first: a resident layer saves two copies of its bytes a step (its loads in forward and in
     backward), a saved input on the device one (its copy back; the copy out runs in the direction the weights
-    leave idle)."""
+    leave idle). `input_stride` is taken as the config gives it, never searched: what it saves is memory, what it
+    costs is layer forwards, and the planner ranks plans by bytes copied alone, with no model of compute time to
+    weigh the two."""
     cfg = request.config
     seen = Search()
     placed = cfg.offload_inputs or request.device_inputs is not None

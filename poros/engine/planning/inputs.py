@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from poros.engine.planning.plan import BACKWARD, FETCH, FORWARD, HEAD, OFFLOAD, Op
+from poros.engine.planning.plan import BACKWARD, FETCH, FORWARD, HEAD, OFFLOAD, REGEN, Op
 from poros.store.layout import align
 
 
@@ -47,12 +47,14 @@ def host_budget(setting, host: HostMemory | None, cuda: bool) -> int | None:
     return int(host.available / (1 + MEMORY_HEADROOM)) + host.held
 
 
-def host_layers(n_layers: int, kept: tuple[int, ...], device_inputs: int | None) -> tuple[int, ...]:
-    """The layers whose saved inputs go through host memory: every recomputed layer but the last
-    `device_inputs` (None: none goes). Kept layers save no input."""
+def host_layers(n_layers: int, kept: tuple[int, ...], device_inputs: int | None,
+                regenerated: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The layers whose saved inputs go through host memory: every recomputed layer that saves one but the last
+    `device_inputs` (None: none goes). Kept layers save no input, nor do those whose input is regenerated."""
     if device_inputs is None:
         return ()
-    recomputed = [i for i in range(n_layers) if i not in kept]
+    skip = {*kept, *regenerated}
+    recomputed = [i for i in range(n_layers) if i not in skip]
     return tuple(recomputed[: max(0, len(recomputed) - device_inputs)])
 
 
@@ -81,15 +83,21 @@ def least_on_device(recomputed: int, live: int, slot: int, store: int, budget: i
     return max(0, recomputed - on_host)
 
 
-def input_ops(step: list[Op], host: tuple[int, ...], live: int, window: int) -> list[Op]:
+def input_ops(step: list[Op], host: tuple[int, ...], live: int, window: int, regenerated: tuple[int, ...] = ()) -> list[Op]:
     """`step` with the moves of the host-held saved inputs: each offloaded right after the forward that saves
     it, into slot (its layer's place among `host`) x live + micro-batch mod live; each fetched ahead of its
-    backward: the first backward's behind the head, and at each backward the inputs of the `window` backward
-    operations after it, those already offloaded (micro-major, the next micro-batch's come from its own head)."""
+    first reader (its backward, or a regeneration from it, input_stride): the first reader's behind the head,
+    and at each reader the inputs of the `window` readers after it, those already offloaded (micro-major, the
+    next micro-batch's come from its own head)."""
     if not host:
         return list(step)
     where = {layer: k for k, layer in enumerate(host)}
-    backwards = [(op.layer, op.micro) for op in step if op.kind == BACKWARD]
+    regen = set(regenerated)
+
+    def reads(op: Op) -> bool:
+        return op.kind == BACKWARD or op.kind == REGEN and op.layer not in regen
+
+    readers = [(op.layer, op.micro) for op in step if reads(op)]
     offloaded, fetched = set(), set()
     out: list[Op] = []
 
@@ -102,10 +110,10 @@ def input_ops(step: list[Op], host: tuple[int, ...], live: int, window: int) -> 
     done = 0
     for op in step:
         if op.kind == HEAD:
-            fetch(backwards[done: done + 1])
-        elif op.kind == BACKWARD:
+            fetch(readers[done: done + 1])
+        elif reads(op):
             done += 1
-            fetch(backwards[done - 1: done + window])
+            fetch(readers[done - 1: done + window])
         out.append(op)
         if op.kind == FORWARD and op.layer in where:
             offloaded.add((op.layer, op.micro))

@@ -3,7 +3,8 @@ once, or a streamed group that takes turns in a rotating buffer), where each lay
 (the device, or host memory), and the ordered operations of one optimizer step: load a group into its
 buffer, forward a layer for a micro-batch, the head, recompute and backward a layer, release a buffer, and
 for a saved input in host memory its copy out (offload) and back (fetch) through its slot of the host
-arena. The executor (poros/engine/executor.py) runs any plan and derives every stream ordering from it;
+arena, and with `input_stride` the no-grad forwards that regenerate in backward the inputs of the layers
+between two saved ones (poros/engine/planning/regen.py). The executor (poros/engine/executor.py) runs any plan and derives every stream ordering from it;
 `describe` is its text in `poros plan`."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (
     "load", "release", "forward", "head", "backward", "load_head", "release_head")
 GATHER, GATHER_HEAD = "gather", "gather_head"  # the other ranks' shares of the load before (shard_stream)
 OFFLOAD, FETCH = "offload", "fetch"  # a saved input device->host into its slot, and back host->device
+REGEN = "regenerate"  # layer L's forward again, no grad, from its input: the input of layer L + 1 (input_stride)
 HEAD_SLOT = -1  # what a buffer lent to the lm_head weight holds
 
 
@@ -103,6 +105,11 @@ class Plan:
     # data-parallel ranks that share every streamed copy (shard_stream): each loads one contiguous share of
     # a group's (or the streamed lm_head's) bytes and a gather brings the others'; 1: each rank copies all
     shards: int = 1
+    # input_stride: what was asked, and the recomputed layers that save no input, theirs regenerated in backward
+    # (poros/engine/planning/regen.py); `regenerated_alive`: the most of their inputs on the device at once
+    input_stride: int = 1
+    regenerated: tuple[int, ...] = ()
+    regenerated_alive: int = 0
 
     def shard_size(self, nbytes: int) -> int:
         return shard_size(nbytes, self.shards)
@@ -143,8 +150,13 @@ class Plan:
     @property
     def device_input_layers(self) -> list[int]:
         """Recomputed layers whose saved inputs stay on the device."""
-        host, kept = set(self.host_inputs), set(self.kept_layers)
-        return [i for i in range(self.n_layers) if i not in host and i not in kept]
+        skip = {*self.host_inputs, *self.kept_layers, *self.regenerated}
+        return [i for i in range(self.n_layers) if i not in skip]
+
+    @property
+    def regenerations_per_step(self) -> int:
+        """Extra layer forwards of one step: those regenerating inputs in backward."""
+        return sum(op.kind == REGEN for op in self.step)
 
     @property
     def graph_pool(self) -> int:
@@ -213,7 +225,8 @@ class Plan:
             "d2h_bytes_per_step": self.d2h_bytes_per_step, "offload_inputs": self.offload_inputs,
             "host_inputs": list(self.host_inputs), "device_inputs": len(self.device_input_layers),
             "host_input_bytes": self.host_input_bytes, "host_bytes": self.host_bytes, "host_budget": self.host_budget,
-            "shards": self.shards, "gathered_bytes_per_step": self.gathered_bytes_per_step,
+            "input_stride": self.input_stride, "regenerated_layers": list(self.regenerated),
+            "regenerations_per_step": self.regenerations_per_step, "shards": self.shards, "gathered_bytes_per_step": self.gathered_bytes_per_step,
             "loads_per_step": self.loads_per_step, "peak_vram_bytes": self.memory.allocated,
             "process_vram_bytes": self.memory.total, "memory": self.memory.parts(), "vram_budget": self.budget,
             "graph_pool_bytes": self.graph_pool,
@@ -265,6 +278,18 @@ def _describe_inputs(plan: Plan, span) -> list[str]:
             f"({plan.host_slots} slots, page-locked) = {gb(plan.host_bytes)} ({budget})"]
 
 
+def _describe_stride(plan: Plan) -> list[str]:
+    """What `input_stride` saves and costs."""
+    if plan.input_stride == 1:
+        return []
+    saved = plan.n_layers - len(plan.kept_layers) - len(plan.regenerated)
+    return [f"  input stride {plan.input_stride}: inputs saved for {saved} of {saved + len(plan.regenerated)} "
+            f"recomputed layers, {len(plan.regenerated)} regenerated in backward: {plan.regenerations_per_step} extra "
+            f"layer forwards per optimizer step, no extra weight bytes (each from weights already on the device), "
+            f"up to {plan.regenerated_alive} regenerated inputs on the device at once "
+            f"({gb(plan.regenerated_alive * plan.input_bytes)})"]
+
+
 def describe(plan: Plan) -> str:
     """`poros plan`'s text: residency, bytes per step and the process's predicted peak by part."""
     res, st = plan.resident_layers, plan.streamed_layers
@@ -283,6 +308,7 @@ def describe(plan: Plan) -> str:
            f"block from host memory (above: rank 0's) and all-gathers {gb(plan.gathered_bytes_per_step)} per "
            "optimizer step from the others, in place into the stream buffers"] if plan.shards > 1 else []),
         *_describe_inputs(plan, span),
+        *_describe_stride(plan),
     ]
     m = plan.memory
     parts = m.parts()

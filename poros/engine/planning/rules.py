@@ -15,7 +15,11 @@ ones a plan breaks:
   - saved inputs in host memory: exactly the inputs of the layers the plan places there (`host_inputs`, never
     a kept layer's) are offloaded, each after the forward that saves it and into its own slot, and fetched once,
     after it was offloaded and before its backward; no offload overwrites a slot whose input has not been
-    fetched yet (the backward would read another input).
+    fetched yet (the backward would read another input);
+  - regenerated inputs (input_stride): a layer in `regenerated` saves no input in forward; its input is made in
+    backward by one regeneration (the forward of the layer below, its weights present, from that layer's input on
+    the device: saved there, fetched back, or regenerated itself), before its backward; a regeneration makes only
+    the input of a layer in `regenerated`, once per micro-batch, after that layer's forward.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from poros.engine.planning.plan import (
     LOAD,
     LOAD_HEAD,
     OFFLOAD,
+    REGEN,
     RELEASE,
     RELEASE_HEAD,
     Op,
@@ -92,7 +97,7 @@ def check(plan: Plan) -> list[str]:
             gather(where, op)
         elif op.kind in (RELEASE, RELEASE_HEAD):
             released[op.buffer] = True
-        elif op.kind in (FORWARD, BACKWARD):
+        elif op.kind in (FORWARD, BACKWARD, REGEN):
             g = group_of.get(op.layer)
             if g is None:
                 problems.append(f"{where}: no group holds layer {op.layer}")
@@ -105,6 +110,8 @@ def check(plan: Plan) -> list[str]:
                                 f"group {g.index} is there")
             released[g.buffer] = False
             key = (op.layer, op.micro)
+            if op.kind == REGEN:  # its inputs' rules: `_input_problems`
+                continue
             if op.kind == FORWARD:
                 if key in seen_fwd:
                     problems.append(f"{where}: layer {op.layer} forwarded twice for micro-batch {op.micro}")
@@ -157,14 +164,30 @@ def _input_problems(plan: Plan) -> list[str]:
     """The saved-input rules (module docstring): each input's state along the step, and each slot's contents."""
     problems: list[str] = []
     host, kept = set(plan.host_inputs), set(plan.kept_layers)
+    regen = set(plan.regenerated)
     for i in sorted(host & kept):
         problems.append(f"layer {i} keeps its activations: it saves no input for host memory to hold")
+    for i in sorted(regen & (host | kept)):
+        problems.append(f"layer {i}'s input is regenerated, but the plan also "
+                        + ("keeps its activations" if i in kept else "places it in host memory"))
     state: dict = {}  # (layer, micro) -> "device" (saved there), "host" (in a slot), "back" (fetched), "done"
     slots: dict[int, tuple] = {}  # slot -> the input in it, not fetched yet
     for pos, op in enumerate(plan.step):
         where, key = f"op {pos} ({op})", (op.layer, op.micro)
         if op.kind == FORWARD and op.layer not in kept:
-            state[key] = "device"
+            state[key] = "unsaved" if op.layer in regen else "device"
+        elif op.kind == REGEN:
+            made = (op.layer + 1, op.micro)
+            if state.get(key) not in ("device", "back", "regenerated"):
+                problems.append(f"{where}: regenerates from the input of layer {op.layer}, micro-batch {op.micro}, "
+                                f"which is not on the device ({state.get(key, 'not saved')})")
+            if op.layer + 1 not in regen:
+                problems.append(f"{where}: makes the input of layer {op.layer + 1}, which the plan does not regenerate")
+            elif state.get(made) != "unsaved":
+                problems.append(f"{where}: makes the input of layer {made[0]}, micro-batch {op.micro}, "
+                                + ("before its forward" if made not in state else f"which is {state[made]} already"))
+            else:
+                state[made] = "regenerated"
         elif op.kind == OFFLOAD:
             if op.layer not in host:
                 problems.append(f"{where}: moves layer {op.layer}'s saved input, which the plan keeps on the device")
@@ -191,6 +214,9 @@ def _input_problems(plan: Plan) -> list[str]:
             slots.pop(op.buffer, None)
             state[key] = "back"
         elif op.kind == BACKWARD and op.layer not in kept:
+            if op.layer in regen and state.get(key) != "regenerated":
+                problems.append(f"{where}: backward of layer {op.layer}, micro-batch {op.micro} before its input is "
+                                "regenerated")
             if state.get(key) == "host":
                 problems.append(f"{where}: backward of layer {op.layer}, micro-batch {op.micro} before its saved "
                                 "input is fetched from host memory")

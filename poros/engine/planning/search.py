@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from poros.config import TrainConfig
+from poros.engine.planning import regen
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.inputs import (
     HostMemory,
@@ -262,9 +263,15 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
     kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
     device_inputs = r.device_inputs if r.device_inputs is not None else (
         (c.device_inputs or 0) if offload_inputs else None)
-    host = host_layers(n, kept, device_inputs)
-    on_device = n - len(kept) - len(host)
-    saved = saved_bytes(n, on_device, len(host), live, window, one_saved)
+    segs = regen.segments([i for i in range(n) if i not in kept], c.input_stride, {i: g for g in groups for i in g.layers},
+                          regen.present_at_backwards(setup, step), grad_accum)
+    regenerated = tuple(i for seg in segs for i in seg[1:])
+    alive = regen.alive_at_once(segs, live)
+    step = regen.regen_ops(step, segs, {i: g for g in groups for i in g.layers})
+    host = host_layers(n, kept, device_inputs, regenerated)
+    on_device = n - len(kept) - len(host) - len(regenerated)
+    # regenerated inputs: none saved in forward; in backward a segment's at once beside the saved ones
+    saved = saved_bytes(n - len(regenerated), on_device, len(host), live, window, one_saved) + alive * one_saved
     grads_in_flight = (grad_accum if accumulation is Accumulation.LAYER else 1) * seq_len * batch_size * geo.hidden * 2
     memory = Memory(
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
@@ -281,10 +288,11 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
                                                                         c.attention_chunk),
         graph_pool=graph_pool_bytes(layer_t, c.compile) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
-                head_pad, geo.head_bytes, tuple(setup), tuple(input_ops(step, host, live, window)), memory, r.budget,
+                head_pad, geo.head_bytes, tuple(setup), tuple(input_ops(step, host, live, window, regenerated)), memory, r.budget,
                 host_inputs=host, input_bytes=one_saved, input_slot=slot_bytes(parts), input_window=window,
                 store_bytes=geo.store_bytes, host_budget=r.host_budget, keep_attention=c.keep_attention,
-                kept_layers=kept, shards=shards)
+                kept_layers=kept, shards=shards, input_stride=c.input_stride, regenerated=regenerated,
+                regenerated_alive=alive)
     problems = check(plan)
     if problems or after != end:
         raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
