@@ -11,7 +11,7 @@ import torch
 
 from poros.config import Method, TrainConfig
 from poros.engine.distributed import SINGLE, agree, share_store
-from poros.engine.executor import AllocatorLimit
+from poros.engine.allocator_limit import AllocatorLimit
 from poros.engine.methods import make_trainer
 from poros.engine.trainer import Trainer, deterministic_kernels
 from poros.store.arena import slot_tensors

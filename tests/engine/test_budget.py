@@ -16,6 +16,7 @@ import torch
 from poros.cli import main
 from poros.config import TrainConfig
 from poros.engine import executor as X
+from poros.engine import allocator_limit as L
 from poros.engine import nvml as N
 from poros.engine.planning import memory
 from poros.engine.planning import plan as P
@@ -270,9 +271,9 @@ def test_device_memory_measures_the_context(monkeypatch):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr(X, "set_allocator_settings", lambda conf: calls.append(("settings", conf)))
-    monkeypatch.setattr(X.torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(("fraction", f)))
-    monkeypatch.setattr(X.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GB))
+    monkeypatch.setattr(L, "set_allocator_settings", lambda conf: calls.append(("settings", conf)))
+    monkeypatch.setattr(L.torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(("fraction", f)))
+    monkeypatch.setattr(L.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GB))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     return calls
@@ -280,18 +281,18 @@ def fake_cuda(monkeypatch):
 
 def test_the_allocator_is_capped_at_the_budget_less_the_fixed_costs(q72, fake_cuda, monkeypatch):
     plan = plan_for_budget(q72, request(budget=24 * GB, process=ProcessCosts.cuda(ranks=2)))
-    limit = X.AllocatorLimit(plan, torch.device("cuda", 0))
+    limit = L.AllocatorLimit(plan, torch.device("cuda", 0))
     assert fake_cuda == [("settings", "expandable_segments:True"),
                          ("fraction", (24 * GB - CUDA_CONTEXT - NCCL_BUFFERS) / (100 * GB))]
     limit.release()
     assert fake_cuda[2:] == [("fraction", 1.0), ("settings", "expandable_segments:False")]
     fake_cuda.clear()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's word stands
-    X.AllocatorLimit(plan, torch.device("cuda", 0)).release()
+    L.AllocatorLimit(plan, torch.device("cuda", 0)).release()
     assert [c[0] for c in fake_cuda] == ["fraction", "fraction"]
     fake_cuda.clear()
-    X.AllocatorLimit(build_plan(q72, request()), torch.device("cuda", 0))  # no budget: nothing held
-    X.AllocatorLimit(plan, torch.device("cpu"))
+    L.AllocatorLimit(build_plan(q72, request()), torch.device("cuda", 0))  # no budget: nothing held
+    L.AllocatorLimit(plan, torch.device("cpu"))
     assert fake_cuda == []
 
 
