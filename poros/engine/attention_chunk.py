@@ -17,7 +17,7 @@ are left whole, as are the rotary embeddings (they save only the per-position co
 The modules' matmuls then run on fewer rows and the LoRA weight gradients are summed chunk by chunk, so the bits
 differ from the unchunked block's: a setting of what is computed, shared by every method of a run, which runs the
 same chunks through the same kernels whether its layer runs eagerly, recomputed, compiled or from a layer
-template (as `mlp_chunk`, whose chunk forward and keyed LoRA dropout this reuses: poros/engine/mlp_chunk.py).
+template (as `mlp_chunk`, whose chunked run and keyed LoRA dropout it shares: poros/engine/seq_chunks.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import types
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from poros.engine.mlp_chunk import _dropout_keys, _run_chunk
+from poros.engine.seq_chunks import dropout_keys, run_in_chunks
 from poros.errors import ConfigError
 
 CHUNK_ATTR = "attention_chunk"  # tokens per chunk, on each chunked module (a layer template's copy keeps it)
@@ -55,25 +54,11 @@ def chunked_modules(layer: nn.Module, where: str) -> list[nn.Module]:
 
 def chunked_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward of a chunked module `self` (bound to it by `use_chunked_attention`): its class's forward on
-    `attention_chunk` tokens of the sequence (dimension -2) at a time, each chunk checkpointed where autograd
-    records."""
+    `attention_chunk` tokens of the sequence at a time (`run_in_chunks`)."""
     forward = type(self).forward.__get__(self)  # the module's own: peft's LoRA layer, a family's norm
-    chunk = getattr(self, CHUNK_ATTR)
-    if x.shape[-2] <= chunk:
-        return forward(x, *args, **kwargs)
     if args or kwargs:
         forward = _with_arguments(forward, args, kwargs)
-    keys = _dropout_keys(self)
-    outs = []
-    for k, part in enumerate(torch.split(x, chunk, dim=-2)):
-        pin = None if keys is None else (keys.step, keys.micro, k)
-        if torch.is_grad_enabled():
-            # No random state to restore: LoRA dropout is keyed and pinned (mlp_chunk.py says why).
-            outs.append(checkpoint(_run_chunk, forward, part, keys, pin, use_reentrant=False,
-                                   preserve_rng_state=False))
-        else:
-            outs.append(_run_chunk(forward, part, keys, pin))
-    return torch.cat(outs, dim=-2)
+    return run_in_chunks(forward, x, getattr(self, CHUNK_ATTR), dropout_keys(self))
 
 
 def _with_arguments(forward, args: tuple, kwargs: dict):

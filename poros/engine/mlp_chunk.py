@@ -14,9 +14,7 @@ weight gradients do not: tests/engine/test_mlp_chunk.py). It is a setting of wha
 method of a run: every method runs the same chunks through the same kernels, whether its layer runs eagerly,
 recomputed, compiled (the chunks' checkpoints traced into the layer's graph) or from a layer template.
 
-LoRA dropout (`lora_dropout`) draws each chunk's masks under keys of its own (the step and micro-batch of the
-chunk's first run, and the chunk's index), pinned for the chunk's recompute: poros may run that recompute on its
-backward thread while its own thread has moved the keys on to the next layer (poros/engine/dropout.py).
+How a module runs in chunks, LoRA dropout's keys per chunk included, is poros/engine/seq_chunks.py.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ import types
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from poros.engine.dropout import DropoutKeys, KeyedDropout
+from poros.engine.seq_chunks import dropout_keys, run_in_chunks
 from poros.errors import ConfigError
 
 CHUNK_ATTR = "mlp_chunk"  # tokens per chunk, on each chunked MLP module (a layer template's copy keeps it)
@@ -46,38 +43,11 @@ def mlp_of(layer: nn.Module, where: str) -> nn.Module:
     return mlp
 
 
-def _dropout_keys(mlp: nn.Module) -> DropoutKeys | None:
-    """The keys the MLP's LoRA dropout draws from (None without `lora_dropout`)."""
-    return next((m.keys for m in mlp.modules() if isinstance(m, KeyedDropout)), None)
-
-
-def _run_chunk(forward, x: torch.Tensor, keys: DropoutKeys | None, pin: tuple | None) -> torch.Tensor:
-    """The MLP's own forward on one chunk, its dropout masks drawn under `pin` (the same in its recompute)."""
-    if keys is None:
-        return forward(x)
-    with keys.pinned(*pin):
-        return forward(x)
-
-
 def chunked_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The forward of a chunked MLP module `self` (bound to it by `use_chunked_mlp`): its class's forward on
-    `mlp_chunk` tokens of the sequence (dimension -2) at a time, each chunk checkpointed where autograd records."""
+    `mlp_chunk` tokens of the sequence at a time (`run_in_chunks`)."""
     forward = type(self).forward.__get__(self)  # the family's, over the LoRA-wrapped projections
-    chunk = getattr(self, CHUNK_ATTR)
-    if x.shape[-2] <= chunk:
-        return forward(x)
-    keys = _dropout_keys(self)
-    outs = []
-    for k, part in enumerate(torch.split(x, chunk, dim=-2)):
-        pin = None if keys is None else (keys.step, keys.micro, k)
-        if torch.is_grad_enabled():
-            # No random state to restore: the MLP draws nothing from the global generators (its LoRA dropout
-            # is keyed), and saving it would read the CUDA generator inside a CUDA-graph capture.
-            outs.append(checkpoint(_run_chunk, forward, part, keys, pin, use_reentrant=False,
-                                   preserve_rng_state=False))
-        else:
-            outs.append(_run_chunk(forward, part, keys, pin))
-    return torch.cat(outs, dim=-2)
+    return run_in_chunks(forward, x, getattr(self, CHUNK_ATTR), dropout_keys(self))
 
 
 def use_chunked_mlp(layers: nn.ModuleList, chunk: int) -> None:

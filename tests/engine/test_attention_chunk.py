@@ -12,34 +12,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from poros.config import Method, TrainConfig
 from poros.engine import attention_chunk as A
-from poros.engine.executor import PorosTrainer, geometry_of_store
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity, run_gate
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.memory import (
     ACT_ATTENTION_CHUNKED, attention_chunk_saving, layer_activation_bytes, transient_bytes)
 from poros.engine.planning.search import build_plan
-from poros.engine.trainer import ResidentTrainer
 from poros.errors import ConfigError
 from poros.models.checkpoint import resolve
 from poros.settings import LORA_TARGETS, Attention
 from tests.capabilities import requires_bitsandbytes
-from tests.engine.test_graphs import stand_in_graphs
+from tests.engine.chunk_gates import SEQ, STEPS, TINY, assert_pass, compiled_gate, config, templates_gate
 from tests.plans import plan_request
 
 pytestmark = requires_bitsandbytes
 
-TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
-SEQ, STEPS = 128, 3
-
-
-def config(model: str, **settings) -> TrainConfig:
-    return TrainConfig(model=model, **{"seq_len": SEQ, "block_size": 2, "grad_accum": 2, "lr": 1e-2, **settings})
-
-
-def assert_pass(result, steps: int = STEPS) -> None:
-    assert result.ok, f"first mismatch {result.first_mismatch}, max |diff| {result.max_abs_diff:.3e}"
-    assert result.steps == steps and result.max_abs_diff == 0.0
 
 
 # --- every method with the same chunk is bitwise equal ----------------------------------------------------
@@ -87,19 +74,7 @@ def test_resident_gc_equals_resident_with_both_chunks(stores):
 def test_layer_templates_equal_resident(stores, monkeypatch, capture, keep):
     """Layer templates run their own copies of the layers, chunked: eagerly, or on the capture path with CPU
     stand-ins for the CUDA graph API (as tests/engine/test_mlp_chunk.py runs them)."""
-    if capture:
-        stand_in_graphs(monkeypatch)
-    store = stores("tiny-qwen3")
-    cfg = config("tiny-qwen3", attention_chunk=48, mlp_chunk=48, keep_activations=keep)
-    plan = build_plan(geometry_of_store(store, cfg), plan_request(cfg, block_size=2, resident_layers=2 if keep else 0))
-    poros = PorosTrainer(store, cfg, plan=plan)
-    poros.use_layer_templates(capture=capture)
-    assert_pass(run_gate(ResidentTrainer(store, cfg), poros, STEPS))
-    c = poros.counters()
-    assert c["template_fallbacks"] == 0 and c["capture_errors"] == 0 and c["layer_templates"] > 0
-    assert c["kept_templates"] == (2 * cfg.grad_accum if keep else 0)
-    assert c["graphs_captured"] == (c["layer_templates"] + c["forward_templates"] + c["kept_templates"]
-                                    if capture else 0)
+    templates_gate(stores, monkeypatch, capture, keep, attention_chunk=48, mlp_chunk=48)
 
 
 @pytest.mark.slow
@@ -107,15 +82,7 @@ def test_layer_templates_equal_resident(stores, monkeypatch, capture, keep):
 @pytest.mark.parametrize("side", ["poros", "poros-templates", "resident_gc"], ids=lambda s: f"method={s}")
 def test_compiled_methods_equal_compiled_resident(stores, side):
     """Compiled layers trace the chunks' checkpoints into their graphs; every method compiles the same layers."""
-    store = stores("tiny-qwen2")
-    cfg = config("tiny-qwen2", attention_chunk=48, mlp_chunk=48, compile=True)
-    if side == "resident_gc":
-        other = make_trainer(Method.RESIDENT_GC, store, cfg)
-    else:
-        other = PorosTrainer(store, cfg)
-        if side == "poros-templates":
-            other.use_layer_templates(capture=False)
-    assert_pass(run_gate(ResidentTrainer(store, cfg), other, 2), steps=2)
+    compiled_gate(stores, side, attention_chunk=48, mlp_chunk=48)
 
 
 # --- negative controls: the gate sees a side that chunks otherwise ----------------------------------------
