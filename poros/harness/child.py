@@ -15,8 +15,8 @@ EOF_EVENT = "eof"
 
 
 class ChildLines:
-    """Read `proc.stdout` on a daemon thread: marker lines (`markers`: prefix -> event kind, the rest of the
-    line JSON) queue as events, every other line goes to `log` (`show(line)` decides how it reads) and the
+    """Read `proc.stdout` on a daemon thread: lines that carry a marker (`markers`: prefix -> event kind,
+    the rest of the line JSON) queue as events, every other line goes to `log` (`show(line)` decides how it reads) and the
     last 30 are kept in `tail`."""
 
     def __init__(self, proc, markers: dict[str, str], log=print, show=lambda line: line):
@@ -29,15 +29,29 @@ class ChildLines:
     def _read(self) -> None:
         try:
             for line in self.proc.stdout:
-                for prefix, kind in self.markers.items():
-                    if line.startswith(prefix):
-                        self.events.put((kind, json.loads(line[len(prefix):])))
-                        break
+                event = self._event(line)
+                if event is None:
+                    self._keep(line)
                 else:
-                    self.tail = (self.tail + [line.rstrip()])[-30:]
-                    self.log(self.show(line.rstrip()))
+                    self.events.put(event)
         finally:
             self.events.put((EOF_EVENT, None))
+
+    def _event(self, line: str) -> tuple[str, dict] | None:
+        """The event a line carries, if any. A marker is printed with its newline in one write, but processes
+        sharing the pipe (data-parallel ranks) may have written part of a line of theirs just before it: that
+        text goes to the log as a line of its own."""
+        for prefix, kind in self.markers.items():
+            at = line.find(prefix)
+            if at >= 0:
+                if line[:at].strip():
+                    self._keep(line[:at])
+                return kind, json.loads(line[at + len(prefix):])
+        return None
+
+    def _keep(self, line: str) -> None:
+        self.tail = (self.tail + [line.rstrip()])[-30:]
+        self.log(self.show(line.rstrip()))
 
     def next(self) -> tuple[str, dict | None]:
         """The next event, waiting for it (a Ctrl-C the bench caught still stops the wait): (kind, payload), or
