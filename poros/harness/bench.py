@@ -249,8 +249,9 @@ def progress(msg: str) -> None:
     """A line of the full log (on stderr when no writer was set)."""
     if _writer is not None:
         _writer(msg)
-    elif _status is None:
-        print(msg, file=sys.stderr, flush=True)
+    elif _status is None:  # one write, newline included: ranks sharing a pipe do not split each other's lines
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
 
 
 def begin_cell(label: str) -> None:
