@@ -7,6 +7,10 @@ import gc
 import pytest
 import torch
 
+from poros.engine.planning.geometry import Geometry
+from poros.models.checkpoint import resolve
+from poros.settings import LORA_TARGETS
+
 
 @pytest.fixture
 def fresh_compile_caches():
@@ -18,3 +22,9 @@ def fresh_compile_caches():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="session")
+def q72() -> Geometry:
+    """qwen2.5-72b's geometry (from its shapes: no weights), with LoRA on every linear layer."""
+    return Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)

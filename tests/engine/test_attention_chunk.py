@@ -14,19 +14,16 @@ from poros.config import Method, TrainConfig
 from poros.engine import attention_chunk as A
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity, run_gate
-from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.memory import (
     ACT_ATTENTION_CHUNKED, attention_chunk_saving, layer_activation_bytes, transient_bytes)
 from poros.engine.planning.search import build_plan
 from poros.errors import ConfigError
-from poros.models.checkpoint import resolve
-from poros.settings import LORA_TARGETS, Attention
+from poros.settings import Attention
 from tests.capabilities import requires_bitsandbytes
 from tests.engine.chunk_gates import SEQ, STEPS, TINY, assert_pass, compiled_gate, config, templates_gate
 from tests.plans import plan_request
 
 pytestmark = requires_bitsandbytes
-
 
 
 # --- every method with the same chunk is bitwise equal ----------------------------------------------------
@@ -195,11 +192,6 @@ def test_the_chunked_modules_are_the_projections_and_norms(stores):
 # --- the planner's memory model ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def q72():
-    return Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)
-
-
 def test_the_layer_transient_shrinks_with_the_chunk(q72):
     seq, batch = 32768, 2
     layer = {c: transient_bytes(q72, seq, batch, Attention.FAST, overlap=False, mlp_chunk=1024, attention_chunk=c)[1]
@@ -220,32 +212,3 @@ def test_a_plan_with_the_chunk_predicts_less(q72):
     plain = build_plan(q72, plan_request(cfg, offload_inputs=True))
     chunked = build_plan(q72, plan_request(cfg.replace(attention_chunk=4096), offload_inputs=True))
     assert chunked.memory.transient < plain.memory.transient and chunked.memory.total < plain.memory.total
-
-
-# --- the setting ------------------------------------------------------------------------------------------
-
-
-def test_the_setting():
-    assert TrainConfig(model="tiny-qwen3").attention_chunk is None
-    assert TrainConfig(model="tiny-qwen3", attention_chunk="4096").attention_chunk == 4096  # as a flag gives it
-    assert TrainConfig(model="tiny-qwen3", attention_chunk=4096).as_dict()["attention_chunk"] == 4096
-
-
-@pytest.mark.parametrize("bad", [0, -4, 1.5, True, "many", 2**40], ids=repr)
-def test_bad_values_are_refused_in_one_line_naming_the_field(bad):
-    with pytest.raises(ConfigError) as e:
-        TrainConfig(model="tiny-qwen3", attention_chunk=bad)
-    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("attention_chunk: expected an integer > 0")
-    assert "\n" not in str(e.value)
-
-
-def test_the_flag_comes_from_the_settings_table():
-    import argparse
-
-    from poros.settings import add_arguments, from_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--attention-chunk", "4096", "--mlp-chunk", "1024"])
-    cfg = TrainConfig.from_settings(from_arguments(args), model="tiny-qwen2")
-    assert (cfg.attention_chunk, cfg.mlp_chunk) == (4096, 1024)

@@ -36,18 +36,13 @@ from poros.engine.planning.search import PlanRequest, build_plan
 from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.errors import BudgetError
 from poros.models.checkpoint import resolve
-from poros.settings import LORA_TARGETS, Attention
+from poros.settings import Attention
 from tests.plans import plan_request
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 EXPERIMENTS = RESULTS.parent / "experiments"
 GB = 10**9
 CUDA = ProcessCosts.cuda()
-
-
-@pytest.fixture(scope="module")
-def q72():
-    return Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)
 
 
 def request(**kw) -> PlanRequest:

@@ -10,7 +10,6 @@ from torch.nn import functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poros.config import Method, TrainConfig
-from poros.errors import ConfigError
 from poros.engine.head import IGNORE_INDEX, chunked_loss
 from poros.engine.methods import make_trainer
 from poros.engine.parity import run_gate
@@ -120,12 +119,3 @@ def test_loss_chunk_with_another_lr_fails(stores):
     result = run_gate(make_trainer(Method.RESIDENT, stores("tiny-qwen3"), cfg),
                       make_trainer(Method.POROS, stores("tiny-qwen3"), cfg.replace(lr=2e-2)), steps=1)
     assert result.parity == "FAIL" and result.first_mismatch.startswith("step0.weight:"), result.first_mismatch
-
-
-def test_loss_chunk_setting():
-    assert TrainConfig(model="tiny-qwen3").loss_chunk is None
-    assert TrainConfig(model="tiny-qwen3", loss_chunk="4096").loss_chunk == 4096  # as a flag gives it
-    assert TrainConfig(model="tiny-qwen3", loss_chunk=4096).as_dict()["loss_chunk"] == 4096  # rows record it
-    with pytest.raises(ConfigError) as e:
-        TrainConfig(model="tiny-qwen3", loss_chunk=0)
-    assert e.value.problems == ["loss_chunk: expected an integer > 0 or none, got 0"]

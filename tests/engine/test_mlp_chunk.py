@@ -18,12 +18,10 @@ from poros.engine import mlp_chunk as M
 from poros.engine.dropout import DropoutKeys, KeyedDropout
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity, run_gate
-from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.memory import ACT_INTERMEDIATE, layer_activation_bytes, resident_memory, transient_bytes
 from poros.engine.planning.search import build_plan
 from poros.errors import ConfigError
-from poros.models.checkpoint import resolve
-from poros.settings import LORA_TARGETS, Attention
+from poros.settings import Attention
 from tests.capabilities import requires_bitsandbytes
 from tests.engine.chunk_gates import SEQ, STEPS, TINY, assert_pass, compiled_gate, config, templates_gate
 from tests.plans import plan_request
@@ -303,11 +301,6 @@ def test_the_recompute_draws_the_forwards_masks_after_the_keys_move(stores, monk
 # --- the planner's memory model ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def q72():
-    return Geometry.of_config("qwen2.5-72b", resolve("qwen2.5-72b").config, LORA_TARGETS)
-
-
 def test_the_layer_transient_shrinks_with_the_chunk(q72):
     """One chunk's MLP intermediates (mlp_chunk tokens of each sequence) in place of the micro-batch's."""
     seq, batch = 32768, 2
@@ -338,31 +331,3 @@ def test_a_plan_with_the_chunk_predicts_less(q72):
     plain = build_plan(q72, plan_request(cfg, offload_inputs=True))
     chunked = build_plan(q72, plan_request(cfg.replace(mlp_chunk=4096), offload_inputs=True))
     assert chunked.memory.transient < plain.memory.transient and chunked.memory.total < plain.memory.total
-
-
-# --- the setting ------------------------------------------------------------------------------------------
-
-
-def test_the_setting():
-    assert TrainConfig(model="tiny-qwen3").mlp_chunk is None
-    assert TrainConfig(model="tiny-qwen3", mlp_chunk="4096").mlp_chunk == 4096  # as a flag gives it
-    assert TrainConfig(model="tiny-qwen3", mlp_chunk=4096).as_dict()["mlp_chunk"] == 4096  # rows record it
-
-
-@pytest.mark.parametrize("bad", [0, -4, 1.5, True, "many", 2**40], ids=repr)
-def test_bad_values_are_refused_in_one_line_naming_the_field(bad):
-    with pytest.raises(ConfigError) as e:
-        TrainConfig(model="tiny-qwen3", mlp_chunk=bad)
-    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("mlp_chunk: expected an integer > 0")
-    assert "\n" not in str(e.value)
-
-
-def test_the_flag_comes_from_the_settings_table():
-    import argparse
-
-    from poros.settings import add_arguments, from_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--mlp-chunk", "4096"])
-    assert TrainConfig.from_settings(from_arguments(args), model="tiny-qwen2").mlp_chunk == 4096

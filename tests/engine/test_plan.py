@@ -34,11 +34,6 @@ def geometry(model: str) -> Geometry:
 
 
 @pytest.fixture(scope="module")
-def q72():
-    return geometry("qwen2.5-72b")
-
-
-@pytest.fixture(scope="module")
 def tiny():
     return geometry("tiny-qwen2")
 

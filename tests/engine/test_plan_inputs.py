@@ -31,11 +31,6 @@ def geometry(model: str) -> Geometry:
     return Geometry.of_config(model, resolve(model).config, LORA_TARGETS)
 
 
-@pytest.fixture(scope="module")
-def q72():
-    return geometry("qwen2.5-72b")
-
-
 def device_held_peak(plan: P.Plan) -> int:
     """The most saved inputs the plan's operations keep on the device at once, walked as the executor holds
     them: saved at a recomputed layer's forward, gone at its offload, back at its fetch, freed at its backward."""
