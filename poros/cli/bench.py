@@ -197,7 +197,7 @@ def _preflight(args):
 
 
 def run(args) -> int:
-    from poros.harness.bench import interrupt_on_sigint
+    from poros.harness.console import interrupt_on_sigint
 
     m = _preflight(args)
     out = ensure_folder(args.out)
@@ -213,7 +213,7 @@ def run(args) -> int:
 def _run_locked(args, m, out: Path, lock) -> int:
     import pytest
 
-    from poros.harness.bench import StatusLine, set_status_writer
+    from poros.harness.console import StatusLine, set_status_writer
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if lock.stale_warning():

@@ -9,7 +9,7 @@ import json
 import queue
 import threading
 
-from poros.harness.bench import stop_if_interrupted
+from poros.harness.console import stop_if_interrupted
 
 EOF_EVENT = "eof"
 

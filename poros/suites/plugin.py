@@ -25,16 +25,9 @@ from poros.common.folders import OutputLock, ensure_folder
 from poros.config import Method
 from poros.engine.methods import METHODS, method_unavailable
 from poros.errors import PorosError
-from poros.harness import bench, preflight
-from poros.harness.bench import (
-    Cell,
-    ResultsWriter,
-    StoreCache,
-    matrix_cells,
-    matrix_device,
-    model_unavailable,
-    set_progress_writer,
-)
+from poros.harness import bench, console, preflight
+from poros.harness.bench import Cell, ResultsWriter, StoreCache, matrix_cells, matrix_device, model_unavailable
+from poros.harness.console import set_progress_writer
 from poros.harness.compare import current_name, load_compare_source
 from poros.harness.results import RUN_FILES, PassLog, keep_earlier, passes_path
 
@@ -129,11 +122,11 @@ def pytest_sessionstart(session):
                 tw.line(msg)
         tw.flush()
 
-    set_progress_writer(line if config.option.verbose > 0 or bench.status_writer() is not None else None)
+    set_progress_writer(line if config.option.verbose > 0 or console.status_writer() is not None else None)
     config._poros_say = line
-    config._poros_standalone = bench.status_writer() is None  # not under `poros bench`, which owns its folder
-    if bench.status_writer() is None:  # `poros bench` routes it to the terminal, its log gets `line`
-        bench.set_status_writer(lambda msg, final: final and line(msg))
+    config._poros_standalone = console.status_writer() is None  # not under `poros bench`, which owns its folder
+    if console.status_writer() is None:  # `poros bench` routes it to the terminal, its log gets `line`
+        console.set_status_writer(lambda msg, final: final and line(msg))
         config._poros_status = True
     try:
         _preflight(config)
@@ -200,27 +193,27 @@ def _preflight(config) -> None:
     config.add_cleanup(lock.release)
     warning = lock.stale_warning()
     if warning:
-        bench.progress(warning)
+        console.progress(warning)
     if not config.getoption("--resume"):
         _keep_earlier(config, results)
     writer = ResultsWriter(results)
     warning = writer.repair()  # appending after a torn line would glue two rows together
     if warning:
-        bench.progress(warning)
+        console.progress(warning)
     if config.getoption("--resume"):
         preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
     warning = ResultsWriter(passes_path(results)).repair()
     if warning:
-        bench.progress(warning)
+        console.progress(warning)
     minutes = config.getoption("--max-minutes")
     if minutes is not None and not minutes > 0:
         raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
-    bench.reset_phases()
+    console.reset_phases()
     if bench.matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
         from poros.engine.link import h2d_gbps
 
         gbps = h2d_gbps("cuda")
-        bench.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")
+        console.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")
 
 
 def _keep_earlier(config, results: Path) -> None:
@@ -235,7 +228,7 @@ def _keep_earlier(config, results: Path) -> None:
         names.discard("bench.log")
     kept, moved = keep_earlier(results.parent, sorted(names))
     if kept is not None:
-        getattr(config, "_poros_say", bench.progress)(f"kept the earlier run's {', '.join(moved)} in {kept}/")
+        getattr(config, "_poros_say", console.progress)(f"kept the earlier run's {', '.join(moved)} in {kept}/")
 
 
 def pytest_generate_tests(metafunc):
@@ -302,7 +295,7 @@ def pytest_runtest_setup(item):
     what = cell.method.value if cell.method else "parity gate"
     stack = "" if cell.stack.name == "current" else f" [{cell.stack.name}]"
     item._poros_t0 = time.perf_counter()
-    bench.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.model}{stack} {what}")
+    console.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.model}{stack} {what}")
 
 
 def _outcome(item, report) -> str:
@@ -349,11 +342,11 @@ def pytest_runtest_makereport(item, call):
     if (report.when == "call" or (report.when == "setup" and not report.passed)) and not getattr(
             item, "_poros_reported", False):
         item._poros_reported = True
-        bench.end_cell(_outcome(item, report))
+        console.end_cell(_outcome(item, report))
 
 
 def pytest_keyboard_interrupt(excinfo):
-    bench.end_cell("interrupted")
+    console.end_cell("interrupted")
 
 
 @pytest.hookimpl(trylast=True)
@@ -406,7 +399,7 @@ def pytest_unconfigure(config):
             tmp.replace(path)
     set_progress_writer(None)
     if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
-        bench.set_status_writer(None)
+        console.set_status_writer(None)
 
 
 class Session:
@@ -444,13 +437,13 @@ class Session:
         from poros.provenance import provenance
 
         p = provenance()
-        phases = {k: round(v, 1) for k, v in bench.phase_times().items()}
+        phases = {k: round(v, 1) for k, v in console.phase_times().items()}
         self.passlog.add("part", "", "", started=self.started, ended=time.time(),
                          wall_s=round(time.time() - self.started, 1), phases=phases, exit_status=exit_status,
                          stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
                          max_minutes=self.max_minutes)
-        bench.progress(f"this run: {time.time() - self.started:.0f} s; " +
-                       ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+        console.progress(f"this run: {time.time() - self.started:.0f} s; " +
+                         ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
 
     @property
     def total(self) -> int:

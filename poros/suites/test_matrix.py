@@ -21,7 +21,7 @@ import time
 import pytest
 
 from poros.config import Method
-from poros.harness import bench
+from poros.harness import console
 from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
 from poros.harness.bench import (
     Measurement,
@@ -32,10 +32,9 @@ from poros.harness.bench import (
     kept_failure,
     gate_config,
     measure,
-    progress,
     record,
-    stop_if_interrupted,
 )
+from poros.harness.console import progress, stop_if_interrupted
 
 pytestmark = pytest.mark.bench
 
@@ -134,7 +133,7 @@ def _gate(session, cell) -> dict:
             progress("  parity gate: outcome kept from the earlier run (--resume)")
         else:
             t0 = time.monotonic()
-            with bench.phase("parity gate"):
+            with console.phase("parity gate"):
                 session.gates[key] = _run_gate(session, cell)
             for plan, result in session.gates[key].items():
                 if isinstance(result, ParityResult):
@@ -250,7 +249,7 @@ def _measure_cell(session, cell, cfg, benchmark):
                 time.monotonic() + (earlier[-1].get("overhead_s") or 0.0) + earlier[-1]["seconds"] > session.deadline:
             raise OutOfTime("the trainer's set-up, warm-up and next pass would end past the time budget")
         t_cell = time.monotonic()
-        with bench.phase("trainer set-up"):
+        with console.phase("trainer set-up"):
             trainer = make_trainer(cell.method, store, cfg)
         plan = None if trainer.plan is None else trainer.plan.summary()
         timed_s = []
@@ -298,13 +297,13 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             session.passlog.add("pass", cell.id, fp, **rec)
 
         try:
-            with bench.phase("unsloth child"):
+            with console.phase("unsloth child"):
                 measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress,
                                 warmup_steps=m.warmup_pass_steps, on_pass=on_pass, keep_export=session.keep_exports,
                                 benchmark=benchmark, earlier=earlier, deadline=session.deadline)
         finally:  # the child's passes count as timed passes, the rest of its time as the child's
-            bench.add_phase_time("timed passes", sum(r["seconds"] for r in this))
-            bench.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
+            console.add_phase_time("timed passes", sum(r["seconds"] for r in this))
+            console.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
         earlier = earlier + this
 
     def peak(k):

@@ -233,7 +233,7 @@ def test_matrix_suites_turn_strict_mode_on_first(tmp_path, mode):
     options = {"--matrix": str(path), "--steps": None, "--passes": None}
     config = SimpleNamespace(getoption=options.get, get_terminal_writer=writer,
                              pluginmanager=SimpleNamespace(getplugin=lambda name: None))
-    from poros.harness.bench import set_progress_writer
+    from poros.harness.console import set_progress_writer
 
     try:
         conftest.pytest_sessionstart(SimpleNamespace(config=config))

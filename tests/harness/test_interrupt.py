@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from poros.harness.bench import interrupt_on_sigint, stop_if_interrupted
+from poros.harness.console import interrupt_on_sigint, stop_if_interrupted
 
 
 class _SignalledWhileFinalized:

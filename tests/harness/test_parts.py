@@ -13,7 +13,7 @@ import pytest
 
 import poros.harness.unsloth as um
 from poros.config import TrainConfig
-from poros.harness import bench
+from poros.harness import console
 from poros.harness.bench import OutOfTime, measure
 
 
@@ -57,9 +57,9 @@ def test_a_warm_up_s_compiling_first_step_does_not_set_the_pace_of_the_pass():
 
 
 def test_phases_add_up_what_a_run_spent_where():
-    bench.reset_phases()
+    console.reset_phases()
     measure(SlowStart(0.01), CPU, 3, 2, 1, warmup_steps=2)
-    times = bench.phase_times()
+    times = console.phase_times()
     assert set(times) == {"warm-up", "timed passes"}
     assert times["timed passes"] >= 6 * 0.01 and times["warm-up"] >= 2 * 0.01
 
