@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 
 from poros.harness.console import stop_if_interrupted
 
 EOF_EVENT = "eof"
+_DECODER = json.JSONDecoder()
+
+
+def emit(marker: str, record: dict) -> None:
+    """Print a marker line for the parent's `ChildLines`: one write, newline included, so that processes
+    sharing the pipe never split it (whether or not stdout is buffered)."""
+    sys.stdout.write(marker + json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 class ChildLines:
@@ -38,15 +47,17 @@ class ChildLines:
             self.events.put((EOF_EVENT, None))
 
     def _event(self, line: str) -> tuple[str, dict] | None:
-        """The event a line carries, if any. A marker is printed with its newline in one write, but processes
-        sharing the pipe (data-parallel ranks) may have written part of a line of theirs just before it: that
-        text goes to the log as a line of its own."""
+        """The event a line carries, if any. `emit` writes a marker and its newline in one write, but other
+        processes sharing the pipe (data-parallel ranks) may have written part of a line of theirs around it:
+        that text goes to the log as lines of its own."""
         for prefix, kind in self.markers.items():
             at = line.find(prefix)
             if at >= 0:
-                if line[:at].strip():
-                    self._keep(line[:at])
-                return kind, json.loads(line[at + len(prefix):])
+                payload, end = _DECODER.raw_decode(line, at + len(prefix))
+                for text in (line[:at], line[end:]):
+                    if text.strip():
+                        self._keep(text)
+                return kind, payload
         return None
 
     def _keep(self, line: str) -> None:

@@ -28,6 +28,7 @@ from poros.engine.parity import parity
 from poros.engine.trainer import set_cublas_workspace
 from poros.errors import CapabilityError
 from poros.harness.bench import PEAKS, measure
+from poros.harness.child import emit
 
 RANK_ENV = (*LAUNCH_ENV, "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # what a launcher sets for its ranks
 
@@ -131,8 +132,8 @@ def main(argv: list[str]) -> int:
             plan = None if trainer.plan is None else trainer.plan.summary()
             if cfg.device.value == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            say = (lambda marker, rec: print(marker + json.dumps(rec), flush=True)) if world.main else \
-                (lambda marker, rec: None)  # rank 0 reports each pass as it ends: the parent's rounds close on them
+            # rank 0 reports each pass as it ends: the parent's rounds close on them
+            say = emit if world.main else (lambda marker, rec: None)
             meas = measure(trainer, cfg, spec["steps"], spec["passes"], spec["warmup"], label=spec["method"],
                            on_pass=lambda rec: say(PASS, {"seconds": rec["seconds"]}),
                            on_warmup=lambda seconds: say(WARM, {"seconds": seconds}))

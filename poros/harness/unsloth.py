@@ -34,6 +34,7 @@ from poros.engine.attention import sdpa_context
 from poros.engine.data import synthetic_step
 from poros.engine.methods import METHODS
 from poros.engine.nvml import NvmlPeak, alloc_retries
+from poros.harness.child import emit
 from poros.harness.profiling import profiled, summarize
 from poros.engine.trainer import deterministic_kernels, enable_determinism
 from poros.errors import CapabilityError, PorosError
@@ -273,20 +274,20 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
             if n < args.warmup:
                 # its pace is its second half's: Unsloth compiles in its first steps
                 pace = (time.perf_counter() - t_half) / (n_steps - n_steps // 2) if t_half > t0 else dt / n_steps
-                print(WARM + json.dumps({"seconds": dt, "pace": pace}), flush=True)
+                emit(WARM, {"seconds": dt, "pace": pace})
                 continue
             per_pass.append(dt)
             retries.append(alloc_retries("cuda") - retried)
-            print(PASS + json.dumps({
+            emit(PASS, {
                 "seconds": dt, "alloc_retries": retries[-1],
                 "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9,
                 "peak_vram_nvml_gb": None if nvml.peak is None else nvml.peak / 1e9,
                 "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
-                "unsloth_version": _version("unsloth")}), flush=True)
+                "unsloth_version": _version("unsloth")})
         if args.profile is not None:
             write_profile(args.profile, lambda: one_step(step))
     per_step = [t / args.steps for t in per_pass]
-    print(RESULT + json.dumps({
+    emit(RESULT, {
         "per_pass_s": per_pass,
         "alloc_retries": retries,
         "s_per_step_median": statistics.median(per_step) if per_step else None,
@@ -295,7 +296,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
         "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
         "linear4bit_modules": n4,
         "unsloth_version": _version("unsloth"),
-    }), flush=True)
+    })
     return 0
 
 
