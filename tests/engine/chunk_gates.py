@@ -4,6 +4,8 @@ compiled layers, each run with the chunks a test names."""
 
 from __future__ import annotations
 
+import torch
+
 from poros.config import Method, TrainConfig
 from poros.engine.executor import PorosTrainer, geometry_of_store
 from poros.engine.methods import make_trainer
@@ -57,3 +59,15 @@ def compiled_gate(stores, side: str, **chunks) -> None:
         if side == "poros-templates":
             other.use_layer_templates(capture=False)
     assert_pass(run_gate(ResidentTrainer(store, cfg), other, 2), steps=2)
+
+
+def shift_chunks(module: torch.nn.Module, chunk: int) -> None:
+    """Break a chunked module (negative controls): every chunk after the first reads its token range one token
+    early (the token before it twice, the sequence's last one never)."""
+    forward = type(module).forward.__get__(module)
+
+    def shifted(x, *args, **kwargs):
+        return torch.cat([forward(x.narrow(-2, max(start - 1, 0), min(chunk, x.shape[-2] - start)))
+                          for start in range(0, x.shape[-2], chunk)], dim=-2)
+
+    module.forward = shifted

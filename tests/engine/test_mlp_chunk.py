@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import types
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from poros.engine.planning.search import build_plan
 from poros.errors import ConfigError
 from poros.settings import Attention
 from tests.capabilities import requires_bitsandbytes
-from tests.engine.chunk_gates import SEQ, STEPS, TINY, assert_pass, compiled_gate, config, templates_gate
+from tests.engine.chunk_gates import SEQ, STEPS, TINY, assert_pass, compiled_gate, config, shift_chunks, templates_gate
 from tests.plans import plan_request
 
 pytestmark = requires_bitsandbytes
@@ -100,18 +99,10 @@ def test_a_side_without_the_chunk_fails(stores):
     assert result.parity == "FAIL" and ".grad:" in result.first_mismatch, result.first_mismatch
 
 
-def _shifted_forward(self, x):
-    """A broken chunked MLP: every chunk after the first reads its token range one token early (the token
-    before it twice, the sequence's last one never)."""
-    forward, chunk = type(self).forward.__get__(self), self.mlp_chunk
-    return torch.cat([forward(x.narrow(-2, max(start - 1, 0), min(chunk, x.shape[-2] - start)))
-                      for start in range(0, x.shape[-2], chunk)], dim=-2)
-
-
 def test_a_chunk_reading_a_shifted_token_range_fails(stores):
     def mutate(resident, poros):
         for layer in poros.qlora.layers:
-            layer.mlp.forward = types.MethodType(_shifted_forward, layer.mlp)
+            shift_chunks(layer.mlp, layer.mlp.mlp_chunk)
 
     result = parity(config("tiny-qwen2", mlp_chunk=48), steps=1, store=stores("tiny-qwen2"), mutate=mutate)
     assert result.parity == "FAIL" and result.first_mismatch == "step0.micro0.loss", result.first_mismatch
