@@ -29,12 +29,6 @@ from poros.store.host_memory import available_host_memory
 from poros.store.layout import align
 
 
-def _empty_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialized tensor like `t` on `device`, in `t`'s layout where that covers its elements densely
-    without overlap (attention's output is a transposed view), else contiguous: torch's preserve_format."""
-    return torch.empty_like(t, device=device, pin_memory=pin_memory)
-
-
 class HostArena:
     """The host slots of a plan's saved inputs: one byte tensor of exactly `slots` x `slot_bytes`, page-locked
     in place with `pin` (cudaHostRegister)."""
@@ -64,7 +58,9 @@ class HostArena:
                 raise CapabilityError(f"a saved input of {sum(x.numel() * x.element_size() for x in like)} bytes does "
                                       f"not fit its host slot of {self.slot_bytes}: the plan was made for other shapes")
             view = self.bytes[base + offset: base + offset + n].view(t.dtype)
-            out.append(view.as_strided(t.shape, _empty_like(t, "meta").stride()))
+            # torch's preserve_format: `t`'s layout where it covers its elements densely (attention's output is
+            # a transposed view), else contiguous
+            out.append(view.as_strided(t.shape, torch.empty_like(t, device="meta").stride()))
             offset = align(offset + n)
         return tuple(out)
 
@@ -137,7 +133,7 @@ class SavedInputs:
             # alone, a second reserve beside the compute stream's. A block may have served an earlier tensor
             # whose work that stream has not finished, so the copy waits for the stream to reach this point.
             stream = torch.cuda.current_stream(self.device)
-            dev = tuple(_empty_like(h, self.device) for h in host)
+            dev = tuple(torch.empty_like(h, device=self.device) for h in host)
             allocated = torch.cuda.Event()
             allocated.record(stream)
             with torch.cuda.stream(self.h2d):
@@ -151,7 +147,7 @@ class SavedInputs:
             self.ready[key] = (ready, stream)
             self.emptied[slot] = ready
         else:
-            dev = tuple(_empty_like(h, self.device).copy_(h) for h in host)
+            dev = tuple(torch.empty_like(h, device=self.device).copy_(h) for h in host)
         self.kept[key] = dev
         self.bytes_h2d += _nbytes(dev)
 
