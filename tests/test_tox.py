@@ -4,6 +4,7 @@ the index of that build, and runs scripts/tox_stack.py: the stack check, or a ma
 from __future__ import annotations
 
 import configparser
+import os
 import importlib.util
 import re
 import shutil
@@ -145,3 +146,43 @@ def test_the_stack_helper_installs_no_extra_when_told(monkeypatch, tmp_path):
     assert ts.main([str(tmp_path)]) == 0 and ran == []
     monkeypatch.delenv("POROS_STACK_EXTRA")
     assert ts.main([str(tmp_path)]) == 0 and ran and ran[0][2:4] == ["pip", "install"]
+
+
+def _toxfile():
+    spec = importlib.util.spec_from_file_location("toxfile", ROOT / "toxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_installed_env_appends_the_stacks_site_packages_once():
+    tf = _toxfile()
+    sep = os.pathsep
+    assert tf.with_paths(f"/repo{sep}/a", ["/a", "/b"]) == f"/repo{sep}/a{sep}/b"
+    assert tf.with_paths("", ["/b"]) == "/b"
+    assert tf.site_packages(sys.executable) and tf.site_packages("no-such-python-here") == []
+
+
+def _installed_env_run(tree: Path, tmp: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("TOX")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run([sys.executable, "-m", "tox", "-e", "installed", "--workdir", str(tmp / "tox"), "--",
+                           "--matrix=cpu", "--steps", "1", "--passes", "1", "--parity-steps", "1",
+                           "-k", "tiny-qwen2 and method:resident", "--results", str(tmp / "out" / "results.jsonl")],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tox") is None, reason="requires tox (pip install -e '.[dev]')")
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the case needs a python3 that is a virtual environment")
+def test_the_installed_env_runs_a_stack_that_lives_in_a_virtual_environment(tmp_path):
+    """A GPU image's python3 is often a virtual environment; a virtualenv's system site packages are its base
+    interpreter's, so without toxfile.py the env would not see torch. The control runs the same tree without it."""
+    tree = tmp_path / "tree"
+    skip = shutil.ignore_patterns(".*", "__pycache__", "out", "results", "reports", "experiments", "tests", "*.egg-info")
+    shutil.copytree(ROOT, tree, ignore=skip)
+    done = _installed_env_run(tree, tmp_path)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    (tree / "toxfile.py").unlink()
+    control = _installed_env_run(tree, tmp_path)
+    assert control.returncode != 0 and "No module named" in control.stdout + control.stderr, control.stdout[-3000:]
