@@ -65,6 +65,12 @@ def visible(gpus: list[dict], spec: str | None) -> list[dict]:
     return out
 
 
+def is_hardware(declared: str, gpu_name: str) -> bool:
+    """Whether a GPU named `gpu_name` (as NVML or CUDA names it: 'NVIDIA H100 80GB HBM3') is the hardware a
+    matrix declares ('NVIDIA H200', 'B300'): the declared name, case aside, is part of the GPU's."""
+    return declared.strip().lower() in gpu_name.lower()
+
+
 def gpu_info() -> list[dict]:
     """Name, UUID, driver and memory of every GPU this process can see (CUDA_VISIBLE_DEVICES), via NVML
     when it is present."""

@@ -194,6 +194,8 @@ def _preflight(config) -> None:
     warning = lock.stale_warning()
     if warning:
         console.progress(warning)
+    if config.option.collectonly:  # listing cells runs none: nothing to keep aside or to probe
+        return
     if not config.getoption("--resume"):
         _keep_earlier(config, results)
     writer = ResultsWriter(results)
@@ -214,6 +216,19 @@ def _preflight(config) -> None:
 
         gbps = h2d_gbps("cuda")
         console.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")
+        _say_other_hardware(m)
+
+
+def _say_other_hardware(m) -> None:
+    """A matrix that declares one GPU run on another: said at the start; its rows name the GPU they ran on."""
+    import torch
+
+    from poros.provenance import is_hardware
+
+    gpu = torch.cuda.get_device_name(0)
+    if m.hardware and not is_hardware(m.hardware, gpu):
+        console.progress(f"{m.source}: hardware is {m.hardware}, this GPU is {gpu}: rows and pages name {gpu}, "
+                         f"and its timings compare only with rows of the same GPU")
 
 
 def _keep_earlier(config, results: Path) -> None:

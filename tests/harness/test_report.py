@@ -494,3 +494,30 @@ def test_resident_gc_rows_are_labelled_and_name_their_gate(tmp_path):
     assert {c.get_label() for c in ax.collections if len(c.get_offsets())} == {"poros", "resident_gc", "unsloth"}
     plain = render_markdown(load_results(write_jsonl(tmp_path / "p.jsonl", [fixture_row(gate="resident")])))
     assert table_rows(plain, "qwen2.5-32b", 10)[0][3] == "PASS (0.00e+00)"  # the usual reference goes unnamed
+
+
+def _on(gpu: str, hardware: str | None, **kw) -> list[dict]:
+    rows = three_methods(**kw)
+    for r in rows:
+        r["config"] = {**r["config"], "hardware": hardware}
+        r["provenance"] = {**r["provenance"], "gpus": [{**r["provenance"]["gpus"][0], "name": gpu, "memory_gb": 85.0}]}
+    return rows
+
+
+def test_rows_of_a_matrix_run_on_another_gpu_name_the_gpu_they_ran_on(tmp_path):
+    """A matrix declaring an H200 run on an H100: the page's headings and hardware row name the H100; the control,
+    the same rows on an H200, keeps the declared name (and a declared short name, B300, matches the GPU's long one)."""
+    md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", _on("NVIDIA H100 80GB HBM3", "NVIDIA H200"))))
+    assert "## Results — NVIDIA H100 80GB HBM3" in md and "| Hardware | NVIDIA H100 80GB HBM3 (85.0 GB VRAM) |" in md
+    assert "NVIDIA H200" not in md.split("Provenance")[0]
+    same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", _on("NVIDIA H200", "NVIDIA H200"))))
+    assert "## Results — NVIDIA H200\n" in same and "| Hardware | NVIDIA H200 (85.0 GB VRAM) |" in same
+    short = render_markdown(load_results(write_jsonl(tmp_path / "c.jsonl", _on("NVIDIA B300 SXM6 AC", "B300"))))
+    assert "## Results — B300\n" in short and "| Hardware | B300 (85.0 GB VRAM) |" in short
+
+
+def test_a_cpu_row_is_its_declared_hardware_whatever_gpu_the_machine_has(tmp_path):
+    rows = [cpu_row(method=m) for m in ("poros", "resident")]
+    for r in rows:
+        r["provenance"]["gpus"] = [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-x", "memory_gb": 85.0}]
+    assert "## Results — CPU\n" in render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))

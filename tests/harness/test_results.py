@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +102,18 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
     with pytest.raises(ResultsFileError, match="only 3 of"):
         w.append({"matrix": "t", "model": "c", "method": "poros", "status": "ok"})
     assert w.path.read_bytes() == before
+
+
+@pytest.mark.parametrize("listing, kept", [(["--collect-only"], True), (["-k", "no-cell-has-this-name"], False)])
+def test_listing_the_cells_leaves_an_earlier_run_where_it_is(tmp_path, listing, kept):
+    """`pytest suites/ --collect-only` runs nothing, so it moves no earlier run aside; the control, a run that
+    selects no cell, still starts a run and keeps the earlier one under earlier/1/."""
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "results.jsonl").write_text(json.dumps(ROW) + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "pytest", str(repo / "suites"), "--matrix=cpu", "-q", "-p",
+                           "no:cacheprovider", f"--results={tmp_path / 'results.jsonl'}", *listing],
+                          cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode in (0, 5), done.stdout[-2000:] + done.stderr[-2000:]  # 5: no test selected
+    assert (tmp_path / "results.jsonl").exists() is kept
+    assert (tmp_path / "earlier" / "1" / "results.jsonl").exists() is not kept

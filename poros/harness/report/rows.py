@@ -12,6 +12,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES
 from poros.errors import PorosError
 from poros.harness.report.format import text_or_none
+from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SETTINGS, Setting
 
 KEY = ("matrix", "model", "stack", "method")
@@ -153,8 +154,13 @@ def named_as_reference(df: pd.DataFrame, ref: pd.DataFrame | None) -> pd.DataFra
 
 
 def hardware_of(row) -> str:
-    gpus = row["provenance"].get("gpus") or []
-    return row["config"].get("hardware") or (gpus[0]["name"] if gpus else "CPU")
+    """The hardware a row ran on: its matrix's declared name where the row's GPU is that hardware (or the row ran
+    on none), else the name of the GPU it ran on (a matrix of one GPU run on another names the other)."""
+    gpus = [] if row["config"].get("device") == "cpu" else row["provenance"].get("gpus") or []
+    declared, gpu = row["config"].get("hardware"), gpus[0]["name"] if gpus else None
+    if declared and (gpu is None or is_hardware(declared, gpu)):
+        return declared
+    return gpu or "CPU"
 
 
 def on_cpu(df: pd.DataFrame) -> bool:

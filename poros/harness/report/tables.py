@@ -10,6 +10,7 @@ from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, p
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
 from poros.harness.report.rows import on_cpu, setting_shown
 from poros.harness.stacks import same_stack
+from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
 SPREAD = 0.10  # a timed CPU cell whose passes spread more than this share of their median is flagged
@@ -158,7 +159,7 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
 def config_table(df: pd.DataFrame, hw: str) -> str:
     cfg = lambda k: [c.get(k) for c in df["config"]]  # noqa: E731
     prov = list(df["provenance"])
-    mem = uniq(g.get("memory_gb") for p in prov for g in p.get("gpus") or [] if g.get("name") == hw)
+    mem = uniq(g.get("memory_gb") for p in prov for g in p.get("gpus") or [] if is_hardware(hw, g.get("name") or ""))
     methods = [m for m in NAMES if m in set(df["method"])]
     bnb = uniq(p.get("versions", {}).get("bitsandbytes") for p in prov)
     rows = [
