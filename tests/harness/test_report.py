@@ -521,3 +521,18 @@ def test_a_cpu_row_is_its_declared_hardware_whatever_gpu_the_machine_has(tmp_pat
     for r in rows:
         r["provenance"]["gpus"] = [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-x", "memory_gb": 85.0}]
     assert "## Results — CPU\n" in render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+
+
+def test_a_ratio_between_rows_of_two_gpus_is_marked(tmp_path):
+    """Resident measured on another GPU than poros: its ratio carries † and the note says why; Unsloth's, on
+    poros's GPU, carries none (and three rows of one GPU, the control, no note at all)."""
+    rows = three_methods()
+    rows[1]["provenance"] = {**rows[1]["provenance"],
+                             "gpus": [{**rows[1]["provenance"]["gpus"][0], "uuid": "GPU-other-uuid"}]}
+    assert rows[1]["method"] == "resident"
+    md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
+    (row,) = table_rows(md, "qwen2.5-32b", 14)
+    assert row[7].endswith("× †") and not row[8].endswith("†")
+    assert "ran on different GPUs" in md
+    same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", three_methods())))
+    assert "†" not in same and "ran on different GPUs" not in same

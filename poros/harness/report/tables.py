@@ -8,7 +8,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
-from poros.harness.report.rows import on_cpu, setting_shown
+from poros.harness.report.rows import gpu_uuid, on_cpu, setting_shown
 from poros.harness.stacks import same_stack
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
@@ -69,6 +69,11 @@ def _cells(df: pd.DataFrame) -> dict:
     return cells
 
 
+APART = " †"
+APART_NOTE = ("† The two rows of this ratio ran on different GPUs (their UUIDs differ): it compares machines as well "
+              "as methods, and GPUs of one model differ in speed. Measure both methods on one GPU to compare them.")
+
+
 def results_table(df: pd.DataFrame) -> str:
     """The official results table, one row per model × stack × sweep point × poros plan; columns of the
     methods the rows hold (resident_gc where plain resident is absent); on CPU without the VRAM columns."""
@@ -82,23 +87,26 @@ def results_table(df: pd.DataFrame) -> str:
                                                                for m in others),
                *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
                *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
-    rows = []
+    rows, marked = [], False
     for (model, stack, point), c in _cells(df).items():
         o = [c.get(m) for m in others]
         for plan, p in (c["plans"] or {None: None}).items():
             ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
+            apart = ["" if x is None or gpu_uuid(p) == gpu_uuid(x) else APART for x in o]
             speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
-                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×" for x in o]
+                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×{a}" for x, a in zip(o, apart)]
             cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
                    else f"{(1 - pv / _ok(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
             rows.append([model, c["arch"], stack, *([point or DASH] if points else []),
                          *([plan or DASH] if plans else []), _parity(p or o[0]), _s_step(p, True),
                          *(_s_step(x, i == 0) for i, x in enumerate(o)), *speed, fmt_gb(pv),
                          *(fmt_gb(_ok(x, "peak_vram_gb")) for x in o), *cut])
+            marked = marked or any(a and "×" in x for a, x in zip(apart, speed))
+    note = f"\n\n{APART_NOTE}" if marked else ""
     if on_cpu(df):
         vram = 1 + 2 * len(others)
-        return md_table(columns[:-vram], [r[:-vram] for r in rows])
-    return md_table(columns, rows)
+        return md_table(columns[:-vram], [r[:-vram] for r in rows]) + note
+    return md_table(columns, rows) + note
 
 
 def time_table(df: pd.DataFrame) -> str:
