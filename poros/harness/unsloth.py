@@ -44,6 +44,7 @@ ENV = {
     "HF_HUB_OFFLINE": "1",  # no hub look-ups, statistics or model-name tables
     "UNSLOTH_DISABLE_STATISTICS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",  # the checkpoint loader's progress bar: a log line per update in the run's log
 }
 RESULT = "POROS_UNSLOTH_RESULT "
 PASS = "POROS_UNSLOTH_PASS "  # a timed pass ended: its JSON
