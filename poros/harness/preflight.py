@@ -264,11 +264,23 @@ def check_benchmark_json_resumable(version: str | None, resume: bool) -> None:
 _THIS_COMMIT = object()  # check_resume's default: the commit this process runs
 
 
-def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THIS_COMMIT) -> None:
+def this_gpu(m) -> str | None:
+    """The name of the GPU a run of matrix `m` measures on (CUDA's first device), None for a CPU matrix."""
+    from poros.harness.bench import matrix_device
+
+    if matrix_device(m) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THIS_COMMIT, gpu=_THIS_COMMIT) -> None:
     """`--resume` continues one run: every row it keeps must be a cell of this matrix, measured with the
     same steps and passes, every computed setting, the same plan (poros's schedule settings), the same
-    stack and the same commit as this run (`passes`: the pass log's records, held to the commit too);
-    anything else would be mixed into its results and stand in for cells it never ran.
+    stack, the same GPU model (`gpu`: its name, default this process's) and the same commit as this run
+    (`passes`: the pass log's records, held to the commit too); anything else would be mixed into its
+    results and stand in for cells it never ran.
 
     Raises:
         PorosError: naming the first cell that differs, what differs, and what to do.
@@ -304,6 +316,12 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
         if r.get("stack") != cell.stack.label():
             raise PorosError(f"--resume: {path}:{n} ({what}) ran on stack {r.get('stack')!r}, this environment is "
                              f"{cell.stack.label()!r}; resume on that stack, or {fix}")
+        ran_on = ((r.get("provenance") or {}).get("gpus") or [{}])[0].get("name")
+        if gpu is _THIS_COMMIT:
+            gpu = this_gpu(m)
+        if ran_on and gpu and ran_on != gpu and have.get("device") != "cpu":
+            raise PorosError(f"--resume: {path}:{n} ({what}) ran on an {ran_on}, this GPU is an {gpu}: one run's "
+                             f"rows compare on one GPU model; resume on an {ran_on}, or pass another -o")
     if commit is _THIS_COMMIT:
         from poros.provenance import current_commit
 

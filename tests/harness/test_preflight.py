@@ -219,3 +219,25 @@ def test_a_cuda_build_needs_no_host_room_for_the_layer_being_quantized():
     config = get_shape("qwen3-32b").config()
     cpu, cuda = config_host_need(config, "cpu"), config_host_need(config, "cuda")
     assert cuda.transient == 0 and cpu.transient > 0 and cpu.store == cuda.store
+
+
+def test_resume_refuses_rows_of_another_gpu_model():
+    """A run measured on H200s continues on H200s: rows of another GPU model are refused, naming both; the same
+    model (another card of it: parts of one run often are) and a CPU matrix's rows are kept."""
+    from poros.harness.bench import cell_config, matrix_cells, record
+
+    m = parse_matrix(TINY, "m.yaml")
+    cell = next(c for c in matrix_cells(m) if c.method is not None)
+    row = record(m, cell, cell_config(m, cell), None, None, reduced=False)
+    h200 = {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-aaaa", "memory_gb": 150.0}
+    on_gpu = dict(row, config={**row["config"], "device": "cuda"}, provenance={**row["provenance"], "gpus": [h200]})
+    other_card = {**h200, "uuid": "GPU-bbbb"}
+    preflight.check_resume([on_gpu], m, "r.jsonl", gpu="NVIDIA H200")
+    preflight.check_resume([dict(on_gpu, provenance={**on_gpu["provenance"], "gpus": [other_card]})], m, "r.jsonl",
+                           gpu="NVIDIA H200")
+    with pytest.raises(PorosError) as e:
+        preflight.check_resume([on_gpu], m, "r.jsonl", gpu="NVIDIA H100 80GB HBM3")
+    msg = _one_line(e.value)
+    assert "ran on an NVIDIA H200, this GPU is an NVIDIA H100 80GB HBM3" in msg and "another -o" in msg
+    cpu_row = dict(row, provenance={**row["provenance"], "gpus": [h200]})  # a CPU cell on a GPU machine
+    preflight.check_resume([cpu_row], m, "r.jsonl", gpu="NVIDIA H100 80GB HBM3")
