@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from poros.store import host_memory
+
 _writer = None  # every line: per-step losses, gate details (OUT/bench.log under `poros bench`)
 _status = None  # the one compact line per cell (the terminal)
 _cell = ""  # the current cell's label, which status updates follow
@@ -128,7 +130,8 @@ def phase(name: str):
         yield
     finally:
         add_phase_time(name, time.perf_counter() - t0)
-        progress(f"  time: {name} {time.perf_counter() - t0:.1f} s")
+        memory = host_memory.host_memory_text()
+        progress(f"  time: {name} {time.perf_counter() - t0:.1f} s" + (f" ({memory})" if memory else ""))
 
 
 def add_phase_time(name: str, seconds: float) -> None:

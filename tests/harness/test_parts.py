@@ -64,6 +64,28 @@ def test_phases_add_up_what_a_run_spent_where():
     assert times["timed passes"] >= 6 * 0.01 and times["warm-up"] >= 2 * 0.01
 
 
+def test_a_phase_line_records_host_memory(monkeypatch):
+    """Each phase's log line carries what /proc said of host memory as it ended (a run the system ends for want of
+    memory leaves the figures in its log); where /proc says nothing, the line is the time alone."""
+    import poros.store.host_memory as H
+
+    lines = []
+    console.set_progress_writer(lines.append)
+    try:
+        monkeypatch.setattr(H, "available_host_memory", lambda: 38_200_000_000)
+        monkeypatch.setattr(H, "process_host_memory", lambda: 86_400_000_000)
+        with console.phase("trainer set-up"):
+            pass
+        monkeypatch.setattr(H, "available_host_memory", lambda: None)
+        monkeypatch.setattr(H, "process_host_memory", lambda: None)
+        with console.phase("warm-up"):
+            pass
+    finally:
+        console.set_progress_writer(None)
+    assert lines[0].endswith("s (host: 38.2 GB available, 86.4 GB held by this process)"), lines
+    assert lines[1].startswith("  time: warm-up ") and lines[1].endswith(" s"), lines
+
+
 class Child:
     """The child process's stand-in: prints `lines`, remembers its command."""
 
