@@ -29,13 +29,14 @@ result whose `result()` is the gradient at the layer's input.
 from __future__ import annotations
 
 import abc
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 from torch import nn
 
-from poros.engine import kept_attention
+from poros.engine import kept_attention, mlp_chunk
 from poros.engine.saved_inputs import SavedInputs
 from poros.engine.graphs import LayerTemplates
 from poros.engine.layer_call import LayerCall, hidden_of
@@ -136,13 +137,17 @@ class Recompute(Runner):
         return self._forward(key, self.saved.peek(key)[0], self.calls[key][0])
 
     def recompute(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's forward again, with autograd, from its saved input: (input leaf, output)."""
+        """The layer's forward again, with autograd, from its saved input: (input leaf, output). The output is
+        only backpropagated, so an eager layer's chunked MLP computes its own part in the backward alone
+        (`mlp_chunk.output_only_backpropagated`); a compiled layer runs the graph resident's forward runs."""
         call, wants = self.calls.pop(key)
         x, *large = self.saved.take(key)
         x = x.detach().requires_grad_(wants)
+        deferred = contextlib.nullcontext() if self.compiled else mlp_chunk.output_only_backpropagated()
         if key not in self.attention:
-            return x, hidden_of(call(self.layers[key[0]], x))
-        with kept_attention.replaying(self.attention.pop(key).with_large(large)) as counts:
+            with deferred:
+                return x, hidden_of(call(self.layers[key[0]], x))
+        with kept_attention.replaying(self.attention.pop(key).with_large(large)) as counts, deferred:
             out = hidden_of(call(self.layers[key[0]], x))
         for k, v in counts.items():
             self.attention_calls[k] += v

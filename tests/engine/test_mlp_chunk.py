@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from poros.config import Method, TrainConfig
 from poros.engine import mlp_chunk as M
+from poros.engine import seq_chunks
 from poros.engine.dropout import DropoutKeys, KeyedDropout
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity, run_gate
@@ -106,6 +107,56 @@ def test_a_chunk_reading_a_shifted_token_range_fails(stores):
 
     result = parity(config("tiny-qwen2", mlp_chunk=48), steps=1, store=stores("tiny-qwen2"), mutate=mutate)
     assert result.parity == "FAIL" and result.first_mismatch == "step0.micro0.loss", result.first_mismatch
+
+
+# --- poros's recompute computes each chunk once, in its backward ---------------------------------------------
+
+
+def _mlp_rows(monkeypatch, trainer) -> dict:
+    """A counter of the tokens every MLP forward of `trainer`'s model runs (its class's forward, which each chunk
+    calls)."""
+    cls = type(trainer.qlora.layers[0].mlp)
+    rows, forward = {"n": 0}, cls.forward
+
+    def counting(self, x):
+        rows["n"] += x.shape[-2] * x.shape[0]
+        return forward(self, x)
+
+    monkeypatch.setattr(cls, "forward", counting)
+    return rows
+
+
+@pytest.mark.parametrize("model,deferred", [("tiny-qwen2", True), ("tiny-qwen3", True), ("tiny-gemma3", False)],
+                         ids=lambda v: f"model={v}" if isinstance(v, str) else f"deferred={v}")
+def test_poros_runs_a_residual_mlp_twice_a_step_not_three_times(stores, monkeypatch, model, deferred):
+    """poros's recompute leaves the chunked MLP's output uncomputed where its layer's MLP feeds the residual add
+    alone (qwen2, qwen3): each chunk runs in the forward and once in the backward. gemma3's post-feedforward norm
+    reads the output, so there (the control) every chunk runs a third time, in its checkpoint's recompute."""
+    cfg = config(model, mlp_chunk=32, grad_accum=1)
+    trainer = make_trainer(Method.POROS, stores(model), cfg)
+    rows = _mlp_rows(monkeypatch, trainer)
+    trainer.step()
+    layers, tokens = len(trainer.qlora.layers), cfg.seq_len * cfg.batch_size
+    assert rows["n"] == (2 if deferred else 3) * layers * tokens
+
+
+def test_chunks_summed_first_to_last_in_the_backward_fail(stores, monkeypatch):
+    """Negative control: the deferred backward summing the chunks' LoRA gradients first to last, not in autograd's
+    order, changes their bits and the gate sees it."""
+    monkeypatch.setattr(seq_chunks, "backward_order", lambda n: range(n))
+    result = parity(config("tiny-qwen2", mlp_chunk=32), steps=1, store=stores("tiny-qwen2"))
+    assert result.parity == "FAIL" and "lora" in result.first_mismatch, result.first_mismatch
+
+
+def test_a_layer_that_reads_the_mlp_output_must_not_defer_it(stores):
+    """Negative control for the declared gate: gemma3's MLP deferred anyway, its post-feedforward norm reads the
+    uncomputed output, and the gate fails."""
+    def mutate(resident, poros):
+        for layer in poros.qlora.layers:
+            setattr(layer.mlp, M.DEFERRABLE_ATTR, True)
+
+    result = parity(config("tiny-gemma3", mlp_chunk=32), steps=1, store=stores("tiny-gemma3"), mutate=mutate)
+    assert result.parity == "FAIL", result.first_mismatch
 
 
 # --- the chunked MLP itself ------------------------------------------------------------------------------
