@@ -17,8 +17,7 @@ from poros.harness.compare import load_compare_source, parse_compare_fail
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
 from poros.harness.results import PassLog, ResultsWriter, keep_earlier, passes_path
-
-OUT_OF_TIME = 75  # the suites' exit status when --max-minutes stopped them with cells left
+from poros.suites import OUT_OF_TIME  # the suites stopped by --max-minutes with cells left
 
 EPILOG = """examples:
   poros bench matrix matrices/cpu.yaml -o out/

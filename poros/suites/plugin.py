@@ -13,8 +13,6 @@ compact line (its outcome), the per-step detail only with -v (or in `poros bench
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 
@@ -23,16 +21,15 @@ from pytest_benchmark.session import PerformanceRegression
 
 from poros.common.folders import OutputLock, ensure_folder
 from poros.config import Method
-from poros.engine.methods import METHODS, method_unavailable
 from poros.errors import PorosError
 from poros.harness import bench, console, preflight
-from poros.harness.bench import Cell, ResultsWriter, StoreCache, matrix_cells, matrix_device, model_unavailable
+from poros.harness.bench import Cell, ResultsWriter, matrix_cells, matrix_device
 from poros.harness.console import set_progress_writer
-from poros.harness.compare import current_name, load_compare_source
+from poros.harness.compare import load_compare_source
 from poros.harness.results import RUN_FILES, PassLog, keep_earlier, passes_path
-
-OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
-
+from poros.suites.benchmarks import append_earlier, check_compare, check_compared_cells, earlier_benchmarks, json_path
+from poros.suites import OUT_OF_TIME
+from poros.suites.session import matrix_of, session_of
 
 def pytest_addoption(parser):
     group = parser.getgroup("poros", "Poros matrix suites")
@@ -49,12 +46,6 @@ def pytest_addoption(parser):
 
 def _register_markers(config) -> None:
     config.addinivalue_line("markers", "bench: matrix benchmark cells (the matrix suites)")
-
-
-def _matrix(config):
-    m = preflight.load_matrix(config.getoption("--matrix"))
-    reduced = m.with_overrides(config.getoption("--steps"), config.getoption("--passes"))
-    return m, reduced
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-benchmark reads its options
@@ -79,31 +70,14 @@ def pytest_configure(config):
             load_compare_source(compare)
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
-    config._poros_benchmarks = _earlier_benchmarks(config)
-
-
-def _json_path(config) -> Path | None:
-    target = getattr(config.option, "benchmark_json", None)
-    return Path(target) if isinstance(target, (str, Path)) else None
-
-
-def _earlier_benchmarks(config) -> list[dict]:
-    """With --resume, the benchmarks the earlier runs wrote: pytest-benchmark rewrites its JSON with this
-    session's alone, and they are appended back at the end."""
-    path = _json_path(config)
-    if not config.getoption("--resume") or path is None or not path.is_file():
-        return []
-    try:
-        return json.loads(path.read_text()).get("benchmarks", [])
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return []
+    config._poros_benchmarks = earlier_benchmarks(config)
 
 
 def pytest_sessionstart(session):
     config = session.config
     config._poros_pytest_session = session  # its exit status is set when a benchmark comparison fails
     try:
-        deterministic = _matrix(config)[1].deterministic
+        deterministic = matrix_of(config)[1].deterministic
     except PorosError:  # the checks below refuse the matrix in one line
         deterministic = False
     if deterministic:
@@ -130,60 +104,16 @@ def pytest_sessionstart(session):
         config._poros_status = True
     try:
         _preflight(config)
-        _check_compare(config)
+        check_compare(config)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
-
-
-def _check_compare(config) -> None:
-    """`--benchmark-compare` / `--benchmark-compare-fail`: refused at the start where they would compare
-    nothing (pytest-benchmark only warns, and its regression check then passes by default); names recorded
-    under the earlier cell ids are matched under today's."""
-    bs = getattr(config, "_benchmarksession", None)  # pytest-benchmark's session, which loaded the source
-    if bs is None:
-        return
-    if bs.compare_fail and not bs.compare:
-        raise PorosError("--benchmark-compare-fail needs --benchmark-compare PATH: the benchmark.json of the run "
-                         "to compare with, e.g. --benchmark-compare=results/cpu/benchmark.json")
-    if not bs.compare:
-        return
-    if bs.compare_fail and bs.disabled:
-        raise PorosError("--benchmark-compare-fail with --benchmark-disable: nothing is timed to compare; drop one")
-    if not bs.compared_mapping:
-        if isinstance(bs.compare, str) and Path(bs.compare).exists():
-            load_compare_source(bs.compare)  # says what is wrong with the file
-        raise PorosError(f"--benchmark-compare {bs.compare if bs.compare is not True else ''}: no earlier run found "
-                         f"in {bs.storage}; pass the benchmark.json of the run to compare with, e.g. "
-                         f"--benchmark-compare=results/cpu/benchmark.json")
-    for names in bs.compared_mapping.values():
-        names.update({current_name(k): v for k, v in list(names.items())})
-
-
-def _check_compared_cells(config, items) -> None:
-    """A comparison must share cells with this selection: one sharing none compares nothing and its
-    regression check could not fail."""
-    bs = getattr(config, "_benchmarksession", None)
-    if bs is None or not bs.compared_mapping:
-        return
-    timed = [item.nodeid for item in items if "benchmark" in getattr(item, "fixturenames", ())]
-    known = {name: bench for names in bs.compared_mapping.values() for name, bench in names.items()}
-    sources = ", ".join(map(str, bs.compared_mapping))
-    if timed and not set(known) & set(timed):
-        raise pytest.UsageError(f"--benchmark-compare {sources}: none of its cells is one of the {len(timed)} timed "
-                                f"cells selected here (it has e.g. {sorted(known)[0]}, this run e.g. {timed[0]}); "
-                                f"compare with a run of the same matrix")
-    steps = _matrix(config)[1].steps  # a benchmark round is one pass: passes of other lengths do not compare
-    other = sorted({(b.get("extra_info") or {}).get("steps") for name, b in known.items() if name in timed} - {steps, None})
-    if other:
-        raise pytest.UsageError(f"--benchmark-compare {sources}: its passes ran {other[0]} step(s) each, this run's "
-                                f"{steps}; pass --steps {other[0]}, or compare with a run of {steps}-step passes")
 
 
 def _preflight(config) -> None:
     """Everything knowable before the first cell: counts, device, models, the results file."""
     preflight.check_counts("pytest suites/", steps=config.getoption("--steps"), passes=config.getoption("--passes"),
                            parity_steps=config.getoption("--parity-steps"))
-    m = _matrix(config)[1]
+    m = matrix_of(config)[1]
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
@@ -236,9 +166,9 @@ def _keep_earlier(config, results: Path) -> None:
     moved into `earlier/N/`, as `poros bench` moves them, so no row of it is mixed into this run's. Under
     `poros bench` they are gone already, and its log of this run stays."""
     names = {*RUN_FILES, results.name, f"{results.name}.torn", passes_path(results).name}
-    json_path = _json_path(config)
-    if json_path is not None and json_path.parent.resolve() == results.parent.resolve():
-        names.add(json_path.name)
+    record = json_path(config)
+    if record is not None and record.parent.resolve() == results.parent.resolve():
+        names.add(record.name)
     if not getattr(config, "_poros_standalone", True):
         names.discard("bench.log")
     kept, moved = keep_earlier(results.parent, sorted(names))
@@ -249,7 +179,7 @@ def _keep_earlier(config, results: Path) -> None:
 def pytest_generate_tests(metafunc):
     if "cell" not in metafunc.fixturenames:
         return
-    _, m = _matrix(metafunc.config)
+    _, m = matrix_of(metafunc.config)
     gate = metafunc.function.__name__ == "test_parity"
     cells = [c for c in matrix_cells(m) if (c.method is None) == gate]
     # a matrix without a gate (one method) leaves test_parity no cell: pytest's empty-parameter item
@@ -264,7 +194,7 @@ def _cell(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    cells = [c.key for c in matrix_cells(_matrix(config)[1])]
+    cells = [c.key for c in matrix_cells(matrix_of(config)[1])]
     order = {k: i for i, k in enumerate(cells)}
     empty = [item for item in items if "cell" in getattr(item, "fixturenames", ()) and _cell(item) is None]
     if empty:
@@ -283,13 +213,13 @@ def pytest_collection_finish(session):
     items = [item for item in session.items if _cell(item) is not None]
     cells = [_cell(item) for item in items]
     config._poros_cells, config._poros_index = len(cells), 0
-    m = _matrix(config)[1]
+    m = matrix_of(config)[1]
     device = matrix_device(m)
-    state = _session(config)
+    state = session_of(config)
     why = [state.unrunnable(c) for c in cells]
     if cells and all(why):  # nothing would run: one line, not a run of skips that exits 0
         raise pytest.UsageError(f"{m.source}: no selected cell can run here: {why[0]}")
-    _check_compared_cells(config, [item for item, w in zip(items, why) if not w])
+    check_compared_cells(config, [item for item, w in zip(items, why) if not w])
     # the gate holds the plans of the poros cells -k selected (every plan when it selected none)
     selected = {c.plan for c, w in zip(cells, why) if c.method is Method.POROS and not w}
     state.gate_plans = [p for p in m.plan_names() if p in selected] or None
@@ -400,105 +330,15 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_unconfigure(config):
-    earlier, path = getattr(config, "_poros_benchmarks", []), _json_path(config)
-    if earlier and path is not None and path.is_file():  # pytest-benchmark has written this session's
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            data = None
-        if isinstance(data, dict):
-            mine = {b.get("fullname") for b in data.get("benchmarks", [])}
-            data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(data, indent=4))
-            tmp.replace(path)
+    append_earlier(config)
     set_progress_writer(None)
     if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
         console.set_status_writer(None)
 
 
-class Session:
-    """State shared by the cells of one run: matrix, results file, pass log, store cache, gate outcomes,
-    the time budget."""
-
-    def __init__(self, config):
-        self.config = config
-        self.full, self.matrix = _matrix(config)
-        self.reduced = (self.matrix.steps, self.matrix.passes) != (self.full.steps, self.full.passes)
-        given = config.getoption("--parity-steps")  # 0 is refused at session start, never replaced
-        self.parity_steps = self.matrix.parity_steps if given is None else given
-        results = Path(config.getoption("--results"))
-        self.writer = ResultsWriter(results)
-        self.passlog = PassLog(passes_path(results))
-        self.resume = config.getoption("--resume")
-        self.timed = not getattr(config.option, "benchmark_disable", False)
-        self.device = matrix_device(self.matrix)
-        self.stores = StoreCache(self.device)
-        self.gates: dict[tuple, dict] = {}
-        self.cells = matrix_cells(self.matrix)
-        self.index = 0
-        self.gate_plans: list | None = None  # the plans the gate holds (None: every plan of the matrix)
-        self.max_minutes = config.getoption("--max-minutes")
-        self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
-        self.stopped = False  # a cell stopped at the time budget
-        # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
-        self.keep_exports = self.max_minutes is not None
-        self.started = time.time()
-        self.ran = False  # a cell got past its checks: the part is recorded at the end
-
-    def record_part(self, exit_status: int) -> None:
-        """What this run (a part, under --resume) spent where: wall time and seconds per phase (store
-        builds, gates, trainer set-ups, warm-ups, timed passes, Unsloth's children), in the pass log."""
-        from poros.provenance import provenance
-
-        p = provenance()
-        phases = {k: round(v, 1) for k, v in console.phase_times().items()}
-        self.passlog.add("part", "", "", started=self.started, ended=time.time(),
-                         wall_s=round(time.time() - self.started, 1), phases=phases, exit_status=exit_status,
-                         stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
-                         max_minutes=self.max_minutes)
-        console.progress(f"this run: {time.time() - self.started:.0f} s; " +
-                         ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
-
-    @property
-    def total(self) -> int:
-        return getattr(self.config, "_poros_cells", None) or len(self.cells)
-
-    def out_of_time(self) -> bool:
-        return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
-
-    def unrunnable(self, cell) -> str | None:
-        """Why `cell` cannot run on this machine (None when it can)."""
-        why = cell.stack.mismatch() or model_unavailable(cell.model, self.device)
-        if why or cell.method is None:
-            return why
-        why = method_unavailable(cell.method, self.device)
-        if why:
-            return why
-        gpus = self.matrix.settings_for(cell.model, dict(cell.point), cell.method).get("gpus", 1)
-        if gpus > 1 and not METHODS[cell.method].in_process:
-            return f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods"
-        return None
-
-    @staticmethod
-    def fingerprint(*parts) -> str:
-        """What a cell runs with, hashed: passes and gate outcomes recorded under another are never reused."""
-        text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def cell_fingerprint(self, cell, cfg) -> str:
-        return self.fingerprint(self.matrix.name, cfg.as_dict(), self.matrix.steps)
-
-
-def _session(config) -> Session:
-    if getattr(config, "_poros_session", None) is None:
-        config._poros_session = Session(config)
-    return config._poros_session
-
-
 @pytest.fixture(scope="session")
 def session(request):
-    return _session(request.config)
+    return session_of(request.config)
 
 
 # A source checkout's suites/conftest.py takes the hooks and the fixture (`from poros.suites.plugin import *`), its

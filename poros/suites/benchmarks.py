@@ -1,0 +1,92 @@
+"""The matrix suites' pytest-benchmark record (poros/suites/plugin.py): where its JSON goes, the earlier runs'
+benchmarks a resumed run keeps, and the checks that refuse a `--benchmark-compare` that would compare nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from poros.errors import PorosError
+from poros.harness.compare import current_name, load_compare_source
+from poros.suites.session import matrix_of
+
+
+def json_path(config) -> Path | None:
+    """Where pytest-benchmark writes this session's JSON (`--benchmark-json`; None where nothing is written)."""
+    target = getattr(config.option, "benchmark_json", None)
+    return Path(target) if isinstance(target, (str, Path)) else None
+
+
+def earlier_benchmarks(config) -> list[dict]:
+    """With --resume, the benchmarks the earlier runs wrote: pytest-benchmark rewrites its JSON with this
+    session's alone, and they are appended back at the end."""
+    path = json_path(config)
+    if not config.getoption("--resume") or path is None or not path.is_file():
+        return []
+    try:
+        return json.loads(path.read_text()).get("benchmarks", [])
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return []
+
+
+def check_compare(config) -> None:
+    """`--benchmark-compare` / `--benchmark-compare-fail`: refused at the start where they would compare
+    nothing (pytest-benchmark only warns, and its regression check then passes by default); names recorded
+    under the earlier cell ids are matched under today's."""
+    bs = getattr(config, "_benchmarksession", None)  # pytest-benchmark's session, which loaded the source
+    if bs is None:
+        return
+    if bs.compare_fail and not bs.compare:
+        raise PorosError("--benchmark-compare-fail needs --benchmark-compare PATH: the benchmark.json of the run "
+                         "to compare with, e.g. --benchmark-compare=results/cpu/benchmark.json")
+    if not bs.compare:
+        return
+    if bs.compare_fail and bs.disabled:
+        raise PorosError("--benchmark-compare-fail with --benchmark-disable: nothing is timed to compare; drop one")
+    if not bs.compared_mapping:
+        if isinstance(bs.compare, str) and Path(bs.compare).exists():
+            load_compare_source(bs.compare)  # says what is wrong with the file
+        raise PorosError(f"--benchmark-compare {bs.compare if bs.compare is not True else ''}: no earlier run found "
+                         f"in {bs.storage}; pass the benchmark.json of the run to compare with, e.g. "
+                         f"--benchmark-compare=results/cpu/benchmark.json")
+    for names in bs.compared_mapping.values():
+        names.update({current_name(k): v for k, v in list(names.items())})
+
+
+def check_compared_cells(config, items) -> None:
+    """A comparison must share cells with this selection: one sharing none compares nothing and its
+    regression check could not fail."""
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is None or not bs.compared_mapping:
+        return
+    timed = [item.nodeid for item in items if "benchmark" in getattr(item, "fixturenames", ())]
+    known = {name: bench for names in bs.compared_mapping.values() for name, bench in names.items()}
+    sources = ", ".join(map(str, bs.compared_mapping))
+    if timed and not set(known) & set(timed):
+        raise pytest.UsageError(f"--benchmark-compare {sources}: none of its cells is one of the {len(timed)} timed "
+                                f"cells selected here (it has e.g. {sorted(known)[0]}, this run e.g. {timed[0]}); "
+                                f"compare with a run of the same matrix")
+    steps = matrix_of(config)[1].steps  # a benchmark round is one pass: passes of other lengths do not compare
+    other = sorted({(b.get("extra_info") or {}).get("steps") for name, b in known.items() if name in timed} - {steps, None})
+    if other:
+        raise pytest.UsageError(f"--benchmark-compare {sources}: its passes ran {other[0]} step(s) each, this run's "
+                                f"{steps}; pass --steps {other[0]}, or compare with a run of {steps}-step passes")
+
+
+def append_earlier(config) -> None:
+    """With --resume, the earlier runs' benchmarks appended back to the JSON pytest-benchmark has just written
+    with this session's alone (a cell timed again keeps this session's)."""
+    earlier, path = getattr(config, "_poros_benchmarks", []), json_path(config)
+    if earlier and path is not None and path.is_file():  # pytest-benchmark has written this session's
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            mine = {b.get("fullname") for b in data.get("benchmarks", [])}
+            data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=4))
+            tmp.replace(path)

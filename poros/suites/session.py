@@ -1,0 +1,99 @@
+"""One run of the matrix suites (`Session`): its matrix as the options reduce it, results file, pass log, store
+cache, gate outcomes and time budget, shared by its cells (poros/suites/plugin.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from poros.engine.methods import METHODS, method_unavailable
+from poros.harness import console, preflight
+from poros.harness.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, model_unavailable
+from poros.harness.results import PassLog, passes_path
+
+def matrix_of(config):
+    """(the matrix `--matrix` names, the same with `--steps` and `--passes` applied)."""
+    m = preflight.load_matrix(config.getoption("--matrix"))
+    reduced = m.with_overrides(config.getoption("--steps"), config.getoption("--passes"))
+    return m, reduced
+
+
+class Session:
+    """State shared by the cells of one run: matrix, results file, pass log, store cache, gate outcomes,
+    the time budget."""
+
+    def __init__(self, config):
+        self.config = config
+        self.full, self.matrix = matrix_of(config)
+        self.reduced = (self.matrix.steps, self.matrix.passes) != (self.full.steps, self.full.passes)
+        given = config.getoption("--parity-steps")  # 0 is refused at session start, never replaced
+        self.parity_steps = self.matrix.parity_steps if given is None else given
+        results = Path(config.getoption("--results"))
+        self.writer = ResultsWriter(results)
+        self.passlog = PassLog(passes_path(results))
+        self.resume = config.getoption("--resume")
+        self.timed = not getattr(config.option, "benchmark_disable", False)
+        self.device = matrix_device(self.matrix)
+        self.stores = StoreCache(self.device)
+        self.gates: dict[tuple, dict] = {}
+        self.cells = matrix_cells(self.matrix)
+        self.index = 0
+        self.gate_plans: list | None = None  # the plans the gate holds (None: every plan of the matrix)
+        self.max_minutes = config.getoption("--max-minutes")
+        self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
+        self.stopped = False  # a cell stopped at the time budget
+        # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
+        self.keep_exports = self.max_minutes is not None
+        self.started = time.time()
+        self.ran = False  # a cell got past its checks: the part is recorded at the end
+
+    def record_part(self, exit_status: int) -> None:
+        """What this run (a part, under --resume) spent where: wall time and seconds per phase (store
+        builds, gates, trainer set-ups, warm-ups, timed passes, Unsloth's children), in the pass log."""
+        from poros.provenance import provenance
+
+        p = provenance()
+        phases = {k: round(v, 1) for k, v in console.phase_times().items()}
+        self.passlog.add("part", "", "", started=self.started, ended=time.time(),
+                         wall_s=round(time.time() - self.started, 1), phases=phases, exit_status=exit_status,
+                         stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
+                         max_minutes=self.max_minutes)
+        console.progress(f"this run: {time.time() - self.started:.0f} s; " +
+                         ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+
+    @property
+    def total(self) -> int:
+        return getattr(self.config, "_poros_cells", None) or len(self.cells)
+
+    def out_of_time(self) -> bool:
+        return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def unrunnable(self, cell) -> str | None:
+        """Why `cell` cannot run on this machine (None when it can)."""
+        why = cell.stack.mismatch() or model_unavailable(cell.model, self.device)
+        if why or cell.method is None:
+            return why
+        why = method_unavailable(cell.method, self.device)
+        if why:
+            return why
+        gpus = self.matrix.settings_for(cell.model, dict(cell.point), cell.method).get("gpus", 1)
+        if gpus > 1 and not METHODS[cell.method].in_process:
+            return f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods"
+        return None
+
+    @staticmethod
+    def fingerprint(*parts) -> str:
+        """What a cell runs with, hashed: passes and gate outcomes recorded under another are never reused."""
+        text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def cell_fingerprint(self, cell, cfg) -> str:
+        return self.fingerprint(self.matrix.name, cfg.as_dict(), self.matrix.steps)
+
+
+def session_of(config) -> Session:
+    if getattr(config, "_poros_session", None) is None:
+        config._poros_session = Session(config)
+    return config._poros_session
