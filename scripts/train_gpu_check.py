@@ -166,7 +166,8 @@ def check_peft(model_dir: Path, adapter: Path, eval_path: Path, device: str, seq
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from poros.finetune.data import load_data, load_tokenizer
+    from poros.finetune.data import load_data
+    from poros.finetune.tokenizing import load_tokenizer
 
     base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), device_map={"": device},
                                                              dtype=torch.bfloat16, attn_implementation="sdpa")

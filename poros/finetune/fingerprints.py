@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from poros.finetune.data import TOKENIZER_META
+from poros.finetune.tokenizing import TOKENIZER_META
 
 WEIGHT_SAMPLES = 64  # windows of each weight file read for the base's fingerprint
 WEIGHT_WINDOW = 1 << 16

@@ -18,7 +18,7 @@ import torch
 
 from poros.errors import CheckpointError, ConfigError
 from poros.finetune.adapter import check_base, check_shapes, read_adapter
-from poros.finetune.data import TOKENIZER_META
+from poros.finetune.tokenizing import TOKENIZER_META
 from poros.models.checkpoint import CheckpointReader, resolve
 
 COPIED = (*TOKENIZER_META, "generation_config.json", "added_tokens.json")
@@ -165,7 +165,7 @@ def generate(model: str | Path, adapter: str | Path | None, prompt: str, *, max_
     """
     import transformers
 
-    from poros.finetune.data import load_tokenizer
+    from poros.finetune.tokenizing import load_tokenizer
 
     model = Path(model)
     src = base_checkpoint(model)

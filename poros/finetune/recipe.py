@@ -41,7 +41,8 @@ from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.checkpoint import (  # noqa: F401  (write_adapter, save_checkpoint: re-exported)
     check_checkpoint, load_checkpoint, recover_checkpoint, save_checkpoint, write_adapter)
 from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file  # noqa: F401  (FinetuneConfig: re-exported)
-from poros.finetune.data import CACHE_DIR, DataError, file_sha256, load_data, load_tokenizer, tokenizer_fingerprint
+from poros.finetune.data import CACHE_DIR, DataError, file_sha256, load_data
+from poros.finetune.tokenizing import load_tokenizer, tokenizer_fingerprint
 from poros.finetune.fingerprints import model_fingerprint, weights_fingerprint
 from poros.finetune.runlog import Progress, RunLog, StopRequest, plot_loss, restore_signals, signals_held
 from poros.finetune.plan_line import dry_plan, plan_line

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from poros.errors import CheckpointError
-from poros.finetune.data import IGNORE, DataError, encode_records, load_data, load_tokenizer, pack, read_records
+from poros.finetune.data import DataError, load_data, pack, read_records
+from poros.finetune import tokenizing
+from poros.finetune.tokenizing import IGNORE, encode_records, load_tokenizer
 from poros.finetune.records import RecordCounts, records
 from poros.finetune.samples import generated_chats, generated_texts, train_tokenizer, write_jsonl
 from tests.capabilities import requires_datasets
@@ -87,7 +89,7 @@ def test_text_records_need_an_end_of_sequence_token(tmp_path):
     first such record; chat records, whose template ends each turn, need none (control)."""
     from transformers import PreTrainedTokenizerFast
 
-    from poros.finetune.data import encode_records
+    from poros.finetune.tokenizing import encode_records
 
     folder = tmp_path / "tok"
     train_tokenizer(folder, generated_texts(50))
@@ -331,12 +333,11 @@ def test_the_description_accounts_for_every_record_and_token(tmp_path, tok):
 
 
 def test_tokenization_is_cached_beside_the_data_and_keyed_by_its_content(tmp_path, tok, monkeypatch):
-    import poros.finetune.data as data_mod
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in generated_texts(30)])
     first = load_data(path, tok, 16, seed=0, vocab_size=len(tok), tokenizer_id="t")
     assert [p.name.split(".")[0] for p in (tmp_path / ".poros-cache").iterdir()] == ["d"]
-    monkeypatch.setattr(data_mod, "encode_records", lambda *a, **k: pytest.fail("tokenized again"))
+    monkeypatch.setattr(tokenizing, "encode_records", lambda *a, **k: pytest.fail("tokenized again"))
     again = load_data(path, tok, 16, seed=0, vocab_size=len(tok), tokenizer_id="t")
     assert torch.equal(first.input_ids, again.input_ids) and torch.equal(first.labels, again.labels)
     assert "tokens from the cache" in again.description and "tokens from the cache" not in first.description
@@ -388,12 +389,11 @@ def test_tokenization_streams_in_bounded_memory_and_shows_progress(tmp_path, tok
 
 
 def test_a_huge_text_record_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, tok, monkeypatch):
-    import poros.finetune.data as data_mod
 
     text = "  ".join(generated_texts(60, seed=5)) + "\n\nThe end."
     whole, _ = encode_records(tok, [{"text": text}], "d")
-    monkeypatch.setattr(data_mod, "PIECE_CHARS", 500)
-    assert len(data_mod._pieces(text, 500)) > 5
+    monkeypatch.setattr(tokenizing, "PIECE_CHARS", 500)
+    assert len(tokenizing._pieces(text, 500)) > 5
     pieces, _ = encode_records(tok, [{"text": text}], "d")
     assert pieces == whole
     said = []

@@ -101,7 +101,7 @@ def test_generate_continues_greedily_with_the_adapter(run, capsys):
     import transformers
     from peft import PeftModel
 
-    from poros.finetune.data import load_tokenizer
+    from poros.finetune.tokenizing import load_tokenizer
 
     prompt = "The cat"
     assert main(["generate", "--model", str(run["ckpt"]), "--adapter", str(run["adapter"]), "--prompt", prompt,
@@ -255,7 +255,7 @@ def test_generate_stops_at_the_tokenizers_end_of_sequence(run, tmp_path, capsys)
     end-of-sequence id, which transformers alone would wait for)."""
     from safetensors.torch import load_file, save_file
 
-    from poros.finetune.data import load_tokenizer
+    from poros.finetune.tokenizing import load_tokenizer
 
     base = _config_copy(run, tmp_path / "eos", eos_token_id=5)
     weights = load_file(str(base / "model.safetensors"))
