@@ -42,7 +42,7 @@ from poros.engine.allocator_limit import AllocatorLimit
 from poros.engine.attention import sdpa_context
 from poros.engine.buffers import HEAD_KEY, DeviceBuffers
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
-from poros.engine.graphs import LayerTemplates
+from poros.engine.templates import LayerTemplates
 from poros.engine import kept_attention
 from poros.engine.layer_call import LayerCall
 from poros.engine.nvml import device_memory

@@ -38,7 +38,7 @@ from torch import nn
 
 from poros.engine import kept_attention, mlp_chunk
 from poros.engine.saved_inputs import SavedInputs
-from poros.engine.graphs import LayerTemplates
+from poros.engine.templates import LayerTemplates
 from poros.engine.layer_call import LayerCall, hidden_of
 
 Key = tuple[int, int]  # (layer, micro-batch)
