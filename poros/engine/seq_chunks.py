@@ -22,6 +22,11 @@ def dropout_keys(module: nn.Module) -> DropoutKeys | None:
     return next((m.keys for m in module.modules() if isinstance(m, KeyedDropout)), None)
 
 
+def _pin(keys: DropoutKeys | None, k: int) -> tuple | None:
+    """The dropout keys chunk k draws under, in its first run and its recompute alike."""
+    return None if keys is None else (keys.step, keys.micro, k)
+
+
 def _run_chunk(forward, x: torch.Tensor, keys: DropoutKeys | None, pin: tuple | None) -> torch.Tensor:
     """`forward` on one chunk, its dropout masks drawn under `pin` (the same in its recompute)."""
     if keys is None:
@@ -37,7 +42,7 @@ def run_in_chunks(forward, x: torch.Tensor, chunk: int, keys: DropoutKeys | None
         return forward(x)
     outs = []
     for k, part in enumerate(torch.split(x, chunk, dim=-2)):
-        pin = None if keys is None else (keys.step, keys.micro, k)
+        pin = _pin(keys, k)
         if torch.is_grad_enabled():
             # No random state to restore: the chunk draws nothing from the global generators (its LoRA dropout
             # is keyed), and saving it would read the CUDA generator inside a CUDA-graph capture.
@@ -90,5 +95,5 @@ def deferred_in_chunks(forward, x: torch.Tensor, chunk: int, keys: DropoutKeys |
     if x.shape[-2] <= chunk or not torch.is_grad_enabled():
         return run_in_chunks(forward, x, chunk, keys)
     n = -(-x.shape[-2] // chunk)
-    pins = [None if keys is None else (keys.step, keys.micro, k) for k in range(n)]
+    pins = [_pin(keys, k) for k in range(n)]
     return _Deferred.apply(x, forward, chunk, keys, pins, *params)

@@ -261,7 +261,7 @@ def check_benchmark_json_resumable(version: str | None, resume: bool) -> None:
                          f"the earlier run timed; install pytest-benchmark>=5.3 (pip install -U pytest-benchmark)")
 
 
-_THIS_COMMIT = object()  # check_resume's default: the commit this process runs
+_THIS_PROCESS = object()  # check_resume's default: the commit this process runs, the GPU it sees
 
 
 def this_gpu(m) -> str | None:
@@ -275,7 +275,7 @@ def this_gpu(m) -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THIS_COMMIT, gpu=_THIS_COMMIT) -> None:
+def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THIS_PROCESS, gpu=_THIS_PROCESS) -> None:
     """`--resume` continues one run: every row it keeps must be a cell of this matrix, measured with the
     same steps and passes, every computed setting, the same plan (poros's schedule settings), the same
     stack, the same GPU model (`gpu`: its name, default this process's) and the same commit as this run
@@ -297,6 +297,7 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
         raise PorosError(f"--resume: {path} has rows of {steps} steps x {passes} passes, this run would measure "
                          f"{m.steps} x {m.passes}; pass --steps {steps} --passes {passes}, or another -o")
     cells = {c.key: c for c in matrix_cells(m) if c.method is not None}
+    gpu = this_gpu(m) if gpu is _THIS_PROCESS else gpu
     fix = "restore the matrix as it was, or pass another -o (a new run keeps nothing of the old)"
     for n, r in enumerate(rows, 1):
         cell = cells.get(row_key(r))
@@ -317,12 +318,10 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
             raise PorosError(f"--resume: {path}:{n} ({what}) ran on stack {r.get('stack')!r}, this environment is "
                              f"{cell.stack.label()!r}; resume on that stack, or {fix}")
         ran_on = ((r.get("provenance") or {}).get("gpus") or [{}])[0].get("name")
-        if gpu is _THIS_COMMIT:
-            gpu = this_gpu(m)
         if ran_on and gpu and ran_on != gpu and have.get("device") != "cpu":
             raise PorosError(f"--resume: {path}:{n} ({what}) ran on an {ran_on}, this GPU is an {gpu}: one run's "
                              f"rows compare on one GPU model; resume on an {ran_on}, or pass another -o")
-    if commit is _THIS_COMMIT:
+    if commit is _THIS_PROCESS:
         from poros.provenance import current_commit
 
         commit = current_commit()

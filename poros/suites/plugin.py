@@ -151,12 +151,10 @@ def _preflight(config) -> None:
 
 def _say_other_hardware(m) -> None:
     """A matrix that declares one GPU run on another: said at the start; its rows name the GPU they ran on."""
-    import torch
-
     from poros.provenance import is_hardware
 
-    gpu = torch.cuda.get_device_name(0)
-    if m.hardware and not is_hardware(m.hardware, gpu):
+    gpu = preflight.this_gpu(m)
+    if m.hardware and gpu and not is_hardware(m.hardware, gpu):
         console.progress(f"{m.source}: hardware is {m.hardware}, this GPU is {gpu}: rows and pages name {gpu}, "
                          f"and its timings compare only with rows of the same GPU")
 
