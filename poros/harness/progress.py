@@ -18,6 +18,11 @@ def _when(ts: float | None) -> str:
     return "—" if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
+def _exit(part: dict) -> str:
+    status = part.get("exit_status")
+    return "— (no end: lost or running)" if status is None else str(status)
+
+
 def cell_states(m: Matrix, out: Path) -> list[tuple[str, str]]:
     """(cell, state) for every cell of `m` in matrix order: a gate's outcome, a timed cell's s/step, the passes
     kept so far, or `not started`."""
@@ -50,8 +55,15 @@ def cell_states(m: Matrix, out: Path) -> list[tuple[str, str]]:
 
 
 def parts(out: Path) -> list[dict]:
-    """The parts recorded in the output folder's pass log, oldest first."""
-    return [r for r in PassLog(passes_path(out / "results.jsonl")).records() if r.get("kind") == "part"]
+    """The parts recorded in the output folder's pass log, oldest first, each as its last record: a part is
+    recorded when its first cell runs, after each cell and at its end, under one `part_id` (a record without
+    one, of an earlier harness, is a part of its own). A part whose last record has no `exit_status` did not
+    reach its end: its machine or process was lost (or it runs still)."""
+    last: dict = {}
+    for i, r in enumerate(PassLog(passes_path(out / "results.jsonl")).records()):
+        if r.get("kind") == "part":
+            last[r.get("part_id") or i] = r  # an update keeps the part's place
+    return list(last.values())
 
 
 def status_markdown(m: Matrix, out: Path) -> str:
@@ -71,7 +83,7 @@ def status_markdown(m: Matrix, out: Path) -> str:
             rest = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if k != TIMED)
             gpu = ", ".join(g.removeprefix("GPU-")[:8] for g in p.get("gpu") or []) or "—"
             lines.append(f"| {i} | {_when(p.get('started'))} | {p.get('wall_s', 0):.0f} s | {phases.get(TIMED, 0):.0f} s "
-                         f"| {rest or '—'} | {p.get('exit_status')} | {gpu} |")
+                         f"| {rest or '—'} | {_exit(p)} | {gpu} |")
         total = sum(p.get("wall_s", 0) for p in recorded)
         timed_s = sum((p.get("phases") or {}).get(TIMED, 0) for p in recorded)
         lines += ["", f"{len(recorded)} parts, {total:.0f} s in all, {timed_s:.0f} s of it in timed passes "

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pytest_benchmark.utils import safe_dumps
 
 from poros.errors import PorosError
 from poros.harness.compare import current_name, load_compare_source
@@ -75,6 +76,37 @@ def check_compared_cells(config, items) -> None:
                                 f"{steps}; pass --steps {other[0]}, or compare with a run of {steps}-step passes")
 
 
+def _write_with_earlier(config, data: dict) -> None:
+    """`data` (pytest-benchmark's JSON of this session) written to its path with the earlier runs' benchmarks
+    before this session's (a cell timed again keeps this session's), in one replace."""
+    path = json_path(config)
+    earlier = getattr(config, "_poros_benchmarks", [])
+    mine = {b.get("fullname") for b in data.get("benchmarks", [])}
+    data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(safe_dumps(data, ensure_ascii=True, indent=4))  # as pytest-benchmark writes it
+    tmp.replace(path)
+
+
+def checkpoint(config) -> None:
+    """The JSON pytest-benchmark writes when the run ends, written as well after each timed cell (the earlier
+    runs' benchmarks kept under --resume): a run whose process or machine is lost mid-run keeps every
+    finished cell's benchmark. Machine and commit information are read once per run."""
+    bs, path = getattr(config, "_benchmarksession", None), json_path(config)
+    if bs is None or path is None or bs.disabled or not [b for b in bs.benchmarks if b]:
+        return
+    hook = config.hook
+    if not hasattr(config, "_poros_benchmark_info"):
+        commit_info = hook.pytest_benchmark_generate_commit_info(config=config)
+        hook.pytest_benchmark_update_commit_info(config=config, commit_info=commit_info)
+        config._poros_benchmark_info = (bs.get_machine_info(), commit_info)
+    machine_info, commit_info = config._poros_benchmark_info
+    data = hook.pytest_benchmark_generate_json(config=config, benchmarks=bs.benchmarks, include_data=True,
+                                               machine_info=machine_info, commit_info=commit_info)
+    hook.pytest_benchmark_update_json(config=config, benchmarks=bs.benchmarks, output_json=data)
+    _write_with_earlier(config, data)
+
+
 def append_earlier(config) -> None:
     """With --resume, the earlier runs' benchmarks appended back to the JSON pytest-benchmark has just written
     with this session's alone (a cell timed again keeps this session's)."""
@@ -85,8 +117,4 @@ def append_earlier(config) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             data = None
         if isinstance(data, dict):
-            mine = {b.get("fullname") for b in data.get("benchmarks", [])}
-            data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(data, indent=4))
-            tmp.replace(path)
+            _write_with_earlier(config, data)

@@ -27,7 +27,8 @@ from poros.harness.bench import Cell, ResultsWriter, matrix_cells, matrix_device
 from poros.harness.console import set_progress_writer
 from poros.harness.compare import load_compare_source
 from poros.harness.results import RUN_FILES, PassLog, keep_earlier, passes_path
-from poros.suites.benchmarks import append_earlier, check_compare, check_compared_cells, earlier_benchmarks, json_path
+from poros.suites.benchmarks import (append_earlier, check_compare, check_compared_cells, checkpoint,
+                                     earlier_benchmarks, json_path)
 from poros.suites import OUT_OF_TIME
 from poros.suites.session import matrix_of, session_of
 
@@ -285,7 +286,13 @@ def pytest_runtest_makereport(item, call):
     if (report.when == "call" or (report.when == "setup" and not report.passed)) and not getattr(
             item, "_poros_reported", False):
         item._poros_reported = True
+        item._poros_ran = not report.skipped
         console.end_cell(_outcome(item, report))
+    state = getattr(item.config, "_poros_session", None)
+    if report.when == "teardown" and getattr(item, "_poros_ran", False) and state is not None and state.ran:
+        # the cell's benchmark is taken at its teardown: a lost machine keeps it, and the part's record so far
+        checkpoint(item.config)
+        state.record_part()
 
 
 def pytest_keyboard_interrupt(excinfo):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,21 +48,28 @@ class Session:
         # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
         self.keep_exports = self.max_minutes is not None
         self.started = time.time()
-        self.ran = False  # a cell got past its checks: the part is recorded at the end
+        self.ran = False  # a cell got past its checks: the part is recorded from then on
+        self.part_id = f"{self.started:.6f}-{os.getpid()}"  # the records of this part (one run) in the pass log
 
-    def record_part(self, exit_status: int) -> None:
+    def record_part(self, exit_status: int | None = None) -> None:
         """What this run (a part, under --resume) spent where: wall time and seconds per phase (store
-        builds, gates, trainer set-ups, warm-ups, timed passes, Unsloth's children), in the pass log."""
+        builds, gates, trainer set-ups, warm-ups, timed passes, Unsloth's children), in the pass log.
+
+        Recorded when the first cell runs, again after each cell and at the run's end (`exit_status`; None
+        before it), each record under the part's id: where the machine is lost mid-run, the pass log still
+        says what the part ran, on which GPU, up to its last finished cell."""
         from poros.provenance import provenance
 
         p = provenance()
+        now = time.time()
         phases = {k: round(v, 1) for k, v in console.phase_times().items()}
-        self.passlog.add("part", "", "", started=self.started, ended=time.time(),
-                         wall_s=round(time.time() - self.started, 1), phases=phases, exit_status=exit_status,
+        self.passlog.add("part", "", "", part_id=self.part_id, started=self.started, ended=now,
+                         wall_s=round(now - self.started, 1), phases=phases, exit_status=exit_status,
                          stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
                          max_minutes=self.max_minutes)
-        console.progress(f"this run: {time.time() - self.started:.0f} s; " +
-                         ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+        if exit_status is not None:
+            console.progress(f"this run: {now - self.started:.0f} s; " +
+                             ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
 
     @property
     def total(self) -> int:

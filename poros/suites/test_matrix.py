@@ -51,7 +51,9 @@ def _skip_if_not_runnable(session, cell):
     if session.out_of_time():
         session.stopped = True
         pytest.skip(f"time budget reached (--max-minutes {session.max_minutes:g}); --resume continues")
-    session.ran = True
+    if not session.ran:
+        session.ran = True
+        session.record_part()  # the part's first record: a lost machine still leaves its start and GPU
 
 
 def _gate_plans(session) -> list:

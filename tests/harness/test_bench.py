@@ -438,6 +438,51 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
         assert bench["stats"]["median"] / bench["extra_info"]["steps"] == pytest.approx(rows[method]["s_per_step_median"])
 
 
+LOST_MACHINE = """import os
+import poros.engine.trainer as t
+orig = t.ResidentTrainer.step
+def step(self, batches=None):
+    # the resident cell, inside pass 2: the process ends at once, as on a machine taken away (no session end)
+    if self.steps_done == 5 and os.environ.get("LOSE_IT"):
+        os._exit(137)
+    return orig(self, batches)
+t.ResidentTrainer.step = step
+"""
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_path):
+    """A run whose process ends without pytest's session end (its machine taken away) keeps, besides its rows and
+    passes, the benchmark of every finished cell and a record of its part up to its last finished cell; the
+    next part (--resume) records its own, and the status lists both."""
+    import os
+
+    from poros.harness.progress import parts, status_markdown
+
+    (tmp_path / "lost_machine.py").write_text(LOST_MACHINE)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "benchmark.json"
+    proc, results = _suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
+                           env={**env, "LOSE_IT": "1"})
+    assert proc.returncode == 137 and "passed" not in proc.stdout, proc.stdout[-2000:]  # no session end ran
+    assert [r["method"] for r in _rows(results)] == ["poros"]
+    names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
+    assert len(names) == 1 and "method:poros" in names[0]
+    (lost,) = parts(tmp_path)
+    assert lost["exit_status"] is None and lost["gpu"] is not None and "timed passes" in lost["phases"]
+    records = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "part"]) == 3  # at its start, after the gate, after poros
+    again, _ = _suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}", "--resume", env=env)
+    assert again.returncode == 0, again.stdout[-2000:]
+    first, second = parts(tmp_path)
+    assert first == lost and second["exit_status"] == 0 and second["part_id"] != lost["part_id"]
+    names = sorted(b["name"] for b in json.loads(bench_json.read_text())["benchmarks"])
+    assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1]
+    table = status_markdown(parse_matrix(matrix), tmp_path)
+    assert "| — (no end: lost or running) |" in table and "2 parts" in table, table
+
+
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
@@ -449,7 +494,9 @@ def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:]
     assert {r["method"] for r in _rows(results)} == {"poros", "resident"}
     # each run that ran a cell records what it spent where: the stopped one ran none
-    parts = [k for k in map(json.loads, (tmp_path / "passes.jsonl").read_text().splitlines()) if k["kind"] == "part"]
+    from poros.harness.progress import parts as recorded_parts
+
+    parts = recorded_parts(tmp_path)  # each part as its last record
     assert len(parts) == 1 and parts[0]["exit_status"] == 0 and not parts[0]["stopped"]
     assert {"store build", "parity gate", "trainer set-up", "warm-up", "timed passes"} <= set(parts[0]["phases"])
     assert sum(parts[0]["phases"].values()) <= parts[0]["wall_s"] + 1

@@ -223,3 +223,30 @@ def test_status_reads_gates_passes_and_rows(tmp_path):
     md = status_markdown(m, tmp_path)
     assert "| 1 | 1970-01-01 00:00 | 10 s | 4 s | warm-up 6 s | 75 | 12345678 |" in md
     assert "1 of 2 timed cells done" in md
+
+
+def test_a_part_is_its_last_record_and_one_without_an_end_says_so(tmp_path):
+    """A part's records (at its first cell, after each cell, at its end) share its id and count once, as the
+    last; a part whose machine was lost has no exit status; records without an id are parts of their own."""
+    from poros.harness.progress import parts, status_markdown
+    from poros.harness.matrix import parse_matrix
+    from poros.harness.results import PassLog
+
+    m = parse_matrix(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1,
+                          lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu",
+                          stacks=["current"], methods=["resident"], models=["tiny-qwen2"]), "t.yaml")
+    log = PassLog(tmp_path / "passes.jsonl")
+    log.add("part", "", "", started=0.0, wall_s=5.0, phases={}, exit_status=75, gpu=[])  # no id
+    for wall, status in ((1.0, None), (7.0, None), (9.0, 75)):
+        log.add("part", "", "", part_id="a", started=60.0, wall_s=wall, phases={"timed passes": wall}, exit_status=status,
+                gpu=["GPU-aaaaaaaa-1"])
+    for wall in (1.0, 30.0):
+        log.add("part", "", "", part_id="b", started=120.0, wall_s=wall, phases={"timed passes": wall}, exit_status=None,
+                gpu=["GPU-bbbbbbbb-1"])
+    got = parts(tmp_path)
+    assert [(p.get("part_id"), p["wall_s"], p["exit_status"]) for p in got] == [(None, 5.0, 75), ("a", 9.0, 75),
+                                                                                 ("b", 30.0, None)]
+    md = status_markdown(m, tmp_path)
+    assert "| 2 | 1970-01-01 00:01 | 9 s | 9 s | — | 75 | aaaaaaaa |" in md
+    assert "| 3 | 1970-01-01 00:02 | 30 s | 30 s | — | — (no end: lost or running) | bbbbbbbb |" in md
+    assert "3 parts, 44 s in all" in md
