@@ -8,6 +8,14 @@ import enum
 from dataclasses import field, make_dataclass
 from typing import Callable
 
+from poros.choices import (  # noqa: F401  (re-exported: the config's vocabulary)
+    Accumulation,
+    Attention,
+    Device,
+    LoRACompute,
+    LRSchedule,
+    Placement,
+)
 from poros.errors import ConfigError
 from poros.settings import (  # noqa: F401  (re-exported: the config's vocabulary)
     BY_NAME,
@@ -15,12 +23,6 @@ from poros.settings import (  # noqa: F401  (re-exported: the config's vocabular
     LORA_TARGETS,
     SCHEDULE_NAMES,
     SETTINGS,
-    Accumulation,
-    Attention,
-    Device,
-    LoRACompute,
-    LRSchedule,
-    Placement,
     check_values,
 )
 

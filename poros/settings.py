@@ -10,260 +10,39 @@ configuration table labels it. A setting is one of three kinds:
 - SCHEDULE: how poros schedules the same computation (block size, budget, overlap, graphs,
   accumulation order). A matrix may change them per model; they never change a result bit.
 - RUN: where and from what (device, seeds, pinning); recorded, not compared.
+
+A row's checker (poros/checkers.py) checks and coerces its values; the closed sets of values are the enums of
+poros/choices.py.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-import re
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
+
+from poros.checkers import (
+    dropout_share,
+    flag,
+    module_names,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    optional_count,
+    optional_positive_int,
+    optional_positive_number,
+    optional_size,
+    positive_int,
+    positive_number,
+    seed_int,
+    sequence_length,
+)
+from poros.choices import Accumulation, Attention, Device, LoRACompute, LRSchedule, Placement
+from poros.sizes import format_size
 
 COMPUTED, SCHEDULE, RUN = "computed", "schedule", "run"
 
-
-class Attention(str, enum.Enum):
-    """SDPA backend applied to every method alike (`default` lets torch choose)."""
-
-    DEFAULT = "default"
-    MATH = "math"
-    CUDNN = "cudnn"
-    EFFICIENT = "efficient"
-    FLASH = "flash"
-    FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/engine/attention.py)
-
-
-class LoRACompute(str, enum.Enum):
-    """The dtype of the LoRA adapters' matmuls, for every method alike (poros/engine/lora_compute.py)."""
-
-    FP32 = "fp32"  # peft's: each input cast up to the fp32 adapters, the product cast back
-    BF16 = "bf16"  # the fp32 adapters cast down to the activations' bf16 at each call
-
-
-class Device(str, enum.Enum):
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class Accumulation(str, enum.Enum):
-    """Order of the micro-batches of one optimizer step (grad_accum > 1) in poros's plan."""
-
-    LAYER = "layer"  # each streamed block loaded once; every micro-batch passes through it
-    MICRO = "micro"  # each micro-batch through the whole model in turn (every block loaded per micro-batch)
-
-
-class Placement(str, enum.Enum):
-    """Which layers a plan with resident layers keeps on the device (poros/engine/planning/search.py)."""
-
-    TAIL = "tail"  # the last layers: used at the turn from forward to backward, never copied
-    SPREAD = "spread"  # streamed layers spread among resident ones: each copy also runs behind resident forwards
-
-
-class LRSchedule(str, enum.Enum):
-    """How the learning rate moves over a run, after `warmup_steps` of linear warm-up
-    (the formulas of Hugging Face's get_{constant,linear,cosine}_schedule_with_warmup; poros/engine/schedule.py)."""
-
-    CONSTANT = "constant"
-    LINEAR = "linear"  # linearly to 0 at decay_steps
-    COSINE = "cosine"  # half a cosine to 0 at decay_steps
-
-
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(value) -> int | str:
-    """A byte count from `24GB`, `40GiB`, `300MB`, `1.5e9` or an integer; `auto` stays `auto`.
-
-    Raises:
-        ValueError: naming the accepted forms.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"expected a size > 0, got {value!r}")
-        return int(value)
-    text = str(value).strip().lower().replace(" ", "")
-    if text == "auto":
-        return "auto"
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if n <= 0:
-        raise ValueError(f"expected a size > 0, got {value!r}")
-    return n
-
-
-def format_size(n: int | str | None) -> str:
-    if n is None:
-        return "none"
-    if isinstance(n, str):
-        return n
-    return f"{n / 1e9:.3g} GB" if n >= 10**8 else f"{n / 1e6:.3g} MB"
-
-
-# --- value checkers: return the coerced value or raise ValueError(what was expected, got what) ----
-# Each declares the type of what it returns (`returns`): the type of its setting's TrainConfig field.
-
-
-def returns(type_) -> Callable[[Callable], Callable]:
-    """Marks a checker with the type of the values it returns (its `type`)."""
-
-    def mark(check: Callable) -> Callable:
-        check.type = type_
-        return check
-
-    return mark
-
-
-MAX_COUNT = 2**31 - 1  # counts and lengths: torch sizes them in int32 in places (and none is near it)
-MAX_SEED = 2**32 - 1  # seeds are combined with strides of about 2**20 into torch's 64-bit seeds
-
-
-@returns(int)
-def positive_int(v):
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0, got {_short(v)}")
-    if v > MAX_COUNT:
-        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, got {_short(v)}")
-    return v
-
-
-@returns(int)
-def sequence_length(v):
-    """Tokens per sequence: at least two, since the loss of a sequence predicts each token from those before it."""
-    v = positive_int(v)
-    if v < 2:
-        raise ValueError(f"expected an integer >= 2 (a sequence of one token has no next token to learn), got {v}")
-    return v
-
-
-@returns(int)
-def seed_int(v):
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SEED:
-        raise ValueError(f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {_short(v)}")
-    return v
-
-
-@returns(float)
-def positive_number(v):
-    """A finite number > 0 (inf and nan are refused: a step with them writes NaN everywhere)."""
-    return _number(v, "a number > 0", lambda f: f > 0, out_of_range="a finite number > 0")
-
-
-@returns(int)
-def non_negative_int(v):
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
-        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, got {_short(v)}")
-    return v
-
-
-def _number(v, what: str, ok: Callable[[float], bool], out_of_range: str | None = None) -> float:
-    """`v` as a float that is finite and `ok`; errors say `what` was expected (`out_of_range` for a number
-    that is not finite or not `ok`, where given)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"expected {what}, got {_short(v)}")
-    try:
-        f = float(v)
-    except OverflowError:  # an integer beyond a float's range
-        raise ValueError(f"expected a finite {what.removeprefix('a ')}, got {_short(v)}") from None
-    if not math.isfinite(f) or not ok(f):
-        raise ValueError(f"expected {out_of_range or what}, got {_short(v)}")
-    return f
-
-
-@returns(float)
-def non_negative_number(v):
-    return _number(v, "a finite number >= 0", lambda f: f >= 0)
-
-
-@returns(float)
-def dropout_share(v):
-    """A share of the inputs zeroed: 0 (off) up to, not including, 1."""
-    return _number(v, "a number from 0 up to (not including) 1", lambda f: 0 <= f < 1)
-
-
-@returns(float | None)
-def optional_positive_number(v):
-    if v is None or v == "none":
-        return None
-    if isinstance(v, str):  # as a flag gives it
-        try:
-            v = float(v)
-        except ValueError:
-            raise ValueError(f"expected a number > 0 or none, got {v!r:.80}") from None
-    return _number(v, "a finite number > 0 or none", lambda f: f > 0)
-
-
-def _short(v) -> str:
-    """A value as an error shows it: a huge integer by its size, not its 400 digits."""
-    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**20:
-        return f"an integer of {len(str(abs(v)))} digits"
-    return f"{v!r:.80}"
-
-
-@returns(bool)
-def flag(v):
-    if not isinstance(v, bool):
-        raise ValueError(f"expected true or false, got {v!r}")
-    return v
-
-
-def one_of(enum_cls: type[enum.Enum]) -> Callable:
-    @returns(enum_cls)
-    def check(v):
-        if isinstance(v, enum_cls):
-            return v
-        try:
-            return enum_cls(v)
-        except ValueError:
-            raise ValueError(f"expected one of {', '.join(m.value for m in enum_cls)}, got {v!r}") from None
-
-    return check
-
-
-@returns(tuple[str, ...])
-def module_names(v):
-    if isinstance(v, str):  # q_proj,v_proj as a flag gives it
-        v = [t.strip() for t in v.split(",")]
-    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(t, str) and t for t in v):
-        raise ValueError(f"expected a non-empty list of module names, got {v!r}")
-    return tuple(v)
-
-
-@returns(int | Literal["auto"] | None)
-def optional_size(v):
-    return None if v is None or v == "none" else parse_size(v)
-
-
-@returns(int | None)
-def optional_count(v):
-    """An integer >= 0, or none."""
-    if v is None or v == "none":
-        return None
-    if isinstance(v, str) and v.isdigit():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
-        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
-    return v
-
-
-@returns(int | None)
-def optional_positive_int(v):
-    if v is None or v == "none":
-        return None
-    if isinstance(v, str) and v.isdigit():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0 or none, got {_short(v)}")
-    if v > MAX_COUNT:
-        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
-    return v
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ import pytest
 
 from poros.config import TrainConfig
 from poros.errors import ConfigError
-from poros.settings import SETTINGS, Accumulation, Attention, Device, Placement
+from poros.choices import Accumulation, Attention, Device, Placement
+from poros.settings import SETTINGS
 
 
 def holds(value, type_) -> bool:

@@ -168,7 +168,7 @@ class Tally:
 def _preflight(args):
     """Everything knowable before any work: the matrix, the counts, the device, the models, the
     selection and the reference file. Returns the matrix."""
-    from poros.harness.bench import matrix_device, model_unavailable
+    from poros.harness.cells import matrix_device, model_unavailable
 
     m = preflight.load_matrix(args.file)
     preflight.check_counts("poros bench", steps=args.steps, passes=args.passes, parity_steps=args.parity_steps)

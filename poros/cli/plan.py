@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from poros.checkers import MAX_COUNT, sequence_length
 from poros.cli.parity import train_config
 from poros.engine.planning.budget import make_plan
 from poros.engine.planning.geometry import Geometry
@@ -13,7 +14,8 @@ from poros.engine.planning.search import PlanRequest
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
-from poros.settings import MAX_COUNT, add_arguments, format_size, parse_size, sequence_length
+from poros.settings import add_arguments
+from poros.sizes import format_size, parse_size
 from poros.store.host_memory import available_host_memory
 
 EPILOG = """examples:

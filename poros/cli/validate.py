@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros.harness.bench import matrix_cells
+    from poros.harness.cells import matrix_cells
 
     bad = 0
     for f in args.files:

@@ -17,8 +17,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from poros.choices import Attention
 from poros.errors import CapabilityError
-from poros.settings import Attention
 
 
 def _backends(attention: Attention):

@@ -1,36 +1,17 @@
 """The executor: runs a plan (poros/engine/planning/plan.py) on the device, bitwise equal to resident QLoRA.
 
 The very same modules and kernels run as in resident training; only where the NF4 bytes sit and when
-they are copied differ. Per micro-batch, a *prologue* runs the Hugging Face forward with every
-decoder layer replaced by a recorder: it computes what the model computes before its layers
-(embeddings, rotary tables, masks) and records each layer's call arguments, then stops. The plan's
-operations then run the layers themselves:
-
-  load, release       a group's NF4 bytes into its buffer, and the point after which the buffer may be
-                      refilled (poros/engine/buffers.py: the copies and the events that order them);
-  gather              with copies shared among data-parallel ranks (shard_stream), the other ranks'
-                      shares of the load before, all-gathered into the buffer;
-  offload, fetch      a saved input the plan keeps in host memory, out after its forward and back ahead of its
-                      backward (poros/engine/saved_inputs.py);
-  regenerate          with `input_stride`, a layer's no-grad forward again in backward, from its input: the
-                      input of the layer above, which saved none (poros/engine/planning/regen.py);
-  forward, backward   a layer, by the runner of its kind (poros/engine/runners.py: recomputed or kept,
-                      eagerly or through layer templates replayed from CUDA graphs);
-  head                the Hugging Face forward again, each layer handing on its input and the last one
-                      a leaf holding the last hidden state, so the final norm, lm_head and loss run
-                      exactly as in the model, with autograd, and backpropagate to the leaf.
-
-A backward is pending until the next one needs its gradient: with `overlap_backward` a worker thread
-enqueues it while this thread enqueues the next layer's recompute (the same kernels on the same stream;
-the host-side launch work overlaps).
+they are copied differ. `PorosTrainer` sets a run up: the plan (made for the device, or the one it is given,
+checked), torch's allocator held to its budget, the device buffers, every layer's NF4 modules bound to its
+group's buffer, each layer's runner and the loads every step starts from; and it reports what a step copied.
+Per micro-batch, the Hugging Face forward runs as a prologue and as the head (poros/engine/model_hooks.py),
+and the plan's operations run the layers between them (poros/engine/interpreter.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
@@ -39,49 +20,22 @@ from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.rules import check
 from poros.engine.allocator_limit import AllocatorLimit
-from poros.engine.attention import sdpa_context
-from poros.engine.buffers import HEAD_KEY, DeviceBuffers
+from poros.engine.buffers import DeviceBuffers
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.templates import LayerTemplates
 from poros.engine import kept_attention
-from poros.engine.layer_call import LayerCall
+from poros.engine.interpreter import PlanInterpreter
+from poros.engine.model_hooks import ModelHooks, ModelPass
 from poros.engine.nvml import device_memory
 from poros.engine.planning.budget import make_plan
 from poros.engine.qlora import QLoRAModel
-from poros.engine.runners import Done, Kept, Key, Recompute, Runner, TemplateKept, TemplateRecompute
+from poros.engine.runners import Kept, Recompute, Runner, TemplateKept, TemplateRecompute
 from poros.engine.saved_inputs import SavedInputs, host_memory
 from poros.engine.compiling import backward_keeps_saved_tensors, compile_layers
 from poros.engine.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
-from poros.settings import format_size
+from poros.sizes import format_size
 from poros.store.arena import slot_tensors
-
-
-class _Captured(Exception):
-    """Ends a prologue once the last layer's arguments are recorded."""
-
-
-class _Pass(enum.Enum):
-    """What the patched layers and embedding do during a run of the Hugging Face forward."""
-
-    PLAIN = "plain"  # the model's own forward
-    PROLOGUE = "prologue"  # layers record their call arguments; the last one ends the run
-    HEAD = "head"  # layers hand on their input, the last one the leaf holding the last hidden state
-
-
-@dataclass
-class _Step:
-    """The state of one optimizer step's operations, dropped when the step ends."""
-
-    batches: list
-    losses: list
-    micro: int = 0  # the micro-batch the prologue records
-    calls: dict[Key, LayerCall] = field(default_factory=dict)  # recorded by the prologue, taken by the forward
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> hidden state between layers
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> gradient at a layer's output
-    leaf: torch.Tensor | None = None  # the head's last hidden state
-    pending: tuple | None = None  # (pending gradient, micro-batch, layer, backward count) in flight
-    backwards: int = 0
 
 
 def geometry_of_store(store, cfg) -> Geometry:
@@ -89,7 +43,7 @@ def geometry_of_store(store, cfg) -> Geometry:
     return Geometry.of_config(cfg.model, store.config, cfg.lora_targets, store.double_quant)
 
 
-class PorosTrainer(Trainer):
+class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
     """QLoRA whose decoder weights reach the device as `plan` says; arithmetic identical to resident.
 
     Args:
@@ -104,7 +58,7 @@ class PorosTrainer(Trainer):
         # process-wide settings held while this trainer lives: keep_attention's kernels, compiled backwards that
         # keep their saved tensors for kept layers' templates
         self._held = contextlib.ExitStack()
-        self._pass, self._step, self._gathers = _Pass.PLAIN, None, None
+        self._pass, self._step, self._gathers = ModelPass.PLAIN, None, None
         self._regenerations = 0  # regenerate operations run this step (input_stride)
         super().__init__(store, cfg, world)
 
@@ -225,155 +179,6 @@ class PorosTrainer(Trainer):
             handlers[op.kind](op)
         if self.plan.head_resident:
             self.buffers.load_head(None)
-
-    # --- the model's hooks --------------------------------------------------------------------
-    def _patch(self, model: QLoRAModel) -> None:
-        """Layers record their arguments (prologue) or hand on their input (head); the embedding looks
-        tokens up on the host; the lm_head reads its device copy."""
-        last = len(model.layers) - 1
-        for i, layer in enumerate(model.layers):
-            layer.forward = self._layer_hook(i, i == last, type(layer).forward.__get__(layer))
-        emb, head = model.hf.get_input_embeddings(), model.hf.get_output_embeddings()
-        emb.to("cpu")
-        emb_forward = type(emb).forward.__get__(emb)
-        device, hidden = self.device, self.store.config.hidden_size
-        # A plain lookup (no scale, no max_norm) gathers its rows with index_select, several times faster on
-        # the host than F.embedding's bf16 path and the same bytes, into page-locked memory (the caching host
-        # allocator's, reused step after step) that the device copies asynchronously.
-        plain = type(emb).forward is torch.nn.Embedding.forward and emb.max_norm is None
-
-        def embed(input_ids, *a, **k):
-            if self._pass is _Pass.HEAD:  # only its shape and dtype matter: every layer hands on its input
-                return torch.empty(*input_ids.shape, hidden, dtype=torch.bfloat16, device=device)
-            ids = input_ids.to("cpu")
-            if not (plain and not a and not k):
-                return emb_forward(ids, *a, **k).to(device)
-            rows = torch.empty(*ids.shape, emb.embedding_dim, dtype=emb.weight.dtype, pin_memory=device.type == "cuda")
-            torch.index_select(emb.weight.detach(), 0, ids.reshape(-1), out=rows.view(-1, emb.embedding_dim))
-            return rows.to(device, non_blocking=True)
-
-        emb.forward = embed
-        bias = head.bias
-
-        def head_forward(x):
-            self.buffers.acquire(HEAD_KEY)
-            return torch.nn.functional.linear(x, self.buffers.head, bias)
-
-        head.forward = head_forward
-
-    def _layer_hook(self, i: int, last: bool, original):
-        def forward(*args, **kwargs):
-            if self._pass is _Pass.PLAIN:
-                return original(*args, **kwargs)
-            hidden, call = LayerCall.split(args, kwargs)
-            step = self._step
-            if self._pass is _Pass.HEAD:
-                return step.leaf if last else hidden
-            if call.tensors_requiring_grad():
-                raise CapabilityError(f"layer {i}: an argument other than the hidden state requires grad; "
-                                      "poros recomputes layers from their input alone")
-            step.calls[(i, step.micro)] = call
-            if i == 0:
-                step.hidden[step.micro] = hidden
-            if last:
-                raise _Captured
-            return hidden
-
-        return forward
-
-    def _run_model(self, what: _Pass, batch):
-        self._pass = what
-        try:
-            # compiled layers only record or hand on here: eagerly (their compiled code is the runners')
-            with torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext():
-                return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
-        except _Captured:
-            return None
-        finally:
-            self._pass = _Pass.PLAIN
-
-    # --- the step: an interpreter of the plan's operations --------------------------------------
-    def accumulate(self, batches) -> list[torch.Tensor]:
-        """Run the plan's step over `batches` (its grad_accum micro-batches): the scaled loss of each,
-        LoRA gradients accumulated as resident QLoRA accumulates them."""
-        if len(batches) != self.plan.grad_accum:
-            raise CapabilityError(f"the plan is for {self.plan.grad_accum} micro-batches, got {len(batches)}")
-        step = self._step = _Step(batches, [None] * len(batches))
-        handlers = {P.LOAD: self.buffers.load, P.LOAD_HEAD: self.buffers.load_head, P.RELEASE: self._release,
-                    P.RELEASE_HEAD: self._release, P.FORWARD: self._forward, P.HEAD: self._head,
-                    P.BACKWARD: self._backward, P.GATHER: self.buffers.gather,
-                    P.GATHER_HEAD: self.buffers.gather_head,
-                    P.OFFLOAD: lambda op: self.saved.offload((op.layer, op.micro), op.buffer),
-                    P.FETCH: lambda op: self.saved.fetch((op.layer, op.micro)), P.REGEN: self._regenerate}
-        with sdpa_context(self.cfg.attention):
-            for op in self.plan.step:
-                handlers[op.kind](op)
-            self._resolve()
-        if self.reducer is not None:
-            self.reducer.finish()
-        self._step = None
-        assert not len(self.saved) and not step.calls and not any(len(r) for r in self.runners), \
-            "every saved input and kept activation is consumed by its backward"
-        return step.losses
-
-    def _resolve(self) -> None:
-        """Wait for the backward in flight (its kernels enqueued) and take the gradient it produced; after
-        a layer's last backward its gradients are whole (the reducer's cue)."""
-        step = self._step
-        if step.pending is not None:
-            pending, m, i, k = step.pending
-            step.pending = None
-            step.grads[m] = pending.result()
-            if self.reducer is not None and k in self._layer_final:
-                self.reducer.layer_done(i)
-
-    def _release(self, op: P.Op) -> None:
-        self._resolve()  # the free event must follow every kernel that reads the buffer
-        self.buffers.release(op.buffer if op.kind == P.RELEASE else (HEAD_KEY if op.buffer < 0 else op.buffer))
-        if op.kind == P.RELEASE_HEAD and op.buffer >= 0:
-            self.buffers.release(HEAD_KEY)
-
-    def _forward(self, op: P.Op) -> None:
-        i, m, step = op.layer, op.micro, self._step
-        self.dropout_micro(m, len(step.batches))  # a recompute draws its forward's LoRA dropout masks
-        if i == 0:
-            step.micro = m
-            self._run_model(_Pass.PROLOGUE, step.batches[m])
-        self.buffers.acquire(self.plan.groups[op.group].buffer)
-        step.hidden[m] = self.runners[i].forward((i, m), step.hidden[m], step.calls.pop((i, m)))
-
-    def _regenerate(self, op: P.Op) -> None:
-        j, m = op.layer, op.micro
-        self.dropout_micro(m, len(self._step.batches))  # the masks the forward drew
-        self.buffers.acquire(self.plan.groups[op.group].buffer)
-        self.saved.put((j + 1, m), self.runners[j].regenerate((j, m)))
-        self._regenerations += 1
-
-    def _head(self, op: P.Op) -> None:
-        m, step = op.micro, self._step
-        if not self.plan.head_resident:
-            self.buffers.acquire(HEAD_KEY)
-        step.leaf = step.hidden.pop(m).detach().requires_grad_(True)
-        out = self._run_model(_Pass.HEAD, step.batches[m])
-        loss = out.loss / self.cfg.grad_accum
-        loss.backward()
-        step.grads[m] = step.leaf.grad
-        step.leaf = None
-        step.losses[m] = loss.detach()
-
-    def _backward(self, op: P.Op) -> None:
-        i, m, step = op.layer, op.micro, self._step
-        self.dropout_micro(m, len(step.batches))
-        self.buffers.acquire(self.plan.groups[op.group].buffer)
-        k = step.backwards = step.backwards + 1
-
-        def grad() -> torch.Tensor:  # the gradient at this layer's output, once the backward before is done
-            self._resolve()
-            return step.grads.pop(m)
-
-        step.pending = (self.runners[i].backward((i, m), grad), m, i, k)
-        if isinstance(step.pending[0], Done):  # computed already (serially, or by a template)
-            self._resolve()
 
     # --- bookkeeping --------------------------------------------------------------------------
     def step(self, batches=None):

@@ -204,7 +204,7 @@ def run_gate_recorded(reference: RecordedReference, poros: Trainer, steps: int |
 
 
 def holds_a_cap(cfg: TrainConfig, method: Method) -> bool:
-    """Whether `method` on `cfg` holds torch's allocator to its budget (poros/engine/executor.py
+    """Whether `method` on `cfg` holds torch's allocator to its budget (poros/engine/allocator_limit.py
     `AllocatorLimit`)."""
     return method is Method.POROS and AllocatorLimit.holds(cfg)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from poros.settings import LRSchedule
+from poros.choices import LRSchedule
 
 
 def lr_factor(schedule: LRSchedule, step: int, warmup_steps: int, decay_steps: int | None) -> float:

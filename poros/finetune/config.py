@@ -30,12 +30,12 @@ from pathlib import Path
 
 import yaml
 
+from poros.choices import Attention, Device, LRSchedule
 from poros.common.yamlfile import load_yaml
 from poros.config import BY_NAME, Method, TrainConfig
 from poros.engine.methods import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
 from poros.paths import unreadable
-from poros.settings import Attention, Device, LRSchedule
 
 MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
 RUN_KEYS = ("model", "data", "out", "steps", "method", "save_every", "eval_data", "eval_split")

@@ -12,7 +12,7 @@ from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.plan import Plan
 from poros.engine.planning.budget import make_plan
-from poros.settings import format_size
+from poros.sizes import format_size
 from poros.store.host_memory import available_host_memory
 
 

@@ -114,7 +114,7 @@ def plan_problems(m) -> list[str]:
     from poros.engine.planning.geometry import Geometry
     from poros.engine.planning.search import PlanRequest, build_plan
     from poros.engine.planning.budget import make_plan
-    from poros.harness.bench import Cell, cell_config
+    from poros.harness.cells import Cell, cell_config
     from poros.harness.results import point_id
 
     if Method.POROS not in m.methods:
@@ -266,7 +266,7 @@ _THIS_PROCESS = object()  # check_resume's default: the commit this process runs
 
 def this_gpu(m) -> str | None:
     """The name of the GPU a run of matrix `m` measures on (CUDA's first device), None for a CPU matrix."""
-    from poros.harness.bench import matrix_device
+    from poros.harness.cells import matrix_device
 
     if matrix_device(m) != "cuda":
         return None
@@ -285,7 +285,8 @@ def check_resume(rows: list[dict], m, path, passes: list[dict] = (), commit=_THI
     Raises:
         PorosError: naming the first cell that differs, what differs, and what to do.
     """
-    from poros.harness.bench import cell_config, matrix_cells, point_id, row_key
+    from poros.harness.cells import cell_config, matrix_cells
+    from poros.harness.results import point_id, row_key
 
     other = sorted({str(r.get("matrix")) for r in rows if r.get("matrix") != m.name})
     if other:
@@ -359,7 +360,7 @@ def check_runnable(m, device: str) -> None:
     Raises:
         CapabilityError: with the first reason.
     """
-    from poros.harness.bench import model_unavailable
+    from poros.harness.cells import model_unavailable
 
     stacks = [s.mismatch() for s in m.stacks]
     if all(stacks):

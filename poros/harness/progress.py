@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from poros.harness.bench import matrix_cells
+from poros.harness.cells import matrix_cells
 from poros.harness.matrix import Matrix
 from poros.harness.results import PassLog, ResultsWriter, passes_path, row_key
 

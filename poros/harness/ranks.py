@@ -27,7 +27,7 @@ from poros.engine.methods import make_trainer
 from poros.engine.parity import parity
 from poros.engine.trainer import set_cublas_workspace
 from poros.errors import CapabilityError
-from poros.harness.bench import PEAKS, measure
+from poros.harness.timing import PEAKS, measure
 from poros.harness.child import emit
 
 RANK_ENV = (*LAUNCH_ENV, "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # what a launcher sets for its ranks
@@ -67,7 +67,7 @@ def run_ranks(spec: dict, ranks: int, log=print, benchmark=None) -> dict:
     Raises:
         CapabilityError: the ranks failed, with the last lines they printed.
     """
-    from poros.harness.bench import timed_rounds
+    from poros.harness.timing import timed_rounds
     from poros.harness.child import EOF_EVENT, ChildLines
 
     with tempfile.TemporaryDirectory(prefix="poros-ranks-") as tmp:

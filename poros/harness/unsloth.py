@@ -9,7 +9,7 @@ checkpointing, and trains on the same synthetic batches with the same AdamW. `co
 Unsloth compiles its own kernels and modules as its users run it (poros/engine/methods.py `config_for`).
 
 The child reports each warm-up and timed pass as it ends (a `WARM` or `PASS` line); the parent's timed-pass
-loop, the one every method runs (`poros.harness.bench.timed_rounds`), closes a round on each, so a pass is a
+loop, the one every method runs (`poros.harness.timing.timed_rounds`), closes a round on each, so a pass is a
 pytest-benchmark round as an in-process pass is, kept as soon as it ends, and a time budget stops the child
 between passes. With `keep_export` the export stays in the work folder for the next child on the same weights
 (a benchmark in parts), one store at a time.
@@ -122,7 +122,7 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         OutOfTime: the time budget ran out between passes.
         CapabilityError: the child failed, with its last lines.
     """
-    from poros.harness.bench import OutOfTime, timed_rounds
+    from poros.harness.timing import OutOfTime, timed_rounds
     from poros.harness.child import EOF_EVENT, ChildLines
 
     why = unavailable(cfg.device.value)

@@ -22,11 +22,11 @@ from pytest_benchmark.session import PerformanceRegression
 from poros.common.folders import OutputLock, ensure_folder
 from poros.config import Method
 from poros.errors import PorosError
-from poros.harness import bench, console, preflight
-from poros.harness.bench import Cell, ResultsWriter, matrix_cells, matrix_device
+from poros.harness import console, preflight
+from poros.harness.cells import Cell, matrix_cells, matrix_device
 from poros.harness.console import set_progress_writer
 from poros.harness.compare import load_compare_source
-from poros.harness.results import RUN_FILES, PassLog, keep_earlier, passes_path
+from poros.harness.results import RUN_FILES, PassLog, ResultsWriter, keep_earlier, passes_path, row_key
 from poros.suites.benchmarks import (append_earlier, check_compare, check_compared_cells, checkpoint,
                                      earlier_benchmarks, json_path)
 from poros.suites import OUT_OF_TIME
@@ -118,7 +118,7 @@ def _preflight(config) -> None:
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
-    preflight.check_ranks(m.settings.get("gpus", 1), bench.matrix_device(m), f"{m.source}: gpus")
+    preflight.check_ranks(m.settings.get("gpus", 1), matrix_device(m), f"{m.source}: gpus")
     results = Path(config.getoption("--results"))
     lock = OutputLock(results.parent).acquire()
     config.add_cleanup(lock.release)
@@ -142,7 +142,7 @@ def _preflight(config) -> None:
     if minutes is not None and not minutes > 0:
         raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
     console.reset_phases()
-    if bench.matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
+    if matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
         from poros.engine.link import h2d_gbps
 
         gbps = h2d_gbps("cuda")
@@ -263,7 +263,7 @@ def _outcome(item, report) -> str:
                 parts.append(("" if plan is None else f"{plan}: ") + f"parity {gate.parity} ({detail})")
             return "; ".join(parts) + took
     row = session.writer.last if session is not None else None
-    if row is not None and bench.row_key(row) != cell.key:
+    if row is not None and row_key(row) != cell.key:
         row = None  # the row of an earlier cell: this one wrote none
     if report.passed and row is not None and row.get("s_per_step_median") is not None:
         vram = f", peak {row['peak_vram_gb']:.2f} GB" if row.get("peak_vram_gb") is not None else ""

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from poros.engine.methods import METHODS, method_unavailable
 from poros.harness import console, preflight
-from poros.harness.bench import ResultsWriter, StoreCache, matrix_cells, matrix_device, model_unavailable
-from poros.harness.results import PassLog, passes_path
+from poros.harness.cell_memory import StoreCache
+from poros.harness.cells import matrix_cells, matrix_device, model_unavailable
+from poros.harness.results import PassLog, ResultsWriter, passes_path
 
 def matrix_of(config):
     """(the matrix `--matrix` names, the same with `--steps` and `--passes` applied)."""

@@ -23,17 +23,10 @@ import pytest
 from poros.config import Method
 from poros.harness import console
 from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
-from poros.harness.bench import (
-    Measurement,
-    OutOfTime,
-    cell_config,
-    computed_of,
-    free_device_memory,
-    kept_failure,
-    gate_config,
-    measure,
-    record,
-)
+from poros.harness.cell_memory import free_device_memory, kept_failure
+from poros.harness.cells import cell_config, computed_of, gate_config
+from poros.harness.result_row import record
+from poros.harness.timing import Measurement, OutOfTime, measure
 from poros.harness.console import progress, stop_if_interrupted
 
 pytestmark = pytest.mark.bench

@@ -8,7 +8,7 @@ import pytest
 from poros.engine.attention import BackendLog, sdpa_context, shape_label
 from poros.config import Method, TrainConfig
 from poros.errors import CapabilityError
-from poros.settings import Attention
+from poros.choices import Attention
 from poros.engine.methods import make_trainer
 from poros.engine.parity import run_gate
 

@@ -36,7 +36,7 @@ from poros.engine.planning.search import PlanRequest, build_plan
 from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.errors import BudgetError
 from poros.models.checkpoint import resolve
-from poros.settings import Attention
+from poros.choices import Attention
 from tests.plans import plan_request
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"

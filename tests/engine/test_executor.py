@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poros.engine.planning.search import build_plan
-from poros.settings import Placement
+from poros.choices import Placement
 from poros.models.checkpoint import Source
 from poros.store.build import build_store
 from poros.config import TrainConfig

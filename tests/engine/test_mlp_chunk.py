@@ -21,7 +21,7 @@ from poros.engine.parity import parity, run_gate
 from poros.engine.planning.memory import ACT_INTERMEDIATE, layer_activation_bytes, resident_memory, transient_bytes
 from poros.engine.planning.search import build_plan
 from poros.errors import ConfigError
-from poros.settings import Attention
+from poros.choices import Attention
 from tests.capabilities import requires_bitsandbytes
 from tests.engine.chunk_gates import SEQ, STEPS, TINY, assert_pass, compiled_gate, config, shift_chunks, templates_gate
 from tests.plans import plan_request

@@ -24,7 +24,8 @@ from poros.engine.planning.search import (
 from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.models.checkpoint import resolve
 from poros.errors import BudgetError
-from poros.settings import LORA_TARGETS, Accumulation, Attention, Placement
+from poros.choices import Accumulation, Attention, Placement
+from poros.settings import LORA_TARGETS
 from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
 from tests.plans import plan_request
 

@@ -19,7 +19,8 @@ from poros.engine.planning.search import PlanRequest, build_plan
 from poros.engine.planning.budget import make_plan, plan_for_budget
 from poros.errors import BudgetError, ConfigError
 from poros.models.checkpoint import resolve
-from poros.settings import LORA_TARGETS, Accumulation
+from poros.choices import Accumulation
+from poros.settings import LORA_TARGETS
 from poros.store.host_memory import MEMORY_HEADROOM, store_bytes
 from poros.store.layout import align
 from tests.plans import plan_request

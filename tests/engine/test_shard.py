@@ -23,7 +23,8 @@ from poros.engine.planning.rules import check
 from poros.engine.planning.search import PlanRequest, build_plan
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
-from poros.settings import LORA_TARGETS, Accumulation
+from poros.choices import Accumulation
+from poros.settings import LORA_TARGETS
 from poros.store.layout import ALIGN
 from tests.capabilities import requires_gpu
 from tests.engine.test_distributed import launch

@@ -14,7 +14,7 @@ from poros.engine.methods import make_trainer
 from poros.engine.parity import parity
 from poros.engine.schedule import learning_rate, lr_factor
 from poros.errors import ConfigError
-from poros.settings import LRSchedule
+from poros.choices import LRSchedule
 from tests.capabilities import requires_bitsandbytes
 
 pytestmark = requires_bitsandbytes

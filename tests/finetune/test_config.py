@@ -3,7 +3,7 @@ the CPU), the plan line, and the resolved configuration's round trip."""
 
 from __future__ import annotations
 
-from poros.settings import format_size
+from poros.sizes import format_size
 
 import pytest
 
@@ -15,7 +15,7 @@ from poros.finetune.config import (CUDA_DEFAULTS, dump_run_file, override_words,
                                    resolve)
 from poros.finetune.plan_line import plan_line
 from poros.models.checkpoint import resolve as resolve_model
-from poros.settings import Attention, Device
+from poros.choices import Attention, Device
 
 BASE = {"model": "tiny-qwen2", "data": "data.jsonl", "out": "runs/a", "steps": 10}
 

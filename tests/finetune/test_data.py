@@ -403,7 +403,7 @@ def test_a_huge_text_record_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, 
 
 
 def test_the_largest_seed_orders_the_data():
-    from poros.settings import MAX_SEED
+    from poros.checkers import MAX_SEED
 
     p = _packed(seed=MAX_SEED)
     assert sorted(p.block_at(g) for g in range(7)) == list(range(7))

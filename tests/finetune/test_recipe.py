@@ -18,6 +18,7 @@ import torch
 
 import poros.finetune.recipe
 import poros.finetune.data
+import poros.finetune.loop
 from poros.cli import main
 from poros.finetune.samples import generated_chats, generated_texts, train_tokenizer, write_jsonl
 from tests.capabilities import requires_bitsandbytes, requires_datasets
@@ -214,7 +215,7 @@ def test_a_second_ctrl_c_after_the_checkpoint_is_saved_is_no_traceback(files, mo
     import gc
     import sys
 
-    real_plot, real_finetune, unraisable = poros.finetune.recipe.plot_loss, poros.finetune.recipe.finetune, []
+    real_plot, real_finetune, unraisable = poros.finetune.loop.plot_loss, poros.finetune.recipe.finetune, []
 
     class Finalized:
         def __del__(self):
@@ -226,7 +227,7 @@ def test_a_second_ctrl_c_after_the_checkpoint_is_saved_is_no_traceback(files, mo
         gc.collect()
 
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    monkeypatch.setattr(poros.finetune.recipe, "plot_loss", plot_then_ctrl_c)
+    monkeypatch.setattr(poros.finetune.loop, "plot_loss", plot_then_ctrl_c)
     monkeypatch.setattr(poros.finetune.recipe, "finetune", lambda *a, **k: real_finetune(
         *a, **k, on_step=lambda step: step == 2 and signal.raise_signal(signal.SIGINT)))
     out = files["root"] / "stopped-twice"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from poros.harness.bench import ResultsWriter, matrix_cells, model_unavailable
+from poros.harness.cells import matrix_cells, model_unavailable
 from poros.harness.matrix import load_matrix, parse_matrix
+from poros.harness.results import ResultsWriter
 from poros.models.checkpoint import resolve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,7 +278,7 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
 
 
 def test_model_overrides_change_only_that_models_schedule():
-    from poros.harness.bench import train_config
+    from poros.harness.cells import train_config
 
     m = parse_matrix({**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2", "tiny-qwen3"],
                       "overlap_backward": True, "model_overrides": {"tiny-qwen3": {"overlap_backward": False,
@@ -504,7 +505,8 @@ def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
 
 def test_resume_refuses_rows_of_other_computed_settings_plans_or_stacks(tmp_path):
     from poros.errors import PorosError
-    from poros.harness.bench import cell_config, record
+    from poros.harness.cells import cell_config
+    from poros.harness.result_row import record
     from poros.harness.preflight import check_resume
 
     m = parse_matrix(SWEPT)
@@ -535,7 +537,7 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
 def test_copy_rate_counts_only_the_bytes_its_time_covers():
     """With saved inputs in host memory, their bytes come back on the copy stream outside the timed
     weight copies: counting them in read 63.6 GB/s on a 55 GB/s link."""
-    from poros.harness.bench import copy_summary
+    from poros.harness.result_row import copy_summary
 
     step = {"bytes_h2d": 110, "input_bytes_h2d": 55, "copy_s": 1e-9, "copy_wait_s": 0.0}
     out = copy_summary([step, step])
@@ -544,7 +546,7 @@ def test_copy_rate_counts_only_the_bytes_its_time_covers():
 
 
 def test_rows_count_the_attention_calls_recomputes_took_from_the_forward():
-    from poros.harness.bench import copy_summary
+    from poros.harness.result_row import copy_summary
 
     base = {"bytes_h2d": 10, "copy_s": 1.0, "copy_wait_s": 0.0}
     assert "attention_replayed_per_step" not in copy_summary([base])
@@ -554,7 +556,7 @@ def test_rows_count_the_attention_calls_recomputes_took_from_the_forward():
 
 
 def test_rows_carry_the_cuda_graph_templates_capture_errors():
-    from poros.harness.bench import copy_summary
+    from poros.harness.result_row import copy_summary
 
     base = {"bytes_h2d": 10, "copy_s": 1.0, "copy_wait_s": 0.0}
     assert "capture_errors" not in copy_summary([base])
@@ -570,7 +572,7 @@ def test_a_kept_gate_failure_holds_none_of_its_frames_locals():
     import gc
     import weakref
 
-    from poros.harness.bench import kept_failure
+    from poros.harness.cell_memory import kept_failure
 
     class Trainer:
         pass
@@ -605,19 +607,19 @@ def test_rows_count_the_allocator_retries_of_the_timed_passes(monkeypatch):
     a pass's count says nothing rather than a part."""
     from types import SimpleNamespace
 
-    from poros.harness import bench
+    from poros.harness import timing
 
     count = iter(range(0, 1000, 3))  # each read of the counter: 3 retries since the last
-    monkeypatch.setattr(bench, "alloc_retries", lambda device: next(count) if device == "cuda" else None)
-    monkeypatch.setattr(bench, "_sync", lambda device: None)
-    monkeypatch.setattr(bench, "_peaks", lambda device, nvml: dict.fromkeys(bench.PEAKS))
+    monkeypatch.setattr(timing, "alloc_retries", lambda device: next(count) if device == "cuda" else None)
+    monkeypatch.setattr(timing, "_sync", lambda device: None)
+    monkeypatch.setattr(timing, "_peaks", lambda device, nvml: dict.fromkeys(timing.PEAKS))
     trainer = SimpleNamespace(step=lambda: SimpleNamespace(counters={}, loss=0.0))
     cfg = SimpleNamespace(device=SimpleNamespace(value="cuda"))
     earlier = [{"seconds": 1.0, "counters": [], "alloc_retries": 10}]
-    meas = bench.measure(trainer, cfg, steps=2, passes=3, warmup=1, earlier=earlier)
+    meas = timing.measure(trainer, cfg, steps=2, passes=3, warmup=1, earlier=earlier)
     assert meas.alloc_retries == [10, 3, 3]
-    assert bench.retries_per_step(meas, steps=2) == pytest.approx(16 / 6)
-    assert bench.retries_per_step(bench.Measurement([1.0, 1.0], alloc_retries=[2, None]), steps=1) is None
-    assert bench.retries_per_step(bench.Measurement([1.0], alloc_retries=[]), steps=1) is None
-    cpu = bench.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=1, warmup=0)
-    assert cpu.alloc_retries == [None] and bench.retries_per_step(cpu, 1) is None
+    assert timing.retries_per_step(meas, steps=2) == pytest.approx(16 / 6)
+    assert timing.retries_per_step(timing.Measurement([1.0, 1.0], alloc_retries=[2, None]), steps=1) is None
+    assert timing.retries_per_step(timing.Measurement([1.0], alloc_retries=[]), steps=1) is None
+    cpu = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=1, warmup=0)
+    assert cpu.alloc_retries == [None] and timing.retries_per_step(cpu, 1) is None

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from poros.errors import ConfigError, PorosError
-from poros.harness.bench import matrix_cells
+from poros.harness.cells import matrix_cells
 from poros.harness.compare import current_name, load_compare_source, parse_compare_fail
 from poros.harness.matrix import load_matrix
 

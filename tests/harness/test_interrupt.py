@@ -1,5 +1,5 @@
 """`poros bench`'s Ctrl-C: a KeyboardInterrupt Python loses (raised inside a finalizer that garbage collection
-runs, where it is only reported) still stops the run at the next step (poros/harness/bench.py)."""
+runs, where it is only reported) still stops the run at the next step (poros/harness/timing.py)."""
 
 from __future__ import annotations
 

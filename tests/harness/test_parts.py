@@ -14,7 +14,7 @@ import pytest
 import poros.harness.unsloth as um
 from poros.config import TrainConfig
 from poros.harness import console
-from poros.harness.bench import OutOfTime, measure
+from poros.harness.timing import OutOfTime, measure
 
 
 class SlowStart:
@@ -201,7 +201,8 @@ def test_the_committed_run_in_parts_says_where_it_stands():
 
 
 def test_status_reads_gates_passes_and_rows(tmp_path):
-    from poros.harness.bench import cell_config, matrix_cells, record
+    from poros.harness.cells import cell_config, matrix_cells
+    from poros.harness.result_row import record
     from poros.harness.matrix import parse_matrix
     from poros.harness.progress import cell_states, status_markdown
     from poros.harness.results import PassLog, ResultsWriter

@@ -117,7 +117,8 @@ def test_a_bad_k_expression_is_refused_before_the_run():
 
 
 def test_resume_refuses_rows_of_another_matrix_or_other_steps(tmp_path):
-    from poros.harness.bench import cell_config, matrix_cells, record
+    from poros.harness.cells import cell_config, matrix_cells
+    from poros.harness.result_row import record
 
     m = parse_matrix(TINY, "m.yaml")
     cell = next(c for c in matrix_cells(m) if c.method is not None)
@@ -133,7 +134,8 @@ def test_resume_refuses_rows_of_another_matrix_or_other_steps(tmp_path):
 
 def test_resume_refuses_rows_and_passes_of_another_commit():
     """One engine per results folder: a row or a recorded pass of another commit is refused, naming both."""
-    from poros.harness.bench import cell_config, matrix_cells, record
+    from poros.harness.cells import cell_config, matrix_cells
+    from poros.harness.result_row import record
     from poros.provenance import current_commit
 
     m = parse_matrix(TINY, "m.yaml")
@@ -224,7 +226,8 @@ def test_a_cuda_build_needs_no_host_room_for_the_layer_being_quantized():
 def test_resume_refuses_rows_of_another_gpu_model():
     """A run measured on H200s continues on H200s: rows of another GPU model are refused, naming both; the same
     model (another card of it: parts of one run often are) and a CPU matrix's rows are kept."""
-    from poros.harness.bench import cell_config, matrix_cells, record
+    from poros.harness.cells import cell_config, matrix_cells
+    from poros.harness.result_row import record
 
     m = parse_matrix(TINY, "m.yaml")
     cell = next(c for c in matrix_cells(m) if c.method is not None)

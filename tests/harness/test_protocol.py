@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from poros.config import Attention, Method
-from poros.harness.bench import gate_config, matrix_cells
+from poros.harness.cells import gate_config, matrix_cells
 from poros.harness.matrix import MATRICES, load_matrix, parse_matrix
 from poros.harness.protocol import note_attention, reference_problems
 from poros.harness.report import load_reference

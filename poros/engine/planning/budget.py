@@ -14,7 +14,7 @@ from poros.engine.planning.memory import DeviceMemory, gb
 from poros.engine.planning.plan import Plan
 from poros.engine.planning.search import PlanRequest, build_plan
 from poros.errors import BudgetError
-from poros.settings import format_size
+from poros.sizes import format_size
 
 
 def make_plan(geo: Geometry, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None,

@@ -126,7 +126,7 @@ def host_refusal(plan, what: str) -> str | None:
     budget; None when it fits, or keeps none there (the store alone is the build's to check:
     poros/store/host_memory.py)."""
     from poros.engine.planning.memory import gb
-    from poros.settings import format_size
+    from poros.sizes import format_size
 
     if plan.host_budget is None or not plan.host_inputs or plan.host_bytes <= plan.host_budget:
         return None

@@ -18,7 +18,7 @@ from poros.engine.planning.plan import Plan
 from poros.engine.planning.budget import refusal, search_budget
 from poros.engine.planning.search import PlanRequest
 from poros.errors import BudgetError, ConfigError
-from poros.settings import format_size
+from poros.sizes import format_size
 
 BUDGET_STEP = 10**8  # 0.1 GB: the precision of the smallest budget a refused plan names
 SEQ_LEN_STEP = 1024

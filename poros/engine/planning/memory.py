@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from poros.choices import Attention
 from poros.config import TrainConfig
 from poros.engine.planning.geometry import Geometry
-from poros.settings import Attention
 
 # Device bytes beyond the weights, per unit, fitted to peaks measured with torch.cuda.max_memory_allocated
 # (results/h200-planner): a layer's recompute + backward holds about ACT_HIDDEN bytes per token per hidden

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from poros.choices import Accumulation
 from poros.engine.planning.memory import Memory, gb
-from poros.settings import Accumulation, format_size
+from poros.sizes import format_size
 from poros.store.layout import align
 
 LOAD, RELEASE, FORWARD, HEAD, BACKWARD, LOAD_HEAD, RELEASE_HEAD = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from poros.choices import Accumulation, Device, Placement
 from poros.config import TrainConfig
 from poros.engine.planning import regen
 from poros.engine.planning.geometry import Geometry
@@ -49,7 +50,6 @@ from poros.engine.planning.plan import (
 )
 from poros.engine.planning.rules import check
 from poros.errors import CapabilityError
-from poros.settings import Accumulation, Device, Placement
 from poros.store.layout import align
 
 

@@ -1,0 +1,55 @@
+"""What matrix cells hold between one another, and what they let go: the NF4 store of the model in hand, built
+once for all its cells (`StoreCache`, host memory); the device memory a cell leaves cached
+(`free_device_memory`); and a failure kept for every cell that needs it, without the frames (and device
+tensors) its tracebacks hold (`kept_failure`)."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+
+import torch
+
+from poros.harness.console import phase
+from poros.store.build import build_store
+
+
+class StoreCache:
+    """Keeps the most recently built NF4 store (host memory) so a model is built once (per `double_quant`)."""
+
+    def __init__(self, device: str):
+        self.device, self.key, self.store, self.stats = device, None, None, None
+
+    def get(self, model: str, double_quant: bool = False):
+        if self.key != (model, double_quant):
+
+            self.store = self.stats = None
+            gc.collect()
+            with phase("store build"):
+                self.store, self.stats = build_store(model, device=self.device, progress=None, double_quant=double_quant)
+            self.key = (model, double_quant)
+        return self.store
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kept_failure(error: BaseException) -> BaseException:
+    """`error`, to be kept after its handler ends (a gate's outcome, raised again for every cell that needs
+    it), with the locals of every frame of its tracebacks cleared, its causes' and contexts' too: those
+    frames hold the trainer that failed, and with it every tensor it had on the device, for as long as the
+    error is kept."""
+    seen = set()
+    e = error
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        stack += [e.__cause__, e.__context__]
+    return error

@@ -1,0 +1,103 @@
+"""The cells of a matrix (poros/harness/matrix.py): per model × stack × sweep point the parity gate, then one
+cell per method (poros once per plan), in the order that lets one store build serve them all; the settings
+each cell and each gate runs with; and the declared gate that keeps full-size shapes off a CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from poros.config import Method, TrainConfig
+from poros.engine.methods import gate_of, gated
+from poros.harness.matrix import Matrix, Stack
+from poros.harness.results import point_id
+from poros.models.shapes import SHAPES
+from poros.settings import COMPUTED_NAMES
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    stack: Stack
+    method: Method | None  # None: the parity gate of this model × stack × sweep point
+    point: tuple[tuple[str, object], ...] = ()  # the swept values of this cell
+    plan: str | None = None  # poros's plan by name (None: the matrix's own schedule)
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the cell's row: `row_key` of the row it writes."""
+        return (self.model, self.stack.name, self.method.value if self.method else "parity", self.plan,
+                point_id(self.point))
+
+    @property
+    def gate_key(self) -> tuple:
+        """The gate this cell belongs to: one reference per model, stack and sweep point."""
+        return (self.model, self.stack.name, point_id(self.point))
+
+    @property
+    def id(self) -> str:
+        """Reads like a report row and selects with -k: `model:qwen3-32b-stack:current-seq_len:512-method:poros-plan:24GB`."""
+        parts = [f"model:{self.model}", f"stack:{self.stack.name}"]
+        if self.point:
+            parts.append(point_id(self.point))
+        parts.append(f"method:{self.method.value}" if self.method else "gate:parity")
+        if self.plan is not None:
+            parts.append(f"plan:{self.plan}")
+        return "-".join(parts)
+
+
+def matrix_cells(m: Matrix) -> list[Cell]:
+    """Model by model, point by point: the parity gate, then each method (poros once per plan), so one
+    store build serves them all."""
+    cells = []
+    for model in m.models:
+        for stack in m.stacks:
+            for point in m.points():
+                pt = tuple(point.items())
+                if gated(m.methods):
+                    cells.append(Cell(model, stack, None, pt))
+                for meth in m.methods:
+                    plans = m.plan_names() if meth is Method.POROS else [None]
+                    cells.extend(Cell(model, stack, meth, pt, plan) for plan in plans)
+    return cells
+
+
+def matrix_device(m: Matrix) -> str:
+    if m.device is not None:
+        return m.device.value
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_config(m: Matrix, model: str, point=None, method: Method | None = None, plan: str | None = None) -> TrainConfig:
+    """The settings a cell runs with (`Matrix.settings_for`)."""
+    point = dict(point or ())
+    return TrainConfig.from_settings(m.settings_for(model, point, method, plan), model=model, device=matrix_device(m))
+
+
+def cell_config(m: Matrix, cell: Cell) -> TrainConfig:
+    return train_config(m, cell.model, cell.point, cell.method, cell.plan)
+
+
+def gate_config(m: Matrix, cell: Cell, plan: str | None = None) -> TrainConfig:
+    """What a gate runs both sides with: the gated method's settings (and its plan)."""
+    pair = gate_of(m.methods)
+    return train_config(m, cell.model, cell.point, pair[1] if pair else None, plan)
+
+
+def computed_of(cfg: TrainConfig) -> dict:
+    """The computed settings of a config: runs that agree on them compute the same bits."""
+    d = cfg.as_dict()
+    return {k: d[k] for k in COMPUTED_NAMES if k in d}
+
+
+CPU_PARAM_LIMIT = 2e9  # beyond this a CPU cell would run for hours: real shapes need a GPU
+
+
+def model_unavailable(model: str, device: str) -> str | None:
+    """Declared gate: full-size shapes are not run on a CPU (tiny ones and checkpoints are)."""
+
+    shape = SHAPES.get(model)
+    if device == "cpu" and shape is not None and (shape.published_params or 0) > CPU_PARAM_LIMIT:
+        return f"{model} has {shape.published_params / 1e9:.1f}B parameters: run it on a GPU (device: cuda)"
+    return None

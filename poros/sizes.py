@@ -1,0 +1,41 @@
+"""Byte sizes as settings and flags give them (`parse_size`: `24GB`, `40GiB`, `300MB`, `1.5e9`, an integer, or
+`auto`) and as plans, messages and reports show them (`format_size`)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value) -> int | str:
+    """A byte count from `24GB`, `40GiB`, `300MB`, `1.5e9` or an integer; `auto` stays `auto`.
+
+    Raises:
+        ValueError: naming the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"expected a size > 0, got {value!r}")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    if text == "auto":
+        return "auto"
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n <= 0:
+        raise ValueError(f"expected a size > 0, got {value!r}")
+    return n
+
+
+def format_size(n: int | str | None) -> str:
+    if n is None:
+        return "none"
+    if isinstance(n, str):
+        return n
+    return f"{n / 1e9:.3g} GB" if n >= 10**8 else f"{n / 1e6:.3g} MB"
