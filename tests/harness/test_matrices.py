@@ -38,6 +38,35 @@ def test_matrix_file_loads(path):
     assert dataclasses.replace(by_name, source=m.source) == m, "loading by name and by path differ"
 
 
+# a matrix whose plans send the planner into its search (h200-fast: seven of them, about 10 s each) in the slow tier
+SEARCHED = {"h200-fast"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SEARCHED else p for p in FILES],
+                         ids=[f"matrix={p.stem}" for p in FILES])
+def test_every_shipped_matrix_passes_validate(path):
+    """What `poros validate` and a run's start check beyond the file (models, reference, every poros plan against
+    the planner): a shipped matrix that fails them cannot run at all."""
+    from poros.harness.preflight import check_matrix
+
+    check_matrix(load_matrix(str(path)))
+
+
+def test_validate_refuses_a_plan_below_the_smallest(tmp_path):
+    """Negative control of the check above: a 24 GB plan at 32,768 tokens without the chunked MLP is refused."""
+    import yaml
+
+    from poros.errors import ConfigError
+    from poros.harness.preflight import check_matrix
+
+    data = yaml.safe_load((MATRICES / "h200-long.yaml").read_text())
+    data["sweep"] = {"seq_len": [32768]}
+    path = tmp_path / "h200-long.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="below the smallest plan"):
+        check_matrix(load_matrix(str(path)))
+
+
 def _load_or_skip(name: str):
     path = MATRICES / f"{name}.yaml"
     if not path.is_file():

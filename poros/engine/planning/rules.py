@@ -24,6 +24,8 @@ ones a plan breaks:
 
 from __future__ import annotations
 
+from collections import Counter
+
 from poros.engine.planning.plan import (
     BACKWARD,
     FETCH,
@@ -43,6 +45,22 @@ from poros.engine.planning.plan import (
 )
 
 
+class _At:
+    """Where in a plan a problem is (`op 12 (forward:g1:L3:m0)`), formatted only where a message uses it: the
+    planner's search checks thousands of plans of thousands of operations, nearly all of them without a problem."""
+
+    __slots__ = ("pos", "op", "part")
+
+    def __init__(self, pos: int, op: Op, part: str = "op"):
+        self.pos, self.op, self.part = pos, op, part
+
+    def __str__(self) -> str:
+        return f"{self.part} {self.pos} ({self.op})"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 def check(plan: Plan) -> list[str]:
     """Every rule the plan breaks (empty when it is safe to run); see the module docstring."""
     problems: list[str] = []
@@ -53,7 +71,7 @@ def check(plan: Plan) -> list[str]:
     def shared(op: Op) -> bool:
         return plan.shards > 1 and (op.kind == LOAD_HEAD or not plan.groups[op.group].resident)
 
-    def gather(where: str, op: Op) -> None:
+    def gather(where: _At, op: Op) -> None:
         b, want = op.buffer, (op.group if op.kind == GATHER else HEAD_SLOT)
         if plan.shards == 1:
             problems.append(f"{where}: a gather in a plan whose copies are not shared among ranks")
@@ -70,7 +88,7 @@ def check(plan: Plan) -> list[str]:
 
     for pos, op in enumerate(plan.setup):
         if op.kind in (GATHER, GATHER_HEAD):
-            gather(f"setup op {pos} ({op})", op)
+            gather(_At(pos, op, "setup op"), op)
             continue
         holds[op.buffer] = op.group
         released[op.buffer] = True
@@ -80,7 +98,7 @@ def check(plan: Plan) -> list[str]:
     group_of = plan.group_of
 
     for pos, op in enumerate(plan.step):
-        where = f"op {pos} ({op})"
+        where = _At(pos, op)
         if op.kind in (LOAD, LOAD_HEAD):
             b = op.buffer
             if op.kind == LOAD and plan.groups[op.group].buffer != b:
@@ -173,7 +191,7 @@ def _input_problems(plan: Plan) -> list[str]:
     state: dict = {}  # (layer, micro) -> "device" (saved there), "host" (in a slot), "back" (fetched), "done"
     slots: dict[int, tuple] = {}  # slot -> the input in it, not fetched yet
     for pos, op in enumerate(plan.step):
-        where, key = f"op {pos} ({op})", (op.layer, op.micro)
+        where, key = _At(pos, op), (op.layer, op.micro)
         if op.kind == FORWARD and op.layer not in kept:
             state[key] = "unsaved" if op.layer in regen else "device"
         elif op.kind == REGEN:
@@ -230,7 +248,7 @@ def _input_problems(plan: Plan) -> list[str]:
     offloads = [(op.layer, op.micro) for op in plan.step if op.kind == OFFLOAD]
     fetches = [(op.layer, op.micro) for op in plan.step if op.kind == FETCH]
     for what, keys in (("offloaded", offloads), ("fetched", fetches)):
-        twice = sorted({k for k in keys if keys.count(k) > 1})
+        twice = sorted(k for k, n in Counter(keys).items() if n > 1)
         if twice:
             problems.append(f"step: saved inputs {what} twice: {twice[:4]}")
     if slots:
