@@ -107,13 +107,12 @@ def check_matrix(m) -> None:
 def plan_problems(m) -> list[str]:
     """What `poros plan` refuses for a poros cell from its config alone, for every model, sweep point and plan
     of the matrix: a budget below the smallest plan (a `vram_budget: auto` is the run's device's to measure).
-    The smallest plan (block size 1, nothing resident, saved inputs in host memory where the settings leave it
-    open) is built first; only where it does not fit does the planner search, and refuse in its own words."""
-    from dataclasses import replace
-
+    The least plan the planner's search would build (`smallest_request`) is built first; only where it does not
+    fit does the planner search, and refuse in its own words."""
+    from poros.engine.planning.budget import make_plan, smallest_request
     from poros.engine.planning.geometry import Geometry
+    from poros.engine.planning.inputs import host_refusal
     from poros.engine.planning.search import PlanRequest, build_plan
-    from poros.engine.planning.budget import make_plan
     from poros.harness.cells import Cell, cell_config
     from poros.harness.results import point_id
 
@@ -134,10 +133,8 @@ def plan_problems(m) -> list[str]:
                     if cfg.vram_budget == "auto":
                         make_plan(geometries[key], cfg)
                     request = PlanRequest.of_config(cfg)
-                    least = replace(request, config=cfg.replace(block_size=1, offload_inputs=True if cfg.offload_inputs is None
-                                                                               else cfg.offload_inputs), resident_layers=0,
-                                    head_resident=False)
-                    if build_plan(geometries[key], least).memory.total > request.budget:
+                    least = build_plan(geometries[key], smallest_request(geometries[key], request))
+                    if least.memory.total > request.budget or host_refusal(least, "") is not None:
                         make_plan(geometries[key], cfg)  # the planner's own search, and its refusal
                 except PorosError as e:
                     where = " ".join(x for x in (point_id(point), plan and f"plan {plan}") if x)

@@ -196,6 +196,38 @@ def test_a_budget_that_cannot_be_kept_is_refused_naming_the_smallest_that_can(q7
         plan_for_budget(q72, request(budget=named - GB // 10, **kw))
 
 
+def test_the_smallest_request_bounds_every_plan_the_search_builds(q72):
+    """`smallest_request` (what `poros validate` builds before any search): its plan takes no more device memory
+    than the plan the search picks, so where it fits the budget the search finds a plan, and where it does not,
+    neither does the search. Inputs the search may split (offload_inputs off) go to host memory as far as the
+    host budget allows, as the search places them."""
+    from poros.engine.planning.budget import smallest_request
+
+    for budget, offload, host in ((16 * GB, False, 120 * GB), (24 * GB, False, 120 * GB), (24 * GB, True, 120 * GB),
+                                  (16 * GB, False, 50 * GB)):
+        cfg = TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget=budget, grad_accum=8, seq_len=2048,
+                          offload_inputs=offload,
+                          host_budget=host)
+        request = PlanRequest.of_config(cfg)
+        least = build_plan(q72, smallest_request(q72, request))
+        assert least.block_size == 1 and not least.resident_layers and not least.head_resident
+        try:
+            picked = make_plan(q72, cfg)
+        except BudgetError:
+            assert least.memory.total > budget, (budget, offload, host)
+            continue
+        assert least.memory.total <= picked.memory.total <= budget
+    # negative control: the same plan with every saved input on the device (offload_inputs off taken as "never")
+    # is past 16 GB, where the search finds a plan that splits them
+    cfg = TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget=16 * GB, grad_accum=8, seq_len=2048,
+                      host_budget=120 * GB)
+    request = PlanRequest.of_config(cfg)
+    on_device = dataclasses.replace(request, config=cfg.replace(block_size=1), resident_layers=0, head_resident=False)
+    assert build_plan(q72, on_device).memory.total > 16 * GB
+    assert make_plan(q72, cfg).memory.total <= 16 * GB
+    assert build_plan(q72, smallest_request(q72, request)).memory.total <= 16 * GB
+
+
 # --- auto -----------------------------------------------------------------------------------------
 
 def test_auto_is_what_the_card_has_free_less_a_headroom(q72):

@@ -38,12 +38,7 @@ def test_matrix_file_loads(path):
     assert dataclasses.replace(by_name, source=m.source) == m, "loading by name and by path differ"
 
 
-# a matrix whose plans send the planner into its search (h200-fast: seven of them, about 10 s each) in the slow tier
-SEARCHED = {"h200-fast"}
-
-
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SEARCHED else p for p in FILES],
-                         ids=[f"matrix={p.stem}" for p in FILES])
+@pytest.mark.parametrize("path", FILES, ids=[f"matrix={p.stem}" for p in FILES])
 def test_every_shipped_matrix_passes_validate(path):
     """What `poros validate` and a run's start check beyond the file (models, reference, every poros plan against
     the planner): a shipped matrix that fails them cannot run at all."""

@@ -137,9 +137,7 @@ def _split(geo: Geometry, request: PlanRequest, seen: Search) -> Plan | None:
     """The split plan of `request`: the most resident layers that fit beside the fewest saved inputs on the
     device that the host budget allows, then the most saved inputs on the device that fit beside them
     (`seen.host_holds`: how many layers' inputs the host holds, where fewer than all)."""
-    probe = build_plan(geo, replace(request, device_inputs=0))  # every recomputed layer's input in host memory
-    n = len(probe.host_inputs)
-    least = least_on_device(n, probe.live_inputs, probe.input_slot, probe.store_bytes, probe.host_budget)
+    probe, n, least = _fewest_on_device(geo, request)
     if least:
         seen.host_holds = (n - min(least, n), n)
     if least is None or least >= n:
@@ -157,6 +155,29 @@ def _split(geo: Geometry, request: PlanRequest, seen: Search) -> Plan | None:
         else:
             hi = k - 1
     return fit
+
+
+def _fewest_on_device(geo: Geometry, request: PlanRequest) -> tuple[Plan, int, int | None]:
+    """(the plan of `request` with every recomputed layer's saved input in host memory, how many layers' inputs
+    that is, the fewest of them on the device the host budget allows beside the NF4 store: None where it holds
+    not even the store)."""
+    probe = build_plan(geo, replace(request, device_inputs=0))
+    n = len(probe.host_inputs)
+    return probe, n, least_on_device(n, probe.live_inputs, probe.input_slot, probe.store_bytes, probe.host_budget)
+
+
+def smallest_request(geo: Geometry, request: PlanRequest) -> PlanRequest:
+    """The request of the least device memory among the plans `search_budget` builds for `request`: block size 1,
+    no layer resident, the lm_head streamed, and the saved inputs where `offload_inputs` puts them or, where the
+    search may split them, the fewest on the device the host budget allows. Where its plan fits the budget, the
+    search finds a plan; where it does not, only the search can say (a split it builds may place inputs
+    otherwise)."""
+    cfg = request.config
+    least = replace(request, config=cfg.replace(block_size=1), resident_layers=0, head_resident=False)
+    if cfg.offload_inputs or request.device_inputs is not None:
+        return least
+    _, n, fewest = _fewest_on_device(geo, least)
+    return least if fewest is None or fewest >= n else replace(least, device_inputs=fewest)
 
 
 def size_at_least(n: int) -> str:
