@@ -1,6 +1,7 @@
 """Every matrix file loads and validates; the official matrices reproduce the configuration of the official
 validation results (reports/reference/README.md);
-a malformed file is refused with every problem listed at once."""
+a malformed file (bad model overrides among them) is refused with every problem listed at once; numbers in
+exponent form (`1e-4`) are read as numbers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import yaml
 
 from poros.config import Device, Method
 from poros.errors import ConfigError
-from poros.harness.matrix import MATRICES, load_matrix
+from poros.harness.matrix import MATRICES, load_matrix, parse_matrix
 from poros.models.shapes import SHAPES
 from poros.harness.report import load_reference
+from tests.suite_runs import TINY
 
 FILES = sorted(MATRICES.glob("*.yaml"))
 
@@ -204,3 +206,31 @@ def test_a_key_given_twice_is_named_with_both_lines(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_matrix(str(path))
     assert "key 'seq_len' is given on line" in str(e.value) and "give it once" in str(e.value), str(e.value)
+
+
+def test_bad_model_overrides_are_refused_with_every_problem():
+    import pytest
+
+    from poros.errors import ConfigError
+
+    bad = {**TINY, "methods": ["poros"], "models": ["tiny-qwen2"], "model_overrides": {
+        "tiny-qwen3": {"cuda_graphs": False},  # not in the matrix
+        "tiny-qwen2": {"seq_len": 128, "cuda_graphs": "yes", "vram_budget": "lots"}}}
+    with pytest.raises(ConfigError) as e:
+        parse_matrix(bad)
+    text = str(e.value)
+    for needle in ("model_overrides.tiny-qwen3: not one of this matrix's models",
+                   "model_overrides.tiny-qwen2.seq_len: not overridable", "cuda_graphs: expected true or false",
+                   "vram_budget: expected a size such as 24GB"):
+        assert needle in text, text
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    from poros.harness.matrix import load_matrix
+
+    path = tmp_path / "m.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump({**TINY, "methods": ["poros"], "models": ["tiny-qwen2"]}) + "lr: 1e-4\n")
+    assert yaml.safe_load(path.read_text())["lr"] == "1e-4"  # PyYAML's own reading: a string
+    assert load_matrix(str(path)).lr == 1e-4

@@ -12,9 +12,11 @@ from poros.harness import preflight
 from poros.store.build import build_store
 from poros.store.host_memory import config_host_need, store_bytes
 from poros.errors import CapabilityError, ConfigError, PorosError
+from poros.harness.cells import matrix_cells
 from poros.harness.matrix import parse_matrix
 from poros.models.shapes import get_shape
 from tests.capabilities import requires_bitsandbytes
+from tests.suite_runs import SWEPT
 
 TINY = dict(name="t", steps=1, passes=1, warmup_passes=0, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
             lora_alpha=8, block_size=2, dataset="synthetic", stacks=["current"], methods=["poros", "resident"],
@@ -244,3 +246,36 @@ def test_resume_refuses_rows_of_another_gpu_model():
     assert "ran on an NVIDIA H200, this GPU is an NVIDIA H100 80GB HBM3" in msg and "another -o" in msg
     cpu_row = dict(row, provenance={**row["provenance"], "gpus": [h200]})  # a CPU cell on a GPU machine
     preflight.check_resume([cpu_row], m, "r.jsonl", gpu="NVIDIA H100 80GB HBM3")
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from poros.errors import CapabilityError
+    from poros.harness.preflight import check_ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(CapabilityError, match="2 data-parallel ranks need 2 CUDA GPUs; this host has 1"):
+        check_ranks(2, "cuda", "m.yaml: gpus")
+    check_ranks(2, "cpu", "m.yaml: gpus")  # processes on the CPU
+    check_ranks(1, "cuda", "m.yaml: gpus")
+
+
+def test_resume_refuses_rows_of_other_computed_settings_plans_or_stacks(tmp_path):
+    from poros.errors import PorosError
+    from poros.harness.cells import cell_config
+    from poros.harness.result_row import record
+    from poros.harness.preflight import check_resume
+
+    m = parse_matrix(SWEPT)
+    cell = [c for c in matrix_cells(m) if c.plan == "b1"][1]  # at grad_accum 2
+    row = record(m, cell, cell_config(m, cell), None, None, reduced=False)
+    check_resume([row], m, "r.jsonl")  # its own row: kept
+    for change, named in ((dict(sweep={"grad_accum": [1, 4]}), "a cell this matrix does not have"),
+                          (dict(sweep={"grad_accum": [1, 2]}, lora_rank=8), "lora_rank: the rows have 4, the matrix 8"),
+                          (dict(plans={"streamed": {}, "b1": {"block_size": 2}}), "block_size: the rows have 1"),
+                          (dict(plans={"streamed": {}}), "a cell this matrix does not have")):
+        with pytest.raises(PorosError, match=named):
+            check_resume([row], parse_matrix({**SWEPT, **change}), "r.jsonl")
+    with pytest.raises(PorosError, match="ran on stack 'torch 0.0'"):
+        check_resume([{**row, "stack": "torch 0.0"}], m, "r.jsonl")

@@ -1,5 +1,5 @@
-"""Results files: earlier files are kept, torn lines are set aside, unreadable files are refused in one line
-(who owns an output folder: tests/common/test_folders.py)."""
+"""Results files: rows are appended and a matrix's finished cells read back, earlier files are kept, torn lines are
+set aside, unreadable files are refused in one line (who owns an output folder: tests/common/test_folders.py)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,12 @@ def test_listing_the_cells_leaves_an_earlier_run_where_it_is(tmp_path, listing, 
     assert done.returncode in (0, 5), done.stdout[-2000:] + done.stderr[-2000:]  # 5: no test selected
     assert (tmp_path / "results.jsonl").exists() is kept
     assert (tmp_path / "earlier" / "1" / "results.jsonl").exists() is not kept
+
+
+def test_results_writer_appends_and_reports_done(tmp_path):
+    w = ResultsWriter(tmp_path / "r.jsonl")
+    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok"})
+    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "resident", "status": "failed"})
+    w.append({"matrix": "u", "model": "a", "stack_name": "current", "method": "resident", "status": "ok"})
+    assert set(w.done("t")) == {("a", "current", "poros", None, "")}
+    assert len(w.rows()) == 3

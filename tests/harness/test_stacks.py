@@ -1,5 +1,6 @@
 """Stack labels carry torch's build, two labels name one stack only when torch's version and build and
-transformers' version agree, and a pinned stack may require torch's build."""
+transformers' version agree, a pinned stack may require torch's build, and a pinned stack this process does not
+run names the tox env that runs it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from poros.errors import ConfigError
 from poros.harness import stacks
-from poros.harness.matrix import parse_matrix
+from poros.harness.matrix import load_matrix, parse_matrix
 from poros.harness.stacks import Stack, running_label, same_stack, stack_id
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,3 +75,18 @@ def test_matrix_stack_may_state_its_build():
     with pytest.raises(ConfigError) as e:
         parse_matrix({**BASE, "stacks": [{**good, "torch": "2.12.0-cuda13"}]})
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith("stacks[0].torch: expected a version")
+
+
+def test_stack_mismatch_names_the_tox_env():
+    """A pinned stack is either the running environment (inside its own tox env) or names that env."""
+    from importlib import metadata
+
+    m = load_matrix("b300")
+    have = metadata.version("torch").split("+")[0], metadata.version("transformers")
+    assert len(m.stacks) == 2
+    for s in m.stacks:
+        why = s.mismatch()
+        if (s.torch.split("+")[0], s.transformers) == have:
+            assert why is None, why
+        else:
+            assert why and f"tox -e {s.name}" in why, why

@@ -1,0 +1,31 @@
+"""Timed passes (poros/harness/timing.py): `measure` records the allocator's retries of each timed pass (not of the
+warm-up; a resumed pass keeps its count) and `retries_per_step` averages them, saying nothing where a pass's count
+is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_rows_count_the_allocator_retries_of_the_timed_passes(monkeypatch):
+    """Each timed pass records how often torch's allocator released its cache and tried again (a stall at a
+    budget's cap); warm-up retries are not counted, a resumed pass keeps its count, and a row that misses
+    a pass's count says nothing rather than a part."""
+    from types import SimpleNamespace
+
+    from poros.harness import timing
+
+    count = iter(range(0, 1000, 3))  # each read of the counter: 3 retries since the last
+    monkeypatch.setattr(timing, "alloc_retries", lambda device: next(count) if device == "cuda" else None)
+    monkeypatch.setattr(timing, "_sync", lambda device: None)
+    monkeypatch.setattr(timing, "_peaks", lambda device, nvml: dict.fromkeys(timing.PEAKS))
+    trainer = SimpleNamespace(step=lambda: SimpleNamespace(counters={}, loss=0.0))
+    cfg = SimpleNamespace(device=SimpleNamespace(value="cuda"))
+    earlier = [{"seconds": 1.0, "counters": [], "alloc_retries": 10}]
+    meas = timing.measure(trainer, cfg, steps=2, passes=3, warmup=1, earlier=earlier)
+    assert meas.alloc_retries == [10, 3, 3]
+    assert timing.retries_per_step(meas, steps=2) == pytest.approx(16 / 6)
+    assert timing.retries_per_step(timing.Measurement([1.0, 1.0], alloc_retries=[2, None]), steps=1) is None
+    assert timing.retries_per_step(timing.Measurement([1.0], alloc_retries=[]), steps=1) is None
+    cpu = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=1, warmup=0)
+    assert cpu.alloc_retries == [None] and timing.retries_per_step(cpu, 1) is None

@@ -1,0 +1,37 @@
+"""The matrix suites as tests run them: a tiny matrix's settings on the CPU (`TINY`; `SWEPT`, the same with a
+sweep and three plans), `pytest suites/` on a matrix in a subprocess (`_suite`), and the rows of its results file
+(`_rows`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from poros.harness.matrix import parse_matrix
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(name="t", steps=2, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
+            lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"])
+
+
+SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "passes": 1, "methods": ["poros", "resident"], "models": ["tiny-qwen3"],
+         "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}, "b3": {"block_size": 3}}}
+
+
+def _suite(tmp_path, matrix: dict, *extra, env=None):
+    path = tmp_path / "m.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(matrix))
+    parse_matrix(matrix)  # the fixture itself must be valid
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={path}", f"--results={results}",
+           "-q", "-p", "no:cacheprovider", "-rs", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    return proc, results
+
+
+def _rows(results: Path) -> list[dict]:
+    return [json.loads(x) for x in results.read_text().splitlines()]

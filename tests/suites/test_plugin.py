@@ -1,0 +1,99 @@
+"""The matrix suites' pytest plugin end to end (poros/suites/plugin.py, `pytest suites/` in a subprocess on the CPU):
+its session start owns the results folder as `poros bench` does, a selection with no cell runnable here is refused
+in one line, and a run whose machine is lost keeps its finished cells' rows and benchmarks and its part's record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poros.harness.matrix import parse_matrix
+from tests.suite_runs import REPO, TINY, _rows, _suite
+
+
+def _suite_start(tmp_path, results: Path, *extra):
+    """The suites' session start alone (every cell deselected): what it does to the results folder."""
+    import yaml
+
+    matrix = tmp_path / "own.yaml"
+    matrix.write_text(yaml.safe_dump({**TINY, "name": "own", "methods": ["poros", "resident"],
+                                      "models": ["tiny-qwen2"]}))
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={matrix}", f"--results={results}",
+           "-q", "-p", "no:cacheprovider", "-k", "no-such-cell", *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
+    """`pytest suites/` never appends to an earlier run's rows: they move to earlier/N/ (with the stale report
+    and passes); --resume keeps them only when they are this matrix's (control: refused, nothing moved)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = json.dumps({"matrix": "other", "model": "tiny-qwen2", "method": "poros"}) + "\n"
+    for name, text in (("results.jsonl", rows), ("report.md", "stale\n"), ("passes.jsonl", "")):
+        (out / name).write_text(text)
+    resumed = _suite_start(tmp_path, out / "results.jsonl", "--resume")
+    assert resumed.returncode == 4 and "holds rows of matrix 'other', this run is 'own'" in resumed.stderr, \
+        resumed.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["passes.jsonl", "report.md", "results.jsonl"]
+    fresh = _suite_start(tmp_path, out / "results.jsonl")
+    assert fresh.returncode == 5, fresh.stdout[-2000:] + fresh.stderr[-2000:]  # no cell selected
+    assert f"kept the earlier run's passes.jsonl, report.md, results.jsonl in {out / 'earlier' / '1'}/" in \
+        fresh.stdout, fresh.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["earlier"]
+    assert (out / "earlier" / "1" / "results.jsonl").read_text() == rows
+
+
+def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
+    proc, results = _suite(tmp_path, {**TINY, "methods": ["unsloth"], "models": ["tiny-qwen2"]})
+    assert proc.returncode == 4, proc.stdout[-2000:]  # pytest's usage error, not 0 with every cell skipped
+    assert "no selected cell can run here: unsloth needs a CUDA GPU" in proc.stdout + proc.stderr
+    assert not results.exists()
+
+
+LOST_MACHINE = """import os
+import poros.engine.trainer as t
+orig = t.ResidentTrainer.step
+def step(self, batches=None):
+    # the resident cell, inside pass 2: the process ends at once, as on a machine taken away (no session end)
+    if self.steps_done == 5 and os.environ.get("LOSE_IT"):
+        os._exit(137)
+    return orig(self, batches)
+t.ResidentTrainer.step = step
+"""
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_path):
+    """A run whose process ends without pytest's session end (its machine taken away) keeps, besides its rows and
+    passes, the benchmark of every finished cell and a record of its part up to its last finished cell; the
+    next part (--resume) records its own, and the status lists both."""
+    import os
+
+    from poros.harness.progress import parts, status_markdown
+
+    (tmp_path / "lost_machine.py").write_text(LOST_MACHINE)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "benchmark.json"
+    proc, results = _suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
+                           env={**env, "LOSE_IT": "1"})
+    assert proc.returncode == 137 and "passed" not in proc.stdout, proc.stdout[-2000:]  # no session end ran
+    assert [r["method"] for r in _rows(results)] == ["poros"]
+    names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
+    assert len(names) == 1 and "method:poros" in names[0]
+    (lost,) = parts(tmp_path)
+    assert lost["exit_status"] is None and lost["gpu"] is not None and "timed passes" in lost["phases"]
+    records = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "part"]) == 3  # at its start, after the gate, after poros
+    again, _ = _suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}", "--resume", env=env)
+    assert again.returncode == 0, again.stdout[-2000:]
+    first, second = parts(tmp_path)
+    assert first == lost and second["exit_status"] == 0 and second["part_id"] != lost["part_id"]
+    names = sorted(b["name"] for b in json.loads(bench_json.read_text())["benchmarks"])
+    assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1]
+    table = status_markdown(parse_matrix(matrix), tmp_path)
+    assert "| — (no end: lost or running) |" in table and "2 parts" in table, table
