@@ -1,6 +1,6 @@
 """The matrix suites as tests run them: a tiny matrix's settings on the CPU (`TINY`; `SWEPT`, the same with a
-sweep and three plans), `pytest suites/` on a matrix in a subprocess (`_suite`), and the rows of its results file
-(`_rows`)."""
+sweep and three plans), `pytest suites/` on a matrix in a subprocess (`run_suite`), and the rows of its results file
+(`result_rows`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "pa
          "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}, "b3": {"block_size": 3}}}
 
 
-def _suite(tmp_path, matrix: dict, *extra, env=None):
+def run_suite(tmp_path, matrix: dict, *extra, env=None):
     path = tmp_path / "m.yaml"
     import yaml
 
@@ -33,5 +33,5 @@ def _suite(tmp_path, matrix: dict, *extra, env=None):
     return proc, results
 
 
-def _rows(results: Path) -> list[dict]:
+def result_rows(results: Path) -> list[dict]:
     return [json.loads(x) for x in results.read_text().splitlines()]

@@ -245,11 +245,11 @@ def test_gpu_shared_stream(model, tmp_path):
 def test_a_shared_stream_matrix_row_records_its_bytes_and_scaling(tmp_path):
     """`gpus: 2, shard_stream: true` on the CPU (gloo): the poros row carries each rank's bytes from the host and
     from its peer, and `scaling` over rank 0's one-device figure timed in the same run."""
-    from tests.suite_runs import TINY, _suite
+    from tests.suite_runs import TINY, run_suite
 
     matrix = {**TINY, "steps": 1, "passes": 1, "warmup_passes": 0, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
               "shard_stream": True, "methods": ["poros", "resident"], "models": ["tiny-qwen3"]}
-    proc, results = _suite(tmp_path, matrix)
+    proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
     poros, resident = rows["poros"], rows["resident"]

@@ -12,13 +12,13 @@ import pytest
 from poros.harness.cells import matrix_cells
 from poros.harness.matrix import parse_matrix
 from poros.models.checkpoint import resolve
-from tests.suite_runs import SWEPT, TINY, _rows, _suite
+from tests.suite_runs import SWEPT, TINY, result_rows, run_suite
 
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
-    proc, results = _suite(tmp_path, matrix)
+    proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}  # unsloth: skipped without a GPU
@@ -29,7 +29,7 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     poros_row = next(r for r in rows if r["method"] == "poros")
     assert poros_row["bytes_h2d_per_step"] > 0
     assert "unsloth needs a CUDA GPU" in proc.stdout
-    again, _ = _suite(tmp_path, matrix, "--resume")
+    again, _ = run_suite(tmp_path, matrix, "--resume")
     assert again.returncode == 0
     assert len(results.read_text().splitlines()) == len(rows)  # nothing re-measured
     assert "already in results (--resume)" in again.stdout
@@ -38,7 +38,7 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
 @pytest.mark.slow  # the suites end to end in a subprocess
 def test_a_poros_only_matrix_gates_against_a_reference_it_does_not_time(tmp_path):
     matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]}
-    proc, results = _suite(tmp_path, matrix)
+    proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert [(r["method"], r["parity"], r["gate"]) for r in rows] == [("poros", "PASS", "resident")], rows
@@ -56,7 +56,7 @@ def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, refere
     assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [
         "model:tiny-gemma3-stack:current-gate:parity", "model:tiny-gemma3-stack:current-method:poros",
         f"model:tiny-gemma3-stack:current-method:{reference}"]
-    proc, results = _suite(tmp_path, matrix)
+    proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert f"parity PASS (poros vs {reference} (recorded): " in proc.stdout, proc.stdout[-2000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
@@ -92,7 +92,7 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
         "r.PorosTrainer._refuse_unsafe = staticmethod(lambda plan: None)  # run the unsafe plan anyway\n"
         "_make_model = r.PorosTrainer._make_model\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma3"]}
-    proc, results = _suite(tmp_path, matrix, "-p", "inject_fault", env=env)
+    proc, results = run_suite(tmp_path, matrix, "-p", "inject_fault", env=env)
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "parity FAIL" in proc.stdout
     rows = [json.loads(x) for x in results.read_text().splitlines()]
@@ -109,7 +109,7 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
         f"    open({str(calls)!r}, 'a').write('x')\n"
         "    raise RuntimeError('injected setup error')\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
-    proc, results = _suite(tmp_path, matrix, "-p", "inject_error", env=env)
+    proc, results = run_suite(tmp_path, matrix, "-p", "inject_error", env=env)
     assert proc.returncode == 1, proc.stdout[-2000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}  # the gate needs both: both cells fail
@@ -118,7 +118,7 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
     from poros.harness.report import load_results, render_markdown
 
     assert "FAIL" in render_markdown(load_results([results]))
-    again, _ = _suite(tmp_path, matrix, "--resume", "-p", "inject_error", env=env)
+    again, _ = run_suite(tmp_path, matrix, "--resume", "-p", "inject_error", env=env)
     assert again.returncode == 1
     assert len(results.read_text().splitlines()) == 2 * len(rows)  # failed cells are retried on resume
 
@@ -129,7 +129,7 @@ def test_suite_records_the_plan_beside_the_measurement(tmp_path):
     predicted peak and bytes, the resident layer count and how many parity steps ran."""
     matrix = {**TINY, "seq_len": 128, "grad_accum": 2, "vram_budget": "1GB", "methods": ["poros", "resident"],
               "models": ["tiny-qwen3"], "parity_steps": 2}
-    proc, results = _suite(tmp_path, matrix)
+    proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-2000:]
     rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
     poros = rows["poros"]
@@ -158,7 +158,7 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "bench.json"
-    proc, results = _suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
+    proc, results = run_suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
     assert proc.returncode == 2, proc.stdout[-2000:]  # interrupted
     assert "min() iterable argument is empty" not in proc.stdout + proc.stderr
     rows = [json.loads(x) for x in results.read_text().splitlines()]
@@ -173,7 +173,7 @@ def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
     record world_size and count both ranks' tokens; Unsloth, one process, is skipped with its reason."""
     matrix = {**TINY, "steps": 1, "passes": 1, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
               "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
-    proc, results = _suite(tmp_path, matrix)
+    proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}
@@ -188,9 +188,9 @@ def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
 def test_a_matrix_of_one_method_runs(tmp_path):
     """One method with no gate (the reference alone; poros alone is gated, above): test_parity has no cell
     (pytest's empty-parameter item was an INTERNALERROR)."""
-    proc, results = _suite(tmp_path, {**TINY, "steps": 1, "methods": ["resident"], "models": ["tiny-qwen2"]})
+    proc, results = run_suite(tmp_path, {**TINY, "steps": 1, "methods": ["resident"], "models": ["tiny-qwen2"]})
     assert proc.returncode == 0, proc.stdout[-2000:]
-    rows = _rows(results)
+    rows = result_rows(results)
     assert [r["method"] for r in rows] == ["resident"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
 
 
@@ -204,9 +204,9 @@ def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b3",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:resident"]
     assert len(ids) == 10
-    proc, results = _suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or plan:b3 or method:resident)")
+    proc, results = run_suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or plan:b3 or method:resident)")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    rows = _rows(results)
+    rows = result_rows(results)
     assert [(r["method"], r["plan_name"], r["sweep"]) for r in rows] == [
         ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
     assert rows[0]["config"]["block_size"] == 1 and rows[0]["config"]["grad_accum"] == 2
@@ -221,9 +221,9 @@ def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma4"]}
-    proc, results = _suite(tmp_path, matrix, "--benchmark-disable")
+    proc, results = run_suite(tmp_path, matrix, "--benchmark-disable")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    rows = _rows(results)
+    rows = result_rows(results)
     assert [r["method"] for r in rows] == ["poros", "resident"]  # one row per cell, none failed
     for r in rows:
         assert r["status"] == "ok" and r["timed"] is False and r["parity"] == "PASS"
@@ -252,21 +252,21 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "benchmark.json"
-    proc, results = _suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}",
+    proc, results = run_suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}",
                            env={**env, "CUT_OFF": "1"})
     assert proc.returncode == 2, proc.stdout[-2000:]
-    assert [r["method"] for r in _rows(results)] == ["poros"]
+    assert [r["method"] for r in result_rows(results)] == ["poros"]
     kept = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
     first = [k for k in kept if k["kind"] == "pass" and "method:resident" in k["cell"]]
     assert [k["index"] for k in first] == [0]
-    again, _ = _suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}", "--resume", env=env)
+    again, _ = run_suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}", "--resume", env=env)
     assert again.returncode == 0, again.stdout[-2000:]
-    resident = next(r for r in _rows(results) if r["method"] == "resident")
+    resident = next(r for r in result_rows(results) if r["method"] == "resident")
     assert len(resident["per_pass_s"]) == 2 and resident["per_pass_s"][0] == first[0]["seconds"]
     benches = sorted(json.loads(bench_json.read_text())["benchmarks"], key=lambda b: b["name"])
     assert len(benches) == 2 and "method:poros" in benches[0]["name"] and "method:resident" in benches[1]["name"]
     # pytest-benchmark timed each pass as one round, the earlier run's first: its statistics are the rows'
-    rows = {r["method"]: r for r in _rows(results)}
+    rows = {r["method"]: r for r in result_rows(results)}
     for bench, method in zip(benches, ("poros", "resident")):
         assert bench["stats"]["data"] == rows[method]["per_pass_s"]
         assert bench["stats"]["median"] / bench["extra_info"]["steps"] == pytest.approx(rows[method]["s_per_step_median"])
@@ -275,13 +275,13 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
-    proc, results = _suite(tmp_path, matrix, "--max-minutes", "0.0001")
+    proc, results = run_suite(tmp_path, matrix, "--max-minutes", "0.0001")
     assert proc.returncode == 75, proc.stdout[-2000:]  # stopped with cells left: run it again
     assert "time budget reached" in proc.stdout
-    assert not results.exists() or not _rows(results)
-    again, _ = _suite(tmp_path, matrix, "--resume")
+    assert not results.exists() or not result_rows(results)
+    again, _ = run_suite(tmp_path, matrix, "--resume")
     assert again.returncode == 0, again.stdout[-2000:]
-    assert {r["method"] for r in _rows(results)} == {"poros", "resident"}
+    assert {r["method"] for r in result_rows(results)} == {"poros", "resident"}
     # each run that ran a cell records what it spent where: the stopped one ran none
     from poros.harness.progress import parts as recorded_parts
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from poros.harness.matrix import parse_matrix
-from tests.suite_runs import REPO, TINY, _rows, _suite
+from tests.suite_runs import REPO, TINY, result_rows, run_suite
 
 
 def _suite_start(tmp_path, results: Path, *extra):
@@ -48,7 +48,7 @@ def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
 
 
 def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
-    proc, results = _suite(tmp_path, {**TINY, "methods": ["unsloth"], "models": ["tiny-qwen2"]})
+    proc, results = run_suite(tmp_path, {**TINY, "methods": ["unsloth"], "models": ["tiny-qwen2"]})
     assert proc.returncode == 4, proc.stdout[-2000:]  # pytest's usage error, not 0 with every cell skipped
     assert "no selected cell can run here: unsloth needs a CUDA GPU" in proc.stdout + proc.stderr
     assert not results.exists()
@@ -79,17 +79,17 @@ def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_pat
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "benchmark.json"
-    proc, results = _suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
+    proc, results = run_suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
                            env={**env, "LOSE_IT": "1"})
     assert proc.returncode == 137 and "passed" not in proc.stdout, proc.stdout[-2000:]  # no session end ran
-    assert [r["method"] for r in _rows(results)] == ["poros"]
+    assert [r["method"] for r in result_rows(results)] == ["poros"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
     assert len(names) == 1 and "method:poros" in names[0]
     (lost,) = parts(tmp_path)
     assert lost["exit_status"] is None and lost["gpu"] is not None and "timed passes" in lost["phases"]
     records = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
     assert len([r for r in records if r["kind"] == "part"]) == 3  # at its start, after the gate, after poros
-    again, _ = _suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}", "--resume", env=env)
+    again, _ = run_suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}", "--resume", env=env)
     assert again.returncode == 0, again.stdout[-2000:]
     first, second = parts(tmp_path)
     assert first == lost and second["exit_status"] == 0 and second["part_id"] != lost["part_id"]
