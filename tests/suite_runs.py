@@ -20,6 +20,15 @@ SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "pa
          "sweep": {"grad_accum": [1, 2]}, "plans": {"streamed": {}, "b1": {"block_size": 1}, "b3": {"block_size": 3}}}
 
 
+def plugin_env(tmp_path, name: str, source: str, **extra_env: str) -> dict:
+    """`source` written as the pytest plugin module `name` in `tmp_path`; returns the environment whose PYTHONPATH
+    finds it (for `run_suite(..., "-p", name, env=...)`), with `extra_env` set."""
+    import os
+
+    (tmp_path / f"{name}.py").write_text(source)
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra_env}
+
+
 def run_suite(tmp_path, matrix: dict, *extra, env=None):
     path = tmp_path / "m.yaml"
     import yaml

@@ -12,7 +12,7 @@ import pytest
 from poros.harness.cells import matrix_cells
 from poros.harness.matrix import parse_matrix
 from poros.models.checkpoint import resolve
-from tests.suite_runs import SWEPT, TINY, result_rows, run_suite
+from tests.suite_runs import SWEPT, TINY, plugin_env, result_rows, run_suite
 
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
@@ -70,11 +70,8 @@ def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, refere
 
 def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
     """A pytest plugin module replacing PorosTrainer._make_model; returns the env that finds it."""
-    import os
-
-    (tmp_path / f"{name}.py").write_text(
-        "import poros.engine.executor as r\n" + make_model_source + "r.PorosTrainer._make_model = _make_model\n")
-    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return plugin_env(tmp_path, name, "import poros.engine.executor as r\n" + make_model_source
+                      + "r.PorosTrainer._make_model = _make_model\n")
 
 
 @pytest.mark.slow  # the suites end to end in a subprocess
@@ -145,9 +142,9 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     """A chunk's time budget ends it with SIGINT (KeyboardInterrupt) mid-benchmark: finished cells
     keep their rows and pytest-benchmark still writes its JSON (the half-run cell left out) instead
     of crashing on that cell's empty statistics."""
-    import os
 
-    (tmp_path / "cut_off.py").write_text(
+    env = plugin_env(
+        tmp_path, "cut_off",
         "import poros.engine.trainer as t\n"
         "orig = t.ResidentTrainer.step\n"
         "def step(self, batches=None):\n"
@@ -155,7 +152,6 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
         "        raise KeyboardInterrupt\n"
         "    return orig(self, batches)\n"
         "t.ResidentTrainer.step = step\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "bench.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
@@ -246,10 +242,8 @@ t.ResidentTrainer.step = step
 def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
     """Killed in its second pass, a cell keeps its first (passes.jsonl); --resume runs only the rest, and
     benchmark.json keeps the cells of both runs."""
-    import os
 
-    (tmp_path / "cut_pass.py").write_text(CUT_PASS)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = plugin_env(tmp_path, "cut_pass", CUT_PASS)
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "benchmark.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}",

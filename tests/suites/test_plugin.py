@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from poros.harness.matrix import parse_matrix
-from tests.suite_runs import REPO, TINY, result_rows, run_suite
+from tests.suite_runs import REPO, TINY, plugin_env, result_rows, run_suite
 
 
 def _suite_start(tmp_path, results: Path, *extra):
@@ -71,12 +71,10 @@ def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_pat
     """A run whose process ends without pytest's session end (its machine taken away) keeps, besides its rows and
     passes, the benchmark of every finished cell and a record of its part up to its last finished cell; the
     next part (--resume) records its own, and the status lists both."""
-    import os
 
     from poros.harness.progress import parts, status_markdown
 
-    (tmp_path / "lost_machine.py").write_text(LOST_MACHINE)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = plugin_env(tmp_path, "lost_machine", LOST_MACHINE)
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "benchmark.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
