@@ -128,6 +128,12 @@ def provenance() -> dict:
     return info
 
 
+def this_gpu_uuid() -> str | None:
+    """The UUID of the GPU this process measures on (CUDA's first visible device; None without one)."""
+    gpus = _static()["gpus"]
+    return gpus[0]["uuid"] if gpus else None
+
+
 def current_commit() -> str | None:
     """The commit this process runs (`git_info`, read once)."""
     return _static()["git"]["commit"]

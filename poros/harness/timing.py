@@ -14,6 +14,7 @@ import torch
 from poros.config import TrainConfig
 from poros.engine.nvml import NvmlPeak, alloc_retries
 from poros.harness.console import add_phase_time, progress, status, stop_if_interrupted
+from poros.provenance import this_gpu_uuid
 
 
 def _sync(device: str) -> None:
@@ -39,6 +40,9 @@ class Measurement:
     # per timed pass, the times torch's allocator found no free block within its cap (or the device), released
     # its cache and tried again: each release waits for the device, so retries in a step stall its overlap
     alloc_retries: list[int | None] = field(default_factory=list)
+    # per timed pass, the UUID of the GPU it ran on (None where unknown: the CPU, a pass of an engine that did
+    # not record it): a run in parts may time one cell's passes on several GPUs
+    pass_gpus: list[str | None] = field(default_factory=list)
 
 
 class OutOfTime(Exception):
@@ -129,6 +133,8 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.per_pass_s.append(rec["seconds"])
         out.counters.extend(rec.get("counters") or [])
         out.alloc_retries.append(rec.get("alloc_retries"))
+        out.pass_gpus.append(rec.get("gpu"))
+    gpu = this_gpu_uuid() if device == "cuda" else None
     todo = passes - len(out.per_pass_s)
     wsteps = steps if warmup_steps is None else warmup_steps
     pace = {"s_per_step": earlier[-1]["seconds"] / steps if earlier else None}
@@ -172,11 +178,12 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.per_pass_s.append(seconds)
         out.counters.extend(last["counters"])
         out.alloc_retries.append(last["retried"])
+        out.pass_gpus.append(gpu)
         peaks.append(_peaks(device, nvml))
         progress(f"  time: {kinds[i][0]} {seconds:.1f} s")
         if on_pass is not None:
             on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "counters": last["counters"],
-                     "alloc_retries": last["retried"], **peaks[-1]})
+                     "alloc_retries": last["retried"], "gpu": gpu, **peaks[-1]})
 
     with NvmlPeak() as nvml:
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ from poros.harness.cells import cell_config, computed_of, gate_config
 from poros.harness.result_row import record
 from poros.harness.timing import Measurement, OutOfTime, measure
 from poros.harness.console import progress, stop_if_interrupted
+from poros.provenance import this_gpu_uuid
 
 pytestmark = pytest.mark.bench
 
@@ -286,7 +287,7 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
         this = []
 
         def on_pass(rec):
-            rec = {**rec, "index": len(earlier) + len(this), "counters": []}
+            rec = {**rec, "index": len(earlier) + len(this), "counters": [], "gpu": this_gpu_uuid()}
             this.append(rec)
             rec["child_overhead_s"] = time.monotonic() - t0 - sum(r["seconds"] for r in this)
             session.passlog.add("pass", cell.id, fp, **rec)
@@ -306,7 +307,8 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
         return max(values) if values else None
 
     write(Measurement([r["seconds"] for r in earlier], [], peak("peak_vram_gb"), peak("peak_vram_nvml_gb"),
-                      peak_reserved_gb=peak("peak_reserved_gb"), alloc_retries=[r.get("alloc_retries") for r in earlier]))
+                      peak_reserved_gb=peak("peak_reserved_gb"), alloc_retries=[r.get("alloc_retries") for r in earlier],
+                      pass_gpus=[r.get("gpu") for r in earlier]))
 
 
 def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:

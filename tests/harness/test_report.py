@@ -536,3 +536,18 @@ def test_a_ratio_between_rows_of_two_gpus_is_marked(tmp_path):
     assert "ran on different GPUs" in md
     same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", three_methods())))
     assert "†" not in same and "ran on different GPUs" not in same
+
+
+def test_a_row_whose_passes_ran_on_two_gpus_marks_its_ratios(tmp_path):
+    """poros's passes timed on two GPUs (a run in parts changed machines), its process's GPU the others': both
+    its ratios carry † (the control: the same passes all on that one GPU carry none)."""
+    rows = three_methods()
+    uuid = rows[0]["provenance"]["gpus"][0]["uuid"]
+    rows[0]["pass_gpus"] = ["GPU-earlier-part", uuid, uuid]
+    md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
+    (row,) = table_rows(md, "qwen2.5-32b", 14)
+    assert row[7].endswith("× †") and row[8].endswith("× †")
+    assert "one row's passes ran on more than one" in md
+    rows[0]["pass_gpus"] = [uuid, uuid, uuid]
+    same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", rows)))
+    assert "†" not in same

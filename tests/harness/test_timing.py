@@ -29,3 +29,25 @@ def test_rows_count_the_allocator_retries_of_the_timed_passes(monkeypatch):
     assert timing.retries_per_step(timing.Measurement([1.0], alloc_retries=[]), steps=1) is None
     cpu = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=1, warmup=0)
     assert cpu.alloc_retries == [None] and timing.retries_per_step(cpu, 1) is None
+
+
+def test_each_pass_names_the_gpu_it_ran_on(monkeypatch):
+    """A resumed cell keeps the GPU its earlier passes recorded and adds this process's to each pass it times
+    (on a GPU its UUID, on the CPU none): a run in parts that changes machines shows in the row's pass_gpus."""
+    from types import SimpleNamespace
+
+    from poros.harness import timing
+
+    monkeypatch.setattr(timing, "alloc_retries", lambda device: None)
+    monkeypatch.setattr(timing, "_sync", lambda device: None)
+    monkeypatch.setattr(timing, "_peaks", lambda device, nvml: dict.fromkeys(timing.PEAKS))
+    monkeypatch.setattr(timing, "this_gpu_uuid", lambda: "GPU-this-part")
+    trainer = SimpleNamespace(step=lambda: SimpleNamespace(counters={}, loss=0.0))
+    seen = []
+    earlier = [{"seconds": 1.0, "counters": [], "gpu": "GPU-earlier-part"}]
+    meas = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cuda")), steps=1, passes=3,
+                          warmup=0, earlier=earlier, on_pass=seen.append)
+    assert meas.pass_gpus == ["GPU-earlier-part", "GPU-this-part", "GPU-this-part"]
+    assert [r["gpu"] for r in seen] == ["GPU-this-part"] * 2
+    cpu = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=1, warmup=0)
+    assert cpu.pass_gpus == [None]

@@ -186,6 +186,14 @@ def gpu_uuid(row) -> str:
     return gpus[0]["uuid"] if gpus else "cpu"
 
 
+def row_gpus(row) -> set[str]:
+    """Every GPU a row's timed passes ran on (a run in parts may time one cell's passes on several), by UUID;
+    rows that do not record their passes' GPUs: the GPU of their process."""
+    listed = row.get("pass_gpus")
+    passes = {g for g in listed if isinstance(g, str)} if isinstance(listed, list) else set()
+    return passes or {gpu_uuid(row)}
+
+
 def run_of(row) -> str:
     """A row's run: one matrix on one machine and GPU; rows that name their run (`run`) keep apart runs of one
     matrix."""

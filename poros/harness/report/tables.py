@@ -8,7 +8,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
-from poros.harness.report.rows import gpu_uuid, on_cpu, setting_shown
+from poros.harness.report.rows import on_cpu, row_gpus, setting_shown
 from poros.harness.stacks import same_stack
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
@@ -70,7 +70,8 @@ def _cells(df: pd.DataFrame) -> dict:
 
 
 APART = " †"
-APART_NOTE = ("† The two rows of this ratio ran on different GPUs (their UUIDs differ): it compares machines as well "
+APART_NOTE = ("† The two rows of this ratio ran on different GPUs (their UUIDs differ, or one row's passes ran on "
+              "more than one): it compares machines as well "
               "as methods, and GPUs of one model differ in speed. Measure both methods on one GPU to compare them.")
 
 
@@ -92,7 +93,7 @@ def results_table(df: pd.DataFrame) -> str:
         o = [c.get(m) for m in others]
         for plan, p in (c["plans"] or {None: None}).items():
             ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
-            apart = ["" if x is None or gpu_uuid(p) == gpu_uuid(x) else APART for x in o]
+            apart = ["" if x is None or p is None or len(row_gpus(p) | row_gpus(x)) == 1 else APART for x in o]
             speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
                      else f"{ps / _ok(x, 's_per_step_median'):.2f}×{a}" for x, a in zip(o, apart)]
             cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
