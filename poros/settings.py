@@ -193,7 +193,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host_budget", "auto", SCHEDULE, optional_size,
             "poros: host memory the NF4 store and the saved inputs kept in host memory may take together (100GB, "
             "120GiB, or auto: /proc/meminfo's MemAvailable, within a cgroup's memory limit, less a tenth of it as headroom, "
-            "plus the store the process holds already; none: unchecked); a plan that needs more is refused",
+            "plus the store the process holds already; none: unchecked); a plan that needs more is refused. "
+            "resident_gc_offload: its first saved tensors go to host memory within the same budget, the rest stay "
+            "on the device",
             "Host memory budget", metavar="SIZE", gpu_only=True, report_default=False,
             default_help="auto on a CUDA device; unchecked on the CPU, where the device's memory is the host's"),
     Setting("keep_activations", False, SCHEDULE, flag,

@@ -21,13 +21,14 @@ from poros.engine.attention import BackendLog, sdpa_context
 from poros.engine.compiling import compile_layers, enable_deterministic_compile, install_layer_compilation
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
-from poros.engine.host_saved import HostSaved
+from poros.engine.host_saved import HostSaved, saved_host_limit
 from poros.engine.planning.plan import Plan
 from poros.engine.qlora import QLoRAModel
 from poros.engine.schedule import learning_rate
 from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
 from poros.store.arena import NF4Store
+from poros.store.host_memory import available_host_memory
 
 CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: repeatable matmuls (strict mode refuses others)
 NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # PyTorch's refusal in strict mode
@@ -348,12 +349,17 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
     """resident_gc with every checkpointed layer's input, and what the head saves, in host memory from its
     forward to its backward (poros/engine/host_saved.py, as torch.autograd.graph.save_on_cpu keeps them): the
     reference at lengths where resident_gc's saved inputs do not fit the device beside the model. The same
-    kernels read the same bytes, so its bits are resident_gc's (tests/engine/test_resident_gc.py gates that)."""
+    kernels read the same bytes, so its bits are resident_gc's (tests/engine/test_resident_gc.py gates that).
+    `host_budget` bounds its host memory as it bounds poros's (the store and the saved tensors together): the
+    saved tensors past it stay on the device."""
 
     method = Method.RESIDENT_GC_OFFLOAD.value
 
     def _make_model(self) -> QLoRAModel:
-        self.host_saved = HostSaved(pin=self.device.type == "cuda" and self.cfg.pin_memory)
+        cuda = self.device.type == "cuda"
+        available = available_host_memory() if cuda and self.cfg.host_budget == "auto" else None
+        limit = saved_host_limit(self.cfg.host_budget, self.store.host_bytes, cuda, available)
+        self.host_saved = HostSaved(pin=cuda and self.cfg.pin_memory, host_limit=limit)
         return super()._make_model()
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:

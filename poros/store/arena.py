@@ -86,6 +86,12 @@ class NF4Store:
         return self.arena.numel()
 
     @property
+    def host_bytes(self) -> int:
+        """Host memory the store holds: the arena, the dense weights and the layers' buffers."""
+        rest = (*self.dense.values(), *self.buffers.values())
+        return self.nbytes + sum(t.numel() * t.element_size() for t in rest)
+
+    @property
     def double_quant(self) -> bool:
         return self.nested_code is not None
 

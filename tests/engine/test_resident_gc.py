@@ -146,8 +146,70 @@ def test_host_saved_moves_activations_and_leaves_weights():
         with saved.scope(model):
             y = lin(x * 2)
         y.sum().backward()
-        assert saved.counters() == {"saved_bytes_d2h": moved, "saved_bytes_h2d": moved}
+        assert saved.counters() == {"saved_bytes_d2h": moved, "saved_bytes_h2d": moved, "saved_bytes_kept": 0}
         assert torch.equal(x.grad, want[0]) and torch.equal(lin.weight.grad, want[1])
+
+
+def test_host_saved_past_its_limit_keeps_the_later_tensors_on_the_device():
+    """With `host_limit`, the first tensors a forward saves go to host memory while their blocks fit and the rest
+    stay where they are, with the same gradients; each scope starts counting again (the control: no limit moves
+    every one)."""
+    import torch
+
+    from poros.engine.host_saved import HostSaved, host_block
+
+    a, b = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)
+    model = torch.nn.Sequential(a, b)
+    x = torch.randn(3, 8, requires_grad=True)
+    b(a(x)).sum().backward()
+    want = x.grad, a.weight.grad, b.weight.grad
+    one = 3 * 8 * 4  # each linear saves its input, 3 x 8 float32
+    for limit, moved in ((None, 2 * one), (host_block(one, pin=False), one), (0, 0)):
+        saved = HostSaved(pin=False, host_limit=limit)
+        for _ in range(2):
+            x.grad = a.weight.grad = b.weight.grad = None
+            with saved.scope(model):
+                y = b(a(x))
+            y.sum().backward()
+            assert saved.counters() == {"saved_bytes_d2h": moved, "saved_bytes_h2d": moved,
+                                        "saved_bytes_kept": 2 * one - moved}, limit
+            assert all(torch.equal(g, w) for g, w in zip((x.grad, a.weight.grad, b.weight.grad), want))
+
+
+def test_host_blocks_are_counted_as_the_pinned_allocator_rounds_them():
+    from poros.engine.host_saved import host_block
+
+    assert [host_block(n, pin=True) for n in (0, 1, 3, 1024, 1025, 3 << 30)] == [0, 1, 4, 1024, 2048, 4 << 30]
+    assert host_block(1025, pin=False) == 1025
+
+
+@pytest.mark.parametrize("setting,cuda,available,want", [
+    ("auto", True, 110 * 10**9, int(110 * 10**9 / 1.1)),  # what the host has left, less a tenth as headroom
+    (120 * 10**9, True, None, 76 * 10**9),  # an explicit budget holds the store and the saved tensors together
+    (40 * 10**9, True, None, 0),  # a budget the store alone fills: every saved tensor stays on the device
+    ("auto", True, None, None), ("auto", False, 10**9, None), (None, True, 10**9, None)])
+def test_saved_host_limit_follows_host_budget(setting, cuda, available, want):
+    from poros.engine.host_saved import saved_host_limit
+
+    assert saved_host_limit(setting, 44 * 10**9, cuda, available) == want
+
+
+def test_resident_gc_offload_within_a_host_budget_splits_its_inputs_and_keeps_the_bits(stores):
+    """resident_gc_offload under a host_budget the store leaves little of: the first layers' inputs in host memory,
+    the rest on the device, bitwise resident_gc still (and the budget met: what went is within it)."""
+    store = stores("tiny-qwen3")
+    cfg = _cfg("tiny-qwen3")
+    room = 3 * 64 * store.config.hidden_size * 2  # three layer inputs of one micro-batch
+    split = cfg.replace(host_budget=store.host_bytes + room)
+    trainer = make_trainer(Method.RESIDENT_GC_OFFLOAD, store, split)
+    try:
+        c = trainer.step().counters
+    finally:
+        trainer.close()
+    assert 0 < c["saved_bytes_d2h"] <= cfg.grad_accum * room and c["saved_bytes_kept"] > 0, c
+    result = run_gate(make_trainer(Method.RESIDENT_GC, store, cfg), make_trainer(Method.RESIDENT_GC_OFFLOAD, store, split),
+                      steps=2)
+    assert result.ok, f"first mismatch {result.first_mismatch}"
 
 
 METHOD_SETS = [
