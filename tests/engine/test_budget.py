@@ -182,6 +182,20 @@ def test_a_budget_holds_the_process_total(q72, seq, budget, graphs):
     assert again.memory.total > budget * GB
 
 
+def test_the_search_holds_the_plan_it_returns_to_every_rule(q72, monkeypatch):
+    """A search builds its candidates unchecked and checks the plan it picks: a rule that plan broke would stop
+    the search (the control: the same search with the rules kept returns its plan)."""
+    from poros.engine.planning import search
+
+    kw = dict(seq_len=512, cuda_graphs=False, overlap_backward=True, budget=24 * GB)
+    picked = plan_for_budget(q72, request(**kw))
+    checked = []
+    monkeypatch.setattr(search, "check", lambda plan: checked.append(plan) or ["a broken rule"])
+    with pytest.raises(AssertionError, match="a broken rule"):
+        plan_for_budget(q72, request(**kw))
+    assert len(checked) == 1 and checked[0].memory == picked.memory
+
+
 def test_a_budget_that_cannot_be_kept_is_refused_naming_the_smallest_that_can(q72):
     kw = dict(seq_len=16384, loss_chunk=4096, cuda_graphs=True, overlap_backward=False, offload_inputs=True)
     with pytest.raises(BudgetError) as refused:

@@ -12,7 +12,7 @@ from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.inputs import HostMemory, host_refusal, least_on_device
 from poros.engine.planning.memory import DeviceMemory, gb
 from poros.engine.planning.plan import Plan
-from poros.engine.planning.search import PlanRequest, build_plan
+from poros.engine.planning.search import PlanRequest, assert_valid, build_plan
 from poros.errors import BudgetError
 from poros.sizes import format_size
 
@@ -93,7 +93,7 @@ def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Sea
                     seen.over_host = fit if over is None or fit.host_bytes < over.host_bytes else over
                 elif best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step:
                     best = fit
-    return best, seen
+    return (None if best is None else assert_valid(best)), seen
 
 
 def refusal(geo: Geometry, request: PlanRequest, seen: Search, at: str = "", shorter: str = "a shorter --seq-len") -> str:
@@ -124,7 +124,7 @@ def _most_resident(geo: Geometry, request: PlanRequest, note) -> Plan | None:
     lo, hi, fit = 0, geo.n_layers, None
     while lo <= hi:  # memory grows with the resident layers
         r = (lo + hi) // 2
-        p = build_plan(geo, replace(request, resident_layers=r))
+        p = build_plan(geo, replace(request, resident_layers=r), checked=False)
         note(p)
         if p.memory.total <= request.budget:
             fit, lo = p, r + 1
@@ -148,7 +148,7 @@ def _split(geo: Geometry, request: PlanRequest, seen: Search) -> Plan | None:
     lo, hi = least + 1, len(probe.host_inputs) - 1
     while lo <= hi:  # device memory grows with the saved inputs kept there
         k = (lo + hi) // 2
-        p = build_plan(geo, replace(request, device_inputs=k, resident_layers=len(fit.resident_layers)))
+        p = build_plan(geo, replace(request, device_inputs=k, resident_layers=len(fit.resident_layers)), checked=False)
         seen.note(p)
         if p.memory.total <= request.budget:
             fit, lo = p, k + 1
@@ -161,7 +161,7 @@ def _fewest_on_device(geo: Geometry, request: PlanRequest) -> tuple[Plan, int, i
     """(the plan of `request` with every recomputed layer's saved input in host memory, how many layers' inputs
     that is, the fewest of them on the device the host budget allows beside the NF4 store: None where it holds
     not even the store)."""
-    probe = build_plan(geo, replace(request, device_inputs=0))
+    probe = build_plan(geo, replace(request, device_inputs=0), checked=False)
     n = len(probe.host_inputs)
     return probe, n, least_on_device(n, probe.live_inputs, probe.input_slot, probe.store_bytes, probe.host_budget)
 

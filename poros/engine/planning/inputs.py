@@ -100,20 +100,36 @@ def input_ops(step: list[Op], host: tuple[int, ...], live: int, window: int, reg
     readers = [(op.layer, op.micro) for op in step if reads(op)]
     offloaded, fetched = set(), set()
     out: list[Op] = []
+    # readers[:seen] have been looked at once; of those, `waiting` (in order) were not offloaded yet when looked
+    # at, and a later look at the same range may fetch them: each reader is looked at once, not `window` times
+    seen, waiting = 0, []
 
-    def fetch(keys) -> None:
-        for layer, micro in keys:
-            if (layer, micro) in offloaded and (layer, micro) not in fetched:
-                fetched.add((layer, micro))
-                out.append(Op(FETCH, layer=layer, micro=micro, buffer=where[layer] * live + micro % live))
+    def fetch(lo: int, hi: int) -> None:
+        """Fetch, in order, the inputs of readers[lo:hi] that are offloaded and not fetched yet."""
+        nonlocal seen, waiting
+        looked = [i for i in waiting if i >= lo] + list(range(max(seen, lo), max(seen, min(hi, len(readers)))))
+        seen = max(seen, min(hi, len(readers)))
+        waiting = []
+        for i in looked:
+            if i >= hi:
+                waiting.append(i)
+                continue
+            layer, micro = key = readers[i]
+            if key in fetched:
+                continue
+            if key not in offloaded:
+                waiting.append(i)
+                continue
+            fetched.add(key)
+            out.append(Op(FETCH, layer=layer, micro=micro, buffer=where[layer] * live + micro % live))
 
     done = 0
     for op in step:
         if op.kind == HEAD:
-            fetch(readers[done: done + 1])
+            fetch(done, done + 1)
         elif reads(op):
             done += 1
-            fetch(readers[done - 1: done + window])
+            fetch(done - 1, done + window)
         out.append(op)
         if op.kind == FORWARD and op.layer in where:
             offloaded.add((op.layer, op.micro))

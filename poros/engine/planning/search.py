@@ -204,12 +204,15 @@ class PlanRequest:
                    host_budget=host_budget(cfg.host_budget, host, cfg.device is Device.CUDA))
 
 
-def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
+def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Plan:
     """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
     spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
     rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
     layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them;
-    the saved inputs of all but the last `device_inputs` recomputed layers go through host memory."""
+    the saved inputs of all but the last `device_inputs` recomputed layers go through host memory.
+
+    `checked`: the plan is held to every rule (`assert_valid`); a search that builds many candidates holds the
+    one it returns."""
     r, c = request, request.config
     block_size, grad_accum, accumulation, seq_len, batch_size = (c.block_size, c.grad_accum, c.accumulation,
                                                                   c.seq_len, c.batch_size)
@@ -293,7 +296,18 @@ def build_plan(geo: Geometry, request: PlanRequest) -> Plan:
                 store_bytes=geo.store_bytes, host_budget=r.host_budget, keep_attention=c.keep_attention,
                 kept_layers=kept, shards=shards, input_stride=c.input_stride, regenerated=regenerated,
                 regenerated_alive=alive)
+    if after != end:
+        raise AssertionError("planner produced an invalid plan: not a steady state")
+    return assert_valid(plan) if checked else plan
+
+
+def assert_valid(plan: Plan) -> Plan:
+    """`plan`, once it breaks no rule (poros/engine/planning/rules.py).
+
+    Raises:
+        AssertionError: naming the rules it breaks (a planner bug, never a user's error).
+    """
     problems = check(plan)
-    if problems or after != end:
-        raise AssertionError(f"planner produced an invalid plan: {problems or 'not a steady state'}")
+    if problems:
+        raise AssertionError(f"planner produced an invalid plan: {problems}")
     return plan
