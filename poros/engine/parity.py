@@ -124,6 +124,9 @@ def take_step(trainer: Trainer, step: int, to_host: bool = False) -> StepState:
                      keep(trainer.optimizer_state()))
 
 
+STATES_PER_STEP = 4  # what a recorded step holds, in copies of the LoRA weights (gradients, weights, AdamW's moments)
+
+
 class RecordedReference:
     """A reference's states (resident QLoRA's, or resident_gc's) for `steps` steps, recorded in host memory:
     a gate for a trainer that cannot share the device with the reference (both would not fit), at the cost
@@ -132,6 +135,8 @@ class RecordedReference:
     def __init__(self, trainer: Trainer, steps: int):
         self.cfg, self.method = trainer.cfg, trainer.method
         self.init = {k: v.detach().to("cpu", copy=True) for k, v in trainer.lora_state().items()}
+        # each step records the LoRA gradients, the weights and AdamW's two moments: four copies of the weights
+        trainer.leave_host_memory(STATES_PER_STEP * steps * sum(v.numel() * v.element_size() for v in self.init.values()))
         self.states = [take_step(trainer, s, to_host=True) for s in range(steps)]
 
 

@@ -206,6 +206,11 @@ class Trainer(abc.ABC):
     def counters(self) -> dict:
         return {}
 
+    def leave_host_memory(self, nbytes: int) -> None:
+        """Host memory something beside this trainer will take while it trains (the gate's states recorded
+        from it): a trainer that sizes its own host memory by what the host has free leaves that much of it.
+        This one sizes none."""
+
     def reset_to(self, lora: dict[str, torch.Tensor]) -> None:
         """Back to the start of training from the LoRA weights `lora` (e.g. `RecordedReference.init`):
         weights copied in, gradients and AdamW state dropped, the step count at 0. A trainer reset this way
@@ -361,6 +366,11 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
         limit = saved_host_limit(self.cfg.host_budget, self.store.host_bytes, cuda, available)
         self.host_saved = HostSaved(pin=cuda and self.cfg.pin_memory, host_limit=limit)
         return super()._make_model()
+
+    def leave_host_memory(self, nbytes: int) -> None:
+        """The saved tensors' host limit less `nbytes` (where the host budget sets one)."""
+        if self.host_saved.host_limit is not None:
+            self.host_saved.host_limit = max(0, self.host_saved.host_limit - nbytes)
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         with self.host_saved.scope(self.model):

@@ -250,3 +250,29 @@ def test_cli_parity_names_method_and_gate(capsys, argv, gate, method):
     assert main(["parity", "--model", "tiny-qwen3", "--seq-len", "64", "--steps", "1", *argv]) == 0
     line = json.loads(capsys.readouterr().out)
     assert (line["parity"], line["gate"], line["method"]) == ("PASS", gate, method)
+
+
+def test_a_recorded_reference_leaves_its_states_host_memory_out_of_the_saved_tensors_limit(stores):
+    """Recording resident_gc_offload's states for the gate takes host memory beside its saved tensors: their limit
+    falls by what the states take (four copies of the LoRA weights a step, within the step counters' few bytes),
+    so the two together stay within the host budget."""
+    import torch
+
+    from poros.engine.parity import STATES_PER_STEP, RecordedReference
+
+    store = stores("tiny-qwen3")
+    cfg = _cfg("tiny-qwen3", host_budget=store.host_bytes + 10**7)
+    trainer = make_trainer(Method.RESIDENT_GC_OFFLOAD, store, cfg)
+    before = trainer.host_saved.host_limit
+    try:
+        recorded = RecordedReference(trainer, steps=2)
+    finally:
+        trainer.close()
+    weights = sum(v.numel() * v.element_size() for v in recorded.init.values())
+    assert before == 10**7 and trainer.host_saved.host_limit == before - STATES_PER_STEP * 2 * weights
+
+    def nbytes(d):
+        return sum(v.numel() * v.element_size() for v in d.values() if torch.is_tensor(v))
+
+    held = sum(nbytes(s.grads) + nbytes(s.weights) + nbytes(s.adamw) for s in recorded.states)
+    assert STATES_PER_STEP * 2 * weights <= held <= STATES_PER_STEP * 2 * weights * 1.01, (held, weights)
