@@ -30,6 +30,14 @@ class StoreCache:
             self.key = (model, double_quant)
         return self.store
 
+    def release(self) -> None:
+        """Give the kept store's host memory back (a child process that needs the host's memory, Unsloth's
+        offloaded activations at long context, runs next); the next `get` builds it again."""
+        if self.store is not None:
+            self.store.release()
+        self.key = self.store = self.stats = None
+        gc.collect()
+
 
 def free_device_memory() -> None:
     gc.collect()

@@ -99,12 +99,19 @@ def remove_kept_exports(workdir: str | None = None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def offloaded_bytes(config, cfg) -> int:
+    """Host memory Unsloth's offloaded gradient checkpointing (`use_gradient_checkpointing="unsloth"`, as its
+    users run it) takes in a step: every decoder layer's input of one micro-batch, in bf16."""
+    return config.num_hidden_layers * cfg.seq_len * cfg.batch_size * config.hidden_size * 2
+
+
 def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print,
                     on_record=None, profile: Path | None = None, *, warmup_steps: int | None = None,
                     on_pass=None, keep_export: bool = False, benchmark=None, earlier: list[dict] = (),
-                    deadline: float | None = None) -> dict:
+                    deadline: float | None = None, before_child=None) -> dict:
     """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record
-    with `per_pass_s` as the parent timed them.
+    with `per_pass_s` as the parent timed them. `before_child()` runs once the export is written, before the
+    child starts (the harness gives the store's host memory back there: the child loads the export).
 
     Each of the child's passes is one round of the timed-pass loop every method runs (`timed_rounds`: with
     `benchmark`, a pytest-benchmark round): a round ends when the child reports the pass (its `PASS` line), after
@@ -135,6 +142,8 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
     folder, proc, lines = None, None, None
     try:
         folder = _export(store, root, keep_export, log)
+        if before_child is not None:
+            before_child()
         cmd = [sys.executable, "-m", "poros.harness.unsloth", str(folder), "--steps", str(steps), "--passes",
                str(todo), "--warmup", str(warmup), "--config", json.dumps(cfg.as_dict())]
         if warmup_steps is not None:

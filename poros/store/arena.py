@@ -74,6 +74,7 @@ class NF4Store:
     # the lookup table of the nested absmax (bitsandbytes' dynamic map) when the slots are double-quantized
     nested_code: torch.Tensor | None = None
     pinned: bool = False
+    released: bool = False  # `release` gave its host memory back
     _registered: bool = field(default=False, repr=False)
     _pinned_dense: list = field(default_factory=list, repr=False)
 
@@ -132,6 +133,14 @@ class NF4Store:
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
             self._registered = self.pinned = False
+
+    def release(self) -> None:
+        """Give the store's host memory back (unpinned, its tensors dropped) while the object may still be
+        referenced: nothing can read it afterwards (`released`), and whatever needs the weights builds them again."""
+        self.unpin()
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.dense, self.buffers = {}, {}
+        self.released = True
 
     def __del__(self):  # an arena must not be freed while still registered with the driver
         try:

@@ -268,6 +268,24 @@ def _measure_cell(session, cell, cfg, benchmark):
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
 
 
+def _room_for_child(session, store, cfg):
+    """What gives the Unsloth child the host memory its offloaded activations take, where the host has less free
+    (with MEMORY_HEADROOM) than they need: the store's release (the child loads its export; a later cell builds the
+    store again). None where the host has room, or does not say."""
+    from poros.harness.unsloth import offloaded_bytes
+    from poros.store.host_memory import MEMORY_HEADROOM, available_host_memory
+
+    available = available_host_memory()
+    if available is None or offloaded_bytes(store.config, cfg) * (1 + MEMORY_HEADROOM) <= available:
+        return None
+
+    def release():
+        progress(f"  unsloth: the NF4 store's host memory given back for the child's offloaded activations "
+                 f"({offloaded_bytes(store.config, cfg) / 1e9:.1f} GB; {available / 1e9:.1f} GB was available)")
+        session.stores.release()
+    return release
+
+
 def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
     """Unsloth, in a child process whose passes are rounds of the same timed-pass loop (kept in the pass log
     as each ends) and which a time budget stops between passes. A part of a run in parts starts no child
@@ -296,7 +314,8 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             with console.phase("unsloth child"):
                 measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress,
                                 warmup_steps=m.warmup_pass_steps, on_pass=on_pass, keep_export=session.keep_exports,
-                                benchmark=benchmark, earlier=earlier, deadline=session.deadline)
+                                benchmark=benchmark, earlier=earlier, deadline=session.deadline,
+                                before_child=_room_for_child(session, store, cfg))
         finally:  # the child's passes count as timed passes, the rest of its time as the child's
             console.add_phase_time("timed passes", sum(r["seconds"] for r in this))
             console.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))

@@ -254,3 +254,54 @@ def test_a_part_is_its_last_record_and_one_without_an_end_says_so(tmp_path):
     assert "| 2 | 1970-01-01 00:01 | 9 s | 9 s | — | 75 | aaaaaaaa |" in md
     assert "| 3 | 1970-01-01 00:02 | 30 s | 30 s | — | — (no end: lost or running) | bbbbbbbb |" in md
     assert "3 parts, 44 s in all" in md
+
+
+def test_before_child_runs_once_the_export_is_written_and_before_the_child_starts(child, tmp_path, monkeypatch):
+    events = []
+    child.set([_warm(0.001), _pass(1.0), um.RESULT + json.dumps({"per_pass_s": [1.0]})])
+    real_popen = um.subprocess.Popen
+    monkeypatch.setattr(um.subprocess, "Popen", lambda cmd, **kw: (events.append("child"), real_popen(cmd, **kw))[1])
+    um.measure_unsloth("A", CUDA, 2, 1, 1, workdir=str(tmp_path), log=lambda x: None,
+                       before_child=lambda: events.append(("before", list(child.exports))))
+    assert events == [("before", ["A"]), "child"]
+
+
+def test_the_store_is_given_back_for_a_child_whose_offloaded_activations_need_the_host(monkeypatch):
+    """Unsloth's offloaded checkpointing keeps every layer's input in host memory: where the host has less free
+    than that, the harness releases the NF4 store before the child (it loads the export) and the next cell builds
+    it again; where the host has room (the control), the store stays."""
+    from poros.harness import cell_memory
+    from poros.suites import test_matrix as tm
+    from poros.store import host_memory
+
+    built = []
+    monkeypatch.setattr(cell_memory, "build_store", lambda model, **kw: (built.append(model) or _FakeStore(), {}))
+    session = SimpleNamespace(stores=cell_memory.StoreCache("cpu"))
+    store = session.stores.get("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64)
+    need = um.offloaded_bytes(store.config, cfg)
+    assert need == store.config.num_hidden_layers * 64 * store.config.hidden_size * 2
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 10 * need)
+    assert tm._room_for_child(session, store, cfg) is None
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: need)
+    tm._room_for_child(session, store, cfg)()
+    assert store.released and session.stores.store is None
+    session.stores.get("tiny-qwen3")
+    assert built == ["tiny-qwen3", "tiny-qwen3"], "the next cell builds the store again"
+
+
+class _FakeStore:
+    config = SimpleNamespace(num_hidden_layers=4, hidden_size=64)
+    released = False
+
+    def release(self):
+        self.released = True
+
+
+def test_a_released_store_gives_its_host_memory_back(stores):
+    import copy
+
+    store = copy.copy(stores("tiny-qwen3"))
+    assert store.host_bytes > 0 and not store.released
+    store.release()
+    assert store.released and store.host_bytes == 0 and store.dense == {}
