@@ -154,6 +154,17 @@ def optional_count(v):
     return v
 
 
+@returns(int | Literal["auto"] | None)
+def optional_count_or_auto(v):
+    """An integer >= 0, auto, or none."""
+    if v == "auto":
+        return v
+    try:
+        return optional_count(v)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, auto or none, got {_short(v)}") from None
+
+
 @returns(int | None)
 def optional_positive_int(v):
     if v is None or v == "none":

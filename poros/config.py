@@ -91,6 +91,9 @@ def _combination_problems(cfg: TrainConfig, valid: Callable[..., bool]) -> list[
     if valid("input_stride", "keep_attention") and cfg.input_stride > 1 and cfg.keep_attention:
         problems.append(f"input_stride: a regenerated input has no attention results saved with it, so it needs "
                         f"keep_attention off; got input_stride={cfg.input_stride} with keep_attention")
+    if valid("regenerated_layers", "input_stride") and cfg.regenerated_layers is not None and cfg.input_stride == 1:
+        problems.append(f"regenerated_layers: bounds the layers whose inputs input_stride regenerates, so it needs "
+                        f"input_stride above 1; got regenerated_layers={cfg.regenerated_layers} with input_stride 1")
     if valid("input_stride", "cuda_graphs") and cfg.input_stride > 1 and cfg.cuda_graphs:
         problems.append(f"input_stride: regenerates inputs with eager (or compiled) forwards, not through layer "
                         f"templates; drop cuda_graphs (--no-cuda-graphs), got input_stride={cfg.input_stride}")

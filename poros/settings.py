@@ -29,6 +29,7 @@ from poros.checkers import (
     non_negative_number,
     one_of,
     optional_count,
+    optional_count_or_auto,
     optional_positive_int,
     optional_positive_number,
     optional_size,
@@ -190,6 +191,12 @@ SETTINGS: tuple[Setting, ...] = (
             "from the saved one with the same no-grad forwards the forward pass ran, within the weights already on "
             "the device (fewer saved-input bytes on the device or in host memory, for extra layer forwards)",
             "Saved-input stride (layers)", metavar="N", report_default=False),
+    Setting("regenerated_layers", None, SCHEDULE, optional_count_or_auto,
+            "poros, with input_stride above 1: the most recomputed layers whose inputs are regenerated, spread evenly "
+            "over those input_stride would regenerate (each one a layer forward more a step), or auto: the fewest "
+            "that fit the VRAM and host budgets (without a vram_budget, every one)", "Regenerated inputs (layers)",
+            metavar="N", report_default=False,
+            default_help="none: every one input_stride allows"),
     Setting("host_budget", "auto", SCHEDULE, optional_size,
             "poros: host memory the NF4 store and the saved inputs kept in host memory may take together (100GB, "
             "120GiB, or auto: /proc/meminfo's MemAvailable, within a cgroup's memory limit, less a tenth of it as headroom, "

@@ -204,3 +204,62 @@ def test_strides_with_settings_that_save_more_than_the_input_are_refused(other):
     with pytest.raises(ConfigError, match="input_stride"):
         TrainConfig(model="tiny-qwen2", input_stride=2, **other)
     TrainConfig(model="tiny-qwen2", input_stride=1, **other)  # the control: stride 1 takes them
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
+def test_a_bounded_number_of_regenerated_inputs_is_bitwise_resident(stores, model):
+    """regenerated_layers 1 of stride 3's (1, 2, 4): one layer's input regenerated, the rest saved, through host
+    memory too; torch.equal to resident over 2 steps, counters as planned."""
+    cfg = config(model, input_stride=3, regenerated_layers=1, offload_inputs=True, device_inputs=1)
+    store = stores(model)
+    result, _ = gate(store, cfg)
+    assert result.ok, result.first_mismatch
+    trainer = PorosTrainer(store, cfg)
+    try:
+        assert len(trainer.plan.regenerated) == 1 and not check(trainer.plan)
+        for _ in range(2):
+            as_planned(trainer.plan, trainer.step().counters)
+    finally:
+        trainer.close()
+
+
+def test_thinning_keeps_segments_whose_weights_are_there():
+    """Dropping a regenerated layer saves its input and starts a segment of the layers above it in its old one;
+    the count is bounded, the layers spread evenly, and every plan of every bound keeps the rules."""
+    from poros.engine.planning.regen import thin
+
+    segs = [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert thin(segs, None) == thin(segs, 6) == segs
+    assert thin(segs, 0) == [[i] for i in range(9)]
+    assert thin(segs, 2) == [[0, 1], [2], [3], [4, 5], [6], [7], [8]]
+    assert thin(segs, 3) == [[0, 1], [2, 3], [4], [5, 6], [7], [8]]
+    geo = _geometry("qwen2.5-72b")
+    for keep in (0, 1, 9, 39, 40, 80):
+        cfg = TrainConfig(model="qwen2.5-72b", device="cuda", seq_len=4096, block_size=3, input_stride=4,
+                          regenerated_layers=keep, offload_inputs=True)
+        plan = build_plan(geo, PlanRequest(cfg))
+        assert len(plan.regenerated) == min(keep, 60) and not check(plan)
+
+
+def test_auto_regenerates_the_fewest_inputs_that_fit_the_budgets():
+    """qwen2.5-72b at 65,536 tokens within 40 GB and a 120 GB host: auto regenerates a handful of inputs, not the
+    forty stride 2 allows; one fewer does not fit (the control), and the plan is the search's for that bound."""
+    from poros.engine.planning.budget import plan_for_budget, search_budget
+
+    geo = _geometry("qwen2.5-72b")
+    cfg = TrainConfig(model="qwen2.5-72b", device="cuda", seq_len=65536, attention="fast", deterministic=True,
+                      loss_chunk=2048, mlp_chunk=2048, attention_chunk=2048, overlap_backward=False, input_stride=2,
+                      regenerated_layers="auto")
+    request = replace(PlanRequest.of_config(cfg), budget=40 * 10**9, host_budget=120 * 10**9)
+    plan = plan_for_budget(geo, request)
+    k = len(plan.regenerated)
+    assert 0 < k < 40 and plan.memory.total <= 40 * 10**9 and plan.host_bytes <= 120 * 10**9
+    assert search_budget(geo, replace(request, regenerated=k - 1))[0] is None
+    assert plan_for_budget(geo, replace(request, config=cfg.replace(regenerated_layers=k))).regenerated == plan.regenerated
+
+
+@pytest.mark.parametrize("kw", [dict(regenerated_layers=2), dict(regenerated_layers="auto")], ids=str)
+def test_a_bound_on_regenerated_inputs_needs_a_stride(kw):
+    with pytest.raises(ConfigError, match="regenerated_layers: .* needs input_stride above 1"):
+        TrainConfig(model="tiny-qwen2", **kw)
+    TrainConfig(model="tiny-qwen2", input_stride=2, **kw)  # the control

@@ -78,6 +78,8 @@ def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Sea
     costs is layer forwards, and the planner ranks plans by bytes copied alone, with no model of compute time to
     weigh the two."""
     cfg = request.config
+    if cfg.regenerated_layers == "auto" and cfg.input_stride > 1 and request.regenerated is None:
+        return _fewest_regenerated(geo, request)
     seen = Search()
     placed = cfg.offload_inputs or request.device_inputs is not None
     best = None
@@ -94,6 +96,22 @@ def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Sea
                 elif best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step:
                     best = fit
     return (None if best is None else assert_valid(best)), seen
+
+
+def _fewest_regenerated(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Search]:
+    """`search_budget` for `regenerated_layers: auto`: the plan of the fewest regenerated inputs that fits (each
+    one costs a layer forward a step; memory falls as their number grows). None where even every input
+    input_stride allows regenerated does not fit, with what that search saw."""
+    best, seen = search_budget(geo, replace(request, regenerated=geo.n_layers))
+    lo, hi = 0, len(best.regenerated) - 1 if best is not None else -1
+    while lo <= hi:
+        k = (lo + hi) // 2
+        fit, _ = search_budget(geo, replace(request, regenerated=k))
+        if fit is None:
+            lo = k + 1
+        else:
+            best, hi = fit, k - 1
+    return best, seen
 
 
 def refusal(geo: Geometry, request: PlanRequest, seen: Search, at: str = "", shorter: str = "a shorter --seq-len") -> str:

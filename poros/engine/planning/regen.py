@@ -15,6 +15,10 @@ streamed group prefetched behind it). A regeneration thus loads no weights and c
 it costs is layer forwards. With block size 1 and two rotating buffers that allows segments of two layers (the
 layer below is the one prefetched); larger blocks allow up to block size + 1. A segment that reached no further
 starts a new saved input: `Plan.input_stride` is what was asked, `regenerated` what the weights allowed.
+
+`regenerated_layers` bounds how many (`thin`): each regenerated input saves its bytes (in host memory or on the
+device) and costs a layer forward a step, so a plan regenerates no more inputs than its budgets need (`auto`: the
+fewest that fit them, poros/engine/planning/budget.py).
 """
 
 from __future__ import annotations
@@ -49,6 +53,25 @@ def segments(recomputed: list[int], stride: int, group_of: dict[int, Group],
             seg.append(i)
         else:
             out.append([i])
+    return out
+
+
+def thin(segs: list[list[int]], keep: int | None) -> list[list[int]]:
+    """`segs` with at most `keep` regenerated layers (None: all), spread evenly over the regenerated layers in
+    order: each one dropped saves its input instead and starts a segment of the layers above it in its old one,
+    whose weights that segment's top backward finds on the device as the old segment's did."""
+    regenerated = [i for seg in segs for i in seg[1:]]
+    if keep is None or keep >= len(regenerated):
+        return segs
+    kept = {regenerated[j * len(regenerated) // keep] for j in range(keep)}
+    out: list[list[int]] = []
+    for seg in segs:
+        out.append([seg[0]])
+        for i in seg[1:]:
+            if i in kept:
+                out[-1].append(i)
+            else:
+                out.append([i])
     return out
 
 

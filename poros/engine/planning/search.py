@@ -180,6 +180,7 @@ class PlanRequest:
     shards: int = 1  # ranks sharing every streamed copy (shard_stream); see Plan.shards
     device_inputs: int | None = None  # recomputed layers whose saved inputs stay on the device (None: as config says)
     host_budget: int | None = None  # bytes of host memory for the NF4 store and the saved inputs there (None: unchecked)
+    regenerated: int | None = None  # the most layers whose inputs are regenerated (None: as config says)
 
     @classmethod
     def of_config(cls, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None,
@@ -268,6 +269,9 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
         (c.device_inputs or 0) if offload_inputs else None)
     segs = regen.segments([i for i in range(n) if i not in kept], c.input_stride, {i: g for g in groups for i in g.layers},
                           regen.present_at_backwards(setup, step), grad_accum)
+    limit = r.regenerated if r.regenerated is not None else (
+        c.regenerated_layers if isinstance(c.regenerated_layers, int) else None)  # auto: the search sets it
+    segs = regen.thin(segs, limit)
     regenerated = tuple(i for seg in segs for i in seg[1:])
     alive = regen.alive_at_once(segs, live)
     step = regen.regen_ops(step, segs, {i: g for g in groups for i in g.layers})
