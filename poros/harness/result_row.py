@@ -57,6 +57,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "s_per_step_std": statistics.stdev(per_step) if len(per_step) > 1 else (0.0 if per_step else None),
         "per_pass_s": meas.per_pass_s if meas else [],
         "pass_gpus": meas.pass_gpus if meas else [],  # the GPU of each pass (a run in parts may change GPUs)
+        "passes_of": meas.passes_of if meas else None,  # the cell that timed them, where not this one
         "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
         "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
         "shard_stream": cfg.shard_stream,

@@ -43,6 +43,9 @@ class Measurement:
     # per timed pass, the UUID of the GPU it ran on (None where unknown: the CPU, a pass of an engine that did
     # not record it): a run in parts may time one cell's passes on several GPUs
     pass_gpus: list[str | None] = field(default_factory=list)
+    # the cell whose passes these are, where a cell ran as an earlier one did (a swept setting its method does
+    # not take) and took its passes
+    passes_of: str | None = None
 
 
 class OutOfTime(Exception):

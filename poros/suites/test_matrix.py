@@ -294,6 +294,13 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
 
     m = session.matrix
     fp = session.cell_fingerprint(cell, cfg)
+    twin = _twin(session, cell, fp)
+    if twin is not None:  # a swept setting this method does not run with: the same run, measured once
+        cell_id, passes = twin
+        progress(f"  {cell.method.value}: runs as {cell_id} ran (a swept setting it does not take): its passes")
+        write(Measurement([r["seconds"] for r in passes], [], *_peaks_of(passes), **_pass_lists(passes),
+                          passes_of=cell_id))
+        return
     earlier = session.passlog.passes(cell.id, fp) if session.resume else []
     if len(earlier) < m.passes and session.deadline is not None and earlier:
         need = (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"]
@@ -321,13 +328,35 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             console.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
         earlier = earlier + this
 
-    def peak(k):
-        values = [r[k] for r in earlier if r.get(k) is not None]
-        return max(values) if values else None
+    write(Measurement([r["seconds"] for r in earlier], [], *_peaks_of(earlier), **_pass_lists(earlier)))
 
-    write(Measurement([r["seconds"] for r in earlier], [], peak("peak_vram_gb"), peak("peak_vram_nvml_gb"),
-                      peak_reserved_gb=peak("peak_reserved_gb"), alloc_retries=[r.get("alloc_retries") for r in earlier],
-                      pass_gpus=[r.get("gpu") for r in earlier]))
+
+def _peaks_of(passes: list[dict]) -> tuple:
+    """(allocated, NVML) peaks over a child's passes, as Measurement takes them positionally."""
+    def peak(k):
+        values = [r[k] for r in passes if r.get(k) is not None]
+        return max(values) if values else None
+    return peak("peak_vram_gb"), peak("peak_vram_nvml_gb")
+
+
+def _pass_lists(passes: list[dict]) -> dict:
+    values = [r["peak_reserved_gb"] for r in passes if r.get("peak_reserved_gb") is not None]
+    return dict(peak_reserved_gb=max(values) if values else None,
+                alloc_retries=[r.get("alloc_retries") for r in passes], pass_gpus=[r.get("gpu") for r in passes])
+
+
+def _twin(session, cell, fp: str) -> tuple[str, list[dict]] | None:
+    """(cell id, passes) of an earlier cell of this run that ran this cell's method with this cell's settings,
+    all its passes timed, None where none did: a child method that runs as its users run it takes no part of a
+    swept setting (Unsloth under a compile or attention sweep), so each point's cell is the same run."""
+    method = f"method:{cell.method.value}"
+    for cell_id in dict.fromkeys(r["cell"] for r in session.passlog.records()
+                                 if r.get("kind") == "pass" and r.get("fingerprint") == fp):
+        if cell_id != cell.id and method in cell_id.split("-"):
+            passes = session.passlog.passes(cell_id, fp)
+            if len(passes) == session.matrix.passes:
+                return cell_id, passes
+    return None
 
 
 def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:

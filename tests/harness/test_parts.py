@@ -305,3 +305,46 @@ def test_a_released_store_gives_its_host_memory_back(stores):
     assert store.host_bytes > 0 and not store.released
     store.release()
     assert store.released and store.host_bytes == 0 and store.dense == {}
+
+
+def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tmp_path):
+    """Unsloth runs with compile off whatever a compile sweep says: the second point's cell has the first's settings
+    and takes its passes (its row names them, `passes_of`) without a second child; a cell of other settings (the
+    control) runs its own."""
+    from poros.config import Method
+    from poros.engine.methods import config_for
+    from poros.harness.cells import cell_config, matrix_cells
+    from poros.harness.matrix import parse_matrix
+    from poros.harness.results import PassLog
+    from poros.suites import test_matrix as tm
+    from poros.suites.session import Session
+
+    m = parse_matrix(dict(name="t", steps=2, passes=2, warmup_passes=1, batch_size=1, grad_accum=1, lora_rank=4,
+                          lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"],
+                          methods=["unsloth"], models=["tiny-qwen3"], sweep={"compile": [True, False],
+                                                                              "seq_len": [64, 128]}), "t.yaml")
+    cells = [c for c in matrix_cells(m) if c.method is Method.UNSLOTH]
+    children = []
+
+    def fake_unsloth(store, cfg, steps, passes, warmup, on_pass=None, **kw):
+        children.append(cfg.seq_len)
+        for i in range(passes):
+            on_pass({"seconds": 1.0 + i, "peak_vram_gb": 2.0})
+
+    monkeypatch.setattr(um, "measure_unsloth", fake_unsloth)
+    session = SimpleNamespace(matrix=m, passlog=PassLog(tmp_path / "passes.jsonl"), resume=False, deadline=None,
+                              keep_exports=False, cell_fingerprint=lambda cell, cfg: Session.fingerprint(
+                                  m.name, cfg.as_dict(), m.steps))
+    store = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8))
+    written = {}
+    for cell in cells:
+        cfg = config_for(cell.method, cell_config(m, cell))
+        tm._measure_child(session, cell, cfg, store, lambda meas, cell=cell: written.__setitem__(cell.id, meas), None)
+    assert sorted(children) == [64, 128], "one child per distinct setting, not per sweep point"
+    by_len = {}
+    for cell in cells:
+        by_len.setdefault(cell_config(m, cell).seq_len, []).append(cell.id)
+    for first, second in by_len.values():
+        assert written[first].passes_of is None and written[second].passes_of == first
+        assert written[second].per_pass_s == written[first].per_pass_s == [1.0, 2.0]
+        assert written[second].peak_vram_gb == 2.0
