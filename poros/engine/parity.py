@@ -136,7 +136,8 @@ class RecordedReference:
         self.cfg, self.method = trainer.cfg, trainer.method
         self.init = {k: v.detach().to("cpu", copy=True) for k, v in trainer.lora_state().items()}
         # each step records the LoRA gradients, the weights and AdamW's two moments: four copies of the weights
-        trainer.leave_host_memory(STATES_PER_STEP * steps * sum(v.numel() * v.element_size() for v in self.init.values()))
+        weights = sum(v.numel() * v.element_size() for v in self.init.values())
+        trainer.leave_host_memory(STATES_PER_STEP * steps * weights)
         self.states = [take_step(trainer, s, to_host=True) for s in range(steps)]
 
 
