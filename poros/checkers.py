@@ -142,37 +142,36 @@ def optional_size(v):
     return None if v is None or v == "none" else parse_size(v)
 
 
+def _optional_int(v, least: int, wanted: str, auto: bool = False):
+    """`v` as an integer from `least` to MAX_COUNT (a string of digits too), None for none, and with `auto` the word
+    auto as itself."""
+    if v is None or v == "none":
+        return None
+    if auto and v == "auto":
+        return v
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    others = "auto or none" if auto else "or none"
+    if not isinstance(v, int) or isinstance(v, bool) or v < least:
+        raise ValueError(f"expected an integer {wanted}{',' if auto else ''} {others}, got {_short(v)}")
+    if v > MAX_COUNT:
+        raise ValueError(f"expected an integer {wanted} and at most {MAX_COUNT}, {others}, got {_short(v)}")
+    return v
+
+
 @returns(int | None)
 def optional_count(v):
     """An integer >= 0, or none."""
-    if v is None or v == "none":
-        return None
-    if isinstance(v, str) and v.isdigit():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
-        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
-    return v
+    return _optional_int(v, 0, ">= 0")
 
 
 @returns(int | Literal["auto"] | None)
 def optional_count_or_auto(v):
     """An integer >= 0, auto, or none."""
-    if v == "auto":
-        return v
-    try:
-        return optional_count(v)
-    except ValueError:
-        raise ValueError(f"expected an integer >= 0 and at most {MAX_COUNT}, auto or none, got {_short(v)}") from None
+    return _optional_int(v, 0, ">= 0", auto=True)
 
 
 @returns(int | None)
 def optional_positive_int(v):
-    if v is None or v == "none":
-        return None
-    if isinstance(v, str) and v.isdigit():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"expected an integer > 0 or none, got {_short(v)}")
-    if v > MAX_COUNT:
-        raise ValueError(f"expected an integer > 0 and at most {MAX_COUNT}, or none, got {_short(v)}")
-    return v
+    """An integer > 0, or none."""
+    return _optional_int(v, 1, "> 0")

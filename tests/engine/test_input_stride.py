@@ -263,3 +263,10 @@ def test_a_bound_on_regenerated_inputs_needs_a_stride(kw):
     with pytest.raises(ConfigError, match="regenerated_layers: .* needs input_stride above 1"):
         TrainConfig(model="tiny-qwen2", **kw)
     TrainConfig(model="tiny-qwen2", input_stride=2, **kw)  # the control
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "many", 2**40], ids=repr)
+def test_bad_bounds_on_regenerated_inputs_are_refused_in_one_line_naming_the_field(value):
+    with pytest.raises(ConfigError, match="regenerated_layers: expected an integer >= 0.* auto or none") as e:
+        TrainConfig(model="tiny-qwen2", input_stride=2, regenerated_layers=value)
+    assert "\n" not in str(e.value)
