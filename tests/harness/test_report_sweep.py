@@ -246,3 +246,21 @@ def test_a_plain_matrix_rows_beside_a_sweeps_render_on_both_pages(tmp_path, caps
         assert not re.search(r"\bnan\b", md, re.IGNORECASE), md
     plain = (tmp_path / "page0.md").read_text()
     assert "| 24GB |" in plain and "| — | PASS (0.00e+00) |" in plain, plain
+
+
+def test_beside_unsloth_pairs_each_plan_with_unsloth_of_the_same_run_work_and_gpu(tmp_path):
+    """Tokens/s against Unsloth's, the NVML peak against Unsloth's, the planner's process prediction against the
+    NVML peak; an Unsloth row of another GPU (the control) pairs with nothing, and a page without one has no table."""
+    from poros.harness.report.sweep import UNSLOTH_COLUMNS
+
+    poros = row(s=2.0, seq=32768, peak_vram_nvml_gb=22.0, predicted_process_vram_gb=23.1)
+    unsloth = row(method="unsloth", s=1.0, seq=32768, peak_vram_nvml_gb=66.0)
+    (got,) = table(render(tmp_path / "a", [poros, unsloth]), UNSLOTH_COLUMNS)
+    assert (got["vs Unsloth"], got["Share of Unsloth's"], got["Predicted vs NVML"]) == ("0.50×", "33%", "+5.0%")
+    assert (got["Peak (NVML)"], got["Unsloth peak (NVML)"], got["Predicted (process)"]) == ("22.00 GB", "66.00 GB",
+                                                                                           "23.10 GB")
+    device = {**unsloth, "peak_vram_nvml_source": "device"}  # NVML counted every process on the GPU
+    (got,) = table(render(tmp_path / "c", [poros, device]), UNSLOTH_COLUMNS)
+    assert got["Unsloth peak (NVML)"] == "66.00 GB (device)" and got["Peak (NVML)"] == "22.00 GB"
+    elsewhere = row(method="unsloth", s=1.0, seq=32768, peak_vram_nvml_gb=66.0, uuids=("B",))
+    assert "## Beside Unsloth" not in render(tmp_path / "b", [poros, elsewhere])

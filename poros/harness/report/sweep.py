@@ -19,6 +19,12 @@ SCALING_COLUMNS = ("Model", "Method / plan", "Seq", "Grad-accum", "GPU", "GPUs",
 ATTENTION_COLUMNS = ("Model", "Method / plan", "Seq", "GPU", "Attention", "s/step", "s/step on math", "vs math",
                      "Tokens/s", "Tokens/s on math", "Peak VRAM", "Peak VRAM on math")
 FLOOR_ROW_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Method / plan", "Schedule", "s/step", *FLOOR_COLUMNS)
+UNSLOTH_COLUMNS = ("Model", "GPU", "Seq", "Method / plan", "Schedule", "Tokens/s", "Unsloth tokens/s", "vs Unsloth",
+                   "Peak (NVML)", "Unsloth peak (NVML)", "Share of Unsloth's", "Predicted (process)", "Predicted vs NVML")
+UNSLOTH_NOTE = ("Each poros plan beside Unsloth as its users run it, on the same work in the same run on the same GPU: "
+                "tokens/s and their ratio (above 1×: poros is faster), the process's peak device memory as NVML counts "
+                "it (what a VRAM budget holds) and its share of Unsloth's, and the planner's prediction of that peak, "
+                "made before the run, against it.")
 # what a row computes, but its GPUs
 TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk", "mlp_chunk",
         "attention_chunk")
@@ -210,3 +216,38 @@ def floor_table(rows: pd.DataFrame) -> str | None:
             f"{r['s_per_step_median']:.4f}", *floor_cells(r)]
            for r in rows.to_dict("records") if r["timed_ok"] and num(r.get("copy_floor_s")) is not None]
     return md_table(FLOOR_ROW_COLUMNS, out) if out else None
+
+
+def _share(a, b, fmt: str, minus: float = 0.0) -> str:
+    a, b = num(a), num(b)
+    return DASH if a is None or not b else fmt.format(a / b - minus)
+
+
+def unsloth_table(rows: pd.DataFrame) -> str | None:
+    """Each timed poros row beside the Unsloth row of the same run and work (of the same sweep point where there
+    is one); None when no poros row has one."""
+    timed = [r for r in rows.to_dict("records") if r["timed_ok"]]
+    unsloth: dict[tuple, dict] = {}
+    for r in timed:
+        if r["method"] == "unsloth":
+            unsloth.setdefault((r["run"], r["work"]), r)
+            unsloth[(r["run"], r["work"], r["point"])] = r
+    out = []
+    for r in timed:
+        u = unsloth.get((r["run"], r["work"], r["point"])) or unsloth.get((r["run"], r["work"]))
+        if not is_planned(r["method"]) or u is None:
+            continue
+        out.append([r["model"], r["gpu_label"], _fmt(r["seq_len"], "{:.0f}"), r["label"], r["schedule"],
+                    _fmt(r["tokens_per_s"], "{:.0f}"), _fmt(u["tokens_per_s"], "{:.0f}"),
+                    _share(r["tokens_per_s"], u["tokens_per_s"], "{:.2f}×"), _nvml(r), _nvml(u),
+                    _share(r.get("peak_vram_nvml_gb"), u.get("peak_vram_nvml_gb"), "{:.0%}"),
+                    fmt_gb(num(r.get("predicted_process_vram_gb"))),
+                    _share(r.get("predicted_process_vram_gb"), r.get("peak_vram_nvml_gb"), "{:+.1%}", minus=1.0)])
+    return md_table(UNSLOTH_COLUMNS, out) if out else None
+
+
+def _nvml(r: dict) -> str:
+    """A row's NVML peak as the table shows it: the process's, or marked where NVML counted the whole device (every
+    process on it: no budget holds that)."""
+    shown = fmt_gb(num(r.get("peak_vram_nvml_gb")))
+    return shown if shown == DASH or r.get("peak_vram_nvml_source") in (None, "process") else f"{shown} (device)"
