@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from poros.config import Method
 from poros.engine.method_info import REFERENCES, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, floor_cells
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none
@@ -229,7 +230,7 @@ def unsloth_table(rows: pd.DataFrame) -> str | None:
     timed = [r for r in rows.to_dict("records") if r["timed_ok"]]
     unsloth: dict[tuple, dict] = {}
     for r in timed:
-        if r["method"] == "unsloth":
+        if r["method"] == Method.UNSLOTH.value:
             unsloth.setdefault((r["run"], r["work"]), r)
             unsloth[(r["run"], r["work"], r["point"])] = r
     out = []
