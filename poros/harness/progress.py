@@ -43,7 +43,9 @@ def cell_states(m: Matrix, out: Path) -> list[tuple[str, str]]:
             g = gates.get(cell.id)
             states.append((name, "not run" if g is None else f"{g.get('parity')} ({g.get('steps')} steps)"))
         elif row is not None and row.get("status") == "ok":
-            gpus = {g for g in row.get("pass_gpus") or [] if g}
+            from poros.harness.report.rows import row_gpus
+
+            gpus = row_gpus(row)
             on = f" on {len(gpus)} GPUs" if len(gpus) > 1 else ""
             states.append((name, f"done: {row['s_per_step_median']:.4f} s/step over {len(row['per_pass_s'])} passes{on}"
                            if row.get("s_per_step_median") is not None else "done (not timed)"))

@@ -74,7 +74,6 @@ class NF4Store:
     # the lookup table of the nested absmax (bitsandbytes' dynamic map) when the slots are double-quantized
     nested_code: torch.Tensor | None = None
     pinned: bool = False
-    released: bool = False  # `release` gave its host memory back
     _registered: bool = field(default=False, repr=False)
     _pinned_dense: list = field(default_factory=list, repr=False)
 
@@ -140,7 +139,11 @@ class NF4Store:
         self.unpin()
         self.arena = torch.empty(0, dtype=torch.uint8)
         self.dense, self.buffers = {}, {}
-        self.released = True
+
+    @property
+    def released(self) -> bool:
+        """Whether `release` gave the store's host memory back (a built store's arena is never empty)."""
+        return self.arena.numel() == 0
 
     def __del__(self):  # an arena must not be freed while still registered with the driver
         try:

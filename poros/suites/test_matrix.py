@@ -275,13 +275,13 @@ def _room_for_child(session, store, cfg):
     from poros.harness.unsloth import offloaded_bytes
     from poros.store.host_memory import MEMORY_HEADROOM, available_host_memory
 
-    available = available_host_memory()
-    if available is None or offloaded_bytes(store.config, cfg) * (1 + MEMORY_HEADROOM) <= available:
+    available, need = available_host_memory(), offloaded_bytes(store.config, cfg)
+    if available is None or need * (1 + MEMORY_HEADROOM) <= available:
         return None
 
     def release():
         progress(f"  unsloth: the NF4 store's host memory given back for the child's offloaded activations "
-                 f"({offloaded_bytes(store.config, cfg) / 1e9:.1f} GB; {available / 1e9:.1f} GB was available)")
+                 f"({need / 1e9:.1f} GB; {available / 1e9:.1f} GB was available)")
         session.stores.release()
     return release
 
@@ -298,8 +298,7 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
     if twin is not None:  # a swept setting this method does not run with: the same run, measured once
         cell_id, passes = twin
         progress(f"  {cell.method.value}: runs as {cell_id} ran (a swept setting it does not take): its passes")
-        write(Measurement([r["seconds"] for r in passes], [], *_peaks_of(passes), **_pass_lists(passes),
-                          passes_of=cell_id))
+        write(_child_measurement(passes, passes_of=cell_id))
         return
     earlier = session.passlog.passes(cell.id, fp) if session.resume else []
     if len(earlier) < m.passes and session.deadline is not None and earlier:
@@ -328,34 +327,32 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             console.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
         earlier = earlier + this
 
-    write(Measurement([r["seconds"] for r in earlier], [], *_peaks_of(earlier), **_pass_lists(earlier)))
+    write(_child_measurement(earlier))
 
 
-def _peaks_of(passes: list[dict]) -> tuple:
-    """(allocated, NVML) peaks over a child's passes, as Measurement takes them positionally."""
+def _child_measurement(passes: list[dict], passes_of: str | None = None) -> Measurement:
+    """A child's Measurement from its passes' records: their seconds, the peaks over them, each pass's retries
+    and GPU."""
     def peak(k):
         values = [r[k] for r in passes if r.get(k) is not None]
         return max(values) if values else None
-    return peak("peak_vram_gb"), peak("peak_vram_nvml_gb")
 
-
-def _pass_lists(passes: list[dict]) -> dict:
-    values = [r["peak_reserved_gb"] for r in passes if r.get("peak_reserved_gb") is not None]
-    return dict(peak_reserved_gb=max(values) if values else None,
-                alloc_retries=[r.get("alloc_retries") for r in passes], pass_gpus=[r.get("gpu") for r in passes])
+    return Measurement([r["seconds"] for r in passes], [], peak("peak_vram_gb"), peak("peak_vram_nvml_gb"),
+                       peak_reserved_gb=peak("peak_reserved_gb"), alloc_retries=[r.get("alloc_retries") for r in passes],
+                       pass_gpus=[r.get("gpu") for r in passes], passes_of=passes_of)
 
 
 def _twin(session, cell, fp: str) -> tuple[str, list[dict]] | None:
     """(cell id, passes) of an earlier cell of this run that ran this cell's method with this cell's settings,
     all its passes timed, None where none did: a child method that runs as its users run it takes no part of a
     swept setting (Unsloth under a compile or attention sweep), so each point's cell is the same run."""
-    method = f"method:{cell.method.value}"
-    for cell_id in dict.fromkeys(r["cell"] for r in session.passlog.records()
-                                 if r.get("kind") == "pass" and r.get("fingerprint") == fp):
-        if cell_id != cell.id and method in cell_id.split("-"):
-            passes = session.passlog.passes(cell_id, fp)
-            if len(passes) == session.matrix.passes:
-                return cell_id, passes
+    from poros.harness.cells import matrix_cells
+
+    others = [c.id for c in matrix_cells(session.matrix) if c.method is cell.method and c.id != cell.id]
+    for cell_id in others:
+        passes = session.passlog.passes(cell_id, fp)
+        if len(passes) == session.matrix.passes:
+            return cell_id, passes
     return None
 
 
