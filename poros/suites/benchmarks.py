@@ -76,6 +76,39 @@ def check_compared_cells(config, items) -> None:
                                 f"{steps}; pass --steps {other[0]}, or compare with a run of {steps}-step passes")
 
 
+# what a cell's benchmark carries beside its rounds, from its row (steps: a round is one pass of that many steps)
+ROW_INFO = ("steps", "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb",
+            "parity", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "plan_name", "sweep")
+
+
+def row_info(row: dict) -> dict:
+    """A cell's benchmark extra info: its row's figures (ROW_INFO)."""
+    return {k: row.get(k) for k in ROW_INFO}
+
+
+def has_entry(config, benchmark) -> bool:
+    """Whether the earlier runs' JSON (kept under --resume) holds `benchmark`'s cell, by its test name in
+    today's cell ids."""
+    return any(current_name(b.get("fullname") or "").rpartition("::")[2] == benchmark.name
+               for b in getattr(config, "_poros_benchmarks", []))
+
+
+def rounds_from_row(benchmark, row: dict) -> bool:
+    """Give `benchmark` (pytest-benchmark's fixture, no round timed in this process) the rounds of a finished
+    cell's row: its passes' seconds (`per_pass_s`, each timed as `timed_rounds` times a round), in
+    pytest-benchmark's own statistics, and the row's extra info. A part whose process or machine was lost after
+    a cell's last pass, before its benchmark was written, leaves the row and its passes; the next part writes
+    the entry from them. False where nothing is recorded (no fixture, --benchmark-disable, an untimed row)."""
+    seconds = row.get("per_pass_s") or []
+    if benchmark is None or getattr(benchmark, "disabled", True) or not seconds:
+        return False
+    stats = benchmark._make_stats(1)  # what `benchmark.pedantic(..., iterations=1)` makes before its rounds
+    for s in seconds:
+        stats.update(s)
+    benchmark.extra_info.update(row_info(row))
+    return True
+
+
 def _write_with_earlier(config, data: dict) -> None:
     """`data` (pytest-benchmark's JSON of this session) written to its path with the earlier runs' benchmarks
     before this session's (a cell timed again keeps this session's), in one replace."""

@@ -289,10 +289,14 @@ def pytest_runtest_makereport(item, call):
         item._poros_ran = not report.skipped
         console.end_cell(_outcome(item, report))
     state = getattr(item.config, "_poros_session", None)
-    if report.when == "teardown" and getattr(item, "_poros_ran", False) and state is not None and state.ran:
+    if report.when != "teardown":
+        return
+    if getattr(item, "_poros_ran", False) and state is not None and state.ran:
         # the cell's benchmark is taken at its teardown: a lost machine keeps it, and the part's record so far
         checkpoint(item.config)
         state.record_part()
+    elif getattr(getattr(item, "funcargs", {}).get("benchmark"), "stats", None) is not None:
+        checkpoint(item.config)  # a finished cell's entry written from its row (`rounds_from_row`)
 
 
 def pytest_keyboard_interrupt(excinfo):

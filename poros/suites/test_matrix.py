@@ -29,6 +29,7 @@ from poros.harness.result_row import record
 from poros.harness.timing import Measurement, OutOfTime, measure
 from poros.harness.console import progress, stop_if_interrupted
 from poros.provenance import this_gpu_uuid
+from poros.suites.benchmarks import has_entry, rounds_from_row, row_info
 
 pytestmark = pytest.mark.bench
 
@@ -195,8 +196,11 @@ def test_step(session, cell, benchmark):
     _announce(session, cell)
     _skip_if_not_runnable(session, cell)
     m = session.matrix
-    if session.resume and cell.key in session.writer.done(m.name, timed=session.timed):
-        pytest.skip("already in results (--resume)")
+    row = session.writer.done(m.name, timed=session.timed).get(cell.key) if session.resume else None
+    if row is not None:
+        # its benchmark entry, where the earlier part was lost before writing it, from the row
+        written = not has_entry(session.config, benchmark) and rounds_from_row(benchmark, row)
+        pytest.skip("already in results (--resume)" + ("; its benchmark entry written from the row" if written else ""))
     cfg = config_for(cell.method, cell_config(m, cell))  # the row records what it ran with
     try:
         _measure_cell(session, cell, cfg, benchmark)
@@ -363,11 +367,10 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
     if meas is None:
         progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
         return
-    if benchmark.stats is None:  # every pass was timed by an earlier process: no round ran in this one
+    # every pass timed by an earlier process, lost before this row: no round ran in this one, the row's passes are them
+    if benchmark.stats is None and not rounds_from_row(benchmark, row):
         benchmark.skipped = True
-    benchmark.extra_info.update({k: row[k] for k in (  # steps: a round is one pass of that many steps
-        "steps", "s_per_step_median", "s_per_step_std", "tokens_per_s", "peak_vram_gb", "peak_vram_nvml_gb", "parity",
-        "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "plan_name", "sweep")})
+    benchmark.extra_info.update(row_info(row))
     shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
     progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "
              f"{shown(row['peak_vram_gb'], '{:.2f}')} GB")

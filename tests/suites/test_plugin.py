@@ -95,3 +95,56 @@ def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_pat
     assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1]
     table = status_markdown(parse_matrix(matrix), tmp_path)
     assert "| — (no end: lost or running) |" in table and "2 parts" in table, table
+
+
+LOST_BEFORE_ROW = """import os
+import poros.harness.results as r
+orig = r.ResultsWriter.append
+def append(self, row):
+    # resident's row: the process ends before it is written, after every pass of the cell is in the pass log
+    if row.get("method") == "resident" and os.environ.get("LOSE_IT"):
+        os._exit(137)
+    return orig(self, row)
+r.ResultsWriter.append = append
+"""
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_finished_cells_lost_benchmark_is_written_from_its_row(tmp_path):
+    """A cell whose benchmark was never written (its part lost after the last pass, before the row; or after the
+    row, under a harness that wrote the JSON only at its end) gets its entry in the next part (--resume): the
+    rounds are the row's pass seconds, in pytest-benchmark's statistics, and the extra info the row's. A cell
+    whose entry was kept is left as it was."""
+    env = plugin_env(tmp_path, "lost_before_row", LOST_BEFORE_ROW)
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "benchmark.json"
+    entries = lambda: {b["name"].partition("method:")[2].rstrip("]"): b  # noqa: E731
+                       for b in json.loads(bench_json.read_text())["benchmarks"]}
+    proc, results = run_suite(tmp_path, matrix, "-p", "lost_before_row", f"--benchmark-json={bench_json}",
+                              env={**env, "LOSE_IT": "1"})
+    assert proc.returncode == 137, proc.stdout[-2000:]
+    assert [r["method"] for r in result_rows(results)] == ["poros"] and sorted(entries()) == ["poros"]
+    again, _ = run_suite(tmp_path, matrix, "-p", "lost_before_row", f"--benchmark-json={bench_json}", "--resume",
+                         env=env)
+    assert again.returncode == 0, again.stdout[-2000:]
+    rows = {r["method"]: r for r in result_rows(results)}
+    resident = entries()["resident"]  # every pass timed by the lost part: no round ran in this one
+    assert resident["stats"]["data"] == rows["resident"]["per_pass_s"] and resident["stats"]["rounds"] == 2
+    assert resident["extra_info"]["s_per_step_median"] == rows["resident"]["s_per_step_median"]
+    assert resident["stats"]["median"] == sorted(rows["resident"]["per_pass_s"])[1] / 2 + \
+        sorted(rows["resident"]["per_pass_s"])[0] / 2
+
+    # poros's entry as a harness that wrote the JSON only at its end would have lost it
+    data = json.loads(bench_json.read_text())
+    kept = entries()["resident"]
+    data["benchmarks"] = [b for b in data["benchmarks"] if "method:poros" not in b["name"]]
+    bench_json.write_text(json.dumps(data))
+    assert sorted(entries()) == ["resident"]  # control: the entry is gone before the next part
+    third, _ = run_suite(tmp_path, matrix, f"--benchmark-json={bench_json}", "--resume")
+    assert third.returncode == 0, third.stdout[-2000:]
+    said = {m: next(x for x in third.stdout.splitlines() if f"tiny-qwen2 {m}: skipped" in x) for m in ("poros", "resident")}
+    assert said["poros"].endswith("its benchmark entry written from the row") and "entry" not in said["resident"], said
+    poros = entries()["poros"]
+    assert poros["stats"]["data"] == rows["poros"]["per_pass_s"]
+    assert poros["extra_info"]["parity"] == "PASS" and poros["extra_info"]["steps"] == 2
+    assert entries()["resident"] == kept
