@@ -100,7 +100,8 @@ def rounds_from_row(benchmark, row: dict) -> bool:
     a cell's last pass, before its benchmark was written, leaves the row and its passes; the next part writes
     the entry from them. False where nothing is recorded (no fixture, --benchmark-disable, an untimed row)."""
     seconds = row.get("per_pass_s") or []
-    if benchmark is None or getattr(benchmark, "disabled", True) or not seconds:
+    if benchmark is None or getattr(benchmark, "disabled", True) or not seconds or \
+            not hasattr(benchmark, "_make_stats"):  # pytest-benchmark's own (private) maker of a benchmark's stats
         return False
     stats = benchmark._make_stats(1)  # what `benchmark.pedantic(..., iterations=1)` makes before its rounds
     for s in seconds:
