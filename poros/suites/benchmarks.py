@@ -96,9 +96,9 @@ def has_entry(config, benchmark) -> bool:
 def rounds_from_row(benchmark, row: dict) -> bool:
     """Give `benchmark` (pytest-benchmark's fixture, no round timed in this process) the rounds of a finished
     cell's row: its passes' seconds (`per_pass_s`, each timed as `timed_rounds` times a round), in
-    pytest-benchmark's own statistics, and the row's extra info. A part whose process or machine was lost after
-    a cell's last pass, before its benchmark was written, leaves the row and its passes; the next part writes
-    the entry from them. False where nothing is recorded (no fixture, --benchmark-disable, an untimed row)."""
+    pytest-benchmark's own statistics. A part whose process or machine was lost after a cell's last pass, before
+    its benchmark was written, leaves the row and its passes; the next part writes the entry from them. False
+    where nothing is recorded (no fixture, --benchmark-disable, an untimed row)."""
     seconds = row.get("per_pass_s") or []
     if benchmark is None or getattr(benchmark, "disabled", True) or not seconds or \
             not hasattr(benchmark, "_make_stats"):  # pytest-benchmark's own (private) maker of a benchmark's stats
@@ -106,7 +106,6 @@ def rounds_from_row(benchmark, row: dict) -> bool:
     stats = benchmark._make_stats(1)  # what `benchmark.pedantic(..., iterations=1)` makes before its rounds
     for s in seconds:
         stats.update(s)
-    benchmark.extra_info.update(row_info(row))
     return True
 
 

@@ -295,8 +295,10 @@ def pytest_runtest_makereport(item, call):
         # the cell's benchmark is taken at its teardown: a lost machine keeps it, and the part's record so far
         checkpoint(item.config)
         state.record_part()
-    elif getattr(getattr(item, "funcargs", {}).get("benchmark"), "stats", None) is not None:
-        checkpoint(item.config)  # a finished cell's entry written from its row (`rounds_from_row`)
+    else:  # a skipped cell whose benchmark holds rounds: a finished cell's entry written from its row
+        bench = getattr(item, "funcargs", {}).get("benchmark")
+        if bench is not None and bench.stats is not None and not bench.has_error:
+            checkpoint(item.config)
 
 
 def pytest_keyboard_interrupt(excinfo):

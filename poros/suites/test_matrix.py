@@ -200,6 +200,8 @@ def test_step(session, cell, benchmark):
     if row is not None:
         # its benchmark entry, where the earlier part was lost before writing it, from the row
         written = not has_entry(session.config, benchmark) and rounds_from_row(benchmark, row)
+        if written:
+            benchmark.extra_info.update(row_info(row))
         pytest.skip("already in results (--resume)" + ("; its benchmark entry written from the row" if written else ""))
     cfg = config_for(cell.method, cell_config(m, cell))  # the row records what it ran with
     try:
