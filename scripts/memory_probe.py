@@ -1,0 +1,177 @@
+"""The planner's device memory against the measured, part by part, on a model cut to a few layers (a probe, not a test).
+
+    python3 scripts/memory_probe.py qwen2.5-72b --layers 4 --seq-lens 512,8192,32768,65536 \
+        --attention fast --deterministic --lora-compute bf16 --loss-chunk 2048 --mlp-chunk 2048 \
+        --compile both --out out/memory-probe.jsonl [--max-minutes 5]
+
+What grows with the sequence is one layer's recompute and backward (the plan's `transient`) and the saved inputs;
+the weights, LoRA and its AdamW state are sizes the plan counts exactly. A model of the real shapes cut to
+`--layers` decoder layers therefore measures the transient of the full model's plan in seconds a step: for each
+sequence length (and each of compiled and eager layers with `--compile both`) it builds poros's trainer on
+the settings given (every layer streamed unless `--variant` says otherwise), runs one step (compilation, the
+AdamW state), then measures the next: torch's allocated and reserved peaks and NVML's peak for the process.
+One JSON line per case, to stdout and `--out`:
+  predicted        the plan's parts (bytes), as `poros plan` prints them, and the head's and a layer's transient
+  measured         allocated, reserved and NVML peaks (None off CUDA)
+  transient_measured  allocated peak less the plan's parts other than the transient: the transient as run
+  error            (predicted - measured) / measured for the allocated, reserved and NVML peaks
+`--max-minutes` starts no case past that time; rows already written stay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from poros.config import Method, TrainConfig
+from poros.engine.methods import make_trainer
+from poros.engine.nvml import NvmlPeak
+from poros.engine.executor import geometry_of_store
+from poros.engine.planning.memory import transient_bytes
+from poros.engine.trainer import enable_determinism
+from poros.models.checkpoint import Source
+from poros.models.shapes import get_shape
+from poros.settings import SCHEDULE_NAMES, check_values
+from poros.store.build import build_store
+
+
+def parse_variant(text: str) -> dict:
+    """`offload_inputs=true,block_size=1` as checked schedule settings (poros/settings.py).
+
+    Raises:
+        SystemExit: naming the item that is not KEY=VALUE of a schedule setting, or the value that is wrong.
+    """
+    raw = {}
+    for item in filter(None, text.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or k not in SCHEDULE_NAMES:
+            raise SystemExit(f"variant {text!r}: expected KEY=VALUE with KEY one of {', '.join(SCHEDULE_NAMES)}")
+        raw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+    values, problems = check_values(raw)
+    if problems:
+        raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
+    return values
+
+
+def cut_store(model: str, layers: int, device: str):
+    """The NF4 store of `model`'s shapes with its first `layers` decoder layers (full attention in each)."""
+    config = get_shape(model).config()
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise SystemExit(f"--layers: expected 1 to {config.num_hidden_layers} for {model}, got {layers}")
+    config.num_hidden_layers = layers
+    if hasattr(config, "max_window_layers"):
+        config.max_window_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:layers]
+    store, _ = build_store(Source(f"{model}-{layers}l", config), device=device, progress=False)
+    return store
+
+
+def _error(predicted: float, measured: float | None) -> float | None:
+    return None if not measured else round((predicted - measured) / measured, 4)
+
+
+def probe(store, cfg: TrainConfig) -> dict:
+    """One case: the plan's parts, then one step run and the next measured."""
+    cuda = cfg.device.value == "cuda"
+    geo = geometry_of_store(store, cfg)
+    overlap = cfg.overlap_backward and not cfg.cuda_graphs  # two layers' backwards at once (the plan's rule)
+    head_t, layer_t = transient_bytes(geo, cfg.seq_len, cfg.batch_size, cfg.attention, overlap, cfg.loss_chunk,
+                                      cfg.deterministic, cfg.mlp_chunk, cfg.attention_chunk)
+    trainer = make_trainer(Method.POROS, store, cfg)
+    try:
+        m = trainer.plan.memory
+        t0 = time.perf_counter()
+        trainer.step()  # compiles; AdamW's state exists from here on
+        first = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with NvmlPeak() as nvml:
+            result = trainer.step()
+        alloc = torch.cuda.max_memory_allocated() if cuda else None
+        reserved = torch.cuda.max_memory_reserved() if cuda else None
+        nv = nvml.peak if cuda else None
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    fixed_tensors = m.allocated - m.transient
+    return {
+        "predicted": {**m.parts(), "allocated": m.allocated, "reserved": m.allocator, "process": m.total,
+                      "head_transient": head_t, "layer_transient": layer_t},
+        "measured": {"allocated": alloc, "reserved": reserved, "process": nv},
+        "transient_measured": None if alloc is None else alloc - fixed_tensors,
+        "context_measured": None if nv is None or reserved is None else nv - reserved,
+        "error": {"allocated": _error(m.allocated, alloc), "reserved": _error(m.allocator, reserved),
+                  "process": _error(m.total, nv)},
+        "first_step_s": round(first, 2), "s_per_step": round(result.seconds, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers the model is cut to (default: 4)")
+    p.add_argument("--seq-lens", default="512,8192,32768", help="comma-separated sequence lengths")
+    p.add_argument("--compile", choices=("yes", "no", "both"), default="no", help="compiled decoder layers")
+    p.add_argument("--attention", default="fast")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--lora-compute", default="bf16")
+    p.add_argument("--loss-chunk", type=int)
+    p.add_argument("--mlp-chunk", type=int)
+    p.add_argument("--attention-chunk", type=int)
+    p.add_argument("--block-size", type=int, default=1)
+    p.add_argument("--variant", default="", help="schedule settings, KEY=VALUE,... (e.g. offload_inputs=true)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-minutes", type=float, help="start no case after this many minutes")
+    p.add_argument("--out", type=Path, help="append each row to this JSON-lines file too")
+    args = p.parse_args()
+    try:
+        seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    except ValueError:
+        raise SystemExit(f"--seq-lens: expected comma-separated whole numbers, got {args.seq_lens!r}") from None
+    variant = parse_variant(args.variant)
+    if args.deterministic:
+        enable_determinism()
+    deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
+    store = cut_store(args.model, args.layers, args.device)
+    if args.device == "cuda":
+        store.pin()
+    compiles = {"yes": [True], "no": [False], "both": [True, False]}[args.compile]
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    for seq_len in seq_lens:
+        for compiled in compiles:
+            if deadline is not None and time.monotonic() >= deadline:
+                print(json.dumps({"stopped": f"--max-minutes {args.max_minutes:g} reached"}), flush=True)
+                return
+            cfg = TrainConfig(model=args.model, seq_len=seq_len, block_size=args.block_size, device=args.device,
+                              attention=args.attention, deterministic=args.deterministic,
+                              loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
+                              attention_chunk=args.attention_chunk, compile=compiled,
+                              lora_compute=args.lora_compute).replace(**variant)
+            row = {"model": args.model, "layers": args.layers, "seq_len": seq_len, "compile": compiled,
+                   "attention": cfg.attention.value, "lora_compute": cfg.lora_compute.value,
+                   "loss_chunk": cfg.loss_chunk, "mlp_chunk": cfg.mlp_chunk, "attention_chunk": cfg.attention_chunk,
+                   "variant": {k: getattr(v, "value", v) for k, v in variant.items()}}
+            try:
+                row.update(probe(store, cfg))
+            except Exception as e:  # a case that cannot run (out of memory, a refused plan) says why; the rest go on
+                row["error_text"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

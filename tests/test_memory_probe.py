@@ -1,0 +1,57 @@
+"""scripts/memory_probe.py on the CPU: a model cut to a few layers, its plan's parts and one measured step (the
+measured peaks exist on CUDA only)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from poros.config import TrainConfig
+from poros.engine.executor import geometry_of_store
+from poros.engine.planning.budget import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def probe_module():
+    spec = importlib.util.spec_from_file_location("memory_probe", ROOT / "scripts" / "memory_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cut_model_has_the_layers_asked_and_its_plan_is_the_planners(probe_module):
+    store = probe_module.cut_store("tiny-qwen2", 2, "cpu")
+    assert store.config.num_hidden_layers == 2
+    cfg = TrainConfig(model="tiny-qwen2", seq_len=128, block_size=1, device="cpu", mlp_chunk=64, loss_chunk=64)
+    row = probe_module.probe(store, cfg)
+    plan = make_plan(geometry_of_store(store, cfg), cfg)
+    assert row["predicted"]["allocated"] == plan.memory.allocated
+    geo = geometry_of_store(store, cfg)
+    head, layer = row["predicted"]["head_transient"], row["predicted"]["layer_transient"]
+    # the plan's transient: the head's, or the (two overlapped) layers' with the gradient in flight to the layer below
+    assert row["predicted"]["transient"] == max(head, layer + cfg.seq_len * geo.hidden * 2)
+    assert row["measured"] == {"allocated": None, "reserved": None, "process": None}  # nothing to measure on the CPU
+    assert row["s_per_step"] > 0
+
+
+def test_a_longer_sequence_plans_a_larger_transient(probe_module, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "probe.jsonl"
+    monkeypatch.setattr("sys.argv", ["memory_probe.py", "tiny-qwen2", "--layers", "2", "--seq-lens", "64,256",
+                                     "--attention", "default", "--device", "cpu", "--out", str(out)])
+    probe_module.main()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["seq_len"] for r in rows] == [64, 256] and not any("error_text" in r for r in rows)
+    assert rows[1]["predicted"]["layer_transient"] > rows[0]["predicted"]["layer_transient"]
+    assert capsys.readouterr().out.count("\n") == 2  # each row on stdout as well
+
+
+@pytest.mark.parametrize("argv, says", [(["--layers", "9"], "--layers: expected 1 to 5"),
+                                        (["--seq-lens", "64,x"], "--seq-lens"),
+                                        (["--variant", "nonsense=1"], "variant")])
+def test_bad_arguments_are_refused_with_the_reason(probe_module, monkeypatch, argv, says):
+    monkeypatch.setattr("sys.argv", ["memory_probe.py", "tiny-qwen2", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit, match=says):
+        probe_module.main()
