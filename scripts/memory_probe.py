@@ -9,7 +9,9 @@ the weights, LoRA and its AdamW state are sizes the plan counts exactly. A model
 `--layers` decoder layers therefore measures the transient of the full model's plan in seconds a step: for each
 sequence length (and each of compiled and eager layers with `--compile both`) it builds poros's trainer on
 the settings given (every layer streamed unless `--variant` says otherwise), runs one step (compilation, the
-AdamW state), then measures the next: torch's allocated and reserved peaks and NVML's peak for the process.
+AdamW state), then measures the next: torch's allocated and reserved peaks and NVML's peak for the process. The
+allocator runs as a budgeted run sets it (expandable segments; `--no-expandable-segments`: torch's default), without
+the cap, which would change the plan of so small a model.
 One JSON line per case, to stdout and `--out`:
   predicted        the plan's parts (bytes), as `poros plan` prints them, and the head's and a layer's transient
   measured         allocated, reserved and NVML peaks (None off CUDA)
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from poros.config import Method, TrainConfig
+from poros.engine.allocator_limit import set_allocator_settings
 from poros.engine.methods import make_trainer
 from poros.engine.nvml import NvmlPeak
 from poros.engine.executor import geometry_of_store
@@ -132,6 +135,8 @@ def main() -> None:
     p.add_argument("--variant", default="", help="schedule settings, KEY=VALUE,... (e.g. offload_inputs=true)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-minutes", type=float, help="start no case after this many minutes")
+    p.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=True,
+                   help="the allocator's expandable segments, as a budgeted run sets them (default: on)")
     p.add_argument("--out", type=Path, help="append each row to this JSON-lines file too")
     args = p.parse_args()
     try:
@@ -142,6 +147,8 @@ def main() -> None:
     if args.deterministic:
         enable_determinism()
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
+    if args.device == "cuda" and args.expandable_segments:
+        set_allocator_settings("expandable_segments:True")  # before the first device allocation
     store = cut_store(args.model, args.layers, args.device)
     if args.device == "cuda":
         store.pin()
@@ -161,7 +168,8 @@ def main() -> None:
             row = {"model": args.model, "layers": args.layers, "seq_len": seq_len, "compile": compiled,
                    "attention": cfg.attention.value, "lora_compute": cfg.lora_compute.value,
                    "loss_chunk": cfg.loss_chunk, "mlp_chunk": cfg.mlp_chunk, "attention_chunk": cfg.attention_chunk,
-                   "variant": {k: getattr(v, "value", v) for k, v in variant.items()}}
+                   "variant": {k: getattr(v, "value", v) for k, v in variant.items()},
+                   "expandable_segments": args.device == "cuda" and args.expandable_segments}
             try:
                 row.update(probe(store, cfg))
             except Exception as e:  # a case that cannot run (out of memory, a refused plan) says why; the rest go on
