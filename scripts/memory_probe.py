@@ -62,15 +62,15 @@ def parse_variant(text: str) -> dict:
 
 
 def cut_store(model: str, layers: int, device: str):
-    """The NF4 store of `model`'s shapes with its first `layers` decoder layers (full attention in each)."""
-    config = get_shape(model).config()
-    if not 1 <= layers <= config.num_hidden_layers:
-        raise SystemExit(f"--layers: expected 1 to {config.num_hidden_layers} for {model}, got {layers}")
-    config.num_hidden_layers = layers
-    if hasattr(config, "max_window_layers"):
-        config.max_window_layers = layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = list(config.layer_types)[:layers]
+    """The NF4 store of `model`'s shapes with its first `layers` decoder layers (`ModelShape.cut`).
+
+    Raises:
+        SystemExit: `layers` is out of the shape's range, with the reason.
+    """
+    try:
+        config = get_shape(model).cut(layers)
+    except ValueError as e:
+        raise SystemExit(f"--layers: {e}") from None
     store, _ = build_store(Source(f"{model}-{layers}l", config), device=device, progress=False)
     return store
 

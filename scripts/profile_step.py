@@ -31,6 +31,8 @@ from poros.harness.profiling import profiled, summarize
 from poros.engine.trainer import enable_determinism
 from poros.harness.unsloth import measure_unsloth
 from poros.settings import SCHEDULE_NAMES, check_values
+from poros.models.checkpoint import Source
+from poros.models.shapes import get_shape
 from poros.store.build import build_store
 
 
@@ -50,6 +52,18 @@ def parse_variant(text: str) -> dict:
     if problems:
         raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
     return values
+
+
+def cut_source(model: str, layers: int) -> Source:
+    """`model`'s shapes cut to their first `layers` decoder layers.
+
+    Raises:
+        SystemExit: `layers` is out of the shape's range, with the reason.
+    """
+    try:
+        return Source(f"{model}-{layers}l", get_shape(model).cut(layers))
+    except ValueError as e:
+        raise SystemExit(f"--layers: {e}") from None
 
 
 def echo(variant: dict) -> dict:
@@ -74,13 +88,16 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="regionally compiled decoder layers (every method)")
     p.add_argument("--lora-compute", default="fp32", help="fp32 or bf16 LoRA matmuls (every method)")
     p.add_argument("--variant", default="", help="schedule settings for poros, KEY=VALUE,... (e.g. cuda_graphs=true,vram_budget=24GB)")
+    p.add_argument("--layers", type=int, help="the model cut to its first N decoder layers (ModelShape.cut): one "
+                   "layer's time at a long sequence in seconds a step")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.deterministic:
         enable_determinism()
     variant = parse_variant(args.variant)
     from poros.provenance import provenance
-    store, _ = build_store(args.model, device=args.device)
+    store, _ = build_store(args.model if args.layers is None else cut_source(args.model, args.layers),
+                           device=args.device)
     if args.device == "cuda":
         store.pin()
     for method in args.methods.split(","):
@@ -88,7 +105,7 @@ def main() -> None:
                           attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk,
                           mlp_chunk=args.mlp_chunk,
                           attention_chunk=args.attention_chunk, compile=args.compile, lora_compute=args.lora_compute)
-        head = {"model": args.model, "method": method, "attention": args.attention, "seq_len": args.seq_len,
+        head = {"model": args.model, "layers": args.layers, "method": method, "attention": args.attention, "seq_len": args.seq_len,
                 "compile": cfg.compile, "lora_compute": cfg.lora_compute.value, "mlp_chunk": cfg.mlp_chunk,
                 "attention_chunk": cfg.attention_chunk,
                 "variant": echo(variant) if Method(method) is Method.POROS else {}}

@@ -48,7 +48,7 @@ def test_a_longer_sequence_plans_a_larger_transient(probe_module, tmp_path, monk
     assert capsys.readouterr().out.count("\n") == 2  # each row on stdout as well
 
 
-@pytest.mark.parametrize("argv, says", [(["--layers", "9"], "--layers: expected 1 to 5"),
+@pytest.mark.parametrize("argv, says", [(["--layers", "9"], "--layers: tiny-qwen2 has 5 decoder layers"),
                                         (["--seq-lens", "64,x"], "--seq-lens"),
                                         (["--variant", "nonsense=1"], "variant")])
 def test_bad_arguments_are_refused_with_the_reason(probe_module, monkeypatch, argv, says):

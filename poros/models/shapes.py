@@ -31,6 +31,24 @@ class ModelShape:
         """A fresh config, safe to mutate."""
         return self.factory()
 
+    def cut(self, layers: int) -> transformers.PretrainedConfig:
+        """A fresh config of this shape with only its first `layers` decoder layers, each of its own attention kind:
+        a model whose steps measure one layer's device memory or time in seconds (scripts/memory_probe.py).
+
+        Raises:
+            ValueError: `layers` is not between 1 and the shape's number of layers.
+        """
+        config = self.factory()
+        if not 1 <= layers <= config.num_hidden_layers:
+            raise ValueError(f"{self.name} has {config.num_hidden_layers} decoder layers: a cut keeps 1 to "
+                             f"{config.num_hidden_layers}, not {layers}")
+        config.num_hidden_layers = layers
+        if getattr(config, "max_window_layers", None) is not None:
+            config.max_window_layers = min(config.max_window_layers, layers)
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types)[:layers]
+        return config
+
 
 # Qwen2 has no attention_bias field: its q/k/v projections always carry a bias.
 def _qwen2(**kw) -> transformers.Qwen2Config:

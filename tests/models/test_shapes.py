@@ -58,3 +58,19 @@ def test_unknown_model_lists_known_names():
     assert "'nope'" in msg and "\n" not in msg
     missing = [n for n in SHAPES if n not in msg]
     assert not missing, f"message does not list {missing}: {msg}"
+
+
+@pytest.mark.parametrize("name", ["gemma3-27b", "qwen2.5-72b"])
+def test_a_cut_keeps_the_first_layers_each_of_its_attention_kind(name):
+    full = get_shape(name).config()
+    cut = get_shape(name).cut(6)
+    assert cut.num_hidden_layers == 6 and cut.layer_types == full.layer_types[:6]
+    assert (cut.hidden_size, cut.intermediate_size, cut.vocab_size) == (full.hidden_size, full.intermediate_size,
+                                                                        full.vocab_size)
+    assert count_params(cut) < count_params(full) / 5
+
+
+@pytest.mark.parametrize("layers", [0, 6])
+def test_a_cut_outside_the_shapes_layers_is_refused(layers):
+    with pytest.raises(ValueError, match="tiny-qwen2 has 5 decoder layers"):
+        get_shape("tiny-qwen2").cut(layers)
