@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import time
 from pathlib import Path
@@ -73,6 +74,19 @@ def cut_store(model: str, layers: int, device: str):
         raise SystemExit(f"--layers: {e}") from None
     store, _ = build_store(Source(f"{model}-{layers}l", config), device=device, progress=False)
     return store
+
+
+def listed(text: str, option: str, none: bool = False) -> list:
+    """`text`, comma-separated whole numbers (and, with `none`, the word none: None).
+
+    Raises:
+        SystemExit: naming `option` and what it got.
+    """
+    try:
+        return [None if none and v.strip() == "none" else int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{option}: expected comma-separated whole numbers{' or none' if none else ''}, "
+                         f"got {text!r}") from None
 
 
 def _error(predicted: float, measured: float | None) -> float | None:
@@ -128,7 +142,8 @@ def main() -> None:
     p.add_argument("--attention", default="fast")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--lora-compute", default="bf16")
-    p.add_argument("--loss-chunk", type=int)
+    p.add_argument("--loss-chunk", default="none",
+                   help="tokens of the head's logits at a time, comma-separated to run several ('none': unchunked)")
     p.add_argument("--mlp-chunk", type=int)
     p.add_argument("--attention-chunk", type=int)
     p.add_argument("--block-size", type=int, default=1)
@@ -139,10 +154,8 @@ def main() -> None:
                    help="the allocator's expandable segments, as a budgeted run sets them (default: on)")
     p.add_argument("--out", type=Path, help="append each row to this JSON-lines file too")
     args = p.parse_args()
-    try:
-        seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    except ValueError:
-        raise SystemExit(f"--seq-lens: expected comma-separated whole numbers, got {args.seq_lens!r}") from None
+    seq_lens = listed(args.seq_lens, "--seq-lens")
+    loss_chunks = listed(args.loss_chunk, "--loss-chunk", none=True)
     variant = parse_variant(args.variant)
     if args.deterministic:
         enable_determinism()
@@ -155,30 +168,29 @@ def main() -> None:
     compiles = {"yes": [True], "no": [False], "both": [True, False]}[args.compile]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-    for seq_len in seq_lens:
-        for compiled in compiles:
-            if deadline is not None and time.monotonic() >= deadline:
-                print(json.dumps({"stopped": f"--max-minutes {args.max_minutes:g} reached"}), flush=True)
-                return
-            cfg = TrainConfig(model=args.model, seq_len=seq_len, block_size=args.block_size, device=args.device,
-                              attention=args.attention, deterministic=args.deterministic,
-                              loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
-                              attention_chunk=args.attention_chunk, compile=compiled,
-                              lora_compute=args.lora_compute).replace(**variant)
-            row = {"model": args.model, "layers": args.layers, "seq_len": seq_len, "compile": compiled,
-                   "attention": cfg.attention.value, "lora_compute": cfg.lora_compute.value,
-                   "loss_chunk": cfg.loss_chunk, "mlp_chunk": cfg.mlp_chunk, "attention_chunk": cfg.attention_chunk,
-                   "variant": {k: getattr(v, "value", v) for k, v in variant.items()},
-                   "expandable_segments": args.device == "cuda" and args.expandable_segments}
-            try:
-                row.update(probe(store, cfg))
-            except Exception as e:  # a case that cannot run (out of memory, a refused plan) says why; the rest go on
-                row["error_text"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(line + "\n")
+    for seq_len, loss_chunk, compiled in itertools.product(seq_lens, loss_chunks, compiles):
+        if deadline is not None and time.monotonic() >= deadline:
+            print(json.dumps({"stopped": f"--max-minutes {args.max_minutes:g} reached"}), flush=True)
+            return
+        cfg = TrainConfig(model=args.model, seq_len=seq_len, block_size=args.block_size, device=args.device,
+                          attention=args.attention, deterministic=args.deterministic,
+                          loss_chunk=loss_chunk, mlp_chunk=args.mlp_chunk,
+                          attention_chunk=args.attention_chunk, compile=compiled,
+                          lora_compute=args.lora_compute).replace(**variant)
+        row = {"model": args.model, "layers": args.layers, "seq_len": seq_len, "compile": compiled,
+               "attention": cfg.attention.value, "lora_compute": cfg.lora_compute.value,
+               "loss_chunk": cfg.loss_chunk, "mlp_chunk": cfg.mlp_chunk, "attention_chunk": cfg.attention_chunk,
+               "variant": {k: getattr(v, "value", v) for k, v in variant.items()},
+               "expandable_segments": args.device == "cuda" and args.expandable_segments}
+        try:
+            row.update(probe(store, cfg))
+        except Exception as e:  # a case that cannot run (out of memory, a refused plan) says why; the rest go on
+            row["error_text"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -37,19 +37,24 @@ def test_the_cut_model_has_the_layers_asked_and_its_plan_is_the_planners(probe_m
     assert row["s_per_step"] > 0
 
 
-def test_a_longer_sequence_plans_a_larger_transient(probe_module, tmp_path, monkeypatch, capsys):
+def test_each_length_and_loss_chunk_is_a_case_and_a_row(probe_module, tmp_path, monkeypatch, capsys):
     out = tmp_path / "probe.jsonl"
     monkeypatch.setattr("sys.argv", ["memory_probe.py", "tiny-qwen2", "--layers", "2", "--seq-lens", "64,256",
-                                     "--attention", "default", "--device", "cpu", "--out", str(out)])
+                                     "--loss-chunk", "none,64", "--attention", "default", "--device", "cpu",
+                                     "--out", str(out)])
     probe_module.main()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["seq_len"] for r in rows] == [64, 256] and not any("error_text" in r for r in rows)
-    assert rows[1]["predicted"]["layer_transient"] > rows[0]["predicted"]["layer_transient"]
-    assert capsys.readouterr().out.count("\n") == 2  # each row on stdout as well
+    assert [(r["seq_len"], r["loss_chunk"]) for r in rows] == [(64, None), (64, 64), (256, None), (256, 64)]
+    assert not any("error_text" in r for r in rows)
+    assert rows[2]["predicted"]["layer_transient"] > rows[0]["predicted"]["layer_transient"]
+    # the head's logits 64 tokens at a time: a quarter of the 256-token head's
+    assert rows[3]["predicted"]["head_transient"] * 4 == rows[2]["predicted"]["head_transient"]
+    assert capsys.readouterr().out.count("\n") == 4  # each row on stdout as well
 
 
 @pytest.mark.parametrize("argv, says", [(["--layers", "9"], "--layers: tiny-qwen2 has 5 decoder layers"),
                                         (["--seq-lens", "64,x"], "--seq-lens"),
+                                        (["--loss-chunk", "64,all"], "--loss-chunk: expected .* or none"),
                                         (["--variant", "nonsense=1"], "variant")])
 def test_bad_arguments_are_refused_with_the_reason(probe_module, monkeypatch, argv, says):
     monkeypatch.setattr("sys.argv", ["memory_probe.py", "tiny-qwen2", "--device", "cpu", *argv])
