@@ -16,6 +16,9 @@ One JSON line per case, to stdout and `--out`:
   predicted        the plan's parts (bytes), as `poros plan` prints them, and the head's and a layer's transient
   measured         allocated, reserved and NVML peaks (None off CUDA)
   transient_measured  allocated peak less the plan's parts other than the transient: the transient as run
+  by_operation     per kind of step operation (forward, regenerate, head, backward) its largest allocated peak, what
+                   it added to the bytes allocated when it began, and its layer: the head's transient apart from a
+                   layer's
   error            (predicted - measured) / measured for the allocated, reserved and NVML peaks
 `--max-minutes` starts no case past that time; rows already written stay.
 """
@@ -23,6 +26,7 @@ One JSON line per case, to stdout and `--out`:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -93,6 +97,49 @@ def _error(predicted: float, measured: float | None) -> float | None:
     return None if not measured else round((predicted - measured) / measured, 4)
 
 
+class OpPeaks:
+    """While inside, each of the trainer's step operations (forward, regenerate, head, backward: poros/engine/
+    interpreter.py) records the allocated peak while it ran and what it added to the bytes allocated when it began,
+    the largest of each kind kept with its layer (CUDA only). A backward overlapped with the next operation
+    (`overlap_backward`) is counted partly in that one."""
+
+    KINDS = {"_forward": "forward", "_regenerate": "regenerate", "_head": "head", "_backward": "backward"}
+
+    def __init__(self, trainer):
+        self.trainer, self.peaks = trainer, {}
+        # the peaks across the step, operations and what ran between them (each operation resets torch's counters)
+        self.allocated = self.reserved = 0
+
+    def _wrap(self, name: str, run):
+        def measured(op):
+            self._keep()  # what ran since the last operation
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return run(op)
+            finally:
+                peak = torch.cuda.max_memory_allocated()
+                self._keep()
+                kind = self.KINDS[name]
+                if peak > self.peaks.get(kind, {}).get("peak", -1):
+                    self.peaks[kind] = {"peak": peak, "added": peak - start, "layer": op.layer}
+        return measured
+
+    def _keep(self) -> None:
+        self.allocated = max(self.allocated, torch.cuda.max_memory_allocated())
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+
+    def __enter__(self):
+        for name in self.KINDS:
+            setattr(self.trainer, name, self._wrap(name, getattr(self.trainer, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.KINDS:
+            delattr(self.trainer, name)  # the class's methods again
+        self._keep()  # what ran after the last operation (the optimizer's step)
+
+
 def probe(store, cfg: TrainConfig) -> dict:
     """One case: the plan's parts, then one step run and the next measured."""
     cuda = cfg.device.value == "cuda"
@@ -109,10 +156,9 @@ def probe(store, cfg: TrainConfig) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with NvmlPeak() as nvml:
+        with NvmlPeak() as nvml, (OpPeaks(trainer) if cuda else contextlib.nullcontext()) as ops:
             result = trainer.step()
-        alloc = torch.cuda.max_memory_allocated() if cuda else None
-        reserved = torch.cuda.max_memory_reserved() if cuda else None
+        alloc, reserved = (ops.allocated, ops.reserved) if cuda else (None, None)
         nv = nvml.peak if cuda else None
     finally:
         trainer.close()
@@ -126,6 +172,7 @@ def probe(store, cfg: TrainConfig) -> dict:
                       "head_transient": head_t, "layer_transient": layer_t},
         "measured": {"allocated": alloc, "reserved": reserved, "process": nv},
         "transient_measured": None if alloc is None else alloc - fixed_tensors,
+        "by_operation": ops.peaks if cuda else None,
         "context_measured": None if nv is None or reserved is None else nv - reserved,
         "error": {"allocated": _error(m.allocated, alloc), "reserved": _error(m.allocator, reserved),
                   "process": _error(m.total, nv)},

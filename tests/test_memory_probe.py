@@ -60,3 +60,37 @@ def test_bad_arguments_are_refused_with_the_reason(probe_module, monkeypatch, ar
     monkeypatch.setattr("sys.argv", ["memory_probe.py", "tiny-qwen2", "--device", "cpu", *argv])
     with pytest.raises(SystemExit, match=says):
         probe_module.main()
+
+
+def test_each_operation_kind_keeps_its_largest_peak_and_what_it_added(probe_module, monkeypatch):
+    """OpPeaks on the CPU with torch's CUDA memory counters simulated: the head adds 300 bytes above what it found
+    and backwards 100 + 10 x layer; the largest of each kind is kept with its layer, the overall peak is the
+    largest, and the trainer's own methods are back afterwards."""
+    from poros.engine.executor import PorosTrainer
+
+    mem = {"now": 1000, "peak": 1000}
+    for name, fn in {"memory_allocated": lambda *a: mem["now"], "max_memory_allocated": lambda *a: mem["peak"],
+                     "max_memory_reserved": lambda *a: mem["peak"] + 7,
+                     "reset_peak_memory_stats": lambda *a: mem.update(peak=mem["now"])}.items():
+        monkeypatch.setattr(f"torch.cuda.{name}", fn)
+
+    def adding(method, extra):
+        def run(self, op):
+            mem["peak"] = max(mem["peak"], mem["now"] + extra(op))
+            return method(self, op)
+        return run
+
+    monkeypatch.setattr(PorosTrainer, "_head", adding(PorosTrainer._head, lambda op: 300))
+    monkeypatch.setattr(PorosTrainer, "_backward", adding(PorosTrainer._backward, lambda op: 100 + 10 * op.layer))
+    store = probe_module.cut_store("tiny-qwen2", 3, "cpu")
+    trainer = PorosTrainer(store, TrainConfig(model="tiny-qwen2", seq_len=64, block_size=1, device="cpu"))
+    try:
+        with probe_module.OpPeaks(trainer) as ops:
+            trainer.step()
+        assert "_head" not in vars(trainer) and "_backward" not in vars(trainer)
+    finally:
+        trainer.close()
+    assert ops.peaks["head"] == {"peak": 1300, "added": 300, "layer": -1}  # the head's op names no layer
+    assert ops.peaks["backward"]["added"] == 120 and ops.peaks["backward"]["layer"] == 2
+    assert ops.peaks["forward"]["added"] == 0
+    assert (ops.allocated, ops.reserved) == (1300, 1307)
