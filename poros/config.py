@@ -97,6 +97,12 @@ def _combination_problems(cfg: TrainConfig, valid: Callable[..., bool]) -> list[
     if valid("input_stride", "cuda_graphs") and cfg.input_stride > 1 and cfg.cuda_graphs:
         problems.append(f"input_stride: regenerates inputs with eager (or compiled) forwards, not through layer "
                         f"templates; drop cuda_graphs (--no-cuda-graphs), got input_stride={cfg.input_stride}")
+    if valid("compile_mlp", "compile") and not cfg.compile_mlp and not cfg.compile:
+        problems.append("compile_mlp: off leaves each decoder layer's MLP out of its compiled graph, so it needs "
+                        "compile (--compile); got compile_mlp off without it")
+    if valid("compile_mlp", "cuda_graphs") and not cfg.compile_mlp and cfg.cuda_graphs:
+        problems.append("compile_mlp: off is for layers run without CUDA graphs (layer templates compile each layer "
+                        "whole); drop cuda_graphs (--no-cuda-graphs) or compile_mlp off")
     if valid("cuda_graphs", "device") and cfg.cuda_graphs and cfg.device is not Device.CUDA:
         problems.append(f"cuda_graphs: needs device cuda, got {cfg.device.value!r}")
     if valid("shard_stream", "gpus") and cfg.shard_stream and cfg.gpus < 2:

@@ -137,6 +137,11 @@ SETTINGS: tuple[Setting, ...] = (
             "regional compilation for every method alike: each decoder layer runs as torch.compile builds it "
             "(`layer.compile()`); compiled bits differ from eager ones, so compiled runs compare only with compiled "
             "runs", "Compiled decoder layers"),
+    Setting("compile_mlp", True, COMPUTED, flag,
+            "with compile: each decoder layer's MLP compiled with the rest of the layer; off, the MLP runs eager "
+            "between the layer's compiled parts (every method alike), so that with mlp_chunk poros's recompute "
+            "computes the MLP's chunks in its backward alone, twice a step where a compiled MLP runs three times",
+            "Compiled MLP", report_default=False),
     Setting("gpus", 1, COMPUTED, positive_int,
             "data-parallel ranks on this host, one per GPU (on the CPU: processes); `poros bench` starts them with "
             "torchrun; each trains its share of every step (world_size x grad_accum micro-batches a step)",

@@ -7,7 +7,7 @@
 What grows with the sequence is one layer's recompute and backward (the plan's `transient`) and the saved inputs;
 the weights, LoRA and its AdamW state are sizes the plan counts exactly. A model of the real shapes cut to
 `--layers` decoder layers therefore measures the transient of the full model's plan in seconds a step: for each
-sequence length (and each of compiled and eager layers with `--compile both`) it builds poros's trainer on
+sequence length (and each way of running the layers `--compile` lists) it builds poros's trainer on
 the settings given (every layer streamed unless `--variant` says otherwise), runs one step (compilation, the
 AdamW state), then measures the next: torch's allocated and reserved peaks and NVML's peak for the process. The
 allocator runs as a budgeted run sets it (expandable segments; `--no-expandable-segments`: torch's default), without
@@ -78,6 +78,10 @@ def cut_store(model: str, layers: int, device: str):
         raise SystemExit(f"--layers: {e}") from None
     store, _ = build_store(Source(f"{model}-{layers}l", config), device=device, progress=False)
     return store
+
+
+# --compile's ways of running the decoder layers: (compile, compile_mlp)
+COMPILE_MODES = {"yes": (True, True), "no": (False, True), "mlp-eager": (True, False)}
 
 
 def listed(text: str, option: str, none: bool = False) -> list:
@@ -185,7 +189,9 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--layers", type=int, default=4, help="decoder layers the model is cut to (default: 4)")
     p.add_argument("--seq-lens", default="512,8192,32768", help="comma-separated sequence lengths")
-    p.add_argument("--compile", choices=("yes", "no", "both"), default="no", help="compiled decoder layers")
+    p.add_argument("--compile", default="no",
+                   help="how the decoder layers run, comma-separated to run several: yes (compiled), no (eager), "
+                        "mlp-eager (compiled but for the MLP: compile_mlp off); both: yes,no (default: no)")
     p.add_argument("--attention", default="fast")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--lora-compute", default="bf16")
@@ -212,19 +218,22 @@ def main() -> None:
     store = cut_store(args.model, args.layers, args.device)
     if args.device == "cuda":
         store.pin()
-    compiles = {"yes": [True], "no": [False], "both": [True, False]}[args.compile]
+    compiles = [COMPILE_MODES.get(m) for m in args.compile.replace("both", "yes,no").split(",")]
+    if None in compiles:
+        raise SystemExit(f"--compile: expected yes, no, mlp-eager or both (comma-separated), got {args.compile!r}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-    for seq_len, loss_chunk, compiled in itertools.product(seq_lens, loss_chunks, compiles):
+    for seq_len, loss_chunk, (compiled, compile_mlp) in itertools.product(seq_lens, loss_chunks, compiles):
         if deadline is not None and time.monotonic() >= deadline:
             print(json.dumps({"stopped": f"--max-minutes {args.max_minutes:g} reached"}), flush=True)
             return
         cfg = TrainConfig(model=args.model, seq_len=seq_len, block_size=args.block_size, device=args.device,
                           attention=args.attention, deterministic=args.deterministic,
                           loss_chunk=loss_chunk, mlp_chunk=args.mlp_chunk,
-                          attention_chunk=args.attention_chunk, compile=compiled,
+                          attention_chunk=args.attention_chunk, compile=compiled, compile_mlp=compile_mlp,
                           lora_compute=args.lora_compute).replace(**variant)
         row = {"model": args.model, "layers": args.layers, "seq_len": seq_len, "compile": compiled,
+               "compile_mlp": compile_mlp,
                "attention": cfg.attention.value, "lora_compute": cfg.lora_compute.value,
                "loss_chunk": cfg.loss_chunk, "mlp_chunk": cfg.mlp_chunk, "attention_chunk": cfg.attention_chunk,
                "variant": {k: getattr(v, "value", v) for k, v in variant.items()},

@@ -86,6 +86,9 @@ def main() -> None:
     p.add_argument("--attention-chunk", type=int,
                    help="every decoder layer's attention projections and norms this many tokens at a time (every method)")
     p.add_argument("--compile", action="store_true", help="regionally compiled decoder layers (every method)")
+    p.add_argument("--compile-mlp", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compile, each layer's MLP compiled with it (--no-compile-mlp: eager between its "
+                        "compiled parts)")
     p.add_argument("--lora-compute", default="fp32", help="fp32 or bf16 LoRA matmuls (every method)")
     p.add_argument("--variant", default="", help="schedule settings for poros, KEY=VALUE,... (e.g. cuda_graphs=true,vram_budget=24GB)")
     p.add_argument("--layers", type=int, help="the model cut to its first N decoder layers (ModelShape.cut): one "
@@ -104,9 +107,11 @@ def main() -> None:
         cfg = TrainConfig(model=args.model, seq_len=args.seq_len, block_size=args.block_size, device=args.device,
                           attention=args.attention, deterministic=args.deterministic, loss_chunk=args.loss_chunk,
                           mlp_chunk=args.mlp_chunk,
-                          attention_chunk=args.attention_chunk, compile=args.compile, lora_compute=args.lora_compute)
+                          attention_chunk=args.attention_chunk, compile=args.compile,
+                          compile_mlp=args.compile_mlp or not args.compile, lora_compute=args.lora_compute)
         head = {"model": args.model, "layers": args.layers, "method": method, "attention": args.attention, "seq_len": args.seq_len,
-                "compile": cfg.compile, "lora_compute": cfg.lora_compute.value, "mlp_chunk": cfg.mlp_chunk,
+                "compile": cfg.compile, "compile_mlp": cfg.compile_mlp, "lora_compute": cfg.lora_compute.value,
+                "mlp_chunk": cfg.mlp_chunk,
                 "attention_chunk": cfg.attention_chunk,
                 "variant": echo(variant) if Method(method) is Method.POROS else {}}
         if Method(method) is Method.UNSLOTH:  # in its own process (it patches libraries globally)

@@ -55,6 +55,7 @@ def test_each_length_and_loss_chunk_is_a_case_and_a_row(probe_module, tmp_path, 
 @pytest.mark.parametrize("argv, says", [(["--layers", "9"], "--layers: tiny-qwen2 has 5 decoder layers"),
                                         (["--seq-lens", "64,x"], "--seq-lens"),
                                         (["--loss-chunk", "64,all"], "--loss-chunk: expected .* or none"),
+                                        (["--compile", "yes,sometimes"], "--compile: expected yes, no, mlp-eager"),
                                         (["--variant", "nonsense=1"], "variant")])
 def test_bad_arguments_are_refused_with_the_reason(probe_module, monkeypatch, argv, says):
     monkeypatch.setattr("sys.argv", ["memory_probe.py", "tiny-qwen2", "--device", "cpu", *argv])

@@ -12,6 +12,8 @@ method compiles its layers with the same pass, so compiled runs stay comparable 
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
@@ -120,8 +122,23 @@ def compile_module(module: nn.Module) -> None:
     module.compile()
 
 
-def compile_layers(layers) -> None:
+def keep_mlp_eager(layers) -> None:
+    """Each decoder layer's MLP left out of its compiled graph (`compile_mlp` off): its forward, the chunked one
+    where `mlp_chunk` bound it, runs eager between the layer's compiled parts (torch.compiler.disable: dynamo
+    splits the layer's graph there). Bound to the module itself, as the chunked forward is, so a copy of the layer
+    runs its own MLP."""
+    from poros.engine.mlp_chunk import mlp_of  # deferred: only runs that compile take it
+
+    for i, layer in enumerate(layers):
+        mlp = mlp_of(layer, f"layer {i}")
+        mlp.forward = types.MethodType(torch.compiler.disable(mlp.forward.__func__), mlp)
+
+
+def compile_layers(layers, mlp: bool = True) -> None:
     """Regional compilation as users run it: every decoder layer `layer.compile()`d (torch.compile of the
-    module's call, so hooks and forward run compiled; the layers of one kind share compiled code)."""
+    module's call, so hooks and forward run compiled; the layers of one kind share compiled code); without `mlp`
+    (`compile_mlp` off) each layer's MLP runs eager (`keep_mlp_eager`)."""
+    if not mlp:
+        keep_mlp_eager(layers)
     for layer in layers:
         compile_module(layer)

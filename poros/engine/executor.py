@@ -97,7 +97,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         self.saved = SavedInputs(self.plan, self.device, pin=self.cfg.pin_memory)
         self.runners = self._runners(model.layers)
         if self.cfg.compile:
-            compile_layers(model.layers)
+            compile_layers(model.layers, mlp=self.cfg.compile_mlp)
         self._backward_keys = [(op.layer, op.micro) for op in self.plan.step if op.kind == P.BACKWARD]
         last = {layer: k for k, (layer, _) in enumerate(self._backward_keys)}
         self._layer_final = {k + 1 for k in last.values()}  # backward counts after which a layer's gradients are whole
@@ -166,7 +166,8 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
             raise CapabilityError("input_stride: regenerated inputs run eager (or compiled) forwards, not layer "
                                   "templates; drop cuda_graphs or input_stride")
         recompute = Recompute(layers, worker, self.saved, compiled, self.cfg.keep_attention,
-                              frozenset(self.plan.regenerated)) if t is None else TemplateRecompute(
+                              frozenset(self.plan.regenerated),
+                              eager_mlp=not (compiled and self.cfg.compile_mlp)) if t is None else TemplateRecompute(
             layers, worker, self.saved, t, compiled)
         kept = Kept(layers, worker, compiled) if t is None else TemplateKept(layers, worker, t, compiled)
         return [kept if i in self.plan.kept_layers else recompute for i in range(len(layers))]

@@ -98,7 +98,7 @@ def config_for(method: Method, cfg: TrainConfig) -> TrainConfig:
     adapters to the activations' bf16 whatever the setting: its row says lora_compute bf16."""
     if METHODS[method].gated:
         return cfg
-    own = {"deterministic": False, "compile": False, "lora_compute": LoRACompute.BF16}
+    own = {"deterministic": False, "compile": False, "compile_mlp": True, "lora_compute": LoRACompute.BF16}
     return cfg if all(getattr(cfg, k) == v for k, v in own.items()) else cfg.replace(**own)
 
 

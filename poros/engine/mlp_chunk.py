@@ -18,7 +18,9 @@ In poros's recompute of an eager layer before its backward, the layer's output i
 MLP's output feeds the residual add alone (`RESIDUAL_MLP_LAYERS`: qwen2, qwen3), the chunked MLP there computes
 nothing in its forward and each chunk's forward and backward in its backward (`output_only_backpropagated`,
 `seq_chunks.deferred_in_chunks`): each chunk runs twice a step, not three times (the forward, the recompute, its
-checkpoint's recompute), with the checkpointed chunks' bits. Compiled layers keep the graph resident's forward runs.
+checkpoint's recompute), with the checkpointed chunks' bits. A compiled layer's MLP runs in the graph resident's
+forward runs, three times a step; with `compile_mlp` off it runs eager between the layer's compiled parts
+(poros/engine/compiling.py `keep_mlp_eager`) and is deferred as an eager layer's.
 
 How a module runs in chunks, LoRA dropout's keys per chunk included, is poros/engine/seq_chunks.py.
 """

@@ -101,12 +101,15 @@ class Recompute(Runner):
     """Args:
         keep_attention: save the forward's attention results with the input; the recompute takes them
             (while `kept_attention.installed()` is entered).
+        eager_mlp: the layers' MLPs run eager (eager layers, or compiled ones without `compile_mlp`), so the
+            recompute may leave a chunked MLP's output to its backward (`mlp_chunk.output_only_backpropagated`).
     """
 
     def __init__(self, layers, worker, saved: SavedInputs, compiled: bool = False, keep_attention: bool = False,
-                 regenerated: frozenset[int] = frozenset()):
+                 regenerated: frozenset[int] = frozenset(), eager_mlp: bool | None = None):
         super().__init__(layers, worker, compiled)
         self.saved, self.keep_attention, self.regenerated = saved, keep_attention, regenerated
+        self.eager_mlp = not compiled if eager_mlp is None else eager_mlp
         self.calls: dict[Key, tuple[LayerCall, bool]] = {}  # the call and whether its input requires grad
         self.attention: dict[Key, kept_attention.AttentionRecord] = {}  # keep_attention: the forward's calls
         self.attention_calls = {"replayed": 0, "computed": 0}  # keep_attention: fused attention calls in recomputes
@@ -138,12 +141,13 @@ class Recompute(Runner):
 
     def recompute(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's forward again, with autograd, from its saved input: (input leaf, output). The output is
-        only backpropagated, so an eager layer's chunked MLP computes its own part in the backward alone
-        (`mlp_chunk.output_only_backpropagated`); a compiled layer runs the graph resident's forward runs."""
+        only backpropagated, so an eager MLP (an eager layer's, or a compiled layer's without `compile_mlp`) that
+        is chunked computes its own part in the backward alone (`mlp_chunk.output_only_backpropagated`); a
+        compiled MLP runs in the graph resident's forward runs."""
         call, wants = self.calls.pop(key)
         x, *large = self.saved.take(key)
         x = x.detach().requires_grad_(wants)
-        deferred = contextlib.nullcontext() if self.compiled else mlp_chunk.output_only_backpropagated()
+        deferred = mlp_chunk.output_only_backpropagated() if self.eager_mlp else contextlib.nullcontext()
         if key not in self.attention:
             with deferred:
                 return x, hidden_of(call(self.layers[key[0]], x))

@@ -18,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
-from poros.engine.compiling import compile_layers, enable_deterministic_compile, install_layer_compilation
+from poros.engine.compiling import (compile_layers, enable_deterministic_compile, install_layer_compilation,
+                                    keep_mlp_eager)
 from poros.engine.data import Batch, synthetic_step
 from poros.engine.distributed import SINGLE, World, reduce_mean
 from poros.engine.host_saved import HostSaved, saved_host_limit
@@ -284,7 +285,7 @@ class ResidentTrainer(Trainer):
         return model
 
     def _compile(self, model: QLoRAModel) -> None:
-        compile_layers(model.layers)
+        compile_layers(model.layers, mlp=self.cfg.compile_mlp)
 
     def _distribute(self) -> None:
         """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
@@ -345,6 +346,8 @@ class ResidentGCTrainer(ResidentTrainer):
         the layer's forward, so `layer.compile()` would trace it into the graph: torch.compile's activation
         checkpointing, other kernels and other bits than resident's compiled layers.)"""
         install_layer_compilation()
+        if not self.cfg.compile_mlp:
+            keep_mlp_eager(model.layers)
         for layer in model.layers:
             layer.forward = functools.partial(checkpoint, torch.compile(type(layer).forward.__get__(layer)),
                                               use_reentrant=False)

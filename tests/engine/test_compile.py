@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from poros.config import COMPUTED_NAMES, Method, TrainConfig
+from poros.errors import ConfigError
 from poros.engine.planning.search import build_plan
 from poros.engine import runners
 from poros.engine.executor import PorosTrainer, geometry_of_store
@@ -150,6 +151,20 @@ def test_unsloth_runs_its_own_compilation_not_the_setting():
     cfg = compiled("tiny-qwen2", deterministic=True)
     assert config_for(Method.UNSLOTH, cfg).compile is False
     assert all(config_for(m, cfg) is cfg for m in (Method.POROS, Method.RESIDENT, Method.RESIDENT_GC))
+    eager_mlp = cfg.replace(compile_mlp=False)  # which needs compile, so Unsloth's settings take the default again
+    assert config_for(Method.UNSLOTH, eager_mlp).compile_mlp is True
+
+
+@pytest.mark.parametrize("settings, refused", [
+    (dict(compile_mlp=False), "compile_mlp: off leaves each decoder layer's MLP out of its compiled graph, so it "
+                              "needs compile"),
+    (dict(compile=True, compile_mlp=False, device="cuda", cuda_graphs=True), "compile_mlp: off is for layers run "
+                                                                            "without CUDA graphs"),
+], ids=["without-compile", "with-cuda-graphs"])
+def test_an_eager_mlp_outside_compiled_layers_is_refused(settings, refused):
+    with pytest.raises(ConfigError, match=refused):
+        TrainConfig(model="tiny-qwen2", **settings)
+    TrainConfig(model="tiny-qwen2", compile=True, compile_mlp=False)  # the accepted neighbour
 
 
 def _captures_compile(monkeypatch) -> list[int]:

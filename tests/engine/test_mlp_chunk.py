@@ -90,6 +90,15 @@ def test_compiled_methods_equal_compiled_resident(stores, side):
     compiled_gate(stores, side, mlp_chunk=48)
 
 
+@pytest.mark.usefixtures("fresh_compile_caches")
+@pytest.mark.parametrize("side", ["poros", pytest.param("resident_gc", marks=pytest.mark.slow)],
+                         ids=lambda s: f"method={s}")
+def test_compiled_layers_with_an_eager_mlp_equal_compiled_resident(stores, side):
+    """compile_mlp off: every method's layers compiled but for their MLP, which runs eager between the compiled
+    parts (poros's recompute then defers its chunks to the backward); the bits agree."""
+    compiled_gate(stores, side, mlp_chunk=48, compile_mlp=False)
+
+
 # --- negative controls: the gate sees a side that chunks otherwise ----------------------------------------
 
 
@@ -138,6 +147,32 @@ def test_poros_runs_a_residual_mlp_twice_a_step_not_three_times(stores, monkeypa
     trainer.step()
     layers, tokens = len(trainer.qlora.layers), cfg.seq_len * cfg.batch_size
     assert rows["n"] == (2 if deferred else 3) * layers * tokens
+
+
+@pytest.mark.usefixtures("fresh_compile_caches")
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "control-not-deferred"])
+def test_compiled_layers_with_an_eager_mlp_run_it_twice_a_step(stores, monkeypatch, defer):
+    """compile_mlp off: the compiled layer's recompute leaves its eager MLP's chunks to the backward, so each runs
+    twice a step; the control, the recompute not deferring, runs each a third time (its checkpoint's recompute)."""
+    cfg = config("tiny-qwen2", mlp_chunk=32, grad_accum=1, compile=True, compile_mlp=False)
+    trainer = make_trainer(Method.POROS, stores("tiny-qwen2"), cfg)
+    if not defer:
+        for runner in trainer.runners:
+            runner.eager_mlp = False
+    rows = _mlp_rows(monkeypatch, trainer)
+    trainer.step()
+    layers, tokens = len(trainer.qlora.layers), cfg.seq_len * cfg.batch_size
+    assert rows["n"] == (2 if defer else 3) * layers * tokens
+
+
+@pytest.mark.usefixtures("fresh_compile_caches")
+def test_a_compiled_layers_eager_mlp_summed_first_to_last_fails(stores, monkeypatch):
+    """Negative control: compile_mlp off, the deferred backward summing the chunks' LoRA gradients in the wrong
+    order, and the gate of the compiled layers sees it."""
+    monkeypatch.setattr(seq_chunks, "backward_order", lambda n: range(n))
+    result = parity(config("tiny-qwen2", mlp_chunk=32, compile=True, compile_mlp=False), steps=1,
+                    store=stores("tiny-qwen2"))
+    assert result.parity == "FAIL" and "lora" in result.first_mismatch, result.first_mismatch
 
 
 def test_chunks_summed_first_to_last_in_the_backward_fail(stores, monkeypatch):
