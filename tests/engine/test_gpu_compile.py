@@ -129,3 +129,19 @@ def test_gpu_compiled_gate_real(model):
     result = parity(_cfg(model, SEQ, block_size=4), steps=STEPS, store=store)
     print(result.json())
     assert result.ok, f"{model}: {_why(result)}"
+
+
+@pytest.mark.gpu
+@requires_gpu(1)
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
+def test_gpu_compiled_layers_with_an_eager_mlp_gate(model):
+    """compile_mlp off with a chunked MLP: poros (its recompute deferring qwen's MLP chunks) and resident_gc against
+    compiled resident; gemma3's MLP, whose output its post-feedforward norm reads, is not deferred."""
+    from poros.config import Method
+    from poros.engine.parity import parity
+
+    cfg, store = _cfg(model, TINY_SEQ, grad_accum=2, mlp_chunk=32, compile_mlp=False), _store(model)
+    for method in (Method.POROS, Method.RESIDENT_GC):
+        result = parity(cfg, steps=STEPS, store=store, method=method)
+        print(method.value, result.json())
+        assert result.ok, f"{model} {method.value}: {_why(result)}"
