@@ -1,6 +1,6 @@
 """The matrix suites as tests run them: a tiny matrix's settings on the CPU (`TINY`; `SWEPT`, the same with a
-sweep and three plans), `pytest suites/` on a matrix in a subprocess (`run_suite`), and the rows of its results file
-(`result_rows`)."""
+sweep and three plans), `pytest suites/` on a matrix in a subprocess (`run_suite`), what it printed about its failures (`why`), and the rows
+of its results file (`result_rows`)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,18 @@ def run_suite(tmp_path, matrix: dict, *extra, env=None):
     parse_matrix(matrix)  # the fixture itself must be valid
     results = tmp_path / "results.jsonl"
     cmd = [sys.executable, "-m", "pytest", str(REPO / "suites"), f"--matrix={path}", f"--results={results}",
-           "-q", "-p", "no:cacheprovider", "-rs", *extra]
+           "-q", "-p", "no:cacheprovider", "-rsfE", *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     return proc, results
+
+
+def why(proc: subprocess.CompletedProcess, tail: int = 1500) -> str:
+    """What a suite subprocess printed about its failures, for an assertion's message: pytest's summary lines of
+    failed and erroring tests and the first error lines (`E ...`), then the tail of its output."""
+    lines = proc.stdout.splitlines()
+    summary = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]
+    errors = [x for x in lines if x.startswith("E ")][:30]
+    return "\n".join([*summary, *errors, "--- tail:", proc.stdout[-tail:], proc.stderr[-tail:]])
 
 
 def result_rows(results: Path) -> list[dict]:

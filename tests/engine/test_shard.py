@@ -245,12 +245,12 @@ def test_gpu_shared_stream(model, tmp_path):
 def test_a_shared_stream_matrix_row_records_its_bytes_and_scaling(tmp_path):
     """`gpus: 2, shard_stream: true` on the CPU (gloo): the poros row carries each rank's bytes from the host and
     from its peer, and `scaling` over rank 0's one-device figure timed in the same run."""
-    from tests.suite_runs import TINY, run_suite
+    from tests.suite_runs import TINY, run_suite, why
 
     matrix = {**TINY, "steps": 1, "passes": 1, "warmup_passes": 0, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
               "shard_stream": True, "methods": ["poros", "resident"], "models": ["tiny-qwen3"]}
     proc, results = run_suite(tmp_path, matrix)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, why(proc)
     rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
     poros, resident = rows["poros"], rows["resident"]
     assert poros["parity"] == "PASS" and poros["world_size"] == 2 and poros["shard_stream"] is True

@@ -12,14 +12,14 @@ import pytest
 from poros.harness.cells import matrix_cells
 from poros.harness.matrix import parse_matrix
 from poros.models.checkpoint import resolve
-from tests.suite_runs import SWEPT, TINY, plugin_env, result_rows, run_suite
+from tests.suite_runs import SWEPT, TINY, plugin_env, result_rows, run_suite, why
 
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_suite_writes_rows_and_resume_skips_them(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
     proc, results = run_suite(tmp_path, matrix)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert proc.returncode == 0, why(proc)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}  # unsloth: skipped without a GPU
     for r in rows:
@@ -39,7 +39,7 @@ def test_suite_writes_rows_and_resume_skips_them(tmp_path):
 def test_a_poros_only_matrix_gates_against_a_reference_it_does_not_time(tmp_path):
     matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros"], "models": ["tiny-qwen2"]}
     proc, results = run_suite(tmp_path, matrix)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert proc.returncode == 0, why(proc)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert [(r["method"], r["parity"], r["gate"]) for r in rows] == [("poros", "PASS", "resident")], rows
 
@@ -57,8 +57,8 @@ def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, refere
         "model:tiny-gemma3-stack:current-gate:parity", "model:tiny-gemma3-stack:current-method:poros",
         f"model:tiny-gemma3-stack:current-method:{reference}"]
     proc, results = run_suite(tmp_path, matrix)
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    assert f"parity PASS (poros vs {reference} (recorded): " in proc.stdout, proc.stdout[-2000:]
+    assert proc.returncode == 0, why(proc)
+    assert f"parity PASS (poros vs {reference} (recorded): " in proc.stdout, why(proc)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", reference}
     assert all(r["parity"] == "PASS" and r["gate"] == reference for r in rows), rows
@@ -90,7 +90,7 @@ def test_a_parity_fail_fails_the_suite(tmp_path):
         "_make_model = r.PorosTrainer._make_model\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma3"]}
     proc, results = run_suite(tmp_path, matrix, "-p", "inject_fault", env=env)
-    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert proc.returncode == 1, why(proc)
     assert "parity FAIL" in proc.stdout
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert rows and all(r["parity"] == "FAIL" for r in rows)
@@ -107,7 +107,7 @@ def test_a_cell_that_raises_leaves_a_failed_row(tmp_path):
         "    raise RuntimeError('injected setup error')\n"))
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     proc, results = run_suite(tmp_path, matrix, "-p", "inject_error", env=env)
-    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert proc.returncode == 1, why(proc)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}  # the gate needs both: both cells fail
     assert all(r["status"] == "failed" and "injected setup error" in r["error"] for r in rows)
@@ -127,7 +127,7 @@ def test_suite_records_the_plan_beside_the_measurement(tmp_path):
     matrix = {**TINY, "seq_len": 128, "grad_accum": 2, "vram_budget": "1GB", "methods": ["poros", "resident"],
               "models": ["tiny-qwen3"], "parity_steps": 2}
     proc, results = run_suite(tmp_path, matrix)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert proc.returncode == 0, why(proc)
     rows = {r["method"]: r for r in map(json.loads, results.read_text().splitlines())}
     poros = rows["poros"]
     assert poros["parity"] == "PASS" and poros["parity_steps"] == 2
@@ -155,7 +155,7 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "bench.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
-    assert proc.returncode == 2, proc.stdout[-2000:]  # interrupted
+    assert proc.returncode == 2, why(proc)  # interrupted
     assert "min() iterable argument is empty" not in proc.stdout + proc.stderr
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert [r["method"] for r in rows] == ["poros"]
@@ -170,7 +170,7 @@ def test_a_data_parallel_matrix_runs_its_cells_on_ranks(tmp_path):
     matrix = {**TINY, "steps": 1, "passes": 1, "grad_accum": 2, "gpus": 2, "parity_steps": 1,
               "methods": ["poros", "resident", "unsloth"], "models": ["tiny-qwen3"]}
     proc, results = run_suite(tmp_path, matrix)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, why(proc)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert {r["method"] for r in rows} == {"poros", "resident"}
     for r in rows:
@@ -185,7 +185,7 @@ def test_a_matrix_of_one_method_runs(tmp_path):
     """One method with no gate (the reference alone; poros alone is gated, above): test_parity has no cell
     (pytest's empty-parameter item was an INTERNALERROR)."""
     proc, results = run_suite(tmp_path, {**TINY, "steps": 1, "methods": ["resident"], "models": ["tiny-qwen2"]})
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
     assert [r["method"] for r in rows] == ["resident"] and rows[0]["parity"] is None and rows[0]["s_per_step_median"]
 
@@ -201,7 +201,7 @@ def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:resident"]
     assert len(ids) == 10
     proc, results = run_suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or plan:b3 or method:resident)")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
     assert [(r["method"], r["plan_name"], r["sweep"]) for r in rows] == [
         ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
@@ -218,7 +218,7 @@ def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
 def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-gemma4"]}
     proc, results = run_suite(tmp_path, matrix, "--benchmark-disable")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
     assert [r["method"] for r in rows] == ["poros", "resident"]  # one row per cell, none failed
     for r in rows:
@@ -248,7 +248,7 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
     bench_json = tmp_path / "benchmark.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}",
                            env={**env, "CUT_OFF": "1"})
-    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert proc.returncode == 2, why(proc)
     assert [r["method"] for r in result_rows(results)] == ["poros"]
     kept = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
     first = [k for k in kept if k["kind"] == "pass" and "method:resident" in k["cell"]]
@@ -270,7 +270,7 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
 def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     proc, results = run_suite(tmp_path, matrix, "--max-minutes", "0.0001")
-    assert proc.returncode == 75, proc.stdout[-2000:]  # stopped with cells left: run it again
+    assert proc.returncode == 75, why(proc)  # stopped with cells left: run it again
     assert "time budget reached" in proc.stdout
     assert not results.exists() or not result_rows(results)
     again, _ = run_suite(tmp_path, matrix, "--resume")

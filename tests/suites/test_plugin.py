@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from poros.harness.matrix import parse_matrix
-from tests.suite_runs import REPO, TINY, plugin_env, result_rows, run_suite
+from tests.suite_runs import REPO, TINY, plugin_env, result_rows, run_suite, why
 
 
 def _suite_start(tmp_path, results: Path, *extra):
@@ -49,7 +49,7 @@ def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
 
 def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
     proc, results = run_suite(tmp_path, {**TINY, "methods": ["unsloth"], "models": ["tiny-qwen2"]})
-    assert proc.returncode == 4, proc.stdout[-2000:]  # pytest's usage error, not 0 with every cell skipped
+    assert proc.returncode == 4, why(proc)  # pytest's usage error, not 0 with every cell skipped
     assert "no selected cell can run here: unsloth needs a CUDA GPU" in proc.stdout + proc.stderr
     assert not results.exists()
 
@@ -79,7 +79,7 @@ def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_pat
     bench_json = tmp_path / "benchmark.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
                            env={**env, "LOSE_IT": "1"})
-    assert proc.returncode == 137 and "passed" not in proc.stdout, proc.stdout[-2000:]  # no session end ran
+    assert proc.returncode == 137 and "passed" not in proc.stdout, why(proc)  # no session end ran
     assert [r["method"] for r in result_rows(results)] == ["poros"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
     assert len(names) == 1 and "method:poros" in names[0]
@@ -122,7 +122,7 @@ def test_a_finished_cells_lost_benchmark_is_written_from_its_row(tmp_path):
                        for b in json.loads(bench_json.read_text())["benchmarks"]}
     proc, results = run_suite(tmp_path, matrix, "-p", "lost_before_row", f"--benchmark-json={bench_json}",
                               env={**env, "LOSE_IT": "1"})
-    assert proc.returncode == 137, proc.stdout[-2000:]
+    assert proc.returncode == 137, why(proc)
     assert [r["method"] for r in result_rows(results)] == ["poros"] and sorted(entries()) == ["poros"]
     again, _ = run_suite(tmp_path, matrix, "-p", "lost_before_row", f"--benchmark-json={bench_json}", "--resume",
                          env=env)
