@@ -262,6 +262,25 @@ def check_values(values: dict, where: str = "") -> tuple[dict, list[str]]:
     return out, problems
 
 
+def schedule_variant(text: str) -> dict:
+    """`cuda_graphs=true,vram_budget=24GB`: schedule settings, comma-separated KEY=VALUE items, checked and coerced
+    (true/false flags, whole numbers, the rest as their checkers read text).
+
+    Raises:
+        ValueError: naming the item that is not KEY=VALUE of a schedule setting, or each value that is wrong.
+    """
+    raw = {}
+    for item in filter(None, text.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or k not in SCHEDULE_NAMES:
+            raise ValueError(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(SCHEDULE_NAMES)}")
+        raw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+    values, problems = check_values(raw)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return values
+
+
 def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None = None,
                   default_text: dict | None = None) -> None:
     """Command-line flags for the settings of `kinds` (each flag's default is None: unset). `defaults`

@@ -42,42 +42,35 @@ from poros.engine.nvml import NvmlPeak
 from poros.engine.executor import geometry_of_store
 from poros.engine.planning.memory import transient_bytes
 from poros.engine.trainer import enable_determinism
-from poros.models.checkpoint import Source
-from poros.models.shapes import get_shape
-from poros.settings import SCHEDULE_NAMES, check_values
+from poros.models.checkpoint import cut_source
+from poros.settings import schedule_variant
 from poros.store.build import build_store
 
 
 def parse_variant(text: str) -> dict:
-    """`offload_inputs=true,block_size=1` as checked schedule settings (poros/settings.py).
+    """--variant's schedule settings (poros/settings.py `schedule_variant`).
 
     Raises:
-        SystemExit: naming the item that is not KEY=VALUE of a schedule setting, or the value that is wrong.
+        SystemExit: what is wrong with it.
     """
-    raw = {}
-    for item in filter(None, text.split(",")):
-        k, eq, v = item.partition("=")
-        if not eq or k not in SCHEDULE_NAMES:
-            raise SystemExit(f"variant {text!r}: expected KEY=VALUE with KEY one of {', '.join(SCHEDULE_NAMES)}")
-        raw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
-    values, problems = check_values(raw)
-    if problems:
-        raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
-    return values
+    try:
+        return schedule_variant(text)
+    except ValueError as e:
+        raise SystemExit(f"--variant: {e}") from None
 
 
 def cut_store(model: str, layers: int, device: str):
-    """The NF4 store of `model`'s shapes with its first `layers` decoder layers (`ModelShape.cut`).
+    """The NF4 store of `model`'s shapes with its first `layers` decoder layers (poros/models/checkpoint.py
+    `cut_source`).
 
     Raises:
         SystemExit: `layers` is out of the shape's range, with the reason.
     """
     try:
-        config = get_shape(model).cut(layers)
+        source = cut_source(model, layers)
     except ValueError as e:
         raise SystemExit(f"--layers: {e}") from None
-    store, _ = build_store(Source(f"{model}-{layers}l", config), device=device, progress=False)
-    return store
+    return build_store(source, device=device, progress=False)[0]
 
 
 # --compile's ways of running the decoder layers: (compile, compile_mlp)

@@ -30,40 +30,21 @@ from poros.engine.methods import make_trainer
 from poros.harness.profiling import profiled, summarize
 from poros.engine.trainer import enable_determinism
 from poros.harness.unsloth import measure_unsloth
-from poros.settings import SCHEDULE_NAMES, check_values
-from poros.models.checkpoint import Source
-from poros.models.shapes import get_shape
+from poros.settings import schedule_variant
+from poros.models.checkpoint import cut_source
 from poros.store.build import build_store
 
 
 def parse_variant(text: str) -> dict:
-    """`cuda_graphs=true,vram_budget=24GB` as checked schedule settings (poros/settings.py).
+    """--variant's schedule settings (poros/settings.py `schedule_variant`).
 
     Raises:
-        SystemExit: naming the item that is not KEY=VALUE of a schedule setting, or the value that is wrong.
-    """
-    raw = {}
-    for item in filter(None, text.split(",")):
-        k, eq, v = item.partition("=")
-        if not eq or k not in SCHEDULE_NAMES:
-            raise SystemExit(f"variant {text!r}: expected KEY=VALUE with KEY one of {', '.join(SCHEDULE_NAMES)}")
-        raw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
-    values, problems = check_values(raw)
-    if problems:
-        raise SystemExit(f"variant {text!r}: {'; '.join(problems)}")
-    return values
-
-
-def cut_source(model: str, layers: int) -> Source:
-    """`model`'s shapes cut to their first `layers` decoder layers.
-
-    Raises:
-        SystemExit: `layers` is out of the shape's range, with the reason.
+        SystemExit: what is wrong with it.
     """
     try:
-        return Source(f"{model}-{layers}l", get_shape(model).cut(layers))
+        return schedule_variant(text)
     except ValueError as e:
-        raise SystemExit(f"--layers: {e}") from None
+        raise SystemExit(f"--variant: {e}") from None
 
 
 def echo(variant: dict) -> dict:
@@ -99,8 +80,11 @@ def main() -> None:
         enable_determinism()
     variant = parse_variant(args.variant)
     from poros.provenance import provenance
-    store, _ = build_store(args.model if args.layers is None else cut_source(args.model, args.layers),
-                           device=args.device)
+    try:
+        source = args.model if args.layers is None else cut_source(args.model, args.layers)
+    except ValueError as e:
+        raise SystemExit(f"--layers: {e}") from None
+    store, _ = build_store(source, device=args.device)
     if args.device == "cuda":
         store.pin()
     for method in args.methods.split(","):
@@ -109,7 +93,8 @@ def main() -> None:
                           mlp_chunk=args.mlp_chunk,
                           attention_chunk=args.attention_chunk, compile=args.compile,
                           compile_mlp=args.compile_mlp or not args.compile, lora_compute=args.lora_compute)
-        head = {"model": args.model, "layers": args.layers, "method": method, "attention": args.attention, "seq_len": args.seq_len,
+        head = {"model": args.model, "layers": args.layers, "method": method, "attention": args.attention,
+                "seq_len": args.seq_len,
                 "compile": cfg.compile, "compile_mlp": cfg.compile_mlp, "lora_compute": cfg.lora_compute.value,
                 "mlp_chunk": cfg.mlp_chunk,
                 "attention_chunk": cfg.attention_chunk,

@@ -91,3 +91,15 @@ def test_a_rule_over_several_settings_waits_for_each_to_be_valid():
     assert len(refused.value.problems) == 1 and refused.value.problems[0].startswith("kept_layers: expected")
     with pytest.raises(ConfigError, match="needs keep_activations"):
         TrainConfig(model="tiny-qwen2", kept_layers=3)
+
+
+def test_a_schedule_variant_is_checked_and_coerced():
+    from poros.settings import schedule_variant
+
+    got = schedule_variant("offload_inputs=true,block_size=1,vram_budget=24GB")
+    assert got == {"offload_inputs": True, "block_size": 1, "vram_budget": 24 * 10**9}
+    assert schedule_variant("") == {}
+    with pytest.raises(ValueError, match="'lr=1': expected KEY=VALUE with KEY one of"):
+        schedule_variant("block_size=1,lr=1")  # lr is computed, not a schedule setting
+    with pytest.raises(ValueError, match="block_size: expected"):
+        schedule_variant("block_size=0")

@@ -56,6 +56,17 @@ def resolve(model: str) -> Source:
     raise UnknownModelError(model)  # pragma: no cover
 
 
+def cut_source(model: str, layers: int) -> Source:
+    """The registered shape `model` cut to its first `layers` decoder layers (`ModelShape.cut`), named
+    `MODEL-Nl`: a model whose steps measure one layer's memory or time.
+
+    Raises:
+        UnknownModelError: `model` is not a registered shape.
+        ValueError: `layers` is not between 1 and the shape's number of layers.
+    """
+    return Source(f"{model}-{layers}l", get_shape(model).cut(layers))
+
+
 # fields of config.json that Poros sizes a model with, and the JSON types each must have
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")

@@ -74,3 +74,12 @@ def test_a_cut_keeps_the_first_layers_each_of_its_attention_kind(name):
 def test_a_cut_outside_the_shapes_layers_is_refused(layers):
     with pytest.raises(ValueError, match="tiny-qwen2 has 5 decoder layers"):
         get_shape("tiny-qwen2").cut(layers)
+
+
+def test_a_cut_source_names_its_layers():
+    from poros.models.checkpoint import cut_source
+
+    source = cut_source("tiny-gemma3", 3)
+    assert source.name == "tiny-gemma3-3l" and source.config.num_hidden_layers == 3 and source.checkpoint is None
+    with pytest.raises(UnknownModelError):
+        cut_source("nope", 3)
