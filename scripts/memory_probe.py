@@ -20,6 +20,7 @@ One JSON line per case, to stdout and `--out`:
                    it added to the bytes allocated when it began, and its layer: the head's transient apart from a
                    layer's
   error            (predicted - measured) / measured for the allocated, reserved and NVML peaks
+  provenance       the GPU, driver, torch, transformers, bitsandbytes and commit of the row
 `--max-minutes` starts no case past that time; rows already written stay.
 """
 
@@ -43,6 +44,7 @@ from poros.engine.executor import geometry_of_store
 from poros.engine.planning.memory import transient_bytes
 from poros.engine.trainer import enable_determinism
 from poros.models.checkpoint import cut_source
+from poros.provenance import provenance
 from poros.settings import schedule_variant
 from poros.store.build import build_store
 
@@ -174,6 +176,7 @@ def probe(store, cfg: TrainConfig) -> dict:
         "error": {"allocated": _error(m.allocated, alloc), "reserved": _error(m.allocator, reserved),
                   "process": _error(m.total, nv)},
         "first_step_s": round(first, 2), "s_per_step": round(result.seconds, 3),
+        "provenance": provenance(),  # the GPU, its driver and the software stack that measured the row
     }
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from poros.config import TrainConfig
 from poros.engine.executor import geometry_of_store
@@ -35,6 +36,7 @@ def test_the_cut_model_has_the_layers_asked_and_its_plan_is_the_planners(probe_m
     assert row["predicted"]["transient"] == max(head, layer + cfg.seq_len * geo.hidden * 2)
     assert row["measured"] == {"allocated": None, "reserved": None, "process": None}  # nothing to measure on the CPU
     assert row["s_per_step"] > 0
+    assert row["provenance"]["torch"] == torch.__version__  # the stack that measured it
 
 
 def test_each_length_and_loss_chunk_is_a_case_and_a_row(probe_module, tmp_path, monkeypatch, capsys):
