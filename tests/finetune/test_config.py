@@ -113,7 +113,7 @@ def test_the_cpu_keeps_the_table_defaults():
 
 def test_the_plan_line_names_the_plan_and_the_defaults_it_took():
     # on cuda a budget holds the process: the CUDA context and the allocator's reserve beside the tensors
-    fc, chosen = resolve({**BASE, "vram_budget": "1008MB", "seq_len": 64}, cuda_available=True)
+    fc, chosen = resolve({**BASE, "vram_budget": "908MB", "seq_len": 64}, cuda_available=True)
     source = resolve_model("tiny-qwen2")
     plan = make_plan(Geometry.of_config("tiny-qwen2", source.config, fc.train.lora_targets), fc.train)
     line = plan_line(fc, plan, chosen)

@@ -28,6 +28,12 @@ ACT_INTERMEDIATE = 14  # bytes per token x intermediate
 ACT_ATTENTION_CHUNKED = 6  # bytes per token x hidden that attention_chunk takes out of a layer's saved tensors
 ATTN_SCORES = 6  # bytes per token^2 x head (math attention keeps the scores and their softmax)
 HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
+# Compiled layers (`compile`) hold less in a layer's recompute + backward than the formula above, which was fitted
+# to eager peaks: qwen2.5-72b at 32,768 tokens with `mlp_chunk` and `loss_chunk` 2048, fast attention under strict
+# determinism, held 11.77 GB beyond what persists on a 4-layer cut of the model on an H200, 93.3% of the 12.61 GB
+# planned (experiments/h200-memory-probe), and the full model's allocated peak on an H100 fell 0.84 GB short of
+# the plan's tensors (experiments/h100-long-context-32k), the same bytes. In percent of the formula, rounded up.
+LAYER_TRANSIENT_COMPILED = 94
 # Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
 # (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
 # blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
@@ -50,10 +56,11 @@ GRAPH_POOL_PER_LAYER_COMPILED = 250
 # What a CUDA process holds beside its tensors, which a budget (what nvidia-smi shows for the process) counts
 # too. CUDA_CONTEXT: the context, the kernel modules loaded as the step first runs them and the library handles
 # (cuBLAS with CUBLAS_WORKSPACE_CONFIG :4096:8, cuDNN, flash attention), taken as NVML's peak for the process
-# less torch's reserved peak in the H200 rows of results/h200-kept-activations, rounded up to a whole GB; the
-# workspaces themselves come from torch's allocator, so the allocator's share below holds them. Where a
-# device exists the executor measures the context at run time and plans for the larger of the two.
-CUDA_CONTEXT = 10**9
+# less torch's reserved peak: 0.78-0.83 GB in every H200 and H100 row that records both (results/, experiments/,
+# compiled or eager, 512 to 32,768 tokens), rounded up to 0.9 GB; the workspaces themselves come from torch's
+# allocator, so the allocator's share below holds them. Where a device exists the executor measures the context
+# at run time and plans for the larger of the two.
+CUDA_CONTEXT = 9 * 10**8
 # NCCL_BUFFERS: what a data-parallel rank's NCCL communicator allocates outside torch's allocator (its
 # channels' buffers: NCCL_BUFFSIZE, 4 MiB, for each channel, peer and protocol, plus its work queues),
 # an estimate from NCCL's default channel count on one host, not a measurement: rows of data-parallel runs
@@ -186,6 +193,11 @@ def fused_backward_bytes(geo: Geometry, seq_len: int, batch: int, attention: Att
 def graph_pool_bytes(layer_transient: int, compiled: bool) -> int:
     """The CUDA graphs' private pool of a plan whose layer backward holds `layer_transient` bytes."""
     return -(-layer_transient * (GRAPH_POOL_PER_LAYER_COMPILED if compiled else GRAPH_POOL_PER_LAYER) // 100)
+
+
+def compiled_transient(layer: int, compiled: bool) -> int:
+    """A layer's recompute + backward bytes (`transient_bytes`'s second) as compiled layers hold them."""
+    return -(-layer * LAYER_TRANSIENT_COMPILED // 100) if compiled else layer
 
 
 def mlp_intermediate_bytes(geo: Geometry, tokens: int, batch: int, mlp_chunk: int | None = None) -> int:

@@ -24,6 +24,7 @@ from poros.engine.planning.memory import (
     ProcessCosts,
     attention_parts,
     auto_budget,
+    compiled_transient,
     graph_pool_bytes,
     layer_activation_bytes,
     lora_bytes,
@@ -284,7 +285,7 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
         resident_weights=sum(b.nbytes for b in buffers if b.resident) + (geo.head_bytes if head_resident else 0),
         lora=lora_bytes(geo, c.lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
-        transient=max(head_t, layer_t + grads_in_flight),
+        transient=max(head_t, compiled_transient(layer_t + grads_in_flight, c.compile)),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
         # model is fitted to); every resident layer has its own weights' addresses, so its own templates
         # a kept layer has a template of its own per micro-batch kept at once, with its own input
