@@ -56,7 +56,9 @@ def add_parser(sub) -> None:
     m.add_argument("--resume", action="store_true",
                    help="skip cells already in OUT/results.jsonl, continue unfinished ones after their last pass")
     m.add_argument("--max-minutes", type=float, metavar="MIN",
-                   help="stop between passes before MIN minutes have passed (exit 75; --resume continues)")
+                   help="stop between passes before MIN minutes have passed (exit 75; --resume continues): a pass is "
+                        "judged by the last one timed; a cell's first warm-up, with no pass to judge it by, "
+                        "starts whatever time is left")
     m.add_argument("--benchmark-compare", metavar="PATH",
                    help="compare each timed cell with the same cell in PATH, an earlier run's benchmark.json "
                         "(the table is in OUT/bench.log)")
