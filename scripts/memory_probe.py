@@ -14,6 +14,7 @@ allocator runs as a budgeted run sets it (expandable segments; `--no-expandable-
 the cap, which would change the plan of so small a model.
 One JSON line per case, to stdout and `--out`:
   predicted        the plan's parts (bytes), as `poros plan` prints them, and the head's and a layer's transient
+                   by the formula (`transient_bytes`; the plan's `transient` takes a compiled layer's share of it)
   measured         allocated, reserved and NVML peaks (None off CUDA)
   transient_measured  allocated peak less the plan's parts other than the transient: the transient as run
   by_operation     per kind of step operation (forward, regenerate, head, backward) its largest allocated peak, what

@@ -1,6 +1,6 @@
 """The matrix suites as tests run them: a tiny matrix's settings on the CPU (`TINY`; `SWEPT`, the same with a
-sweep and three plans), `pytest suites/` on a matrix in a subprocess (`run_suite`), what it printed about its failures (`why`), and the rows
-of its results file (`result_rows`)."""
+sweep and three plans), `pytest suites/` on a matrix in a subprocess (`run_suite`), what it printed about its
+failures (`why`), and the rows of its results file (`result_rows`)."""
 
 from __future__ import annotations
 

@@ -471,8 +471,8 @@ def test_the_compiled_long_context_plan_is_predicted_within_five_percent(q72, mo
     streamed, one saved input on the device, peaked at 22.03 GB NVML (19.21 GB allocated). The plan it ran, built
     again, covers both peaks and is within 5% of the NVML one; with the eager formula's layer transient and a
     1 GB context (the planner that ran it: the negative control) it is 7% over."""
-    row = next(json.loads(line) for line in (EXPERIMENTS / "h100-long-context-32k/results.jsonl").read_text().splitlines()
-               if json.loads(line)["method"] == "poros")
+    rows = [json.loads(line) for line in (EXPERIMENTS / "h100-long-context-32k/results.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["method"] == "poros")
     cfg = TrainConfig(**{k: v for k, v in row["config"].items() if k in ("seq_len", "attention", "deterministic",
                                                                        "lora_compute", "compile", "loss_chunk",
                                                                        "mlp_chunk", "overlap_backward")},
