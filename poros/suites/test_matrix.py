@@ -115,20 +115,39 @@ def _run_gate(session, cell) -> dict:
     return out
 
 
-def _gate(session, cell) -> dict:
+def _kept_gates(session, cell, plans: list) -> dict:
+    """{plan: outcome an earlier part of this run recorded, or None} (empty where the run does not resume)."""
+    if not session.resume:
+        return {}
+    return {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan)) for plan in plans}
+
+
+def _gate_fits(session) -> None:
+    """A gate to run must end within the time budget, judged by the longest gate this run recorded: one cut off
+    by the caller's limit is lost."""
+    longest = max((r.get("seconds") or 0.0 for r in session.passlog.records() if r.get("kind") == "gate"), default=0.0)
+    if session.deadline is not None and time.monotonic() + 1.2 * longest > session.deadline:
+        raise OutOfTime(f"the longest gate recorded took {longest:.0f} s")
+
+
+def _gate(session, cell, reference_only: bool = False) -> dict:
     """The gate outcomes of this cell's model × stack × point, run once per session and kept in the pass
-    log (a resumed run reuses them); an outcome that raised raises again for every cell that needs it."""
+    log (a resumed run reuses them, and runs none that would end past its time budget: OutOfTime); an outcome
+    that raised raises again for every cell that needs it. `reference_only`: asked by the reference's cell,
+    which takes part in every plan's gate, with no poros cell selected: the plans an earlier part gated suffice."""
     from poros.engine.parity import ParityResult
 
     key = cell.gate_key
     if key not in session.gates:
         plans = _gate_plans(session)
-        kept = {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan))
-                for plan in plans} if session.resume else {}
+        kept = _kept_gates(session, cell, plans)
+        if reference_only and session.gate_plans is None and any(kept.values()):
+            kept = {plan: r for plan, r in kept.items() if r}
         if kept and all(kept.values()):
             session.gates[key] = {plan: ParityResult(**r) for plan, r in kept.items()}
             progress("  parity gate: outcome kept from the earlier run (--resume)")
         else:
+            _gate_fits(session)
             t0 = time.monotonic()
             with console.phase("parity gate"):
                 session.gates[key] = _run_gate(session, cell)
@@ -148,7 +167,7 @@ def gate_for(session, cell):
         return None
     if computed_of(cell_config(session.matrix, cell)) != computed_of(gate_config(session.matrix, cell, cell.plan)):
         return None
-    outcomes = _gate(session, dataclasses.replace(cell, method=None, plan=None))
+    outcomes = _gate(session, dataclasses.replace(cell, method=None, plan=None), reference_only=cell.method is pair[0])
     if cell.method is pair[1]:
         outcome = outcomes.get(cell.plan)
     else:  # the reference took part in every plan's gate: the first that failed, else the first
@@ -169,12 +188,11 @@ def test_parity(session, cell):
         members = [c for c in session.cells if c.gate_key == cell.gate_key and c.method in pair]
         if members and all(c.key in done for c in members):
             pytest.skip("already in results (--resume)")
-    longest = max((r.get("seconds") or 0.0 for r in session.passlog.records() if r.get("kind") == "gate"), default=0.0)
-    if session.deadline is not None and cell.gate_key not in session.gates and \
-            time.monotonic() + 1.2 * longest > session.deadline:  # a gate cut off by the caller's limit is lost
+    try:
+        outcomes = _gate(session, cell)
+    except OutOfTime as e:
         session.stopped = True
-        pytest.skip(f"time budget: the longest gate recorded took {longest:.0f} s; --resume continues")
-    outcomes = _gate(session, cell)
+        pytest.skip(f"time budget: {e}; --resume continues")
     failed = []
     for plan, result in outcomes.items():
         name = "" if plan is None else f" plan {plan}"

@@ -283,3 +283,43 @@ def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     assert len(parts) == 1 and parts[0]["exit_status"] == 0 and not parts[0]["stopped"]
     assert {"store build", "parity gate", "trainer set-up", "warm-up", "timed passes"} <= set(parts[0]["phases"])
     assert sum(parts[0]["phases"].values()) <= parts[0]["wall_s"] + 1
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_resumed_part_reuses_the_gates_an_earlier_part_ran(tmp_path):
+    """A run in parts (scripts/matrix_part.sh): a later part takes the gates an earlier one recorded, whatever its
+    time budget (a kept gate takes no time), and its reference's cell, selected alone, takes the plans gated so
+    far rather than gating every plan again. Negative control: a gate nothing recorded starts no later than a
+    budget with room for the longest gate recorded, and runs once there is room."""
+    matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros", "resident_gc_offload"],
+              "models": ["tiny-qwen2"], "plans": {"a": {}, "b": {"block_size": 1}}}
+    log = tmp_path / "passes.jsonl"
+
+    def gates() -> list[dict]:
+        return [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "gate"]
+
+    proc, results = run_suite(tmp_path, matrix, "-k", "not plan:b and not method:resident_gc_offload")
+    assert proc.returncode == 0, why(proc)
+    assert [g["cell"].rsplit("/", 1)[1] for g in gates()] == ["a"]
+    # the recorded gate as if it had taken an hour: no budget of five minutes has room for another
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    log.write_text("".join(json.dumps({**r, "seconds": 3600.0} if r["kind"] == "gate" else r) + "\n" for r in records))
+
+    kept, _ = run_suite(tmp_path, matrix, "--resume", "--max-minutes", "5", "-k", "not plan:b and not method:resident_gc_offload")
+    assert kept.returncode == 0, why(kept)
+    assert "parity PASS" in kept.stdout and "time budget" not in kept.stdout and len(gates()) == 1, why(kept)
+
+    reference, _ = run_suite(tmp_path, matrix, "--resume", "--max-minutes", "5", "-k", "method:resident_gc_offload")
+    assert reference.returncode == 0, why(reference)
+    assert len(gates()) == 1, "the reference's cell gated again"
+    rows = {r["method"]: r for r in result_rows(results)}
+    assert rows["resident_gc_offload"]["parity"] == "PASS" and rows["resident_gc_offload"]["s_per_step_median"]
+
+    refused, _ = run_suite(tmp_path, matrix, "--resume", "--max-minutes", "5", "-k", "plan:b")
+    assert refused.returncode == 75, why(refused)
+    assert "the longest gate recorded took 3600 s" in refused.stdout and len(gates()) == 1, why(refused)
+    ran, _ = run_suite(tmp_path, matrix, "--resume", "-k", "plan:b")
+    assert ran.returncode == 0, why(ran)
+    assert [g["cell"].rsplit("/", 1)[1] for g in gates()] == ["a", "b"]
+    assert {(r["method"], r["plan_name"]) for r in result_rows(results)} == {
+        ("poros", "a"), ("resident_gc_offload", None), ("poros", "b")}

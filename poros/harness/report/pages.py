@@ -27,6 +27,7 @@ from poros.harness.report.tables import (
     provenance_line,
     reference_table,
     hardware_table,
+    memory_table,
     protocol_line,
     results_table,
     runs_text,
@@ -61,6 +62,9 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
             parts.append(SPREAD_NOTE)
         if not on_cpu(g):  # no host→device copy to account for on the CPU
             parts += ["## Where the time goes (poros)", time_table(g)]
+            memory = memory_table(g)
+            if memory:
+                parts += ["## Tokens/s and the process's memory", memory]
         if reference is not None:
             parts += ["## Beside the reference", hardware_table(g, reference)]
             paired = reference_table(g, reference)

@@ -174,6 +174,17 @@ def setting_shown(s: Setting, config: dict) -> str:
     return s.show(s.value(config[s.name])) if config.get(s.name) is not None else s.show(s.default)
 
 
+def planned_shown(s: Setting, row: dict) -> str:
+    """How a poros row's schedule setting reads: its configuration's value, or what its plan did where the planner
+    turns on what the configuration left off (saved inputs in host memory, for as few layers as the budget needs)."""
+    plan = row.get("plan") if isinstance(row.get("plan"), dict) else {}
+    hosted = plan.get("host_inputs") or []
+    if s.name == "offload_inputs" and hosted and not row["config"].get("offload_inputs"):
+        layers = len(plan.get("streamed_layers") or []) + len(plan.get("resident_layers") or [])
+        return f"on for {len(hosted)} of {layers} layers (planned)"
+    return setting_shown(s, row["config"])
+
+
 def computed_key(row) -> tuple:
     """What a row computes: its model, stack and every computed setting (poros/settings.py). Rows that agree on
     it do the same arithmetic on the same work, whatever their method's schedule."""

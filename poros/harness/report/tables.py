@@ -8,7 +8,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
-from poros.harness.report.rows import on_cpu, row_gpus, setting_shown
+from poros.harness.report.rows import on_cpu, planned_shown, row_gpus, setting_shown
 from poros.harness.stacks import same_stack
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
@@ -129,6 +129,38 @@ def time_table(df: pd.DataFrame) -> str:
     return md_table(columns, rows) + (f"\n\n{FLOOR_NOTE}" if floors else "")
 
 
+MEMORY_NOTE = ("Tokens/s: tokens a step over s/step. Peak allocated: the tensors' peak as PyTorch counts them "
+               "(the VRAM columns above); process (NVML): the process's peak as nvidia-smi counts it (the CUDA "
+               "context and the allocator's reserve included), which a VRAM budget holds; predicted: the "
+               "planner's figure for that peak when the row ran (`poros plan`), and how far it was from it.")
+
+
+def memory_table(df: pd.DataFrame) -> str:
+    """Each timed row's tokens/s (poros's against Unsloth's of the same cell) and its process's peak as NVML counted
+    it beside the planner's prediction and the budget; empty where no row carries an NVML peak."""
+    records = [r for r in df.to_dict("records") if r["status"] == "ok"]
+    if not any(num(r.get("peak_vram_nvml_gb")) for r in records):
+        return ""
+    by_cell = _cells(df)
+    rows = []
+    for r in records:
+        c = by_cell[(r["model"], r["stack"], r.get("point", ""))]
+        tps, other = num(r.get("tokens_per_s")), c.get("unsloth")
+        theirs = None if other is None or r is other or not is_planned(r["method"]) else _ok(other, "tokens_per_s")
+        apart = "" if theirs is None or len(row_gpus(r) | row_gpus(other)) == 1 else APART
+        nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
+        budget = num(r["config"].get("vram_budget")) if is_planned(r["method"]) else None
+        name = ", ".join(x for x in (r.get("point") or "", text_or_none(r.get("plan_name")) and f"plan {r['plan_name']}") if x)
+        rows.append([r["model"] + (f" ({name})" if name else ""), r["method"], DASH if tps is None else f"{tps:.1f}",
+                     DASH if tps is None or not theirs else f"{tps / theirs:.3f}×{apart}",
+                     fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
+                     DASH if not nvml or predicted is None else f"{(predicted / nvml - 1) * 100:+.1f}%",
+                     DASH if budget is None else fmt_gb(budget / 1e9)])
+    columns = ["Model", "Method", "Tokens/s", "Tokens/s vs unsloth", "Peak allocated", "Process (NVML)",
+               "Predicted (process)", "Predicted vs NVML", "VRAM budget"]
+    return md_table(columns, rows) + f"\n\n{MEMORY_NOTE}"
+
+
 def runs_text(df: pd.DataFrame) -> str:
     return uniq(f"{s} steps × {p} passes" for s, p in zip(df["steps"], df["passes"]))
 
@@ -139,15 +171,17 @@ def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
     as its default."""
 
     out = []
-    poros = [c for c, m in zip(df["config"], df["method"]) if is_planned(m)]
+    poros = [r for r in df.to_dict("records") if is_planned(r["method"])]
     cpu = on_cpu(df)
     for s in SETTINGS:
         if s.kind not in (COMPUTED, SCHEDULE) or (cpu and s.gpu_only):
             continue
-        configs = list(df["config"]) if s.kind == COMPUTED else poros
+        if s.kind == COMPUTED:
+            configs, show = list(df["config"]), (lambda c, s=s: setting_shown(s, c))
+        else:
+            configs, show = poros, (lambda r, s=s: planned_shown(s, r))
         if not configs:
             continue
-        show = lambda c: setting_shown(s, c)  # noqa: E731
         if not s.report_default and all(show(c) == s.show(s.default) for c in configs):
             continue
         if s.kind == COMPUTED:  # a method that ran with its own value (a matrix's method_settings) is named
