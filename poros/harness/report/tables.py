@@ -142,10 +142,11 @@ def memory_table(df: pd.DataFrame) -> str:
     if not any(num(r.get("peak_vram_nvml_gb")) for r in records):
         return ""
     by_cell = _cells(df)
+    peer = next((m for m in UNGATED if m in set(df["method"])), UNGATED[0])  # the trainer poros is set beside
     rows = []
     for r in records:
         c = by_cell[(r["model"], r["stack"], r.get("point", ""))]
-        tps, other = num(r.get("tokens_per_s")), c.get("unsloth")
+        tps, other = num(r.get("tokens_per_s")), c.get(peer)
         theirs = None if other is None or r is other or not is_planned(r["method"]) else _ok(other, "tokens_per_s")
         apart = "" if theirs is None or len(row_gpus(r) | row_gpus(other)) == 1 else APART
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
@@ -156,7 +157,7 @@ def memory_table(df: pd.DataFrame) -> str:
                      fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
                      DASH if not nvml or predicted is None else f"{(predicted / nvml - 1) * 100:+.1f}%",
                      DASH if budget is None else fmt_gb(budget / 1e9)])
-    columns = ["Model", "Method", "Tokens/s", "Tokens/s vs unsloth", "Peak allocated", "Process (NVML)",
+    columns = ["Model", "Method", "Tokens/s", f"Tokens/s vs {peer}", "Peak allocated", "Process (NVML)",
                "Predicted (process)", "Predicted vs NVML", "VRAM budget"]
     return md_table(columns, rows) + f"\n\n{MEMORY_NOTE}"
 
