@@ -147,7 +147,7 @@ def memory_table(df: pd.DataFrame) -> str:
     for r in records:
         c = by_cell[(r["model"], r["stack"], r.get("point", ""))]
         tps, other = num(r.get("tokens_per_s")), c.get(peer)
-        theirs = None if other is None or r is other or not is_planned(r["method"]) else _ok(other, "tokens_per_s")
+        theirs = None if other is None or not is_planned(r["method"]) else _ok(other, "tokens_per_s")
         apart = "" if theirs is None or len(row_gpus(r) | row_gpus(other)) == 1 else APART
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
         budget = num(r["config"].get("vram_budget")) if is_planned(r["method"]) else None
