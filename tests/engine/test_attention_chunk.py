@@ -81,6 +81,15 @@ def test_compiled_methods_equal_compiled_resident(stores, side):
     compiled_gate(stores, side, attention_chunk=48, mlp_chunk=48)
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_compile_caches")
+@pytest.mark.parametrize("side", ["poros", "resident_gc"], ids=lambda s: f"method={s}")
+def test_compiled_layers_with_an_eager_mlp_equal_compiled_resident(stores, side):
+    """compile_mlp off beside the chunked attention block: the layers' compiled parts around an eager, chunked
+    MLP (the long-context matrices' settings)."""
+    compiled_gate(stores, side, attention_chunk=48, mlp_chunk=48, compile_mlp=False)
+
+
 # --- negative controls: the gate sees a side that chunks otherwise ----------------------------------------
 
 
