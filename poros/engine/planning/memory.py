@@ -33,7 +33,15 @@ HEAD_LOGITS = 16  # bytes per token x vocab during the head's forward + backward
 # determinism, held 11.77 GB beyond what persists on a 4-layer cut of the model on an H200, 93.3% of the 12.61 GB
 # planned (experiments/h200-memory-probe), and the full model's allocated peak on an H100 fell 0.84 GB short of
 # the plan's tensors (experiments/h100-long-context-32k), the same bytes. In percent of the formula, rounded up.
+# It under-counts them at 65,536 tokens: the same cut's layers held 106% of the formula there, more than twice their
+# 32,768-token bytes (experiments/h200-compile-mlp-probe); a plan that long runs its MLP eager (`compile_mlp` off).
 LAYER_TRANSIENT_COMPILED = 94
+# Compiled layers whose MLP runs eager between their compiled parts (`compile_mlp` off) hold less again: on the same
+# 4-layer cut at 32,768 tokens a layer's recompute + backward held 80.4% of the formula (the incoming gradient
+# included) with `attention_chunk` 2048 and 80.6% without (experiments/h200-compile-mlp-probe), where the layers
+# compiled whole held 106% and 93% of it. In percent, rounded up; the full model's 65,536-token plan within 40 GB
+# then comes within 2% of its NVML peak (experiments/h200-long-context-64k-eager-mlp).
+LAYER_TRANSIENT_EAGER_MLP = 81
 # Fused attention's backward (flash, memory-efficient) allocates beyond dQ/dK/dV: a float32 dQ accumulator
 # (in strict deterministic mode one per split, ceil(FUSED_BWD_SMS / (batch x heads)) splits, so that no two
 # blocks add into one), dK and dV for every query head (bf16) before grouped key/value heads sum them, and
@@ -195,9 +203,19 @@ def graph_pool_bytes(layer_transient: int, compiled: bool) -> int:
     return -(-layer_transient * (GRAPH_POOL_PER_LAYER_COMPILED if compiled else GRAPH_POOL_PER_LAYER) // 100)
 
 
-def compiled_transient(layer: int, compiled: bool) -> int:
-    """A layer's recompute + backward bytes (`transient_bytes`'s second) as compiled layers hold them."""
-    return -(-layer * LAYER_TRANSIENT_COMPILED // 100) if compiled else layer
+def compiled_transient(layer: int, compiled: bool, compile_mlp: bool = True) -> int:
+    """A layer's recompute + backward bytes (`transient_bytes`'s second) as compiled layers hold them, whole or
+    with their MLP eager (`compile_mlp` off)."""
+    if not compiled:
+        return layer
+    return -(-layer * (LAYER_TRANSIENT_COMPILED if compile_mlp else LAYER_TRANSIENT_EAGER_MLP) // 100)
+
+
+def counted_attention_chunk(compiled: bool, compile_mlp: bool, attention_chunk: int | None) -> int | None:
+    """The `attention_chunk` whose saving a plan counts: none for layers compiled whole, whose recompute + backward
+    held the same bytes with and without it (experiments/h200-compile-mlp-probe: 11.75 GB at 32,768 tokens either
+    way); with their MLP eager they hold one chunk's as the formula says."""
+    return None if compiled and compile_mlp else attention_chunk
 
 
 def mlp_intermediate_bytes(geo: Geometry, tokens: int, batch: int, mlp_chunk: int | None = None) -> int:

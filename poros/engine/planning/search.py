@@ -25,6 +25,7 @@ from poros.engine.planning.memory import (
     attention_parts,
     auto_budget,
     compiled_transient,
+    counted_attention_chunk,
     graph_pool_bytes,
     layer_activation_bytes,
     lora_bytes,
@@ -264,7 +265,7 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
     # streams weights.
     window = block * live
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, c.loss_chunk, c.deterministic,
-                                      c.mlp_chunk, c.attention_chunk)
+                                      c.mlp_chunk, counted_attention_chunk(c.compile, c.compile_mlp, c.attention_chunk))
     kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
     device_inputs = r.device_inputs if r.device_inputs is not None else (
         (c.device_inputs or 0) if offload_inputs else None)
@@ -285,7 +286,7 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
         weight_buffers=sum(b.nbytes for b in buffers if not b.resident) + head_pad,
         resident_weights=sum(b.nbytes for b in buffers if b.resident) + (geo.head_bytes if head_resident else 0),
         lora=lora_bytes(geo, c.lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
-        transient=max(head_t, compiled_transient(layer_t + grads_in_flight, c.compile)),
+        transient=max(head_t, compiled_transient(layer_t + grads_in_flight, c.compile, c.compile_mlp)),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
         # model is fitted to); every resident layer has its own weights' addresses, so its own templates
         # a kept layer has a template of its own per micro-batch kept at once, with its own input
