@@ -82,6 +82,7 @@ def test_compiled_methods_equal_compiled_resident(stores, side):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # compile_mlp off is gated in tests/engine/test_mlp_chunk.py, the chunked block compiled above
 @pytest.mark.usefixtures("fresh_compile_caches")
 @pytest.mark.parametrize("side", ["poros", "resident_gc"], ids=lambda s: f"method={s}")
 def test_compiled_layers_with_an_eager_mlp_equal_compiled_resident(stores, side):

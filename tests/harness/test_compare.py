@@ -161,31 +161,29 @@ def test_bench_compares_with_an_earlier_run_and_fails_on_a_regression(tmp_path):
     saved = first / "benchmark.json"
     cells = [f"suites/test_matrix.py::test_step[model:{m}-stack:current-method:poros]" for m in TINY["models"]]
     assert _names(saved) == cells
+    fast = _faster(saved, tmp_path / "fast.json")  # for the negative control below
 
-    now = tmp_path / "now"
-    same = _bench(matrix, "-o", now, "--benchmark-compare", saved, "--benchmark-compare-fail", GENEROUS)
+    # the next run in the same folder: the earlier run's benchmark.json is moved aside first, and compared there
+    same = _bench(matrix, "-o", first, "--benchmark-compare", saved, "--benchmark-compare-fail", GENEROUS)
     assert same.returncode == 0, same.stderr[-3000:]
-    assert f"compared 2 timed cell(s) with {saved}, against {GENEROUS}: no regression(s)" in same.stderr
-    log = (now / "bench.log").read_text()
+    moved = first / "earlier" / "1" / "benchmark.json"
+    assert f"compared 2 timed cell(s) with {moved}, against {GENEROUS}: no regression(s)" in same.stderr, same.stderr
+    assert _names(moved) == cells and _names(saved) == cells
+    log = (first / "bench.log").read_text()
     for model in TINY["models"]:  # pytest-benchmark's table: each cell now and as saved
         row = f"test_step[model:{model}-stack:current-method:poros]"
         assert f"{row} (NOW)" in log, log[-3000:]
-        assert any(x.lstrip().startswith(f"{row} (/") and "first/benchmark)" in x for x in log.splitlines()), log[-3000:]
+        assert any(x.lstrip().startswith(f"{row} (/") and "earlier/1/benchmark)" in x for x in log.splitlines()), \
+            log[-3000:]
 
     # negative control: the saved run made 1000 times faster, the same threshold fails the run
-    fast = _faster(saved, tmp_path / "fast.json")
+    now = tmp_path / "now"
     slower = _bench(matrix, "-o", now, "--benchmark-compare", fast, "--benchmark-compare-fail", GENEROUS)
     assert slower.returncode == 1, slower.stderr[-3000:]
     assert "2 regression(s)" in slower.stderr and "Traceback" not in slower.stderr, slower.stderr[-3000:]
     lines = [x for x in slower.stderr.splitlines() if x.startswith(f"poros bench: slower than {fast}: ")]
     assert len(lines) == 2 and all("Field 'mean' has failed PercentageRegressionCheck" in x for x in lines), lines
     assert (now / "report.md").is_file() and _names(now / "benchmark.json") == cells  # nothing else lost
-
-    # the run before, in the same folder: its benchmark.json is moved aside first, and compared there
-    again = _bench(matrix, "-o", now, "--benchmark-compare", now / "benchmark.json", "--benchmark-compare-fail",
-                   GENEROUS)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"compared 2 timed cell(s) with {now / 'earlier' / '2' / 'benchmark.json'}, " in again.stderr, again.stderr
 
 
 @pytest.mark.slow  # the suites end to end in subprocesses
