@@ -7,8 +7,9 @@
 # and passes an earlier part of the same commit left there; `--resume` refuses another commit's), MINUTES (`--max-minutes`: no pass starts that would end past it; default 8.5), then any further
 # `poros bench matrix` options. A watchdog interrupts the run 45 s after MINUTES (SIGINT, so pytest still writes
 # its files) should a cell's set-up outlast the budget. The GPU's name and UUID go to RESULTS/gpu.txt, and the
-# run's files are copied to $OUT (default out/) when it ends: copy them back into the checkout and commit them
-# before the next part, which continues from them. Exit status: the run's (75: stopped at MINUTES with cells
+# run's files are copied to $OUT (default out/) every 20 s while it runs and when it ends, so that a part killed
+# from outside still leaves its finished passes there (a line cut mid-copy is set aside by the next `--resume`):
+# copy them back into the checkout and commit them before the next part, which continues from them. Exit status: the run's (75: stopped at MINUTES with cells
 # left).
 set -uo pipefail
 matrix=${1:?usage: scripts/matrix_part.sh MATRIX RESULTS [MINUTES] [poros bench options]}
@@ -22,12 +23,20 @@ out=${OUT:-out}
 mkdir -p "$out" "$results"
 nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader > "$results/gpu.txt" || true
 cat "$results/gpu.txt"
+copy_out() {
+  for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt; do
+    [ -f "$results/$f" ] && cp "$results/$f" "$out/"
+  done
+  return 0
+}
+(while sleep 20; do copy_out; done) &
+copier=$!
 limit=$(python3 -c "import sys; print(int(float(sys.argv[1]) * 60 + 45))" "$minutes")
 timeout -s INT -k 30 "$limit" python3 -m poros bench matrix "$matrix" -o "$results" --resume \
   --max-minutes "$minutes" "$@"
 status=$?
+kill "$copier" 2>/dev/null
+wait "$copier" 2>/dev/null
 echo "matrix_part: exit $status"
-for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt; do
-  [ -f "$results/$f" ] && cp "$results/$f" "$out/"
-done
+copy_out
 exit $status
