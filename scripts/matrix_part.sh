@@ -9,8 +9,8 @@
 # its files) should a cell's set-up outlast the budget. The GPU's name and UUID go to RESULTS/gpu.txt, and the
 # run's files are copied to $OUT (default out/) every 20 s while it runs and when it ends, so that a part killed
 # from outside still leaves its finished passes there (a line cut mid-copy is set aside by the next `--resume`):
-# copy them back into the checkout and commit them before the next part, which continues from them. Exit status: the run's (75: stopped at MINUTES with cells
-# left).
+# copy them back into the checkout and commit them before the next part, which continues from them. Exit status:
+# the run's (75: stopped at MINUTES with cells left).
 set -uo pipefail
 matrix=${1:?usage: scripts/matrix_part.sh MATRIX RESULTS [MINUTES] [poros bench options]}
 results=${2:?usage: scripts/matrix_part.sh MATRIX RESULTS [MINUTES] [poros bench options]}

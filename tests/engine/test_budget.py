@@ -515,13 +515,12 @@ def _probe_rows() -> list[dict]:
 
 
 def _probe_plan(q72, row):
-    """The plan the probe's row was measured against, built again by this planner: every layer streamed one at a
-    time, the long-context matrices' settings, the row's length, `attention_chunk` and way of compiling."""
-    argv = row["provenance"]["argv"]
-    return build_plan(q72, plan_request(seq_len=row["seq_len"], attention="fast", deterministic=True,
-                                        lora_compute="bf16", compile=True, compile_mlp=row["compile_mlp"],
-                                        loss_chunk=2048, mlp_chunk=2048, overlap_backward=False, block_size=1,
-                                        attention_chunk=2048 if "--attention-chunk" in argv else None))
+    """The plan the probe's row was measured against, built again by this planner from the settings the row
+    records (every layer streamed one at a time; `--deterministic`, which it does not record, on in every row)."""
+    assert "--deterministic" in row["provenance"]["argv"]
+    settings = {k: row[k] for k in ("seq_len", "attention", "lora_compute", "compile", "compile_mlp", "loss_chunk",
+                                    "mlp_chunk", "attention_chunk")}
+    return build_plan(q72, plan_request(deterministic=True, block_size=1, **settings, **row["variant"]))
 
 
 def test_an_eager_mlp_layer_transient_covers_the_probe(q72, monkeypatch):
@@ -532,7 +531,7 @@ def test_an_eager_mlp_layer_transient_covers_the_probe(q72, monkeypatch):
     assert len(rows) == 2 and {r["seq_len"] for r in rows} == {32768}
     for row in rows:
         transient = _probe_plan(q72, row).memory.transient
-        assert row["transient_measured"] <= transient <= 1.02 * row["transient_measured"], row["provenance"]["argv"]
+        assert row["transient_measured"] <= transient <= 1.02 * row["transient_measured"], row["attention_chunk"]
     monkeypatch.setattr(memory, "LAYER_TRANSIENT_EAGER_MLP", memory.LAYER_TRANSIENT_COMPILED)
     for row in rows:
         assert _probe_plan(q72, row).memory.transient > 1.05 * row["transient_measured"]
@@ -545,10 +544,10 @@ def test_a_whole_compiled_layer_keeps_what_attention_chunk_would_save(q72, monke
     rows = [r for r in _probe_rows() if r["compile_mlp"] and r["seq_len"] == 32768]
     assert len(rows) == 2
     for row in rows:
-        assert row["transient_measured"] <= _probe_plan(q72, row).memory.transient, row["provenance"]["argv"]
+        assert row["transient_measured"] <= _probe_plan(q72, row).memory.transient, row["attention_chunk"]
     from poros.engine.planning import search
     monkeypatch.setattr(search, "counted_attention_chunk", lambda compiled, compile_mlp, chunk: chunk)
-    chunked = next(r for r in rows if "--attention-chunk" in r["provenance"]["argv"])
+    chunked = next(r for r in rows if r["attention_chunk"])
     assert _probe_plan(q72, chunked).memory.transient < chunked["transient_measured"]
 
 
