@@ -7,7 +7,8 @@
 # and passes an earlier part of the same commit left there; `--resume` refuses another commit's), MINUTES (`--max-minutes`: no pass starts that would end past it; default 8.5), then any further
 # `poros bench matrix` options. A watchdog interrupts the run 45 s after MINUTES (SIGINT, so pytest still writes
 # its files) should a cell's set-up outlast the budget. The GPU's name and UUID go to RESULTS/gpu.txt, and the
-# run's files are copied to $OUT (default out/) every 20 s while it runs and when it ends, so that a part killed
+# run's files (and gate-references/, the digests of a gate's reference kept for the next part) are copied to $OUT
+# (default out/) every 20 s while it runs and when it ends, so that a part killed
 # from outside still leaves its finished passes there (a line cut mid-copy is set aside by the next `--resume`):
 # copy them back into the checkout and commit them before the next part, which continues from them. Exit status:
 # the run's (75: stopped at MINUTES with cells left).
@@ -27,6 +28,9 @@ copy_out() {
   for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt; do
     [ -f "$results/$f" ] && cp "$results/$f" "$out/"
   done
+  if compgen -G "$results/gate-references/*.json.gz" > /dev/null; then
+    mkdir -p "$out/gate-references" && cp "$results"/gate-references/*.json.gz "$out/gate-references/"
+  fi
   return 0
 }
 (while sleep 20; do copy_out; done) &

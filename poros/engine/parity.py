@@ -13,6 +13,7 @@ from poros.config import Method, TrainConfig
 from poros.engine.distributed import SINGLE, agree, share_store
 from poros.engine.allocator_limit import AllocatorLimit
 from poros.engine.methods import make_trainer
+from poros.engine.parity_digest import Digest
 from poros.engine.trainer import Trainer, deterministic_kernels
 from poros.store.arena import slot_tensors
 
@@ -57,7 +58,10 @@ class Comparator:
 
     def equal(self, name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         self.count += 1
-        if a is None or b is None:
+        if isinstance(a, Digest):  # a reference kept as digests (poros/engine/parity_digest.py): equal bytes or not
+            same = a.matches(b)
+            diff = 0.0 if same else float("inf")
+        elif a is None or b is None:
             same = a is None and b is None
             diff = 0.0 if same else float("inf")
         else:
@@ -200,8 +204,9 @@ def run_gate(
     return _compare(cmp, result, lambda s: take_step(resident, s), poros, steps, ok, on_step)
 
 
-def run_gate_recorded(reference: RecordedReference, poros: Trainer, steps: int | None = None) -> ParityResult:
-    """The gate against resident states recorded earlier (`RecordedReference`), step by step."""
+def run_gate_recorded(reference, poros: Trainer, steps: int | None = None) -> ParityResult:
+    """The gate against resident states recorded earlier, step by step: a `RecordedReference`, or its digests
+    (`poros.engine.parity_digest.DigestReference`, kept by an earlier part of a run)."""
     steps = len(reference.states) if steps is None else min(steps, len(reference.states))
     cmp = Comparator()
     result = _result(poros, f"{reference.method} (recorded)")

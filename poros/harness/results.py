@@ -189,10 +189,10 @@ def passes_path(results) -> Path:
 
 
 class PassLog:
-    """What a cell has done before its row is written: each timed pass (`kind: pass`) and each gate
-    outcome (`kind: gate`), one whole line each, keyed by the cell and a fingerprint of everything it
-    runs with, so a killed or budgeted run loses at most the pass it was in and `--resume` continues
-    the cell where it stopped."""
+    """What a cell has done before its row is written: each timed pass (`kind: pass`), each gate outcome
+    (`kind: gate`) and each gate reference kept as digests (`kind: reference`), one whole line each, keyed
+    by the cell and a fingerprint of everything it runs with, so a killed or budgeted run loses at most the
+    pass (or the side of a gate) it was in and `--resume` continues the cell where it stopped."""
 
     def __init__(self, path):
         self.writer = ResultsWriter(path)
@@ -213,6 +213,11 @@ class PassLog:
     def gate(self, cell: str, fingerprint: str) -> dict | None:
         found = self._records("gate", cell, fingerprint)
         return found[-1]["result"] if found else None
+
+    def reference(self, cell: str, fingerprint: str) -> dict | None:
+        """The record of a gate reference's states kept as digests (`kind: reference`), or None."""
+        found = self._records("reference", cell, fingerprint)
+        return found[-1] if found else None
 
     def add(self, kind: str, cell: str, fingerprint: str, **record) -> None:
         from poros.provenance import current_commit

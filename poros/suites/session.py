@@ -35,6 +35,7 @@ class Session:
         results = Path(config.getoption("--results"))
         self.writer = ResultsWriter(results)
         self.passlog = PassLog(passes_path(results))
+        self.references = results.with_name("gate-references")  # gate references kept as digests, by fingerprint
         self.resume = config.getoption("--resume")
         self.timed = not getattr(config.option, "benchmark_disable", False)
         self.device = matrix_device(self.matrix)

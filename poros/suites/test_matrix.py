@@ -5,7 +5,9 @@ The gate compares the matrix's gated method (poros) with its reference (`poros.e
 resident QLoRA, or resident with gradient checkpointing in a matrix without plain resident (long
 context, where the two are run one after the other, the reference's states recorded in host memory),
 its layer inputs in host memory too (resident_gc_offload) in a matrix that lists only that.
-One reference gates every plan: with several plans its states are recorded once, in host memory.
+One reference gates every plan: with several plans its states are recorded once, in host memory. A reference
+recorded first is also kept in the run's folder as digests (gate-references/): where the gated side would end past
+`--max-minutes`, the part stops after the reference's side and the next part (`--resume`) runs only the other.
 
 Each timed pass is kept (OUT/passes.jsonl) as it ends, and each gate outcome: `--resume` continues a
 cell after its last finished pass, and `--max-minutes` stops a run between passes.
@@ -66,7 +68,7 @@ def _gate_fingerprint(session, cell, plan) -> str:
 
 def _run_gate(session, cell) -> dict:
     """Run the gate of `cell`'s model × stack × point: {plan: ParityResult or the exception it raised}."""
-    from poros.engine.parity import ParityResult, RecordedReference, parity, run_gate_recorded
+    from poros.engine.parity import ParityResult, holds_a_cap, parity, run_gate_recorded
 
     m = session.matrix
     reference, method = gate_of(m.methods)
@@ -86,21 +88,20 @@ def _run_gate(session, cell) -> dict:
                 out[plan] = kept_failure(e)
         return out
     store = session.stores.get(cell.model, cfgs[plans[0]].double_quant)
-    if len(plans) == 1:
+    if len(plans) == 1 and not (sequential or holds_a_cap(cfgs[plans[0]], method)):  # the two side by side
         try:
             out[plans[0]] = parity(cfgs[plans[0]], steps=session.parity_steps, store=store, method=method,
-                                   reference=reference, sequential=sequential)
+                                   reference=reference)
         except Exception as e:
             out[plans[0]] = kept_failure(e)
         return out
     # one reference for every plan: its states recorded in host memory once
-    ref = make_trainer(reference, store, cfgs[plans[0]])
     try:
-        recorded = RecordedReference(ref, session.parity_steps)
-    finally:
-        ref.close()
-        del ref
-        free_device_memory()
+        recorded = _reference(session, cell, store, reference, cfgs[plans[0]], len(plans))
+    except OutOfTime:
+        raise
+    except Exception as e:
+        return {plan: kept_failure(e) for plan in plans}
     for plan, cfg in cfgs.items():
         try:
             trainer = make_trainer(method, store, cfg)
@@ -113,6 +114,38 @@ def _run_gate(session, cell) -> dict:
         except Exception as e:
             out[plan] = kept_failure(e)
     return out
+
+
+def _reference(session, cell, store, reference: Method, cfg, plans: int):
+    """The reference's states for a gate recorded in host memory, and kept in the run's folder as digests
+    (`DigestReference`, a `reference` record in the pass log): where the gated side of `plans` plans would end
+    past the time budget, the part stops there (OutOfTime) and a later one (`--resume`) runs only that side,
+    against the digests."""
+    from poros.engine.parity import RecordedReference
+    from poros.engine.parity_digest import DigestReference
+
+    fingerprint = session.fingerprint(session.matrix.name, cfg.as_dict(), session.parity_steps, reference.value)
+    name, path = cell.id + "/reference", session.references / f"{fingerprint}.json.gz"
+    kept = session.passlog.reference(name, fingerprint) if session.resume else None
+    if kept and path.exists():
+        progress(f"  parity gate: {reference.value}'s states kept from an earlier part (--resume): {path.name}")
+        recorded, seconds = DigestReference.load(path), kept["seconds"]
+    else:
+        t0 = time.monotonic()
+        ref = make_trainer(reference, store, cfg)
+        try:
+            recorded = RecordedReference(ref, session.parity_steps)
+        finally:
+            ref.close()
+            del ref
+            free_device_memory()
+        DigestReference.of(recorded).save(path)
+        seconds = time.monotonic() - t0
+        session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1))
+    if session.deadline is not None and time.monotonic() + 1.2 * plans * seconds > session.deadline:
+        raise OutOfTime(f"{reference.value}'s side of the gate took {seconds:.0f} s and is kept; the other side "
+                        f"would end past it")
+    return recorded
 
 
 def _kept_gates(session, cell, plans: list) -> dict:

@@ -6,6 +6,7 @@ gate that fails and a cell that raises, plans and sweep points, data-parallel ra
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -323,3 +324,58 @@ def test_a_resumed_part_reuses_the_gates_an_earlier_part_ran(tmp_path):
     assert [g["cell"].rsplit("/", 1)[1] for g in gates()] == ["a", "b"]
     assert {(r["method"], r["plan_name"]) for r in result_rows(results)} == {
         ("poros", "a"), ("resident_gc_offload", None), ("poros", "b")}
+
+
+SLOW_REFERENCE = """import time
+import poros.engine.parity as parity
+import poros.suites.test_matrix as suite
+
+real = time.monotonic
+ahead = [0.0]
+suite.time = type("Clock", (), {"monotonic": staticmethod(lambda: real() + ahead[0])})
+
+
+class SlowReference(parity.RecordedReference):
+    def __init__(self, trainer, steps):
+        super().__init__(trainer, steps)
+        ahead[0] += 3600.0  # the reference's side as if it had taken an hour
+
+
+parity.RecordedReference = SlowReference
+"""
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_gate_longer_than_a_part_runs_its_two_sides_in_two_parts(tmp_path):
+    """A reference recorded first (resident_gc_offload) is kept in the run's folder as digests: where its side took
+    so long that poros's would end past the time budget, the part stops after it, and the next (--resume) runs
+    only poros's side against the digests. Negative control: with the digests gone, the next part records the
+    reference again."""
+    matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros", "resident_gc_offload"],
+              "models": ["tiny-qwen2"]}
+    log = tmp_path / "passes.jsonl"
+
+    def records(kind: str) -> list[dict]:
+        return [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == kind]
+
+    env = plugin_env(tmp_path, "slow_reference", SLOW_REFERENCE)
+    first, results = run_suite(tmp_path, matrix, "-p", "slow_reference", "--max-minutes", "5", "-k", "gate", env=env)
+    assert first.returncode == 75, why(first)
+    assert re.search(r"resident_gc_offload's side of the gate took 36\d\d s and is kept", first.stdout), why(first)
+    (kept,) = records("reference")
+    assert kept["seconds"] >= 3600 and not records("gate")
+    digests = tmp_path / "gate-references" / kept["file"]
+    assert digests.exists()
+
+    second, _ = run_suite(tmp_path, matrix, "--resume", "-k", "gate")
+    assert second.returncode == 0, why(second)
+    assert "parity PASS (poros vs resident_gc_offload (recorded): " in second.stdout, why(second)
+    # poros's side only, against the digests: the reference is not recorded again
+    assert len(records("reference")) == 1 and [g["result"]["parity"] for g in records("gate")] == ["PASS"]
+
+    digests.unlink()
+    log.write_text("".join(json.dumps(r) + "\n" for r in map(json.loads, log.read_text().splitlines())
+                           if r["kind"] != "gate"))
+    third, _ = run_suite(tmp_path, matrix, "--resume", "-k", "gate")
+    assert third.returncode == 0, why(third)
+    assert len(records("reference")) == 2 and digests.exists(), why(third)
