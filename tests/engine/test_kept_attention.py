@@ -140,7 +140,8 @@ def test_a_closed_trainer_leaves_no_kernel(stores):
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "ADInplaceOrView")
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("model", ["tiny-qwen2", pytest.param("tiny-gemma3", marks=[pytest.mark.slow, pytest.mark.extended])],
+                         ids=lambda m: f"model={m}")
 def test_compiled_layers_with_kept_attention_keep_parity(stores, model):
     """Compiled layers call the fused op from inductor's code: the recompute takes the kept results there too."""
     cfg = TrainConfig(model=model, seq_len=64, block_size=2, lr=1e-2, compile=True, keep_attention=True,

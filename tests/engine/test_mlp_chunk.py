@@ -83,7 +83,9 @@ def test_layer_templates_equal_resident(stores, monkeypatch, capture, keep):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_compile_caches")
-@pytest.mark.parametrize("side", ["poros", "poros-templates", "resident_gc"], ids=lambda s: f"method={s}")
+# poros's side in CI; the templates' and resident_gc's sides compile the same chunked layers (pytest -m extended)
+@pytest.mark.parametrize("side", ["poros", pytest.param("poros-templates", marks=pytest.mark.extended),
+                                  pytest.param("resident_gc", marks=pytest.mark.extended)], ids=lambda s: f"method={s}")
 def test_compiled_methods_equal_compiled_resident(stores, side):
     """Compiled layers trace the chunks' checkpoints into their graphs (torch.compile's activation
     checkpointing); every method compiles the same layers, so the bits agree."""
@@ -91,7 +93,7 @@ def test_compiled_methods_equal_compiled_resident(stores, side):
 
 
 @pytest.mark.usefixtures("fresh_compile_caches")
-@pytest.mark.parametrize("side", ["poros", pytest.param("resident_gc", marks=pytest.mark.slow)],
+@pytest.mark.parametrize("side", ["poros", pytest.param("resident_gc", marks=[pytest.mark.slow, pytest.mark.extended])],
                          ids=lambda s: f"method={s}")
 def test_compiled_layers_with_an_eager_mlp_equal_compiled_resident(stores, side):
     """compile_mlp off: every method's layers compiled but for their MLP, which runs eager between the compiled

@@ -46,7 +46,7 @@ def test_a_poros_only_matrix_gates_against_a_reference_it_does_not_time(tmp_path
 
 
 @pytest.mark.slow  # the suites end to end in a subprocess
-@pytest.mark.parametrize("reference,schedule", [("resident_gc", {}),
+@pytest.mark.parametrize("reference,schedule", [pytest.param("resident_gc", {}, marks=pytest.mark.extended),
                                                 ("resident_gc_offload", {"offload_inputs": True, "device_inputs": 2})],
                          ids=["resident_gc", "resident_gc_offload-split"])
 def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, reference, schedule):
