@@ -250,6 +250,7 @@ def _kept_templates_gate(stores, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # with its negative control below: compiled kept templates on CPU stand-ins for CUDA graphs
 def test_compiled_kept_templates_on_the_capture_path_match_compiled_resident(stores, monkeypatch, tmp_path):
     """A kept template runs its compiled backward more than once over one autograd graph: compiled backwards
     must leave their saved tensors as they are (poros/engine/compiling.py `backward_keeps_saved_tensors`)."""
@@ -259,6 +260,7 @@ def test_compiled_kept_templates_on_the_capture_path_match_compiled_resident(sto
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the negative control of the test above, beside it
 def test_a_compiled_backward_that_donates_its_saved_tensors_fails_the_kept_templates_gate(stores, monkeypatch,
                                                                                            tmp_path):
     """Negative control: with AOTAutograd's donated buffers left on, a second backward over the retained graph
