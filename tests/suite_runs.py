@@ -12,8 +12,8 @@ from pathlib import Path
 from poros.harness.matrix import parse_matrix
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(name="t", steps=2, passes=2, warmup_passes=1, parity_steps=1, seq_len=64, batch_size=1, grad_accum=1,
-            lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"])
+TINY = dict(name="t", steps=2, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
+            lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"])
 
 
 SWEPT = {**{k: v for k, v in TINY.items() if k != "grad_accum"}, "steps": 1, "passes": 1, "methods": ["poros", "resident"], "models": ["tiny-qwen3"],

@@ -149,15 +149,17 @@ def test_comparisons_that_would_compare_nothing_are_refused_before_any_cell(tmp_
 # --- end to end ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # `poros bench` end to end, three runs in subprocesses
+@pytest.mark.slow  # `poros bench` end to end, four runs in subprocesses
 def test_bench_compares_with_an_earlier_run_and_fails_on_a_regression(tmp_path):
-    matrix = _matrix(tmp_path, models=["tiny-qwen2"])  # two cells compared: the test below
+    matrix = _matrix(tmp_path)
     first = tmp_path / "first"
-    # the run to compare with (a run in parts appends to its benchmark.json: the test below)
-    earlier = _bench(matrix, "-o", first)
-    assert earlier.returncode == 0, earlier.stderr[-3000:]
+    # the run to compare with, in two parts: its benchmark.json is appended to by --resume
+    part = _bench(matrix, "-o", first, "-k", "model:tiny-qwen2")
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = _bench(matrix, "-o", first, "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
     saved = first / "benchmark.json"
-    cells = ["suites/test_matrix.py::test_step[model:tiny-qwen2-stack:current-method:poros]"]
+    cells = [f"suites/test_matrix.py::test_step[model:{m}-stack:current-method:poros]" for m in TINY["models"]]
     assert _names(saved) == cells
     fast = _faster(saved, tmp_path / "fast.json")  # for the negative control below
 
@@ -165,20 +167,22 @@ def test_bench_compares_with_an_earlier_run_and_fails_on_a_regression(tmp_path):
     same = _bench(matrix, "-o", first, "--benchmark-compare", saved, "--benchmark-compare-fail", GENEROUS)
     assert same.returncode == 0, same.stderr[-3000:]
     moved = first / "earlier" / "1" / "benchmark.json"
-    assert f"compared 1 timed cell(s) with {moved}, against {GENEROUS}: no regression(s)" in same.stderr, same.stderr
+    assert f"compared 2 timed cell(s) with {moved}, against {GENEROUS}: no regression(s)" in same.stderr, same.stderr
     assert _names(moved) == cells and _names(saved) == cells
     log = (first / "bench.log").read_text()
-    row = "test_step[model:tiny-qwen2-stack:current-method:poros]"  # pytest-benchmark's table: now and as saved
-    assert f"{row} (NOW)" in log, log[-3000:]
-    assert any(x.lstrip().startswith(f"{row} (/") and "earlier/1/benchmark)" in x for x in log.splitlines()), log[-3000:]
+    for model in TINY["models"]:  # pytest-benchmark's table: each cell now and as saved
+        row = f"test_step[model:{model}-stack:current-method:poros]"
+        assert f"{row} (NOW)" in log, log[-3000:]
+        assert any(x.lstrip().startswith(f"{row} (/") and "earlier/1/benchmark)" in x for x in log.splitlines()), \
+            log[-3000:]
 
     # negative control: the saved run made 1000 times faster, the same threshold fails the run
     now = tmp_path / "now"
     slower = _bench(matrix, "-o", now, "--benchmark-compare", fast, "--benchmark-compare-fail", GENEROUS)
     assert slower.returncode == 1, slower.stderr[-3000:]
-    assert "1 regression(s)" in slower.stderr and "Traceback" not in slower.stderr, slower.stderr[-3000:]
+    assert "2 regression(s)" in slower.stderr and "Traceback" not in slower.stderr, slower.stderr[-3000:]
     lines = [x for x in slower.stderr.splitlines() if x.startswith(f"poros bench: slower than {fast}: ")]
-    assert len(lines) == 1 and all("Field 'mean' has failed PercentageRegressionCheck" in x for x in lines), lines
+    assert len(lines) == 2 and all("Field 'mean' has failed PercentageRegressionCheck" in x for x in lines), lines
     assert (now / "report.md").is_file() and _names(now / "benchmark.json") == cells  # nothing else lost
 
 
