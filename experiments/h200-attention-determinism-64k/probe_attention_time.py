@@ -58,8 +58,6 @@ def measure(seq: int, deterministic: bool, gqa: bool, repeats: int) -> dict:
 
     row = {"seq_len": seq, "deterministic": deterministic, "enable_gqa": gqa,
            "forward_s": round(timed(forward_only, repeats), 4), "backward_s": round(timed(backward, repeats), 4)}
-    del q, k, v, grad, out
-    torch.cuda.empty_cache()
     return row
 
 
@@ -75,6 +73,7 @@ def main() -> None:
             for deterministic in (True, False):
                 try:
                     row = measure(seq, deterministic, gqa, args.repeats)
+                    torch.cuda.empty_cache()  # the last shape's tensors, freed with measure's frame
                 except RuntimeError as e:  # a backend that refuses the shape
                     row = {"seq_len": seq, "deterministic": deterministic, "enable_gqa": gqa, "error": str(e)[:300]}
                 row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -166,6 +166,30 @@ def test_plans_and_sweep_points_are_rows_of_their_own(tmp_path):
     assert got[1][6] == "0.5000±0.0123" and got[1][8] == f"{0.5 / 0.3456:.2f}×"
 
 
+def _at(seq: int, matrix: str, **kw) -> list[dict]:
+    rows = [fixture_row(method=m, matrix=matrix, **kw) for m in ("poros", "unsloth")]
+    for r in rows:
+        r["config"] = {**r["config"], "seq_len": seq}
+    return rows
+
+
+def test_rows_of_two_lengths_pair_with_their_own_length(tmp_path):
+    """A page of two matrices, each at its own sequence length: each poros row stands beside the Unsloth row of its
+    length (rows keyed by model and stack alone paired the first length's poros with the last length's Unsloth)."""
+    short, long = _at(32768, "short"), _at(65536, "long")
+    short[1]["s_per_step_median"], short[1]["tokens_per_s"] = 1.0, 100.0
+    long[0]["s_per_step_median"], long[0]["tokens_per_s"] = 3.0, 60.0
+    long[1]["s_per_step_median"], long[1]["tokens_per_s"] = 2.0, 80.0
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", short + long)))
+    got = table_rows(md, "qwen2.5-32b", 15)
+    assert [(c[3], c[7], c[9]) for c in got] == [("seq_len 32768", "1.0000", "1.23×"),  # 1.2345 / 1.0
+                                                 ("seq_len 65536", "2.0000", "1.50×")]  # 3.0 / 2.0
+    memory = {c[0]: c[3] for c in table_rows(md, "qwen2.5-32b (seq_len 65536)", 9) if c[1] == "poros"}
+    assert memory == {"qwen2.5-32b (seq_len 65536)": "0.750×"}  # 60 / 80 tokens/s
+    one_length = render_markdown(load_results(write_jsonl(tmp_path / "one.jsonl", _at(512, "short"))))
+    assert "seq_len" not in one_length.split("## Results")[1]  # a page of one length names none
+
+
 def test_a_cpu_cell_whose_passes_spread_is_flagged(tmp_path):
     rows = [{**r, "config": {**r["config"], "device": "cpu"}, "provenance": {**r["provenance"], "gpus": []}}
             for r in three_methods()[:2]]

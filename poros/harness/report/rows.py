@@ -216,10 +216,20 @@ def point_label(sweep) -> str:
     return ", ".join(f"{k} {v}" for k, v in (sweep or {}).items())
 
 
+def _points(df: pd.DataFrame) -> list[str]:
+    """Each row's sweep point; where the rows hold more than one sequence length (a page of several matrices, each
+    at its own), the length too, so that a cell pairs only rows of one length."""
+    sweeps = [dict(x or {}) for x in df["sweep"]]
+    seqs = [c.get("seq_len") for c in df["config"]]
+    if len(set(seqs)) > 1:
+        sweeps = [{**({"seq_len": n} if "seq_len" not in x else {}), **x} for x, n in zip(sweeps, seqs)]
+    return [point_label(x) for x in sweeps]
+
+
 def latest(df: pd.DataFrame) -> pd.DataFrame:
     """The last row per (matrix, model, stack, method, plan, sweep point) — a re-run replaces the earlier cell."""
     df = df.copy()
-    df["point"] = [point_label(x) for x in df["sweep"]]
+    df["point"] = _points(df)
     df["plan_key"] = df["plan_name"].fillna("")
     df = df.drop_duplicates(subset=[*KEY, "plan_key", "point"], keep="last").copy()
     df["hardware"] = [hardware_of(r) for r in df.to_dict("records")]
