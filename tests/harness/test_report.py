@@ -190,6 +190,17 @@ def test_rows_of_two_lengths_pair_with_their_own_length(tmp_path):
     assert "seq_len" not in one_length.split("## Results")[1]  # a page of one length names none
 
 
+def test_the_protocol_line_pairs_each_protocol_with_its_warm_up(tmp_path):
+    """Rows of two protocols: each count beside its own warm-up, one step and one pass in the singular."""
+    rows = ([fixture_row(method=m, steps=1, passes=1, warmup_pass_steps=1) for m in ("poros", "resident")]
+            + [fixture_row(method=m, matrix="other", steps=2, passes=3, warmup_pass_steps=2,
+                           sweep={"seq_len": 1024}) for m in ("poros", "resident")])
+    md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert ("each cell 1 step × 1 pass after a discarded 1-step warm-up; 2 steps × 3 passes after a discarded "
+            "2-step warm-up in its process") in md
+    assert "| Steps × passes | 1 step × 1 pass, 2 steps × 3 passes (" in md
+
+
 def test_a_cpu_cell_whose_passes_spread_is_flagged(tmp_path):
     rows = [{**r, "config": {**r["config"], "device": "cpu"}, "provenance": {**r["provenance"], "gpus": []}}
             for r in three_methods()[:2]]

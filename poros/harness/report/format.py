@@ -21,6 +21,16 @@ def uniq(values, sep: str = ", ") -> str:
     return sep.join(out) if out else DASH
 
 
+def counted(n, unit: str) -> str:
+    """`n` and its unit, singular for one: "1 step", "3 passes"."""
+    n = int(n)
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}es" if unit.endswith("s") else f"{n} {unit}s"
+
+
+def steps_by_passes(steps, passes) -> str:
+    return f"{counted(steps, 'step')} × {counted(passes, 'pass')}"
+
+
 def md_table(columns, rows) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     # A literal "|" (as in "max |diff|") would split the Markdown cell.

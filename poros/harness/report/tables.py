@@ -7,7 +7,7 @@ import pandas as pd
 
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
-from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
+from poros.harness.report.format import DASH, fmt_gb, md_table, num, steps_by_passes, text_or_none, uniq
 from poros.harness.report.rows import on_cpu, planned_shown, row_gpus, setting_shown
 from poros.harness.stacks import same_stack
 from poros.provenance import is_hardware
@@ -163,7 +163,7 @@ def memory_table(df: pd.DataFrame) -> str:
 
 
 def runs_text(df: pd.DataFrame) -> str:
-    return uniq(f"{s} steps × {p} passes" for s, p in zip(df["steps"], df["passes"]))
+    return uniq(steps_by_passes(s, p) for s, p in zip(df["steps"], df["passes"]))
 
 
 def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
@@ -324,12 +324,15 @@ def protocol_line(df: pd.DataFrame) -> str:
     timed = df[df["status"] == "ok"].to_dict("records")
     if not timed:
         return ""
-    passes = uniq(f"{r['steps']} steps × {r['passes']} passes" for r in timed)
-    warm = {num(r.get("warmup_pass_steps", r.get("warmup_steps"))) for r in timed} - {None}
-    warm_text = f"{uniq(f'{n:g}-step' for n in sorted(warm))} warm-up" if warm else "warm-up pass"
+    def measured(r: dict) -> str:  # a cell's timed passes and the warm-up discarded before them
+        warm = num(r.get("warmup_pass_steps", r.get("warmup_steps")))
+        return (f"{steps_by_passes(r['steps'], r['passes'])} after a discarded "
+                f"{'warm-up pass' if warm is None else f'{warm:g}-step warm-up'}")
+
+    protocols = uniq((measured(r) for r in timed), sep="; ")
     gated = [r for r in timed if text_or_none(r.get("parity")) is not None and is_planned(r["method"])]
     against = uniq(text_or_none(r.get("gate")) or REFERENCES[0] for r in gated)
     gate = (f"; every {PLANNED} cell first gated bitwise against {against} on the same settings "
             f"({uniq(r['parity'] for r in gated)})") if gated else ""
-    return (f"**Protocol:** each cell {passes} after a discarded {warm_text} in its process, s/step the median ± "
+    return (f"**Protocol:** each cell {protocols} in its process, s/step the median ± "
             f"std across passes{gate}.")
