@@ -9,6 +9,8 @@ from pathlib import Path
 
 from poros.harness.cells import matrix_cells
 from poros.harness.matrix import Matrix
+from poros.harness.report.format import counted
+from poros.harness.report.rows import row_gpus
 from poros.harness.results import PassLog, ResultsWriter, passes_path, row_key
 
 TIMED = "timed passes"
@@ -16,6 +18,11 @@ TIMED = "timed passes"
 
 def _when(ts: float | None) -> str:
     return "—" if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _short(uuid: str) -> str:
+    """A GPU as the pages name it: its UUID's first 8 hex digits."""
+    return uuid.removeprefix("GPU-")[:8]
 
 
 def _exit(part: dict) -> str:
@@ -41,12 +48,11 @@ def cell_states(m: Matrix, out: Path) -> list[tuple[str, str]]:
         row = rows.get(cell.key)
         if cell.method is None:
             g = gates.get(cell.id)
-            states.append((name, "not run" if g is None else f"{g.get('parity')} ({g.get('steps')} steps)"))
+            steps = "" if g is None or g.get("steps") is None else f" ({counted(g['steps'], 'step')})"
+            states.append((name, "not run" if g is None else f"{g.get('parity')}{steps}"))
         elif row is not None and row.get("status") == "ok":
-            from poros.harness.report.rows import row_gpus
-
-            gpus = row_gpus(row)
-            on = f" on {len(gpus)} GPUs" if len(gpus) > 1 else ""
+            gpus = sorted(row_gpus(row) - {"cpu"})
+            on = f" on {', '.join(_short(g) for g in gpus)}" if gpus else ""
             states.append((name, f"done: {row['s_per_step_median']:.4f} s/step over {len(row['per_pass_s'])} passes{on}"
                            if row.get("s_per_step_median") is not None else "done (not timed)"))
         elif row is not None:
@@ -56,6 +62,12 @@ def cell_states(m: Matrix, out: Path) -> list[tuple[str, str]]:
         else:
             states.append((name, "not started"))
     return states
+
+
+def timed_gpus(m: Matrix, out: Path) -> list[str]:
+    """Every GPU the finished timed cells of `m` ran their passes on, by UUID."""
+    rows = [r for r in ResultsWriter(out / "results.jsonl").rows() if r.get("matrix") == m.name]
+    return sorted(set().union(*(row_gpus(r) for r in rows if r.get("status") == "ok")) - {"cpu"})
 
 
 def parts(out: Path) -> list[dict]:
@@ -75,9 +87,13 @@ def status_markdown(m: Matrix, out: Path) -> str:
     states = cell_states(m, out)
     timed = [s for n, s in states if not n.endswith(" gate")]
     done = sum(s.startswith("done") for s in timed)
-    lines = [f"{done} of {len(timed)} timed cells done ({m.steps} steps x {m.passes} passes each).", "",
+    lines = [f"{done} of {len(timed)} timed cells done ({counted(m.steps, 'step')} x {counted(m.passes, 'pass')} each).", "",
              "| cell | state |", "|---|---|"]
     lines += [f"| {n} | {s} |" for n, s in states]
+    gpus = timed_gpus(m, out)
+    if len(gpus) > 1:
+        lines += ["", f"The timed cells ran on {len(gpus)} GPUs ({', '.join(_short(g) for g in gpus)}): a ratio between "
+                      "cells of different GPUs compares machines as well as methods (the page marks it †)."]
     recorded = parts(out)
     if recorded:
         lines += ["", "| part | started (UTC) | wall | timed passes | outside timed passes | exit | GPU |",
@@ -85,7 +101,7 @@ def status_markdown(m: Matrix, out: Path) -> str:
         for i, p in enumerate(recorded, 1):
             phases = p.get("phases") or {}
             rest = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if k != TIMED)
-            gpu = ", ".join(g.removeprefix("GPU-")[:8] for g in p.get("gpu") or []) or "—"
+            gpu = ", ".join(_short(g) for g in p.get("gpu") or []) or "—"
             lines.append(f"| {i} | {_when(p.get('started'))} | {p.get('wall_s', 0):.0f} s | {phases.get(TIMED, 0):.0f} s "
                          f"| {rest or '—'} | {_exit(p)} | {gpu} |")
         total = sum(p.get("wall_s", 0) for p in recorded)

@@ -223,10 +223,12 @@ def test_status_reads_gates_passes_and_rows(tmp_path):
             gpu=["GPU-12345678-aa"])
     md = status_markdown(m, tmp_path)
     assert "| 1 | 1970-01-01 00:00 | 10 s | 4 s | warm-up 6 s | 75 | 12345678 |" in md
-    assert "1 of 2 timed cells done" in md
+    assert "1 of 2 timed cells done (4 steps x 2 passes each)" in md
+    assert "GPUs" not in md.split("| part |")[0]  # CPU rows name no GPU
     ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0],
                                                       "pass_gpus": ["GPU-a", "GPU-b"]})
-    assert cell_states(m, tmp_path)[1] == ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes on 2 GPUs")
+    assert cell_states(m, tmp_path)[1] == ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes on a, b")
+    assert "The timed cells ran on 2 GPUs (a, b): a ratio between cells of different GPUs" in status_markdown(m, tmp_path)
 
 
 def test_a_part_is_its_last_record_and_one_without_an_end_says_so(tmp_path):
