@@ -3,6 +3,7 @@ resident does not fit) and a method (poros) from one initial state, compared wit
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -220,6 +221,21 @@ def holds_a_cap(cfg: TrainConfig, method: Method) -> bool:
     return method is Method.POROS and AllocatorLimit.holds(cfg)
 
 
+def record_reference(reference: Method, store, cfg: TrainConfig, steps: int, world=SINGLE) -> RecordedReference:
+    """`reference` set up on `store`, its states over `steps` steps recorded in host memory, and the trainer
+    released (its device memory returned to the driver) before the gated side is set up: the first half of a
+    sequential gate."""
+    ref = make_trainer(reference, store, cfg, world)
+    try:
+        return RecordedReference(ref, steps)
+    finally:
+        ref.close()
+        del ref
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def parity(
     cfg: TrainConfig,
     steps: int = 3,
@@ -258,12 +274,7 @@ def parity(
     if sequential:
         if mutate is not None:
             raise ValueError("mutate needs both trainers at once: not with sequential=True")
-        ref = make_trainer(reference, store, cfg, world)
-        recorded = RecordedReference(ref, steps)
-        ref.close()
-        del ref
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        recorded = record_reference(reference, store, cfg, steps, world)
         result = run_gate_recorded(recorded, make_trainer(method, store, cfg, world), steps)
         if control:
             result.gate = "control (recorded)"

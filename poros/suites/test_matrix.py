@@ -121,7 +121,7 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
     (`DigestReference`, a `reference` record in the pass log): where the gated side of `plans` plans would end
     past the time budget, the part stops there (OutOfTime) and a later one (`--resume`) runs only that side,
     against the digests."""
-    from poros.engine.parity import RecordedReference
+    from poros.engine.parity import record_reference
     from poros.engine.parity_digest import DigestReference
 
     fingerprint = session.fingerprint(session.matrix.name, cfg.as_dict(), session.parity_steps, reference.value)
@@ -132,13 +132,7 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
         recorded, seconds = DigestReference.load(path), kept["seconds"]
     else:
         t0 = time.monotonic()
-        ref = make_trainer(reference, store, cfg)
-        try:
-            recorded = RecordedReference(ref, session.parity_steps)
-        finally:
-            ref.close()
-            del ref
-            free_device_memory()
+        recorded = record_reference(reference, store, cfg, session.parity_steps)
         DigestReference.of(recorded).save(path)
         seconds = time.monotonic() - t0
         session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1))
