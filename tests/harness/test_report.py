@@ -477,6 +477,15 @@ def test_gpu_plot_is_s_per_step_against_vram(tmp_path):
     assert points.get_offsets().tolist() == [[12.34, 1.2345]]
 
 
+def test_gpu_plot_names_each_points_plan_and_length(tmp_path):
+    """Points of one model differ by plan and length on a page of several: each label says which (they were all
+    the model's name alone)."""
+    rows = [{**r, "plan_name": "24GB"} if r["method"] == "poros" else r for r in _at(32768, "short")] + _at(65536, "long")
+    (ax,) = figure(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).axes
+    assert sorted(t.get_text() for t in ax.texts) == ["qwen2.5-32b (seq_len 32768)", "qwen2.5-32b (seq_len 32768, 24GB)",
+                                                      "qwen2.5-32b (seq_len 65536)", "qwen2.5-32b (seq_len 65536)"]
+
+
 def test_official_reference_ships_with_its_source():
     ref = load_reference()
     assert OFFICIAL_REFERENCE.name == "official.csv" and OFFICIAL_REFERENCE.is_file()
