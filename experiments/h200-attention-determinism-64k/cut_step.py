@@ -20,6 +20,7 @@ import torch
 from poros.config import Method, TrainConfig
 from poros.engine.methods import make_trainer
 from poros.engine.trainer import enable_determinism
+from poros.finetune.samples import write_jsonl
 from poros.harness.unsloth import measure_unsloth
 from poros.models.checkpoint import cut_source
 from poros.store.build import build_store
@@ -62,8 +63,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         if args.out:
-            with open(args.out, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            write_jsonl(args.out, rows)  # after each variant: a probe cut off by its limit keeps what it measured
 
 
 if __name__ == "__main__":

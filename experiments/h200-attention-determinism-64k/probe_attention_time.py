@@ -12,26 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from poros.finetune.samples import write_jsonl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from dequant_speed import time_us  # noqa: E402  (one CUDA-event timer for the probes)
+
 HEADS, KV_HEADS, HEAD_DIM = 64, 8, 128
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
 
 
 def measure(seq: int, deterministic: bool, gqa: bool, repeats: int) -> dict:
@@ -57,7 +50,8 @@ def measure(seq: int, deterministic: bool, gqa: bool, repeats: int) -> dict:
         torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
 
     row = {"seq_len": seq, "deterministic": deterministic, "enable_gqa": gqa,
-           "forward_s": round(timed(forward_only, repeats), 4), "backward_s": round(timed(backward, repeats), 4)}
+           "forward_s": round(time_us(forward_only, repeats) / 1e6, 4),
+           "backward_s": round(time_us(backward, repeats) / 1e6, 4)}
     return row
 
 
@@ -80,8 +74,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":
