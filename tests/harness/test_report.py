@@ -482,7 +482,7 @@ def test_gpu_plot_names_each_points_plan_and_length(tmp_path):
     the model's name alone)."""
     rows = [{**r, "plan_name": "24GB"} if r["method"] == "poros" else r for r in _at(32768, "short")] + _at(65536, "long")
     (ax,) = figure(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).axes
-    assert sorted(t.get_text() for t in ax.texts) == ["qwen2.5-32b (seq_len 32768)", "qwen2.5-32b (seq_len 32768, 24GB)",
+    assert sorted(t.get_text() for t in ax.texts) == ["qwen2.5-32b (seq_len 32768)", "qwen2.5-32b (seq_len 32768, plan 24GB)",
                                                       "qwen2.5-32b (seq_len 65536)", "qwen2.5-32b (seq_len 65536)"]
 
 

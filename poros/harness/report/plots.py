@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from poros.engine.method_info import INFO, NAMES, is_planned
-from poros.harness.report.format import num, text_or_none
-from poros.harness.report.rows import hardware_of, latest
+from poros.harness.report.format import num
+from poros.harness.report.rows import hardware_of, latest, named
 from poros.harness.report.sweep import attention_pairs, schedule_kind, sweep_rows
 
 
@@ -50,8 +50,8 @@ def figure(df: pd.DataFrame):
             if len(pts):
                 ax.scatter(pts["peak_vram_gb"], pts["s_per_step_median"], color=colour, label=method, zorder=2)
             for r in pts.to_dict("records"):
-                what = ", ".join(x for x in (r.get("point") or "", text_or_none(r.get("plan_name")) or "") if x)
-                ax.annotate(_label(r, many_stacks, many_hw) + (f" ({what})" if what else ""),
+                ax.annotate(_label({**r, "model": named(r["model"], r.get("point"), r.get("plan_name"))},
+                                   many_stacks, many_hw),
                             (r["peak_vram_gb"], r["s_per_step_median"]),
                             fontsize=7, xytext=(4, 4), textcoords="offset points")
         ax.set(xlabel="peak VRAM (GB, torch max allocated)")

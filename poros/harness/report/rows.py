@@ -216,6 +216,13 @@ def point_label(sweep) -> str:
     return ", ".join(f"{k} {v}" for k, v in (sweep or {}).items())
 
 
+def named(model: str, point: str | None, plan) -> str:
+    """A model as a page's tables and plots name one of its rows: with the row's point and plan where it has them,
+    e.g. `qwen2.5-72b (seq_len 65536, plan 40GB)`."""
+    what = ", ".join(x for x in (point or "", text_or_none(plan) and f"plan {plan}") if x)
+    return model + (f" ({what})" if what else "")
+
+
 def _points(df: pd.DataFrame) -> list[str]:
     """Each row's sweep point; where the rows hold more than one sequence length (a page of several matrices, each
     at its own), the length too, so that a cell pairs only rows of one length."""

@@ -8,7 +8,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, steps_by_passes, text_or_none, uniq
-from poros.harness.report.rows import on_cpu, planned_shown, row_gpus, setting_shown
+from poros.harness.report.rows import named, on_cpu, planned_shown, row_gpus, setting_shown
 from poros.harness.stacks import same_stack
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
@@ -119,8 +119,7 @@ def time_table(df: pd.DataFrame) -> str:
         for plan, p in c["plans"].items():
             h2d, gbps, hidden, tps = (_ok(p, f) for f in
                                       ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
-            name = ", ".join(x for x in (point, plan and f"plan {plan}") if x)
-            rows.append([model + (f" ({name})" if name else ""), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
+            rows.append([named(model, point, plan), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
                          DASH if gbps is None else f"{gbps:.1f} GB/s",
                          DASH if hidden is None else f"{hidden * 100:.1f}%", DASH if tps is None else f"{tps:.1f}",
                          *(floor_cells(p) if floors else [])])
@@ -151,8 +150,7 @@ def memory_table(df: pd.DataFrame) -> str:
         apart = "" if theirs is None or len(row_gpus(r) | row_gpus(other)) == 1 else APART
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
         budget = num(r["config"].get("vram_budget")) if is_planned(r["method"]) else None
-        name = ", ".join(x for x in (r.get("point") or "", text_or_none(r.get("plan_name")) and f"plan {r['plan_name']}") if x)
-        rows.append([r["model"] + (f" ({name})" if name else ""), r["method"], DASH if tps is None else f"{tps:.1f}",
+        rows.append([named(r["model"], r.get("point"), r.get("plan_name")), r["method"], DASH if tps is None else f"{tps:.1f}",
                      DASH if tps is None or not theirs else f"{tps / theirs:.3f}×{apart}",
                      fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
                      DASH if not nvml or predicted is None else f"{(predicted / nvml - 1) * 100:+.1f}%",
