@@ -285,6 +285,8 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                   default_text: dict | None = None) -> None:
     """Command-line flags for the settings of `kinds` (each flag's default is None: unset). `defaults`
     shows other default values, `default_text` words them (a command whose defaults depend on the device)."""
+    from poros import resolve  # the device defaults and the rules read this table
+
     for s in SETTINGS:
         if not s.cli or s.kind not in kinds:
             continue
@@ -293,11 +295,11 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
         elif defaults and s.name in defaults:
             shown = s.show(defaults[s.name])
         else:
-            shown = s.default_help or s.show(s.default)
+            shown = resolve.default_text(s.name) or s.default_help or s.show(s.default)
         help_ = f"{s.help} (default: {shown})"
         if s.check is flag:
             parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True, help=help_)
-            if s.default:  # a flag on by default gets a --no- form
+            if s.default or any(d.get(s.name) for d in resolve.DEVICE_DEFAULTS.values()):  # on by default somewhere
                 parser.add_argument("--no-" + s.flag[2:], dest=s.name, action="store_const", const=False,
                                     help=f"turn off {s.flag}")
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from poros import resolve
 from poros.config import Method, TrainConfig
 from poros.engine.methods import METHODS
 from poros.errors import ConfigError
@@ -39,12 +40,14 @@ def add_train_args(p: argparse.ArgumentParser, kinds=None) -> None:
 
 
 def train_config(args):
-    """The TrainConfig the flags ask for (unset flags take the table's defaults; device: cuda when there)."""
+    """The TrainConfig the flags ask for: unset flags take the device's defaults (poros/resolve.py; device: cuda
+    when there), but for the VRAM budget, which stays none (every layer streamed) unless given: parity and plan look
+    at the streamed schedule unless asked about a budget."""
     import torch
-
 
     values = from_arguments(args)
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    values, _ = resolve.with_defaults(values, leave=("vram_budget",))
     return TrainConfig.from_settings(values, model=args.model)
 
 

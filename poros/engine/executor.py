@@ -19,7 +19,7 @@ from poros.config import Method
 from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.rules import check
-from poros.engine.allocator_limit import AllocatorLimit
+from poros.engine.allocator_limit import AllocatorLimit, held_text
 from poros.engine.buffers import DeviceBuffers
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.templates import LayerTemplates
@@ -75,11 +75,26 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
             self._refuse_unsafe(self.plan)
         self.allocator_limit = AllocatorLimit(self.plan, self.device)  # before the first device allocation
         try:
-            return self._make_within_limit()
+            with self._within_budget():
+                return self._make_within_limit()
         except BaseException:  # a trainer never built is never closed: the cap goes now
             self.allocator_limit.release()
             self._held.close()
             raise
+
+    @contextlib.contextmanager
+    def _within_budget(self):
+        """An out-of-memory error under the allocator's cap as one BudgetError line: what the plan predicted and
+        what the allocator held when it ran out, CUDA graphs' pools apart."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            if self.allocator_limit.fraction is None:
+                raise
+            raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
+                              f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB of it for the process; "
+                              f"{held_text(self.device)}), and the allocator is held to the budget: give a larger "
+                              "--vram-budget, or --no-cuda-graphs, or drop --keep-activations") from None
 
     def _make_within_limit(self) -> QLoRAModel:
         if self.cfg.keep_attention:
@@ -186,15 +201,8 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         self.buffers.reset_counters()
         self.saved.bytes_d2h = self.saved.bytes_h2d = 0
         self._regenerations = 0
-        try:
+        with self._within_budget():
             return super().step(batches)
-        except torch.OutOfMemoryError as e:
-            if self.allocator_limit.fraction is None:
-                raise
-            raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
-                              f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB), and the allocator is held "
-                              "to the budget: give a larger --vram-budget, or drop --cuda-graphs or "
-                              "--keep-activations") from e
 
     def counters(self) -> dict:
         out = self.buffers.counters()

@@ -78,6 +78,13 @@ def progress(msg: str) -> None:
         sys.stderr.flush()
 
 
+def announce(msg: str) -> None:
+    """A line of the full log that the compact output shows too (what a run is about to do)."""
+    progress(msg)
+    if _status is not None:
+        _status(msg, True)
+
+
 def begin_cell(label: str) -> None:
     """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 resident`."""
     global _cell

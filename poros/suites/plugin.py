@@ -223,10 +223,27 @@ def pytest_collection_finish(session):
     selected = {c.plan for c, w in zip(cells, why) if c.method is Method.POROS and not w}
     state.gate_plans = [p for p in m.plan_names() if p in selected] or None
     runnable = {c.model for c, w in zip(cells, why) if not w}
+    _say_settings(m, [c for c, w in zip(cells, why) if not w])
     try:  # only the models this session will build (-k may select a few)
         preflight.check_host_memory(sorted(runnable), device)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
+
+
+def _say_settings(m, cells) -> None:
+    """The settings each method (poros per plan) runs, once per method and plan, as the first model's cells
+    resolve them on this device."""
+    from poros.harness.cells import settings_line
+
+    seen, lines = set(), []
+    for c in cells:
+        if c.method is None or (c.method, c.plan) in seen or c.model != cells[0].model:
+            continue
+        seen.add((c.method, c.plan))
+        lines.append(settings_line(m, c))
+    if lines:
+        console.announce("settings (beside the table's defaults; poros/resolve.py for the device's):\n" +
+                         "\n".join(lines))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -27,6 +27,7 @@ from poros.harness import console
 from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
 from poros.harness.cell_memory import free_device_memory, kept_failure
 from poros.harness.cells import cell_config, computed_of, gate_config
+from poros.harness.report.floor import compute_floors, floor_fields
 from poros.harness.result_row import record
 from poros.harness.timing import Measurement, OutOfTime, measure
 from poros.harness.console import progress, stop_if_interrupted
@@ -410,6 +411,7 @@ def _twin(session, cell, fp: str) -> tuple[str, list[dict]] | None:
 def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:
     row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan,
                  timed=meas is not None, alone=alone)
+    row.update(floor_fields(row, compute_floors(session.writer.rows())))  # the run's reference has run by now
     session.writer.append(row)
     if meas is None:
         progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
@@ -419,8 +421,10 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
         benchmark.skipped = True
     benchmark.extra_info.update(row_info(row))
     shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
+    floor = "" if row["floor_share"] is None else (f", floor share {row['floor_share']:.0%}, host "
+                                                   f"{row['host_s_per_step']:+.4f} s/step")
     progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "
-             f"{shown(row['peak_vram_gb'], '{:.2f}')} GB")
+             f"{shown(row['peak_vram_gb'], '{:.2f}')} GB{floor}")
     if row.get("capture_errors"):
         progress(f"  {cell.method.value}: {row['capture_errors']} CUDA graph template(s) failed to capture; their "
                  f"layers ran eagerly ({row['template_fallbacks']} eager layer calls)")

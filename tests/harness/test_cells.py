@@ -1,9 +1,10 @@
-"""The cells of a matrix (poros/harness/cells.py): model by model, parity first, with ids that read like report
+"""The cells of a matrix (poros/harness/cells.py): model by model, parity first, then the reference, with ids that read like report
 rows and parse as -k expressions; a poros cell always has its gate cell; a model's overrides change only that
 model's settings; full-size shapes are gated off the CPU."""
 
 from __future__ import annotations
 
+from poros.engine.method_info import REFERENCES
 from poros.harness.cells import matrix_cells, model_unavailable
 from poros.harness.matrix import load_matrix, parse_matrix
 from tests.suite_runs import TINY
@@ -16,7 +17,9 @@ def test_cells_run_model_by_model_parity_first():
     for i, model in enumerate(m.models):
         chunk = cells[i * (1 + len(m.methods)) : (i + 1) * (1 + len(m.methods))]
         assert [c.model for c in chunk] == [model] * len(chunk)
-        assert chunk[0].method is None and [c.method for c in chunk[1:]] == list(m.methods)
+        references = [x for x in m.methods if x.value in REFERENCES]  # a reference first: streamed rows' floor
+        assert references and chunk[0].method is None
+        assert [c.method for c in chunk[1:]] == references + [x for x in m.methods if x not in references]
 
 
 def test_cell_ids_read_like_report_rows():

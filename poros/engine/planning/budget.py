@@ -124,7 +124,7 @@ def refusal(geo: Geometry, request: PlanRequest, seen: Search, at: str = "", sho
     m, smallest = seen.smallest.memory, seen.smallest
     beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
               m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
-    graphs = " or drop --cuda-graphs" if m.graph_pool else ""
+    graphs = " or --no-cuda-graphs" if m.graph_pool else ""
     held = seen.host_holds  # (layers whose inputs the host holds, of how many), where it holds fewer than all
     host = "" if held is None else (f"; host_budget {format_size(request.host_budget)} holds the saved inputs of "
                                     f"{held[0]} of {held[1]} layers beside the NF4 store ({gb(geo.store_bytes)}), the "
