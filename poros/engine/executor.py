@@ -88,7 +88,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         what the allocator held when it ran out, CUDA graphs' pools apart."""
         try:
             yield
-        except torch.OutOfMemoryError as e:
+        except torch.OutOfMemoryError:
             if self.allocator_limit.fraction is None:
                 raise
             raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
