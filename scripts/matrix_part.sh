@@ -25,7 +25,7 @@ mkdir -p "$out" "$results"
 nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader > "$results/gpu.txt" || true
 cat "$results/gpu.txt"
 copy_out() {
-  for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt; do
+  for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt matrix.yaml; do
     [ -f "$results/$f" ] && cp "$results/$f" "$out/"
   done
   if compgen -G "$results/gate-references/*.json.gz" > /dev/null; then

@@ -18,7 +18,7 @@ from poros.errors import PorosError
 EARLIER = "earlier"
 # what one `poros bench matrix` run writes into its output folder
 RUN_FILES = ("results.jsonl", "results.jsonl.torn", "passes.jsonl", "benchmark.json", "bench.log", "report.md",
-             "report.png")
+             "report.png", "matrix.yaml")
 
 
 class ResultsFileError(PorosError):

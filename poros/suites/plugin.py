@@ -135,6 +135,9 @@ def _preflight(config) -> None:
         console.progress(warning)
     if config.getoption("--resume"):
         preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
+    kept = results.parent / "matrix.yaml"  # the matrix the run's rows measure, as it read when the run began
+    if Path(m.source).is_file() and not (config.getoption("--resume") and kept.is_file()):
+        kept.write_bytes(Path(m.source).read_bytes())
     warning = ResultsWriter(passes_path(results)).repair()
     if warning:
         console.progress(warning)

@@ -188,7 +188,8 @@ def test_the_store_fingerprint_names_the_weights():
 
 
 def test_the_committed_run_in_parts_says_where_it_stands():
-    """results/h200/README.md carries `poros bench status` of its own rows, as the rows now are."""
+    """results/h200/README.md carries `poros bench status` of its own rows, as the rows now are, against the matrix
+    the run ran (the run's folder keeps it as matrix.yaml)."""
     from pathlib import Path
 
     from poros.harness.matrix import load_matrix
@@ -196,7 +197,7 @@ def test_the_committed_run_in_parts_says_where_it_stands():
 
     root = Path(__file__).resolve().parents[2]
     readme = (root / "results/h200/README.md").read_text()
-    status = status_markdown(load_matrix(str(root / "matrices/h200.yaml")), root / "results/h200")
+    status = status_markdown(load_matrix(str(root / "results/h200/matrix.yaml")), root / "results/h200")
     assert readme.endswith("## Cells and parts\n\n" + status)
 
 
@@ -210,15 +211,15 @@ def test_status_reads_gates_passes_and_rows(tmp_path):
     m = parse_matrix(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1,
                           lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu",
                           stacks=["current"], methods=["poros", "resident"], models=["tiny-qwen2"]), "t.yaml")
-    gate, poros, resident = matrix_cells(m)
+    gate, resident, poros = matrix_cells(m)
     log = PassLog(tmp_path / "passes.jsonl")
     log.add("gate", gate.id + "/None", "f", result={"parity": "PASS", "steps": 3})
     log.add("pass", resident.id, "f", index=0, seconds=1.0)
     row = record(m, poros, cell_config(m, poros), None, None, reduced=False)
     ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0]})
     assert cell_states(m, tmp_path) == [("tiny-qwen2 gate", "PASS (3 steps)"),
-                                        ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes"),
-                                        ("tiny-qwen2 resident", "1 of 2 passes")]
+                                        ("tiny-qwen2 resident", "1 of 2 passes"),
+                                        ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes")]
     log.add("part", "", "", started=0.0, wall_s=10.0, phases={"timed passes": 4.0, "warm-up": 6.0}, exit_status=75,
             gpu=["GPU-12345678-aa"])
     md = status_markdown(m, tmp_path)
@@ -227,7 +228,7 @@ def test_status_reads_gates_passes_and_rows(tmp_path):
     assert "GPUs" not in md.split("| part |")[0]  # CPU rows name no GPU
     ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0],
                                                       "pass_gpus": ["GPU-a", "GPU-b"]})
-    assert cell_states(m, tmp_path)[1] == ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes on a, b")
+    assert cell_states(m, tmp_path)[2] == ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes on a, b")
     assert "The timed cells ran on 2 GPUs (a, b): a ratio between cells of different GPUs" in status_markdown(m, tmp_path)
 
 

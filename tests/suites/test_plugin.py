@@ -43,7 +43,7 @@ def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
     assert fresh.returncode == 5, fresh.stdout[-2000:] + fresh.stderr[-2000:]  # no cell selected
     assert f"kept the earlier run's passes.jsonl, report.md, results.jsonl in {out / 'earlier' / '1'}/" in \
         fresh.stdout, fresh.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["earlier"]
+    assert sorted(p.name for p in out.iterdir()) == ["earlier", "matrix.yaml"]  # the matrix this run measures
     assert (out / "earlier" / "1" / "results.jsonl").read_text() == rows
 
 
