@@ -1,5 +1,5 @@
 """Data parallelism over torch.distributed: each rank trains on its share of a step's micro-batches, the
-LoRA gradients are all-reduced, and every rank takes the same optimizer step.
+LoRA gradients are averaged over the ranks, and every rank takes the same optimizer step.
 
 Launch with `torchrun --nproc-per-node N poros ...` (any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT). NCCL on CUDA, gloo on the CPU.
@@ -15,7 +15,7 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT). NCCL on CUDA, gloo on the CPU.
   (memfd) and the host's other ranks map the same pages, each pinning them for its own GPU.
 - A shared stream (`shard_stream`): each rank copies its share of every streamed block from that host copy
   and the ranks all-gather the rest (poros/engine/buffers.py) in a process group of their own
-  (`gather_group`), so the gathers and the gradients' all-reduces are two sequences of collectives, each
+  (`gather_group`), so the weights' gathers and the gradients' are two sequences of collectives, each
   issued in one order on every rank.
 """
 
@@ -255,22 +255,23 @@ def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> t
 
 # --- gradients ---------------------------------------------------------------------------------------
 #
-# Why no all-reduce: floating-point addition does not associate, and an all-reduce adds the ranks' values in an
-# order of its own. Gloo's and NCCL's rings split the buffer into one chunk a rank and start each chunk's sum at
-# another rank, so an element's order of additions depends on where it falls in the buffer, that is on how the
-# tensors were grouped: DistributedDataParallel's buckets (25 MB, in reverse order of the parameters) and the
-# reducer's layers give the same element other neighbours. With two ranks every element is one addition,
-# a + b == b + a, and any grouping agrees; from three ranks on, (a + b) + c and a + (b + c) differ in the last
-# bit and resident and poros no longer match. So both sides gather every rank's scaled gradient and add them
-# in rank order (`ordered_sum`): each element is then ((g0 + g1) + g2) + ... on every rank, for every grouping,
-# chunking and backend, and every rank holds the same bits.
+# Why no all-reduce: floating-point addition does not associate, and an all-reduce adds the ranks' values in an order
+# of its own. Gloo's and NCCL's rings split the buffer into one chunk a rank and start each chunk's sum at another
+# rank (NCCL's trees and its choice between the two depend on the size too), so an element's order of additions
+# depends on where it falls in the buffer and how large that is, that is on how the tensors were grouped:
+# DistributedDataParallel's buckets (25 MB, in reverse order of the parameters) and the reducer's layers give the same
+# element other neighbours. With two ranks every element is one addition, a + b == b + a, and any grouping agrees;
+# from three ranks on, (a + b) + c and a + (b + c) differ in the last bit and resident and poros no longer match. So
+# both sides gather every rank's scaled gradient and add them in rank order (`ordered_sum`): each element is then
+# ((g0 + g1) + g2) + ... on every rank, for every grouping, chunking and backend, and every rank holds the same bits.
 #
-# Cost, against the ring all-reduce it replaces: each rank receives the other ranks' (n - 1) x S bytes of a
-# gradient of S bytes, where a ring all-reduce moves 2 (n - 1) / n x S: the same bytes at 2 ranks, n / 2 times
-# as many beyond (4x at 8 ranks: 5.9 GB a step for qwen2.5-72b's 842 MB of LoRA gradients at rank 16, over
-# NVLink beside the tens of GB a rank streams from host memory), and (n + 1) x S of device memory while a
-# gather is in flight. An all-to-all of one chunk a rank, the rank-ordered sum of each chunk and an all-gather
-# of the sums would move the ring's bytes with the same bits, at the price of two dependent collectives a bucket.
+# Cost, against the ring all-reduce it replaces: each rank receives the other ranks' (n - 1) x S bytes of a gradient
+# of S bytes, where a ring all-reduce moves 2 (n - 1) / n x S: the same bytes at 2 ranks, n / 2 times as many beyond
+# (4x at 8 ranks: 5.9 GB a step for qwen2.5-72b's 842 MB of LoRA gradients at rank 16, over NVLink beside the tens of
+# GB a rank streams from host memory), and (n + 1) x S of device memory while a gather is in flight (a layer's in
+# GradReducer, which keeps fewer in flight as n grows; a 25 MB bucket's under DDP). An all-to-all of one chunk a rank,
+# the rank-ordered sum of each chunk and an all-gather of the sums would move the ring's bytes with the same bits, at
+# the price of two dependent collectives a bucket.
 
 def ordered_sum(parts: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """`parts[r]` added over the ranks r in `order` (default 0, 1, ..., n-1), one elementwise addition a rank:
