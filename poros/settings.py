@@ -116,7 +116,7 @@ SETTINGS: tuple[Setting, ...] = (
             report_default=False),
     Setting("max_grad_norm", None, COMPUTED, optional_positive_number,
             "clip the LoRA gradients to this global L2 norm before each optimizer step (after the data-parallel "
-            "all-reduce)", "Gradient clipping (global norm)", metavar="NORM", default_help="none: no clipping",
+            "reduction of the gradients)", "Gradient clipping (global norm)", metavar="NORM", default_help="none: no clipping",
             report_default=False),
     Setting("lora_dropout", 0.0, COMPUTED, dropout_share,
             "dropout on the LoRA input; each mask is drawn from (seed, step, micro-batch, module), so every method "

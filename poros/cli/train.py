@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if fc.train.deterministic:
         set_cublas_workspace()  # before anything touches CUDA: cuBLAS reads it once per process
     if fc.train.gpus > 1 and not launched() and not args.dry_run:
+        checks.check_ranks(fc.train.gpus, device, "gpus")  # before any rank starts
         return run_ranks(override_words(fc) + (["--resume"] if args.resume else []), fc.train.gpus)
     world = init_world(device)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \

@@ -63,7 +63,8 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         super().__init__(store, cfg, world)
 
     def _distribute(self) -> None:
-        """Each layer's LoRA gradients all-reduced once the backward of its last micro-batch is enqueued."""
+        """Each layer's LoRA gradients reduced over the ranks (`GradReducer`) once the backward of its last
+        micro-batch is enqueued."""
         self.reducer = GradReducer([[p for p in layer.parameters() if p.requires_grad] for layer in self.qlora.layers],
                                    self.world)
 

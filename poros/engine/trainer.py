@@ -21,7 +21,7 @@ from poros.engine.attention import BackendLog, sdpa_context
 from poros.engine.compiling import (compile_layers, enable_deterministic_compile, install_layer_compilation,
                                     keep_mlp_eager)
 from poros.engine.data import Batch, synthetic_step
-from poros.engine.distributed import SINGLE, World, reduce_mean
+from poros.engine.distributed import SINGLE, World, rank_ordered_mean, reduce_mean
 from poros.engine.host_saved import HostSaved, saved_host_limit
 from poros.engine.planning.plan import Plan
 from poros.engine.qlora import QLoRAModel
@@ -126,7 +126,7 @@ class Trainer(abc.ABC):
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
-        self.reducer = None  # or poros's own per-layer all-reduce (its `_distribute`)
+        self.reducer = None  # or poros's own per-layer reduction (its `_distribute`)
         self.attention_backends: dict[str, str] | None = None  # attention shape -> SDPA backend, once recorded
         self.qlora = self._make_model()
         self.model = self.qlora.add_lora()
@@ -195,7 +195,7 @@ class Trainer(abc.ABC):
 
     def optimizer_step(self) -> None:
         """Clip, set the step's learning rate (poros/engine/schedule.py), update, drop the gradients.
-        Under data parallelism the gradients are all-reduced already (in `accumulate`)."""
+        Under data parallelism the gradients are reduced over the ranks already (in `accumulate`)."""
         self.clip_gradients()
         lr = learning_rate(self.cfg, self.steps_done)
         for group in self.optimizer.param_groups:
@@ -288,15 +288,18 @@ class ResidentTrainer(Trainer):
         compile_layers(model.layers, mlp=self.cfg.compile_mlp)
 
     def _distribute(self) -> None:
-        """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
-        backward (the others run under `no_sync`). Frozen weights and buffers are left out of its bucketing
-        and broadcasts: every rank builds them from the same store."""
+        """The model under DistributedDataParallel: LoRA gradients reduced in the last micro-batch's backward
+        (the others run under `no_sync`), each bucket by `rank_ordered_mean`, poros's arithmetic (an all-reduce
+        would add the ranks in an order that depends on the bucket: poros/engine/distributed.py says why).
+        Frozen weights and buffers are left out of its bucketing and broadcasts: every rank builds them from the
+        same store."""
         frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self.model, frozen + [n for n, _ in self.model.named_buffers()])
         ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+        self.ddp.register_comm_hook(None, rank_ordered_mean)
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
@@ -308,7 +311,7 @@ class ResidentTrainer(Trainer):
 
     def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
         """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
-        `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
+        `.grad`s in micro-batch order (under DDP, reduced over the ranks in the last one's backward)."""
         losses = []
         for k, b in enumerate(batches):
             self.dropout_micro(k, len(batches))

@@ -73,6 +73,11 @@ class Matrix:
         keys = [k for k, _ in self.sweep]
         return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in self.sweep))]
 
+    def most_ranks(self) -> int:
+        """The most data-parallel ranks (`gpus`) a cell of this matrix runs on: the matrix's, or its sweep's
+        largest (neither plans, models nor methods set it)."""
+        return max(point.get("gpus", self.settings.get("gpus", 1)) for point in self.points())
+
     def plan_names(self) -> list[str | None]:
         """The poros plans by name ([None]: the matrix's own schedule, without a `plans:` axis)."""
         return [name for name, _ in self.plans] or [None]

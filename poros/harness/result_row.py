@@ -130,7 +130,7 @@ def copy_summary(step_counters: list[dict]) -> dict:
         out["gathered_bytes_per_rank"] = sum(gathered) // len(gathered)
         out["gather_s_per_step"] = sum(c.get("gather_s", 0.0) for c in counters) / n
     reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
-    if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
+    if reduced:  # data-parallel: LoRA gradient bytes this rank reduces over the ranks per step
         out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)
     if "capture_errors" in counters[-1]:  # CUDA graphs: the templates' state after the last timed step (counted
         # from the trainer's start): a capture that failed leaves its layer eager, slower but exact

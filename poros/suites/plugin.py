@@ -118,7 +118,7 @@ def _preflight(config) -> None:
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
-    preflight.check_ranks(m.settings.get("gpus", 1), matrix_device(m), f"{m.source}: gpus")
+    preflight.check_matrix_ranks(m, matrix_device(m))
     results = Path(config.getoption("--results"))
     lock = OutputLock(results.parent).acquire()
     config.add_cleanup(lock.release)
