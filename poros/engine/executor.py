@@ -205,8 +205,8 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         with self._within_budget():
             return super().step(batches)
 
-    def counters(self) -> dict:
-        out = self.buffers.counters()
+    def counters(self, deferred: bool = False) -> dict:
+        out = self.buffers.counters(deferred)
         if self.plan.offload_inputs:
             out.update(input_bytes_d2h=self.saved.bytes_d2h, input_bytes_h2d=self.saved.bytes_h2d)
             out["bytes_h2d"] += self.saved.bytes_h2d

@@ -10,7 +10,6 @@ import os
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -18,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
+from poros.engine.buffers import resolved
 from poros.engine.compiling import (compile_layers, enable_deterministic_compile, install_layer_compilation,
                                     keep_mlp_eager)
 from poros.engine.data import Batch, synthetic_step
@@ -100,11 +100,25 @@ def deterministic_kernels():
         raise refusal from None
 
 
-@dataclass
 class StepResult:
-    loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step (over every rank's)
-    seconds: float
-    counters: dict = field(default_factory=dict)
+    """One optimizer step's outcome. `loss`: the sum over micro-batches of the scaled loss, i.e. the mean loss of the
+    step (over every rank's); `seconds`: what the step took the host to enqueue; `counters`: what it copied and
+    when. The loss and the copy timings stay on the device until first read, so a loop that reads them now and
+    then enqueues its next step while the device still runs this one (no synchronization a step)."""
+
+    def __init__(self, loss, seconds: float, counters: dict | None = None):
+        self._loss, self.seconds, self._counters = loss, seconds, counters if counters is not None else {}
+
+    @property
+    def loss(self) -> float:
+        if not isinstance(self._loss, float):
+            self._loss = float(self._loss)  # waits for the step's last kernel that the loss depends on
+        return self._loss
+
+    @property
+    def counters(self) -> dict:
+        self._counters = resolved(self._counters)
+        return self._counters
 
 
 class Trainer(abc.ABC):
@@ -204,7 +218,9 @@ class Trainer(abc.ABC):
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
 
-    def counters(self) -> dict:
+    def counters(self, deferred: bool = False) -> dict:
+        """What the last step did beside its arithmetic (bytes copied, and when); `deferred`: its device timings
+        left on the device, for `StepResult` to read when asked (`poros.engine.buffers.resolved`)."""
         return {}
 
     def leave_host_memory(self, nbytes: int) -> None:
@@ -244,8 +260,8 @@ class Trainer(abc.ABC):
             for micro in self.accumulate_step(batches):
                 loss = loss + micro.float()
             self.optimizer_step()
-        value = reduce_mean(float(loss), self.world, self.device)
-        return StepResult(value, time.perf_counter() - t0, self.counters())
+        value = reduce_mean(float(loss), self.world, self.device) if self.world.distributed else loss
+        return StepResult(value, time.perf_counter() - t0, self.counters(deferred=True))
 
     # --- state for the parity gate --------------------------------------------------------
     def lora_state(self) -> dict[str, torch.Tensor]:
@@ -382,7 +398,7 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
         with self.host_saved.scope(self.model):
             return super().forward_backward(batch)
 
-    def counters(self) -> dict:
+    def counters(self, deferred: bool = False) -> dict:
         return self.host_saved.counters()
 
     def close(self) -> None:

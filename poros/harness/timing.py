@@ -156,12 +156,12 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             raise OutOfTime(f"{kind} would end past the time budget")
         retried = alloc_retries(device)
         t0 = time.perf_counter()
-        counters, ends = [], []
+        results, ends = [], []
         timed = i >= warmup
         for s in range(n):
             stop_if_interrupted()
             r = trainer.step()
-            counters.append(r.counters)
+            results.append(r)  # its loss and copy timings read after the pass: no synchronization a step
             status(f"{kind}, step {s + 1}/{n}")
             if (s + 1) % max(1, n // 4) == 0 or s + 1 == n:
                 progress(f"  {label} {kind}: step {s + 1}/{n} loss {r.loss:.4f}")
@@ -171,21 +171,22 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         # a warm-up's pace is its second half's: its first steps compile and capture
         half = n - n // 2
         pace["s_per_step"] = (ends[-1] - t0) / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
-        last.update(counters=counters, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
+        last.update(results=results, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
 
     def done(i: int, seconds: float | None) -> None:
         if seconds is None:
             if on_warmup is not None:
                 on_warmup(time.perf_counter() - last["t0"])
             return
+        counters = [r.counters for r in last["results"]]  # outside the round's time
         out.per_pass_s.append(seconds)
-        out.counters.extend(last["counters"])
+        out.counters.extend(counters)
         out.alloc_retries.append(last["retried"])
         out.pass_gpus.append(gpu)
         peaks.append(_peaks(device, nvml))
         progress(f"  time: {kinds[i][0]} {seconds:.1f} s")
         if on_pass is not None:
-            on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "counters": last["counters"],
+            on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "counters": counters,
                      "alloc_retries": last["retried"], "gpu": gpu, **peaks[-1]})
 
     with NvmlPeak() as nvml:
