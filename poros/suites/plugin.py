@@ -226,11 +226,11 @@ def pytest_collection_finish(session):
     selected = {c.plan for c, w in zip(cells, why) if c.method is Method.POROS and not w}
     state.gate_plans = [p for p in m.plan_names() if p in selected] or None
     runnable = {c.model for c, w in zip(cells, why) if not w}
-    _say_settings(m, [c for c, w in zip(cells, why) if not w])
     try:  # only the models this session will build (-k may select a few)
         preflight.check_host_memory(sorted(runnable), device)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
+    _say_settings(m, [c for c, w in zip(cells, why) if not w])
 
 
 def _say_settings(m, cells) -> None:
