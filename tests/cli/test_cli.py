@@ -98,3 +98,38 @@ def test_dash_o_is_out_wherever_out_is(argv):
 
     parser = build_parser()
     assert parser.parse_args([*argv, "-o", "there"]).out == parser.parse_args([*argv, "--out", "there"]).out == "there"
+
+
+def _epilogs():
+    """Every (sub)command's epilog as --help shows it, by command."""
+    from poros.cli import build_parser
+
+    found, todo = {}, [("poros", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        found[name] = parser.epilog or ""
+        for action in parser._actions:
+            if isinstance(action, __import__("argparse")._SubParsersAction):
+                todo += [(f"{name} {n}", p) for n, p in action.choices.items()]
+    return found
+
+
+def continued_lines(text: str) -> list[str]:
+    """Lines of an example where a continued source line left a run of spaces before an option."""
+    import re
+
+    return [line for line in text.splitlines() if re.search(r"\S {3,}--?\w", line)]
+
+
+def test_no_help_example_shows_a_continued_line_as_spaces():
+    epilogs = _epilogs()
+    assert len(epilogs) > len(("poros", "bench matrix")), sorted(epilogs)
+    assert {name: continued_lines(text) for name, text in epilogs.items() if continued_lines(text)} == {}
+
+
+def test_a_continued_line_is_found():
+    """Negative control: the example as a backslash-newline inside a plain string leaves it."""
+    text = "  poros bench matrix cpu --benchmark-compare x.json \
+      --benchmark-compare-fail mean:25%   # exit 1"
+    assert continued_lines(text) == [text]
+    assert continued_lines("  poros bench matrix cpu -o out/h200 --resume      # continue a killed run") == []
