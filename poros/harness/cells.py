@@ -11,7 +11,7 @@ import torch
 from poros.config import Method, TrainConfig
 from poros.engine.methods import gate_of, gated
 from poros.harness.matrix import Matrix, Stack
-from poros.harness.results import point_id
+from poros.harness.results import point_id, show_value
 from poros.models.shapes import SHAPES
 from poros.settings import COMPUTED_NAMES
 
@@ -45,6 +45,15 @@ class Cell:
         if self.plan is not None:
             parts.append(f"plan:{self.plan}")
         return "-".join(parts)
+
+    @property
+    def label(self) -> str:
+        """How the cell's console line names it, every part that tells it from its neighbours:
+        `tiny-qwen2 seq_len=256 poros plan 24GB`, `qwen3-32b [torch212] parity gate`."""
+        parts = [self.model, *([f"[{self.stack.name}]"] if self.stack.name != "current" else []),
+                 *(f"{k}={show_value(v)}" for k, v in self.point),
+                 self.method.value if self.method else "parity gate", *([f"plan {self.plan}"] if self.plan else [])]
+        return " ".join(parts)
 
 
 def matrix_cells(m: Matrix) -> list[Cell]:
