@@ -1,7 +1,7 @@
 """Pages in reports/ are pure functions of results/: each re-renders byte for byte (Markdown) from the rows of its own
 folder, as reports/manifest.yaml says (poros/harness/report/layout.py). One page per matrix, `matrices/NAME.yaml` ->
 `results/NAME/` -> `reports/NAME.md`, every folder with its page and every page with its folder, and the index,
-reports/README.md, is rendered from that layout."""
+reports/README.md, is what `poros docs` renders from that layout."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from poros.cli import main
 from poros.harness.matrix import MATRICES
 from poros.harness.report import load_results, write_report
 from poros.harness.report.layout import (INDEX, Page, layout_problems, load_manifest, official_page, render_index,
@@ -156,6 +157,36 @@ def test_a_malformed_manifest_is_refused_naming_the_entry(tmp_path, entry, named
 def test_each_page_shows_rows_of_its_matrices(name):
     rows = load_results(BY_NAME[name].rows_files(ROOT))
     assert set(rows["matrix"]) <= set(BY_NAME[name].matrices), set(rows["matrix"])
+
+
+def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path, capsys, monkeypatch):
+    """`poros docs` renders every page, the index, README's table and docs/settings.md, and removes a plot no page
+    links; `--check` then passes, and fails naming a page edited by hand."""
+    import poros.harness.matrix as matrix
+
+    root = _checkout(tmp_path)
+    (root / "matrices").mkdir()
+    for name in ("a", "ab", "ab-2"):
+        (root / "matrices" / f"{name}.yaml").write_text("name: x\n")
+    monkeypatch.setattr(matrix, "MATRICES", root / "matrices")
+    (root / "README.md").write_text("# x\n\n<!-- headline: `poros docs` renders this table from the official page's "
+                                    "rows; edit nothing here -->\n<!-- /headline -->\n")
+    (root / "reports" / "gone.png").write_bytes(b"")
+    assert main(["docs", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "wrote reports/a.md" in out and "removed reports/gone.png" in out and "wrote docs/settings.md" in out, out
+    assert "| tiny-qwen2 | PASS |" in (root / "README.md").read_text()
+    assert main(["docs", "--root", str(root), "--check"]) == 0
+    (root / "reports" / "a.md").write_text((root / "reports" / "a.md").read_text().replace("PASS", "pass"))
+    assert main(["docs", "--root", str(root), "--check"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "stale: reports/a.md (run `poros docs`)"
+
+
+def test_docs_outside_a_checkout_is_refused_in_one_line(tmp_path, capsys):
+    from tests.fixtures import one_line_refusal
+
+    code = main(["docs", "--root", str(tmp_path)])
+    one_line_refusal(capsys, code, str(tmp_path), "not a Poros checkout", "reports/manifest.yaml")
 
 
 def test_rows_name_their_matrix():
