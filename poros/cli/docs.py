@@ -36,13 +36,19 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _texts(root: Path, pages) -> dict[Path, str]:
-    """Every text file `poros docs` writes besides the pages, as it should read."""
+def _matrices(root: Path) -> set[str]:
+    """The names of the checkout's matrices (its matrices/ folder, else those shipped with Poros)."""
     from poros.harness.matrix import MATRICES
+
+    folder = root / "matrices" if (root / "matrices").is_dir() else MATRICES
+    return {p.stem for p in folder.glob("*.yaml")}
+
+
+def _texts(root: Path, pages, matrices: set[str]) -> dict[Path, str]:
+    """Every text file `poros docs` writes besides the pages, as it should read."""
     from poros.harness.report.layout import INDEX, README, headline_markdown, render_index, with_headline
     from poros.settings_doc import settings_markdown
 
-    matrices = {p.stem for p in MATRICES.glob("*.yaml")}
     try:
         readme = with_headline((root / README).read_text(), headline_markdown(root, pages))
     except ValueError as e:
@@ -65,14 +71,14 @@ def _pages(root: Path, pages, tmp: Path) -> dict[Path, Path]:
 
 
 def run(args) -> int:
-    from poros.harness.matrix import MATRICES
     from poros.harness.report.layout import MANIFEST, layout_problems, load_manifest
 
     root = Path(args.root).resolve()
     if not (root / MANIFEST).is_file():
         raise PorosError(f"{root} is not a Poros checkout: no {MANIFEST} (give the checkout with --root)")
     pages = load_manifest(root)
-    problems = layout_problems(root, pages, {p.stem for p in MATRICES.glob("*.yaml")})
+    matrices = _matrices(root)
+    problems = layout_problems(root, pages, matrices)
     if problems:
         for line in problems:
             print(f"layout: {line}")
@@ -91,7 +97,7 @@ def run(args) -> int:
             stale.append(png.relative_to(root))
             if not args.check:
                 png.unlink()
-    for target, text in _texts(root, pages).items():
+    for target, text in _texts(root, pages, matrices).items():
         path = root / target
         if not path.is_file() or path.read_text() != text:
             stale.append(target)

@@ -159,16 +159,13 @@ def test_each_page_shows_rows_of_its_matrices(name):
     assert set(rows["matrix"]) <= set(BY_NAME[name].matrices), set(rows["matrix"])
 
 
-def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path, capsys, monkeypatch):
+def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path, capsys):
     """`poros docs` renders every page, the index, README's table and docs/settings.md, and removes a plot no page
     links; `--check` then passes, and fails naming a page edited by hand."""
-    import poros.harness.matrix as matrix
-
     root = _checkout(tmp_path)
     (root / "matrices").mkdir()
-    for name in ("a", "ab", "ab-2"):
+    for name in ("a", "ab", "ab-2"):  # the checkout's own matrices (only their names matter here)
         (root / "matrices" / f"{name}.yaml").write_text("name: x\n")
-    monkeypatch.setattr(matrix, "MATRICES", root / "matrices")
     (root / "README.md").write_text("# x\n\n<!-- headline: `poros docs` renders this table from the official page's "
                                     "rows; edit nothing here -->\n<!-- /headline -->\n")
     (root / "reports" / "gone.png").write_bytes(b"")
@@ -180,6 +177,10 @@ def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path
     (root / "reports" / "a.md").write_text((root / "reports" / "a.md").read_text().replace("PASS", "pass"))
     assert main(["docs", "--root", str(root), "--check"]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "stale: reports/a.md (run `poros docs`)"
+    (root / "results" / "new").mkdir()  # a matrix's rows before its page is in the manifest: nothing is written
+    assert main(["docs", "--root", str(root)]) == 1
+    assert capsys.readouterr().out == "layout: results/new/: no page reports/new.md renders it (reports/manifest.yaml)\n"
+    assert "pass" in (root / "reports" / "a.md").read_text()
 
 
 def test_docs_outside_a_checkout_is_refused_in_one_line(tmp_path, capsys):
