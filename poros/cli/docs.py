@@ -107,6 +107,8 @@ def run(args) -> int:
     if args.check:
         for target in stale:
             print(f"stale: {target} (run `poros docs`)")
+        if not stale:
+            print(f"{len(pages)} pages, the index, README's table and docs/settings.md: up to date")
         return 1 if stale else 0
     print("".join(f"{'removed' if t.suffix == '.png' else 'wrote'} {t}\n" for t in stale) + f"{len(pages)} pages, "
           f"the index, README's table and docs/settings.md: {'the rest ' if stale else ''}up to date")
