@@ -14,7 +14,8 @@ from poros.errors import PorosError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
 
-SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate")
+SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate",
+               "docs")
 
 # Third-party notices that read like failures to a new user but change nothing Poros does; the
 # command line hides them (`poros bench` keeps pytest's warning summary in its log).

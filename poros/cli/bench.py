@@ -25,7 +25,7 @@ EPILOG = """examples:
   poros bench matrix matrices/h200.yaml -o out/h200 -k "method:poros and plan:24GB"
   poros bench matrix matrices/h200.yaml -o out/h200 --resume      # continue a killed run
   poros bench matrix matrices/h200.yaml -o out/h200 --resume --max-minutes 8   # in parts: repeat until exit 0
-  poros bench matrix matrices/cpu.yaml -o out/now --benchmark-compare results/cpu/benchmark.json \
+  poros bench matrix matrices/cpu.yaml -o out/now --benchmark-compare results/cpu/benchmark.json \\
       --benchmark-compare-fail mean:25%          # exit 1 if a cell's mean pass is 25 % slower than then
 
 Cell ids read model:M-stack:S[-SETTING:V...]-method:M[-plan:P] (or gate:parity) and -k selects by any

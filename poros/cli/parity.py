@@ -20,9 +20,9 @@ EPILOG = """examples:
   poros parity --model qwen3-32b --device cuda --control   # resident vs resident: is this stack repeatable?
   poros parity --model qwen3-32b --device cuda --attention flash --deterministic --control
   poros parity --model qwen3-32b --device cuda --attention flash --deterministic --method resident_gc
-  poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \
+  poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \\
       --gate resident_gc --sequential --vram-budget 24GB --offload-inputs --cuda-graphs --steps 2
-  poros parity --model qwen2.5-72b --device cuda --attention fast --deterministic --seq-len 65536 \
+  poros parity --model qwen2.5-72b --device cuda --attention fast --deterministic --seq-len 65536 \\
       --loss-chunk 4096 --gate resident_gc_offload --sequential --vram-budget 130GB --steps 1
   poros parity --model ./my-checkpoint --device cuda --attention math --grad-accum 2
   torchrun --nproc-per-node 2 -m poros parity --model qwen3-32b --device cuda --cuda-graphs --grad-accum 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from poros.config import Method
 from poros.errors import ConfigError
 from poros.harness import preflight
 
@@ -23,6 +24,23 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _counted(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def cell_product(m) -> str:
+    """How a matrix's timed cells multiply: every model x stack x sweep point runs each method once and poros once
+    per plan, e.g. `5 models × 2 sweep points × (2 methods + 8 poros plans)`."""
+    others = [meth for meth in m.methods if not (m.plans and meth is Method.POROS)]
+    per_point = _counted(len(others), "method")
+    if m.plans:
+        per_point = f"({per_point} + {_counted(len(m.plans), 'poros plan')})" if others else \
+            _counted(len(m.plans), "poros plan")
+    factors = [_counted(len(m.models), "model"), *([_counted(len(m.stacks), "stack")] if len(m.stacks) > 1 else []),
+               *([_counted(len(m.points()), "sweep point")] if m.sweep else []), per_point]
+    return " × ".join(factors)
+
+
 def run(args) -> int:
     from poros.harness.cells import matrix_cells
 
@@ -38,7 +56,5 @@ def run(args) -> int:
                 print(f"  - {p}")
             continue
         cells = sum(c.method is not None for c in matrix_cells(m))
-        axes = [f"{len(m.models)} models", f"{len(m.stacks)} stacks", f"{len(m.methods)} methods",
-                *([f"{len(m.points())} sweep points"] if m.sweep else []), *([f"{len(m.plans)} poros plans"] if m.plans else [])]
-        print(f"ok   {m.source}: {' × '.join(axes)} = {cells} timed cells")
+        print(f"ok   {m.source}: {cell_product(m)} = {cells} timed cells")
     return 1 if bad else 0

@@ -12,7 +12,7 @@ from poros.config import Method, TrainConfig
 from poros.engine.method_info import REFERENCES
 from poros.engine.methods import config_for, gate_of, gated
 from poros.harness.matrix import Matrix, Stack
-from poros.harness.results import point_id
+from poros.harness.results import point_id, show_value
 from poros.models.shapes import SHAPES
 from poros.choices import Device
 from poros.resolve import DEVICE_DEFAULTS, with_defaults
@@ -48,6 +48,15 @@ class Cell:
         if self.plan is not None:
             parts.append(f"plan:{self.plan}")
         return "-".join(parts)
+
+    @property
+    def label(self) -> str:
+        """How the cell's console line names it, every part that tells it from its neighbours:
+        `tiny-qwen2 seq_len=256 poros plan 24GB`, `qwen3-32b [torch212] parity gate`."""
+        parts = [self.model, *([f"[{self.stack.name}]"] if self.stack.name != "current" else []),
+                 *(f"{k}={show_value(v)}" for k, v in self.point),
+                 self.method.value if self.method else "parity gate", *([f"plan {self.plan}"] if self.plan else [])]
+        return " ".join(parts)
 
 
 def matrix_cells(m: Matrix) -> list[Cell]:

@@ -86,7 +86,7 @@ def announce(msg: str) -> None:
 
 
 def begin_cell(label: str) -> None:
-    """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 resident`."""
+    """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 poros plan 24GB` (`Cell.label`)."""
     global _cell
     _cell = label
     status("…")

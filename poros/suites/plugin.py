@@ -256,10 +256,8 @@ def pytest_runtest_setup(item):
         return
     config = item.config
     config._poros_index = getattr(config, "_poros_index", 0) + 1
-    what = cell.method.value if cell.method else "parity gate"
-    stack = "" if cell.stack.name == "current" else f" [{cell.stack.name}]"
     item._poros_t0 = time.perf_counter()
-    console.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.model}{stack} {what}")
+    console.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.label}")
 
 
 def _outcome(item, report) -> str:

@@ -79,9 +79,9 @@ def test_a_cpu_run_has_no_process_costs(q72):
 
 
 def kept_rows():
-    """The H200 rows of plans that ran on a GPU nothing else used (results/h200-kept-activations: CUDA graphs,
+    """The H200 rows of plans that ran on a GPU nothing else used (results/h200-budget: CUDA graphs,
     kept activations, spread, seq 512, the default allocator and no cap)."""
-    folder = RESULTS / "h200-kept-activations"
+    folder = RESULTS / "h200-budget"
     for name in ("sweep_qwen2.5-72b_budget_kept.jsonl", "sweep_qwen2.5-72b_floor.jsonl"):
         for line in (folder / name).read_text().splitlines():
             row = json.loads(line)
@@ -136,9 +136,9 @@ def test_the_reserve_covers_the_holes_a_long_context_backward_left(q72):
 
 
 def compiled_rows():
-    """The poros rows of compiled layers with LoRA in bf16 (results/h200-compile at seq 512, results/h200-compile-long
-    at 16,384 tokens), each plan as predicted when it ran."""
-    for name in ("h200-compile/results.jsonl", "h200-compile-long/results.jsonl"):
+    """The poros rows of compiled layers with LoRA in bf16 (results/h200-compile/40gb-and-100gb at seq 512,
+    results/h200-compile-long/24gb at 16,384 tokens), each plan as predicted when it ran."""
+    for name in ("h200-compile/40gb-and-100gb/results.jsonl", "h200-compile-long/24gb/results.jsonl"):
         for line in (RESULTS / name).read_text().splitlines():
             row = json.loads(line)
             if row["method"] == "poros" and row["status"] == "ok":
@@ -439,11 +439,11 @@ def _plan(cfg: TrainConfig) -> P.Plan:
 
 
 def test_the_compiled_graph_pool_covers_the_compiled_kept_plans(monkeypatch):
-    """The plans that ran within 40 GB with compiled layers in CUDA graphs (results/h200-40gb-inductor-dequant):
+    """The plans that ran within 40 GB with compiled layers in CUDA graphs (results/h200-compile/40gb-inductor-dequant):
     planned now, each keeps the layers it kept then and its process total covers its NVML peak. Negative
     control: with the eager layers' pool the 16-kept plan keeps 3 layers more, the plan whose run stopped
     with BudgetError at its predicted 39.98 GB (experiments/h200-compiled-graph-pool/eager-pool)."""
-    rows = list(compiled_40gb_rows(RESULTS / "h200-40gb-inductor-dequant"))
+    rows = list(compiled_40gb_rows(RESULTS / "h200-compile" / "40gb-inductor-dequant"))
     assert [row["plan_name"] for row, _ in rows] == ["40GB+kept12+graphs", "40GB+kept16+graphs"]
     for row, cfg in rows:
         assert cfg.compile and cfg.cuda_graphs and row["parity"] == "PASS"

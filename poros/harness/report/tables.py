@@ -110,6 +110,26 @@ def results_table(df: pd.DataFrame) -> str:
     return md_table(columns, rows) + note
 
 
+def headline_table(df: pd.DataFrame) -> str:
+    """README's headline: per model (poros's first plan) the gate, s/step of poros and of each other method, poros's
+    ratio to each, and the peak VRAM of each; the official page's results table without its stack and arch."""
+    present = set(df["method"])
+    others = [next((m for m in REFERENCES if m in present), REFERENCES[0]), *(m for m in UNGATED if m in present)]
+    columns = ["Model", "Bitwise parity", "poros s/step", *(f"{m} s/step" for m in others),
+               *(f"poros vs {m}" for m in others), "poros VRAM", *(f"{m} VRAM" for m in others)]
+    rows, marked = [], False
+    for (model, _stack, _point), c in _cells(df).items():
+        p, o = c.get(PLANNED), [c.get(m) for m in others]
+        ps = _ok(p, "s_per_step_median")
+        apart = ["" if x is None or p is None or len(row_gpus(p) | row_gpus(x)) == 1 else APART for x in o]
+        speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
+                 else f"{ps / _ok(x, 's_per_step_median'):.2f}×{a}" for x, a in zip(o, apart)]
+        marked = marked or any(a and "×" in x for a, x in zip(apart, speed))
+        rows.append([model, _parity(p).split(" (")[0], _s_step(p), *(_s_step(x) for x in o), *speed,
+                     fmt_gb(_ok(p, "peak_vram_gb")), *(fmt_gb(_ok(x, "peak_vram_gb")) for x in o)])
+    return md_table(columns, rows) + (f"\n\n{APART_NOTE}" if marked else "")
+
+
 def time_table(df: pd.DataFrame) -> str:
     """Where each poros row's time goes: bytes copied, the copy rate, the share hidden behind compute; where rows
     carry a link probe, the step's floors and how near it runs to them (`floor.with_floors` adds them to `df`)."""
