@@ -567,31 +567,32 @@ def test_a_cpu_row_is_its_declared_hardware_whatever_gpu_the_machine_has(tmp_pat
     assert "## Results — CPU\n" in render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
 
 
-def test_a_ratio_between_rows_of_two_gpus_is_marked(tmp_path):
-    """Resident measured on another GPU than poros: its ratio carries † and the note says why; Unsloth's, on
-    poros's GPU, carries none (and three rows of one GPU, the control, no note at all)."""
+def test_a_ratio_between_rows_of_two_gpus_is_not_printed(tmp_path):
+    """Resident measured on another GPU than poros: no ratio, `other GPU` and the note says why; Unsloth's, on
+    poros's GPU, is printed (and three rows of one GPU, the control, print every ratio and no note)."""
     rows = three_methods()
     rows[1]["provenance"] = {**rows[1]["provenance"],
                              "gpus": [{**rows[1]["provenance"]["gpus"][0], "uuid": "GPU-other-uuid"}]}
     assert rows[1]["method"] == "resident"
     md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
     (row,) = table_rows(md, "qwen2.5-32b", 14)
-    assert row[7].endswith("× †") and not row[8].endswith("†")
+    assert row[7] == "other GPU" and row[8].endswith("×")
     assert "ran on different GPUs" in md
     same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", three_methods())))
-    assert "†" not in same and "ran on different GPUs" not in same
+    (row,) = table_rows(same, "qwen2.5-32b", 14)
+    assert row[7].endswith("×") and "other GPU" not in same and "ran on different GPUs" not in same
 
 
-def test_a_row_whose_passes_ran_on_two_gpus_marks_its_ratios(tmp_path):
-    """poros's passes timed on two GPUs (a run in parts changed machines), its process's GPU the others': both
-    its ratios carry † (the control: the same passes all on that one GPU carry none)."""
+def test_a_row_whose_passes_ran_on_two_gpus_prints_no_ratio(tmp_path):
+    """poros's passes timed on two GPUs (a run in parts changed machines), its process's GPU the others': neither
+    ratio is printed (the control: the same passes all on that one GPU print both)."""
     rows = three_methods()
     uuid = rows[0]["provenance"]["gpus"][0]["uuid"]
     rows[0]["pass_gpus"] = ["GPU-earlier-part", uuid, uuid]
     md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
     (row,) = table_rows(md, "qwen2.5-32b", 14)
-    assert row[7].endswith("× †") and row[8].endswith("× †")
+    assert row[7] == row[8] == "other GPU"
     assert "one row's passes ran on more than one" in md
     rows[0]["pass_gpus"] = [uuid, uuid, uuid]
     same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", rows)))
-    assert "†" not in same
+    assert "other GPU" not in same

@@ -69,10 +69,24 @@ def _cells(df: pd.DataFrame) -> dict:
     return cells
 
 
-APART = " †"
-APART_NOTE = ("† The two rows of this ratio ran on different GPUs (their UUIDs differ, or one row's passes ran on "
-              "more than one): it compares machines as well "
-              "as methods, and GPUs of one model differ in speed. Measure both methods on one GPU to compare them.")
+APART = "other GPU"  # where a ratio's two rows ran on different GPUs: no ratio is printed
+APART_NOTE = ("other GPU: the two rows of this ratio ran on different GPUs (their UUIDs differ, or one row's passes "
+              "ran on more than one), and GPUs of one model differ in speed, so no ratio is printed: measure both "
+              "methods on one GPU (one run) to compare them.")
+
+
+def one_gpu(a, b) -> bool:
+    """Whether rows `a` and `b` (either may be None) ran on one GPU, every pass of both: a ratio of theirs compares
+    methods, not machines."""
+    return a is None or b is None or len(row_gpus(a) | row_gpus(b)) == 1
+
+
+def _rows_ratio(a, b, field: str, fmt: str) -> str:
+    """`a`'s `field` over `b`'s as `fmt` prints it; — where either is missing, `APART` where they ran on two GPUs."""
+    x, y = _ok(a, field), _ok(b, field)
+    if x is None or not y:
+        return DASH
+    return fmt.format(x / y) if one_gpu(a, b) else APART
 
 
 def results_table(df: pd.DataFrame) -> str:
@@ -92,17 +106,15 @@ def results_table(df: pd.DataFrame) -> str:
     for (model, stack, point), c in _cells(df).items():
         o = [c.get(m) for m in others]
         for plan, p in (c["plans"] or {None: None}).items():
-            ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
-            apart = ["" if x is None or p is None or len(row_gpus(p) | row_gpus(x)) == 1 else APART for x in o]
-            speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
-                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×{a}" for x, a in zip(o, apart)]
+            pv = _ok(p, "peak_vram_gb")
+            speed = [_rows_ratio(p, x, "s_per_step_median", "{:.2f}×") for x in o]
             cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
                    else f"{(1 - pv / _ok(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
             rows.append([model, c["arch"], stack, *([point or DASH] if points else []),
                          *([plan or DASH] if plans else []), _parity(p or o[0]), _s_step(p, True),
                          *(_s_step(x, i == 0) for i, x in enumerate(o)), *speed, fmt_gb(pv),
                          *(fmt_gb(_ok(x, "peak_vram_gb")) for x in o), *cut])
-            marked = marked or any(a and "×" in x for a, x in zip(apart, speed))
+            marked = marked or APART in speed
     note = f"\n\n{APART_NOTE}" if marked else ""
     if on_cpu(df):
         vram = 1 + 2 * len(others)
@@ -120,11 +132,8 @@ def headline_table(df: pd.DataFrame) -> str:
     rows, marked = [], False
     for (model, _stack, _point), c in _cells(df).items():
         p, o = c.get(PLANNED), [c.get(m) for m in others]
-        ps = _ok(p, "s_per_step_median")
-        apart = ["" if x is None or p is None or len(row_gpus(p) | row_gpus(x)) == 1 else APART for x in o]
-        speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
-                 else f"{ps / _ok(x, 's_per_step_median'):.2f}×{a}" for x, a in zip(o, apart)]
-        marked = marked or any(a and "×" in x for a, x in zip(apart, speed))
+        speed = [_rows_ratio(p, x, "s_per_step_median", "{:.2f}×") for x in o]
+        marked = marked or APART in speed
         rows.append([model, _parity(p).split(" (")[0], _s_step(p), *(_s_step(x) for x in o), *speed,
                      fmt_gb(_ok(p, "peak_vram_gb")), *(fmt_gb(_ok(x, "peak_vram_gb")) for x in o)])
     return md_table(columns, rows) + (f"\n\n{APART_NOTE}" if marked else "")
@@ -167,11 +176,10 @@ def memory_table(df: pd.DataFrame) -> str:
         c = by_cell[(r["model"], r["stack"], r.get("point", ""))]
         tps, other = num(r.get("tokens_per_s")), c.get(peer)
         theirs = None if other is None or not is_planned(r["method"]) else _ok(other, "tokens_per_s")
-        apart = "" if theirs is None or len(row_gpus(r) | row_gpus(other)) == 1 else APART
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
         budget = num(r["config"].get("vram_budget")) if is_planned(r["method"]) else None
         rows.append([named(r["model"], r.get("point"), r.get("plan_name")), r["method"], DASH if tps is None else f"{tps:.1f}",
-                     DASH if tps is None or not theirs else f"{tps / theirs:.3f}×{apart}",
+                     DASH if tps is None or not theirs else _rows_ratio(r, other, "tokens_per_s", "{:.3f}×"),
                      fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
                      DASH if not nvml or predicted is None else f"{(predicted / nvml - 1) * 100:+.1f}%",
                      DASH if budget is None else fmt_gb(budget / 1e9)])
