@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from poros.harness.report.floor import FLOOR_NOTE, with_floors
+from poros.harness.report.across import across_sections
 from poros.harness.report.reference import reference_sections
 from poros.harness.report.plots import plot, plot_title, sweep_figures
 from poros.harness.report.rows import latest, load_reference, load_results, named_as_reference, on_cpu
@@ -64,6 +65,7 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
             memory = memory_table(g)
             if memory:
                 parts += ["## Tokens/s and the process's memory", memory]
+        parts += across_sections(g, reference)
         if reference is not None:
             parts += reference_sections(g, reference)
         parts.append(provenance_line(g))
