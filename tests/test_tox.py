@@ -110,8 +110,8 @@ def outside_paths(text: str) -> list[str]:
 
 def test_outside_paths_are_found():
     """Negative control: each form is found; `{toxinidir}`, relative paths and URLs are not."""
-    text = "deps = -r ../shared/req.txt\nx = /work/shared/a\ny = ~/w\nz = {toxinidir}/a constraints/b.txt https://h/p"
-    assert outside_paths(text) == ["../shared/req.txt", "/work/shared/a", "~/w"]
+    text = "deps = -r ../elsewhere/req.txt\nx = /opt/data/a\ny = ~/w\nz = {toxinidir}/a constraints/b.txt https://h/p"
+    assert outside_paths(text) == ["../elsewhere/req.txt", "/opt/data/a", "~/w"]
 
 
 def test_envs_run_the_stack_helper_and_tox_is_declared():
