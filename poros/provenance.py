@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib.metadata as md
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -65,10 +66,19 @@ def visible(gpus: list[dict], spec: str | None) -> list[dict]:
     return out
 
 
+def hardware_words(name: str) -> list[str]:
+    """The words of a hardware name, case and punctuation aside and the vendor dropped: 'NVIDIA A100 80GB PCIe'
+    and 'A100-80GB-PCIe' are both ['a100', '80gb', 'pcie']."""
+    return [w for w in re.split(r"[^0-9a-z]+", name.lower()) if w and w != "nvidia"]
+
+
 def is_hardware(declared: str, gpu_name: str) -> bool:
-    """Whether a GPU named `gpu_name` (as NVML or CUDA names it: 'NVIDIA H100 80GB HBM3') is the hardware a
-    matrix declares ('NVIDIA H200', 'B300'): the declared name, case aside, is part of the GPU's."""
-    return declared.strip().lower() in gpu_name.lower()
+    """Whether a GPU named `gpu_name` (as NVML or CUDA names it: 'NVIDIA A100 80GB PCIe', 'NVIDIA B300 SXM6 AC')
+    is the hardware a matrix or a reference declares ('NVIDIA H200', 'A100-80GB-PCIe', 'B300'): every word of the
+    declared name is a word of the GPU's (`hardware_words`), so 'B300' is not an 'NVIDIA GB300' and
+    'A100-80GB-PCIe' is not an 'NVIDIA A100-SXM4-80GB'."""
+    words = hardware_words(declared)
+    return bool(words) and set(words) <= set(hardware_words(gpu_name))
 
 
 def gpu_info() -> list[dict]:

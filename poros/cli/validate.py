@@ -13,7 +13,10 @@ EPILOG = """examples:
 Checks each file's settings and, against each model's config (a checkpoint folder's config.json
 included), that seq_len is within the model's max_position_embeddings and that Poros supports its
 layers. A file naming a reference (`reference: B300`, hardware as reports/reference/official.csv
-names it) must run each method on the attention path that reference's attention_note gives it.
+names it) must run that reference's whole protocol: steps, passes, warm-up (warmup_passes,
+warmup_pass_steps), seq_len, batch_size, grad_accum, lora_rank, lora_alpha, block_size, dataset,
+precision, the stacks its rows state, and each method on the attention path its attention_note gives
+it; each difference is one line.
 The device is not checked here: a file may be meant for another machine.
 """
 

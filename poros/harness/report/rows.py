@@ -132,7 +132,8 @@ def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
     comments = []
     while lines and lines[0].startswith("#"):
         comments.append(lines.pop(0)[1:].strip())
-    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str})
+    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str,
+                                                  "bitsandbytes": str, "dataset": str, "precision": str})
     missing = [c for c in REFERENCE_COLUMNS if c not in ref.columns]
     if missing:
         raise PorosError(f"{path}: missing column(s) {', '.join(missing)}")
