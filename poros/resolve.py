@@ -16,13 +16,14 @@ from typing import Callable
 
 from poros.choices import Attention, Device, LRSchedule
 from poros.settings import BY_NAME, SETTINGS, check_values
+from poros.sizes import AUTO
 
 # The fastest exact path on each device: what a setting left unset takes there, before the table's default.
 # On CUDA: flash-or-efficient attention under strict determinism (exact and repeatable), each layer replayed from
 # a CUDA graph (one launch a layer instead of hundreds), and as many layers resident as the card's free memory
 # holds. The CPU keeps the table's defaults.
 DEVICE_DEFAULTS: dict[Device, dict[str, object]] = {
-    Device.CUDA: {"attention": Attention.FAST, "deterministic": True, "vram_budget": "auto", "cuda_graphs": True},
+    Device.CUDA: {"attention": Attention.FAST, "deterministic": True, "vram_budget": AUTO, "cuda_graphs": True},
     Device.CPU: {},
 }
 

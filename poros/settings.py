@@ -39,7 +39,7 @@ from poros.checkers import (
     sequence_length,
 )
 from poros.choices import Accumulation, Attention, Device, LoRACompute, LRSchedule, Placement
-from poros.sizes import format_size
+from poros.sizes import AUTO, format_size
 
 COMPUTED, SCHEDULE, RUN = "computed", "schedule", "run"
 
@@ -202,7 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
             "that fit the VRAM and host budgets (without a vram_budget, every one)", "Regenerated inputs (layers)",
             metavar="N", report_default=False,
             default_help="none: every one input_stride allows"),
-    Setting("host_budget", "auto", SCHEDULE, optional_size,
+    Setting("host_budget", AUTO, SCHEDULE, optional_size,
             "poros: host memory the NF4 store and the saved inputs kept in host memory may take together (100GB, "
             "120GiB, or auto: /proc/meminfo's MemAvailable, within a cgroup's memory limit, less a tenth of it as headroom, "
             "plus the store the process holds already; none: unchecked); a plan that needs more is refused. "

@@ -13,6 +13,7 @@ from poros.engine.launch import launched
 from poros.errors import PorosError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
+from poros.sizes import is_auto
 
 SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate",
                "docs")
@@ -82,7 +83,7 @@ def preflight(args) -> None:
 
     device = getattr(args, "device", None)
     # a plan is made from shapes alone, for any device; only `--vram-budget auto` reads the device
-    planning = args.command == "plan" and getattr(args, "vram_budget", None) != "auto"
+    planning = args.command == "plan" and not is_auto(getattr(args, "vram_budget", None))
     if device is not None and not planning:
         checks.check_device(device, "--device")
     model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)

@@ -30,6 +30,7 @@ from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
 from poros.store.arena import NF4Store
 from poros.store.host_memory import available_host_memory
+from poros.sizes import is_auto
 
 CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: repeatable matmuls (strict mode refuses others)
 NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # PyTorch's refusal in strict mode
@@ -384,7 +385,7 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
 
     def _make_model(self) -> QLoRAModel:
         cuda = self.device.type == "cuda"
-        available = available_host_memory() if cuda and self.cfg.host_budget == "auto" else None
+        available = available_host_memory() if cuda and is_auto(self.cfg.host_budget) else None
         limit = saved_host_limit(self.cfg.host_budget, self.store.host_bytes, cuda, available)
         self.host_saved = HostSaved(pin=cuda and self.cfg.pin_memory, host_limit=limit)
         return super()._make_model()

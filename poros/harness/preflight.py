@@ -25,6 +25,7 @@ from poros.models.skeleton import (
 )
 from poros.store.host_memory import check_host_memory as check
 from poros.store.host_memory import config_host_need
+from poros.sizes import is_auto
 
 
 def check_counts(source: str, **counts: int | None) -> None:
@@ -125,12 +126,12 @@ def plan_problems(m) -> list[str]:
                 cell = Cell(model, m.stacks[0], Method.POROS, tuple(point.items()), plan)
                 try:
                     cfg = cell_config(m, cell)
-                    if cfg.vram_budget is None or (cfg.vram_budget == "auto" and cfg.device.value == "cuda"):
+                    if cfg.vram_budget is None or (is_auto(cfg.vram_budget) and cfg.device.value == "cuda"):
                         continue  # (auto: what the run's GPU has free; on the CPU the planner refuses it below)
                     key = (model, cfg.lora_targets, cfg.double_quant)
                     if key not in geometries:
                         geometries[key] = Geometry.of_config(model, resolve(model).config, *key[1:])
-                    if cfg.vram_budget == "auto":
+                    if is_auto(cfg.vram_budget):
                         make_plan(geometries[key], cfg)
                     request = PlanRequest.of_config(cfg)
                     least = build_plan(geometries[key], smallest_request(geometries[key], request))

@@ -175,6 +175,16 @@ def setting_shown(s: Setting, config: dict) -> str:
     return s.show(s.value(config[s.name])) if config.get(s.name) is not None else s.show(s.default)
 
 
+def budget_bytes(row: dict) -> int | None:
+    """A poros row's VRAM budget in bytes as its run resolved it: its configuration's, or, where that is `auto` (rows
+    record the resolved figure; earlier ones did not), its plan's. None: every layer streamed."""
+    budget = row["config"].get("vram_budget")
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+        return int(budget)
+    plan = row.get("plan") if isinstance(row.get("plan"), dict) else {}
+    return plan.get("vram_budget") if budget is not None else None
+
+
 def planned_shown(s: Setting, row: dict) -> str:
     """How a poros row's schedule setting reads: its configuration's value, or what its plan did where the planner
     turns on what the configuration left off (saved inputs in host memory, for as few layers as the budget needs)."""

@@ -8,7 +8,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, steps_by_passes, text_or_none, uniq
-from poros.harness.report.rows import named, on_cpu, planned_shown, row_gpus, setting_shown
+from poros.harness.report.rows import budget_bytes, named, on_cpu, planned_shown, row_gpus, setting_shown
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
@@ -176,7 +176,7 @@ def memory_table(df: pd.DataFrame) -> str:
         tps, other = num(r.get("tokens_per_s")), c.get(peer)
         theirs = None if other is None or not is_planned(r["method"]) else ok_value(other, "tokens_per_s")
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
-        budget = num(r["config"].get("vram_budget")) if is_planned(r["method"]) else None
+        budget = budget_bytes(r) if is_planned(r["method"]) else None
         rows.append([named(r["model"], r.get("point"), r.get("plan_name")), r["method"], DASH if tps is None else f"{tps:.1f}",
                      DASH if tps is None or not theirs else _rows_ratio(r, other, "tokens_per_s", "{:.3f}×"),
                      fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
