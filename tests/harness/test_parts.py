@@ -30,6 +30,7 @@ class SlowStart:
 
 
 CPU = TrainConfig(model="tiny-qwen2", device="cpu")
+GATE_PASS = {"parity": "PASS", "steps": 3, "tensors_compared": 10, "first_mismatch": None, "max_abs_diff": 0.0}
 
 
 def test_no_warm_up_starts_where_an_earlier_pass_says_the_next_pass_would_not_fit():
@@ -212,7 +213,7 @@ def test_status_reads_gates_passes_and_rows(tmp_path):
                           stacks=["current"], methods=["poros", "resident"], models=["tiny-qwen2"]), "t.yaml")
     gate, poros, resident = matrix_cells(m)
     log = PassLog(tmp_path / "passes.jsonl")
-    log.add("gate", gate.id + "/None", "f", result={"parity": "PASS", "steps": 3})
+    log.add("gate", gate.id + "/None", "f", result=GATE_PASS)
     log.add("pass", resident.id, "f", index=0, seconds=1.0)
     row = record(m, poros, cell_config(m, poros), None, None, reduced=False)
     ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0]})

@@ -13,7 +13,17 @@ import pytest
 
 from poros.harness.results import ResultsFileError, ResultsWriter, keep_earlier
 
-ROW = {"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok", "steps": 2}
+def whole_row(**fields) -> dict:
+    """A results row with every key the schema requires (poros/harness/record_schema.py), `fields` over it."""
+    from poros.harness.record_schema import ROW_REQUIRED
+
+    row = {**dict.fromkeys(ROW_REQUIRED), "matrix": "t", "model": "a", "stack": "current", "stack_name": "current",
+           "method": "poros", "arch": "", "status": "ok", "steps": 2, "passes": 1, "warmup_passes": 1,
+           "reduced": False, "config": {}, "provenance": {}}
+    return {**row, **fields}
+
+
+ROW = whole_row()
 
 
 def _one_line(e: BaseException) -> str:
@@ -85,7 +95,7 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
     from poros.harness.results import ResultsFileError, ResultsWriter
 
     w = ResultsWriter(tmp_path / "results.jsonl")
-    w.append({"matrix": "t", "model": "a", "method": "poros", "status": "ok"})
+    w.append(whole_row(model="a"))
     before = w.path.read_bytes()
     real = os.write
 
@@ -95,12 +105,12 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
 
     monkeypatch.setattr(results_module.os, "write", full)
     with pytest.raises(ResultsFileError) as e:
-        w.append({"matrix": "t", "model": "b", "method": "poros", "status": "ok"})
+        w.append(whole_row(model="b"))
     assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
     assert w.path.read_bytes() == before
     monkeypatch.setattr(results_module.os, "write", lambda fd, data: real(fd, data[:3]))  # a short write
     with pytest.raises(ResultsFileError, match="only 3 of"):
-        w.append({"matrix": "t", "model": "c", "method": "poros", "status": "ok"})
+        w.append(whole_row(model="c"))
     assert w.path.read_bytes() == before
 
 
@@ -121,8 +131,8 @@ def test_listing_the_cells_leaves_an_earlier_run_where_it_is(tmp_path, listing, 
 
 def test_results_writer_appends_and_reports_done(tmp_path):
     w = ResultsWriter(tmp_path / "r.jsonl")
-    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok"})
-    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "resident", "status": "failed"})
-    w.append({"matrix": "u", "model": "a", "stack_name": "current", "method": "resident", "status": "ok"})
+    w.append(whole_row())
+    w.append(whole_row(method="resident", status="failed"))
+    w.append(whole_row(matrix="u", method="resident"))
     assert set(w.done("t")) == {("a", "current", "poros", None, "")}
     assert len(w.rows()) == 3
