@@ -135,7 +135,7 @@ def _preflight(config) -> None:
         console.progress(warning)
     if config.getoption("--resume"):
         preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
-    warning = ResultsWriter(passes_path(results)).repair()
+    warning = PassLog(passes_path(results)).writer.repair()
     if warning:
         console.progress(warning)
     minutes = config.getoption("--max-minutes")

@@ -122,20 +122,25 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
     past the time budget, the part stops there (OutOfTime) and a later one (`--resume`) runs only that side,
     against the digests."""
     from poros.engine.parity import record_reference
-    from poros.engine.parity_digest import DigestReference
+    from poros.engine.parity_digest import DigestReference, DigestsRefused
 
     fingerprint = session.fingerprint(session.matrix.name, cfg.as_dict(), session.parity_steps, reference.value)
     name, path = cell.id + "/reference", session.references / f"{fingerprint}.json.gz"
     kept = session.passlog.reference(name, fingerprint) if session.resume else None
+    recorded = None
     if kept and path.exists():
-        progress(f"  parity gate: {reference.value}'s states kept from an earlier part (--resume): {path.name}")
-        recorded, seconds = DigestReference.load(path), kept["seconds"]
-    else:
+        try:
+            recorded, seconds = DigestReference.load(path, fingerprint, kept.get("checksum")), kept.get("seconds") or 0.0
+            progress(f"  parity gate: {reference.value}'s states kept from an earlier part (--resume): {path.name}")
+        except DigestsRefused as e:  # never the gated method's fault: its reference is recorded again
+            progress(f"  parity gate: refused {e}; recording {reference.value}'s side again")
+    if recorded is None:
         t0 = time.monotonic()
         recorded = record_reference(reference, store, cfg, session.parity_steps)
-        DigestReference.of(recorded).save(path)
+        checksum = DigestReference.of(recorded).save(path, fingerprint)
         seconds = time.monotonic() - t0
-        session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1))
+        session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1),
+                            checksum=checksum)
     if session.deadline is not None and time.monotonic() + 1.2 * plans * seconds > session.deadline:
         raise OutOfTime(f"{reference.value}'s side of the gate took {seconds:.0f} s and is kept; the other side "
                         f"would end past it")
@@ -146,7 +151,10 @@ def _kept_gates(session, cell, plans: list) -> dict:
     """{plan: outcome an earlier part of this run recorded, or None} (empty where the run does not resume)."""
     if not session.resume:
         return {}
-    return {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan)) for plan in plans}
+    kept = {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan)) for plan in plans}
+    # a FAIL is gated again: a gate that failed once against a reference since refused, or on a machine since
+    # changed, must not stick to the cell without being run again
+    return {plan: r if r and r.get("parity") == "PASS" else None for plan, r in kept.items()}
 
 
 def _gate_fits(session) -> None:
@@ -255,7 +263,7 @@ def test_step(session, cell, benchmark):
         raise
     except OutOfTime as e:
         session.stopped = True
-        done = len(session.passlog.passes(cell.id, session.cell_fingerprint(cell, cfg)))
+        done = len(session.passes(cell, cfg))
         pytest.skip(f"time budget reached after {done} of {m.passes} passes ({e}); --resume continues")
     except KeyboardInterrupt:  # cut off (a chunk's time budget sends SIGINT): pytest-benchmark would
         benchmark.has_error = True  # put the half-run benchmark into its JSON and crash on its empty stats
@@ -289,7 +297,7 @@ def _measure_cell(session, cell, cfg, benchmark):
 
             torch.cuda.reset_peak_memory_stats()
         fp = session.cell_fingerprint(cell, cfg)
-        earlier = session.passlog.passes(cell.id, fp) if session.resume else []
+        earlier = session.passes(cell, cfg) if session.resume else []
         if earlier:
             progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
         if earlier and session.deadline is not None and len(earlier) < m.passes and \
@@ -351,7 +359,7 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
         progress(f"  {cell.method.value}: runs as {cell_id} ran (a swept setting it does not take): its passes")
         write(_child_measurement(passes, passes_of=cell_id))
         return
-    earlier = session.passlog.passes(cell.id, fp) if session.resume else []
+    earlier = session.passes(cell, cfg) if session.resume else []
     if len(earlier) < m.passes and session.deadline is not None and earlier:
         need = (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"]
         if time.monotonic() + need > session.deadline:
@@ -401,7 +409,7 @@ def _twin(session, cell, fp: str) -> tuple[str, list[dict]] | None:
 
     others = [c.id for c in matrix_cells(session.matrix) if c.method is cell.method and c.id != cell.id]
     for cell_id in others:
-        passes = session.passlog.passes(cell_id, fp)
+        passes = session.passlog.passes(cell_id, fp, session.matrix.passes)
         if len(passes) == session.matrix.passes:
             return cell_id, passes
     return None
