@@ -72,17 +72,23 @@ def add_parser(sub) -> None:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("file", help="the run's matrix file or name")
     st.add_argument("-o", "--out", required=True, help="the run's output folder")
+    st.add_argument("--steps", type=int, help="the run's steps per pass (default: as its parts recorded them, else "
+                                             "the matrix's)")
+    st.add_argument("--passes", type=int, help="the run's timed passes (default: as its parts recorded them, else "
+                                              "the matrix's)")
     st.set_defaults(run=run_status)
 
 
 def run_status(args) -> int:
-    from poros.harness.progress import status_markdown
+    from poros.harness.progress import run_counts, status_markdown
 
     m = preflight.load_matrix(args.file)
+    preflight.check_counts("poros bench status", steps=args.steps, passes=args.passes)
     out = Path(args.out)
     if not (out / "results.jsonl").exists() and not (out / "passes.jsonl").exists():
         raise PorosError(f"{out}: no results.jsonl or passes.jsonl there: pass the output folder of a "
                          f"`poros bench matrix` run (-o)")
+    m = run_counts(m, out) if args.steps is None and args.passes is None else m.with_overrides(args.steps, args.passes)
     print(status_markdown(m, out), end="")
     return 0
 

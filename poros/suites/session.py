@@ -3,8 +3,6 @@ cache, gate outcomes and time budget, shared by its cells (poros/suites/plugin.p
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -12,7 +10,7 @@ from pathlib import Path
 from poros.engine.methods import METHODS, method_unavailable
 from poros.harness import console, preflight
 from poros.harness.cell_memory import StoreCache
-from poros.harness.cells import matrix_cells, matrix_device, model_unavailable
+from poros.harness.cells import cell_fingerprint, fingerprint, matrix_cells, matrix_device, model_unavailable
 from poros.harness.results import PassLog, ResultsWriter, passes_path
 
 def this_process(started: float) -> dict:
@@ -115,12 +113,11 @@ class Session:
 
     @staticmethod
     def fingerprint(*parts) -> str:
-        """What a cell runs with, hashed: passes and gate outcomes recorded under another are never reused."""
-        text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return fingerprint(*parts)
 
     def cell_fingerprint(self, cell, cfg) -> str:
-        return self.fingerprint(self.matrix.name, cfg.as_dict(), self.matrix.steps)
+        """`cell`'s passes' fingerprint (`cfg`: the settings it runs with, `cell_config`'s)."""
+        return cell_fingerprint(self.matrix, cell)
 
 
 def session_of(config) -> Session:

@@ -26,7 +26,7 @@ from poros.config import Method
 from poros.harness import console
 from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
 from poros.harness.cell_memory import free_device_memory, kept_failure
-from poros.harness.cells import cell_config, computed_of, gate_config
+from poros.harness.cells import cell_config, computed_of, gate_config, gate_fingerprint, reference_fingerprint
 from poros.harness.result_row import record
 from poros.harness.timing import Measurement, OutOfTime, measure
 from poros.harness.console import progress, stop_if_interrupted
@@ -63,7 +63,7 @@ def _gate_plans(session) -> list:
 
 
 def _gate_fingerprint(session, cell, plan) -> str:
-    return session.fingerprint(session.matrix.name, gate_config(session.matrix, cell, plan).as_dict(), session.parity_steps)
+    return gate_fingerprint(session.matrix, cell, plan, session.parity_steps)
 
 
 def _run_gate(session, cell) -> dict:
@@ -124,7 +124,7 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
     from poros.engine.parity import record_reference
     from poros.engine.parity_digest import DigestReference, DigestsRefused
 
-    fingerprint = session.fingerprint(session.matrix.name, cfg.as_dict(), session.parity_steps, reference.value)
+    fingerprint = reference_fingerprint(session.matrix, cfg, session.parity_steps, reference)
     name, path = cell.id + "/reference", session.references / f"{fingerprint}.json.gz"
     kept = session.passlog.reference(name, fingerprint) if session.resume else None
     recorded = None
