@@ -431,3 +431,34 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
         assert written[first].passes_of is None and written[second].passes_of == first
         assert written[second].per_pass_s == written[first].per_pass_s == [1.0, 2.0]
         assert written[second].peak_vram_gb == 2.0
+
+
+def test_status_reads_a_reduced_run_at_the_counts_its_parts_recorded(tmp_path, capsys):
+    """A run of `--steps 2 --passes 3` records its counts in its parts: `poros bench status` reads its cells at
+    them (its passes' fingerprints hold the steps), and --steps/--passes override. Control: a folder whose parts
+    name no counts is read at the matrix's."""
+    import yaml
+
+    from poros.cli import main
+    from poros.harness.cells import cell_fingerprint, matrix_cells
+
+    m = _status_matrix(methods=["resident"])
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1,
+                                        grad_accum=1, lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic",
+                                        device="cpu", stacks=["current"], methods=["resident"], models=["tiny-qwen2"])))
+    from poros.harness.results import PassLog
+
+    reduced = m.with_overrides(2, 3)
+    (cell,) = matrix_cells(reduced)
+    log = PassLog(tmp_path / "passes.jsonl")
+    log.add("pass", cell.id, cell_fingerprint(reduced, cell), index=0, seconds=1.0)
+    log.add("part", "", "", part_id="p", started=0.0, wall_s=1.0, phases={}, exit_status=75, gpu=[])
+    assert main(["bench", "status", str(path), "-o", str(tmp_path)]) == 0
+    assert "| tiny-qwen2 resident | not started |" in capsys.readouterr().out  # control: no counts recorded
+    log.add("part", "", "", part_id="p", started=0.0, wall_s=1.0, phases={}, exit_status=75, gpu=[], steps=2, passes=3)
+    assert main(["bench", "status", str(path), "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("0 of 1 timed cells done (2 steps x 3 passes each).") and "| 1 of 3 passes |" in out, out
+    assert main(["bench", "status", str(path), "-o", str(tmp_path), "--steps", "4", "--passes", "2"]) == 0
+    assert "| tiny-qwen2 resident | not started |" in capsys.readouterr().out
