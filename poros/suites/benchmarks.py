@@ -159,12 +159,7 @@ def update_json(config, output_json: dict) -> None:
         cell = cells.get(b.get("param"))
         if cell is None or b.get("fullname") not in mine:
             continue
-        from poros.engine.methods import config_for
-        from poros.harness.cells import cell_config
-
-        passes = state.passlog.passes(cell.id, state.cell_fingerprint(cell, config_for(cell.method,
-                                                                                         cell_config(state.matrix, cell))),
-                                      state.matrix.passes)
+        passes = state.passlog.passes(cell.id, state.cell_fingerprint(cell), state.matrix.passes)
         b["extra_info"] = {**(b.get("extra_info") or {}),
                            "passes": [{k: p.get(k) for k in ("index", "seconds", "gpu", "process")} for p in passes]}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from poros.engine.methods import METHODS, method_unavailable
 from poros.harness import console, preflight
 from poros.harness.cell_memory import StoreCache
-from poros.harness.cells import cell_fingerprint, fingerprint, matrix_cells, matrix_device, model_unavailable
+from poros.harness.cells import cell_fingerprint, matrix_cells, matrix_device, model_unavailable
 from poros.harness.results import PassLog, ResultsWriter, passes_path
 
 def this_process(started: float) -> dict:
@@ -81,10 +81,10 @@ class Session:
             console.progress(f"this run: {now - self.started:.0f} s; " +
                              ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
 
-    def passes(self, cell, cfg) -> list[dict]:
-        """The passes the pass log keeps for `cell` run with `cfg`: passes 0 to passes-1, each once; a record past
-        them (added by hand, or a second record of a pass) is left out, and said so once."""
-        fp, count = self.cell_fingerprint(cell, cfg), self.matrix.passes
+    def passes(self, cell) -> list[dict]:
+        """The passes the pass log keeps for `cell`: passes 0 to passes-1, each once; a record past them (added by
+        hand, or a second record of a pass) is left out, and said so once."""
+        fp, count = self.cell_fingerprint(cell), self.matrix.passes
         for why in self.passlog.ignored_passes(cell.id, fp, count):
             if why not in self.ignored:
                 self.ignored.add(why)
@@ -111,12 +111,8 @@ class Session:
             return f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods"
         return None
 
-    @staticmethod
-    def fingerprint(*parts) -> str:
-        return fingerprint(*parts)
-
-    def cell_fingerprint(self, cell, cfg) -> str:
-        """`cell`'s passes' fingerprint (`cfg`: the settings it runs with, `cell_config`'s)."""
+    def cell_fingerprint(self, cell) -> str:
+        """The fingerprint of `cell`'s passes in the pass log (`poros.harness.cells.cell_fingerprint`)."""
         return cell_fingerprint(self.matrix, cell)
 
 

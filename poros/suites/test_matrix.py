@@ -263,7 +263,7 @@ def test_step(session, cell, benchmark):
         raise
     except OutOfTime as e:
         session.stopped = True
-        done = len(session.passes(cell, cfg))
+        done = len(session.passes(cell))
         pytest.skip(f"time budget reached after {done} of {m.passes} passes ({e}); --resume continues")
     except KeyboardInterrupt:  # cut off (a chunk's time budget sends SIGINT): pytest-benchmark would
         benchmark.has_error = True  # put the half-run benchmark into its JSON and crash on its empty stats
@@ -296,8 +296,8 @@ def _measure_cell(session, cell, cfg, benchmark):
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-        fp = session.cell_fingerprint(cell, cfg)
-        earlier = session.passes(cell, cfg) if session.resume else []
+        fp = session.cell_fingerprint(cell)
+        earlier = session.passes(cell) if session.resume else []
         if earlier:
             progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
         if earlier and session.deadline is not None and len(earlier) < m.passes and \
@@ -352,14 +352,14 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
     from poros.harness.unsloth import measure_unsloth
 
     m = session.matrix
-    fp = session.cell_fingerprint(cell, cfg)
+    fp = session.cell_fingerprint(cell)
     twin = _twin(session, cell, fp)
     if twin is not None:  # a swept setting this method does not run with: the same run, measured once
         cell_id, passes = twin
         progress(f"  {cell.method.value}: runs as {cell_id} ran (a swept setting it does not take): its passes")
         write(_child_measurement(passes, passes_of=cell_id))
         return
-    earlier = session.passes(cell, cfg) if session.resume else []
+    earlier = session.passes(cell) if session.resume else []
     if len(earlier) < m.passes and session.deadline is not None and earlier:
         need = (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"]
         if time.monotonic() + need > session.deadline:

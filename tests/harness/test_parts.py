@@ -400,7 +400,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
     from poros.harness.matrix import parse_matrix
     from poros.harness.results import PassLog
     from poros.suites import test_matrix as tm
-    from poros.suites.session import Session
+    from poros.harness.cells import cell_fingerprint
 
     m = parse_matrix(dict(name="t", steps=2, passes=2, warmup_passes=1, batch_size=1, grad_accum=1, lora_rank=4,
                           lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"],
@@ -416,8 +416,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
 
     monkeypatch.setattr(um, "measure_unsloth", fake_unsloth)
     session = SimpleNamespace(matrix=m, passlog=PassLog(tmp_path / "passes.jsonl"), resume=False, deadline=None,
-                              keep_exports=False, cell_fingerprint=lambda cell, cfg: Session.fingerprint(
-                                  m.name, cfg.as_dict(), m.steps))
+                              keep_exports=False, cell_fingerprint=lambda cell: cell_fingerprint(m, cell))
     store = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8))
     written = {}
     for cell in cells:
