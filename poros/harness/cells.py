@@ -4,6 +4,8 @@ each cell and each gate runs with; and the declared gate that keeps full-size sh
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
@@ -135,3 +137,26 @@ def settings_line(m: Matrix, cell: Cell) -> str:
             shown.append(f"{s.name} {s.show(v)}" + (f" ({device} default)" if took else ""))
     plan = f" (plan {cell.plan})" if cell.plan else ""
     return f"  {cell.method.value}{plan}: " + (", ".join(shown) or "the table's defaults")
+
+
+def fingerprint(*parts) -> str:
+    """What a cell or gate runs with, hashed: passes and gate outcomes recorded under another are never reused."""
+    text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cell_fingerprint(m: Matrix, cell: Cell) -> str:
+    """The fingerprint of a timed cell's passes in the pass log: its matrix, settings and steps per pass."""
+    from poros.engine.methods import config_for
+
+    return fingerprint(m.name, config_for(cell.method, cell_config(m, cell)).as_dict(), m.steps)
+
+
+def gate_fingerprint(m: Matrix, cell: Cell, plan: str | None, parity_steps: int) -> str:
+    """The fingerprint of a gate's outcome for `plan` in the pass log."""
+    return fingerprint(m.name, gate_config(m, cell, plan).as_dict(), parity_steps)
+
+
+def reference_fingerprint(m: Matrix, cfg: TrainConfig, parity_steps: int, reference: Method) -> str:
+    """The fingerprint of a gate's reference side kept as digests (gate-references/NAME.json.gz)."""
+    return fingerprint(m.name, cfg.as_dict(), parity_steps, reference.value)

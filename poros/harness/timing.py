@@ -13,6 +13,7 @@ import torch
 
 from poros.config import TrainConfig
 from poros.engine.nvml import NvmlPeak, alloc_retries
+from poros.harness.pytest_benchmark_adapter import add_earlier_rounds, last_round
 from poros.harness.console import add_phase_time, progress, status, stop_if_interrupted
 from poros.provenance import this_gpu_uuid
 
@@ -90,14 +91,13 @@ def timed_rounds(benchmark, run, warmup: int, rounds: int, *, earlier: list[floa
         if before is not None:
             before()
         if count[0] == warmup:  # the first timed round: the earlier passes come first
-            for t in earlier:
-                benchmark.stats.stats.update(t)
+            add_earlier_rounds(benchmark, earlier)
 
     def teardown():
         i = count[0]
         count[0] += 1
         if done is not None:
-            done(i, None if i < warmup else benchmark.stats.stats.data[-1])
+            done(i, None if i < warmup else last_round(benchmark))
 
     if benchmark is not None and not getattr(benchmark, "disabled", True) and rounds > 0:
         benchmark.pedantic(lambda: run(count[0]), setup=setup, teardown=teardown, rounds=rounds,

@@ -27,8 +27,9 @@ from poros.harness.cells import Cell, matrix_cells, matrix_device
 from poros.harness.console import set_progress_writer
 from poros.harness.compare import load_compare_source
 from poros.harness.results import RUN_FILES, PassLog, ResultsWriter, keep_earlier, passes_path, row_key
-from poros.suites.benchmarks import (append_earlier, check_compare, check_compared_cells, checkpoint,
-                                     earlier_benchmarks, json_path)
+from poros.harness import pytest_benchmark_adapter as adapter
+from poros.suites.benchmarks import (check_compare, check_compared_cells, checkpoint, earlier_benchmarks, json_path,
+                                     update_commit_info, update_json, update_machine_info)
 from poros.suites import OUT_OF_TIME
 from poros.suites.session import matrix_of, session_of
 
@@ -58,13 +59,19 @@ def pytest_configure(config):
         preflight.check_benchmark_json_resumable(md.version("pytest-benchmark"), config.getoption("--resume"))
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
-    if getattr(config.option, "benchmark_json", "absent") is None:  # keep its JSON beside the results
+    target = getattr(config.option, "benchmark_json", "absent")
+    if target is None:  # keep its JSON beside the results
         results = Path(config.getoption("--results"))
         try:
             ensure_folder(results.parent, "results folder")
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
-        config.option.benchmark_json = results.with_name("benchmark.json")
+        target = results.with_name("benchmark.json")
+    if target != "absent":
+        # the suites write the JSON themselves, whole under a temporary name and renamed (`checkpoint`): after each
+        # timed cell and at the session's end, a Ctrl-C or SIGTERM included; pytest-benchmark writes none of its own
+        config._poros_json = Path(target.name if hasattr(target, "write") else target)  # (a file: pytest-benchmark<5.3)
+        config.option.benchmark_json = None
     compare = getattr(config.option, "benchmark_compare", None)
     if isinstance(compare, str) and (compare.endswith(".json") or "/" in compare):
         try:  # a file: pytest-benchmark would stop on a missing one with an internal error
@@ -72,6 +79,11 @@ def pytest_configure(config):
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
     config._poros_benchmarks = earlier_benchmarks(config)
+    if console.status_writer() is None:  # plain pytest: SIGTERM ends the session as Ctrl-C does (`poros bench` sets it)
+        import contextlib
+
+        config._poros_signals = contextlib.ExitStack()
+        config._poros_signals.enter_context(console.interrupt_on_sigint())
 
 
 def pytest_sessionstart(session):
@@ -138,7 +150,7 @@ def _preflight(config) -> None:
     kept = results.parent / "matrix.yaml"  # the matrix the run's rows measure, as it read when the run began
     if Path(m.source).is_file() and not (config.getoption("--resume") and kept.is_file()):
         kept.write_bytes(Path(m.source).read_bytes())
-    warning = ResultsWriter(passes_path(results)).repair()
+    warning = PassLog(passes_path(results)).writer.repair()
     if warning:
         console.progress(warning)
     minutes = config.getoption("--max-minutes")
@@ -328,6 +340,7 @@ def pytest_sessionfinish(session, exitstatus):
     state = getattr(session.config, "_poros_session", None)
     if state is not None and state.stopped and exitstatus == 0:
         session.exitstatus = OUT_OF_TIME
+    checkpoint(session.config)  # every timed cell's benchmark, the earlier parts' kept (the JSON's last write)
     if state is not None and state.ran:
         state.record_part(int(session.exitstatus))
         if state.keep_exports and not state.stopped:  # the run is complete: no later part needs them
@@ -339,27 +352,42 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(wrapper=True)
 def pytest_terminal_summary(terminalreporter, config):
     """pytest-benchmark raises its regression out of pytest's session end, which skips every plugin's
-    unconfigure (benchmarks of resumed runs would not be appended back) and ends in a traceback: here it
-    fails the run (exit 1) after its table and lines naming each regression."""
-    bs = getattr(config, "_benchmarksession", None)
-    if bs is not None and bs.compared_mapping:
-        config._poros_compared = sum(1 for b in bs.benchmarks if b and any(
-            b.fullname in names for names in bs.compared_mapping.values()))
+    unconfigure and ends in a traceback: here it fails the run (exit 1) after its table and lines naming each
+    regression."""
+    compared = adapter.compare_source(config)[1]
+    if compared:
+        config._poros_compared = sum(1 for b in adapter.timed_benchmarks(config) if any(
+            b.fullname in names for names in compared.values()))
     try:
         return (yield)
     except PerformanceRegression:
-        config._poros_regressions = [f"{name} - {why}" for name, why in bs.performance_regressions]
+        found = adapter.regressions(config)
+        config._poros_regressions = [f"{name} - {why}" for name, why in found]
         session = getattr(config, "_poros_pytest_session", None)
         if session is not None and session.exitstatus in (pytest.ExitCode.OK, OUT_OF_TIME):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        sources = ", ".join(map(str, bs.compared_mapping))
-        terminalreporter.write_line(f"benchmark comparison with {sources}: {len(bs.performance_regressions)} "
+        sources = ", ".join(map(str, compared))
+        terminalreporter.write_line(f"benchmark comparison with {sources}: {len(found)} "
                                     f"regression(s) past --benchmark-compare-fail; exit status 1", red=True)
         return None
 
 
+def pytest_benchmark_update_machine_info(config, machine_info):
+    update_machine_info(machine_info)
+
+
+def pytest_benchmark_update_commit_info(config, commit_info):
+    update_commit_info(commit_info)
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    update_json(config, output_json)
+
+
 def pytest_unconfigure(config):
-    append_earlier(config)
+    stack = getattr(config, "_poros_signals", None)
+    if stack is not None:
+        stack.close()
     set_progress_writer(None)
     if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
         console.set_status_writer(None)

@@ -32,7 +32,9 @@ def test_the_suites_own_their_results_folder_as_poros_bench_does(tmp_path):
     and passes); --resume keeps them only when they are this matrix's (control: refused, nothing moved)."""
     out = tmp_path / "out"
     out.mkdir()
-    rows = json.dumps({"matrix": "other", "model": "tiny-qwen2", "method": "poros"}) + "\n"
+    from tests.harness.test_results import whole_row
+
+    rows = json.dumps(whole_row(matrix="other", model="tiny-qwen2")) + "\n"
     for name, text in (("results.jsonl", rows), ("report.md", "stale\n"), ("passes.jsonl", "")):
         (out / name).write_text(text)
     resumed = _suite_start(tmp_path, out / "results.jsonl", "--resume")

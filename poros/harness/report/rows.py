@@ -9,19 +9,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from poros.engine.method_info import NAMES
 from poros.errors import PorosError
+from poros.harness.record_schema import one_line, row_problems
 from poros.harness.report.format import text_or_none
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SETTINGS, Setting
 
 KEY = ("matrix", "model", "stack", "method")
-REQUIRED = KEY + (
-    "arch", "status", "steps", "passes", "warmup_passes", "reduced", "s_per_step_median", "s_per_step_std",
-    "peak_vram_gb", "parity", "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share",
-    "tokens_per_s", "config", "provenance",
-)
-STATUSES = ("ok", "failed", "skipped")
 REFERENCE_COLUMNS = (
     "hardware", "model", "arch", "stack", "parity", "poros_s_step_median", "poros_s_step_std", "resident_s_step",
     "unsloth_s_step", "poros_vram_gb", "resident_vram_gb", "unsloth_vram_gb",
@@ -58,16 +52,9 @@ def load_results(paths) -> pd.DataFrame:
                 raise PorosError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise PorosError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in REQUIRED if k not in row]
-            if missing:
-                raise PorosError(f"{path}:{n}: missing key(s) {', '.join(missing)}")
-            if row["method"] not in NAMES or row["status"] not in STATUSES:
-                raise PorosError(f"{path}:{n}: method must be one of {', '.join(NAMES)} and status one of "
-                                 f"{', '.join(STATUSES)}, got {row['method']!r} / {row['status']!r}")
-            bad = field_problems(row)
+            bad = row_problems(row)
             if bad:
-                raise PorosError(f"{path}:{n}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") +
-                                 "; fix or remove that row (rows are written by poros bench)")
+                raise PorosError(f"{path}:{n}: {one_line(bad)}; fix or remove that row (rows are written by poros bench)")
             records.append({**row, "plan_name": row.get("plan_name"),
                             "sweep": row.get("sweep") if isinstance(row.get("sweep"), dict) else {}})
     if not records:
@@ -86,32 +73,6 @@ def frame(records: list[dict]) -> pd.DataFrame:
             values = df[column].astype(object)
             df[column] = values.where(values.notna(), None)
     return df
-
-
-NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",
-           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s",
-           "link_h2d_gbps", "copy_floor_s")
-SECTIONS = ("config", "provenance")  # mappings every row holds
-TEXTS = ("matrix", "model", "stack", "arch")
-
-
-def field_problems(row: dict) -> list[str]:
-    """Fields of a row the report could not read as their kind: a number that is text, a section that is
-    null or not a mapping. Each names the field, what it holds and what it should."""
-    out = []
-    for k in NUMBERS:
-        v = row.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            out.append(f"field {k}: expected a number or null, got {v!r}")
-    for k in SECTIONS:
-        if not isinstance(row.get(k), dict):
-            out.append(f"field {k}: expected a mapping, got {row.get(k)!r}")
-    for k in TEXTS:
-        if not isinstance(row.get(k), str):
-            out.append(f"field {k}: expected text, got {row.get(k)!r}")
-    if row.get("parity") not in (None, "PASS", "FAIL"):
-        out.append(f"field parity: expected PASS, FAIL or null, got {row['parity']!r}")
-    return out
 
 
 def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:

@@ -5,8 +5,11 @@ gate that fails and a cell that raises, plans and sweep points, data-parallel ra
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -379,3 +382,108 @@ def test_a_gate_longer_than_a_part_runs_its_two_sides_in_two_parts(tmp_path):
     third, _ = run_suite(tmp_path, matrix, "--resume", "-k", "gate")
     assert third.returncode == 0, why(third)
     assert len(records("reference")) == 2 and digests.exists(), why(third)
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_kept_reference_edited_by_hand_is_refused_and_recorded_again(tmp_path):
+    """A reference's digests with one hex digit changed are refused by name and recorded again: the gate PASSes,
+    never a parity FAIL blamed on poros (the control, a kept file as written, is reused: the test above)."""
+    matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros", "resident_gc_offload"],
+              "models": ["tiny-qwen2"]}
+    log = tmp_path / "passes.jsonl"
+    env = plugin_env(tmp_path, "slow_reference", SLOW_REFERENCE)
+    first, results = run_suite(tmp_path, matrix, "-p", "slow_reference", "--max-minutes", "5", "-k", "gate", env=env)
+    assert first.returncode == 75, why(first)
+    (kept,) = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "reference"]
+    digests = tmp_path / "gate-references" / kept["file"]
+    doc = json.loads(gzip.open(digests, "rt").read())
+    name = sorted(doc["states"][0]["grads"])[0]
+    h = doc["states"][0]["grads"][name]
+    doc["states"][0]["grads"][name] = ("1" if h[0] == "0" else "0") + h[1:]
+    with gzip.open(digests, "wt") as f:
+        json.dump(doc, f)
+
+    second, _ = run_suite(tmp_path, matrix, "--resume", "-k", "gate", "-vv")  # -q -vv: the progress lines
+    assert second.returncode == 0, why(second)
+    assert f"refused {digests}: its contents do not match its checksum" in second.stdout, why(second)
+    references = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "reference"]
+    gates = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "gate"]
+    assert len(references) == 2 and [g["result"]["parity"] for g in gates] == ["PASS"], why(second)
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_a_parity_fail_row_is_gated_again_on_resume(tmp_path):
+    """Rows and a gate outcome that say FAIL (as a gate against a lying reference wrote them) do not stick: --resume
+    runs the gate again and writes the cells' rows anew, their passes kept. Negative control: PASS rows are done."""
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    proc, results = run_suite(tmp_path, matrix)
+    assert proc.returncode == 0, why(proc)
+    again, _ = run_suite(tmp_path, matrix, "--resume")
+    assert again.returncode == 0 and "3 skipped" in again.stdout and "passed" not in again.stdout, why(again)
+
+    log = tmp_path / "passes.jsonl"
+    fail = {"parity": "FAIL", "first_mismatch": "step0.grad:x", "max_abs_diff": float("inf")}
+    results.write_text("".join(json.dumps({**r, "parity": "FAIL", "parity_first_mismatch": "step0.grad:x"}) + "\n"
+                               for r in result_rows(results)))
+    log.write_text("".join(json.dumps({**r, "result": {**r["result"], **fail}} if r["kind"] == "gate" else r) + "\n"
+                           for r in map(json.loads, log.read_text().splitlines())))
+    third, _ = run_suite(tmp_path, matrix, "--resume")
+    assert third.returncode == 0, why(third)
+    assert "already in results" not in third.stdout, why(third)
+    gates = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "gate"]
+    assert [g["result"]["parity"] for g in gates] == ["FAIL", "PASS"]
+    latest = {r["method"]: r for r in result_rows(results)}
+    assert {m: r["parity"] for m, r in latest.items()} == {"poros": "PASS", "resident": "PASS"}
+    first = {r["method"]: r for r in result_rows(results)[:2]}
+    assert all(latest[m]["per_pass_s"] == first[m]["per_pass_s"] for m in first)  # its passes kept, not timed again
+
+
+TERMINATED = """import os
+import signal
+import poros.engine.trainer as t
+orig = t.ResidentTrainer.step
+def step(self, batches=None):
+    # the resident cell, inside its second timed pass: a scheduler's SIGTERM
+    if self.steps_done == 5 and os.environ.get("TERMINATE"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return orig(self, batches)
+t.ResidentTrainer.step = step
+"""
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_benchmark_json_holds_every_timed_cell_across_a_sigterm_and_names_gpu_engine_and_passes(tmp_path):
+    """A part ended by SIGTERM ends as a Ctrl-C does: its finished cell's entry is in benchmark.json; the next part
+    (--resume) adds the rest. The JSON names the machine's GPUs (`machine_info.gpus`, none on a CPU), the engine
+    (`commit_info`: commit, dirty, source tree), each cell's passes with their process, and `pytest-benchmark
+    compare` reads it. Negative control: without the signal the first part finishes every cell."""
+    from poros.provenance import git_info
+
+    env = plugin_env(tmp_path, "terminated", TERMINATED)
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    bench_json = tmp_path / "benchmark.json"
+    proc, results = run_suite(tmp_path, matrix, "-p", "terminated", env={**env, "TERMINATE": "1"})
+    assert proc.returncode == 2, why(proc)  # interrupted, not killed (-15)
+    data = json.loads(bench_json.read_text())
+    assert [b["param"] for b in data["benchmarks"]] == ["model:tiny-qwen2-stack:current-method:poros"]
+    again, _ = run_suite(tmp_path, matrix, "-p", "terminated", "--resume", env=env)
+    assert again.returncode == 0, why(again)
+    data = json.loads(bench_json.read_text())
+    assert sorted(b["param"].rpartition(":")[2] for b in data["benchmarks"]) == ["poros", "resident"]
+    assert data["machine_info"]["gpus"] == [] and data["machine_info"]["torch"]
+    git = git_info()
+    assert data["commit_info"]["id"] == git["commit"] and data["commit_info"]["source_tree"] == git["source_tree"]
+    assert data["commit_info"]["project"] == "poros" and data["commit_info"]["dirty"] == git["dirty"]
+    by = {b["param"].rpartition(":")[2]: b for b in data["benchmarks"]}
+    passes = by["resident"]["extra_info"]["passes"]
+    assert [p["index"] for p in passes] == [0, 1] and by["resident"]["stats"]["data"] == [p["seconds"] for p in passes]
+    assert passes[0]["process"] != passes[1]["process"], "pass 0 ran in the terminated part, pass 1 in the next"
+    compare = subprocess.run([sys.executable, "-m", "pytest_benchmark", "compare", str(bench_json)],
+                             capture_output=True, text=True, timeout=120)
+    assert compare.returncode == 0 and "test_step[model:tiny-qwen2-stack:current-method:resident]" in compare.stdout, \
+        compare.stdout[-2000:] + compare.stderr[-2000:]
+
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    done, _ = run_suite(whole, matrix, "-p", "terminated", env=env)
+    assert done.returncode == 0 and len(json.loads((whole / "benchmark.json").read_text())["benchmarks"]) == 2
