@@ -15,11 +15,11 @@ class Attention(str, enum.Enum):
     CUDNN = "cudnn"
     EFFICIENT = "efficient"
     FLASH = "flash"
-    FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/engine/attention.py)
+    FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/engine/model/attention.py)
 
 
 class LoRACompute(str, enum.Enum):
-    """The dtype of the LoRA adapters' matmuls, for every method alike (poros/engine/lora_compute.py)."""
+    """The dtype of the LoRA adapters' matmuls, for every method alike (poros/engine/model/lora_compute.py)."""
 
     FP32 = "fp32"  # peft's: each input cast up to the fp32 adapters, the product cast back
     BF16 = "bf16"  # the fp32 adapters cast down to the activations' bf16 at each call
@@ -46,7 +46,8 @@ class Placement(str, enum.Enum):
 
 class LRSchedule(str, enum.Enum):
     """How the learning rate moves over a run, after `warmup_steps` of linear warm-up
-    (the formulas of Hugging Face's get_{constant,linear,cosine}_schedule_with_warmup; poros/engine/schedule.py)."""
+    (the formulas of Hugging Face's get_{constant,linear,cosine}_schedule_with_warmup;
+    poros/engine/methods/schedule.py)."""
 
     CONSTANT = "constant"
     LINEAR = "linear"  # linearly to 0 at decay_steps

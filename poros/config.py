@@ -27,7 +27,7 @@ from poros.settings import (  # noqa: F401  (re-exported: the config's vocabular
 
 
 class Method(str, enum.Enum):
-    """How the base weights are held while training (see poros/engine/methods.py)."""
+    """How the base weights are held while training (see poros/engine/methods/registry.py)."""
 
     POROS = "poros"  # NF4 store in host memory, streamed onto the device by a plan
     RESIDENT = "resident"  # ordinary QLoRA: the whole NF4 model on the device

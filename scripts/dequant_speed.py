@@ -1,4 +1,4 @@
-"""NF4 dequantization on the GPU: bitsandbytes' kernel against inductor's (poros/engine/dequant_lowering.py), per
+"""NF4 dequantization on the GPU: bitsandbytes' kernel against inductor's (poros/engine/model/dequant_lowering.py), per
 projection shape of a model (a probe, not a test).
 
     python3 scripts/dequant_speed.py qwen2.5-72b [--double-quant] [--repeats 50]
@@ -42,7 +42,7 @@ def time_us(fn, repeats: int) -> float:
 def main() -> None:
     import bitsandbytes.functional as F
 
-    from poros.engine.dequant_lowering import install_dequantize_lowerings
+    from poros.engine.model.dequant_lowering import install_dequantize_lowerings
 
     p = argparse.ArgumentParser()
     p.add_argument("model")

@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.allocator_limit import set_allocator_settings
-from poros.engine.methods import make_trainer
-from poros.engine.nvml import NvmlPeak
-from poros.engine.executor import geometry_of_store
+from poros.engine.runtime.allocator_limit import set_allocator_settings
+from poros.engine.methods.registry import make_trainer
+from poros.engine.runtime.nvml import NvmlPeak
+from poros.engine.methods.executor import geometry_of_store
 from poros.engine.planning.memory import transient_bytes
-from poros.engine.trainer import enable_determinism
+from poros.engine.methods.trainer import enable_determinism
 from poros.models.checkpoint import cut_source
 from poros.provenance import provenance
 from poros.settings import schedule_variant

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.methods import make_trainer
+from poros.engine.methods.registry import make_trainer
 from poros.harness.profiling import profiled, summarize
-from poros.engine.trainer import enable_determinism
+from poros.engine.methods.trainer import enable_determinism
 from poros.harness.unsloth import measure_unsloth
 from poros.settings import schedule_variant
 from poros.models.checkpoint import cut_source

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from poros.config import Method, TrainConfig
 from poros.engine.planning import plan as P
-from poros.engine.distributed import World, close_world, init_world, share_store
-from poros.engine.methods import make_trainer
-from poros.engine.parity import parity
+from poros.engine.parallel.distributed import World, close_world, init_world, share_store
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import parity
 
 
 def main(out: Path, model: str, device: str, mode: str = "") -> None:

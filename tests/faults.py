@@ -42,7 +42,7 @@ def reverse_micro_batches_in_backward(plan: P.Plan) -> P.Plan:
 
 def change_kept_attention_output(monkeypatch) -> None:
     """From now on (for the test), every recompute takes a kept attention output with one value changed."""
-    from poros.engine import kept_attention
+    from poros.engine.model import kept_attention
 
     real = kept_attention.AttentionRecord.with_large
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from poros.config import TrainConfig
-from poros.engine.executor import geometry_of_store
+from poros.engine.methods.executor import geometry_of_store
 from poros.engine.planning.budget import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_each_operation_kind_keeps_its_largest_peak_and_what_it_added(probe_modu
     """OpPeaks on the CPU with torch's CUDA memory counters simulated: the head adds 300 bytes above what it found
     and backwards 100 + 10 x layer; the largest of each kind is kept with its layer, the overall peak is the
     largest, and the trainer's own methods are back afterwards."""
-    from poros.engine.executor import PorosTrainer
+    from poros.engine.methods.executor import PorosTrainer
 
     mem = {"now": 1000, "peak": 1000}
     for name, fn in {"memory_allocated": lambda *a: mem["now"], "max_memory_allocated": lambda *a: mem["peak"],

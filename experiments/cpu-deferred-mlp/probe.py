@@ -12,7 +12,7 @@ import sys
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.methods import make_trainer
+from poros.engine.methods.registry import make_trainer
 from poros.store.build import build_store
 
 CHUNK, SEQ = 32, 128

@@ -18,8 +18,8 @@ import statistics
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.methods import make_trainer
-from poros.engine.trainer import enable_determinism
+from poros.engine.methods.registry import make_trainer
+from poros.engine.methods.trainer import enable_determinism
 from poros.finetune.samples import write_jsonl
 from poros.harness.unsloth import measure_unsloth
 from poros.models.checkpoint import cut_source

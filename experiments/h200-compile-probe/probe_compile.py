@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from poros.config import TrainConfig
-from poros.engine.compiling import compile_module
-from poros.engine.trainer import ResidentTrainer, deterministic_kernels, enable_determinism
+from poros.engine.model.compiling import compile_module
+from poros.engine.methods.trainer import ResidentTrainer, deterministic_kernels, enable_determinism
 from poros.models.checkpoint import Source
 from poros.models.shapes import get_shape
 from poros.store.build import build_store

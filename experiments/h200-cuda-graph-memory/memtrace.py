@@ -21,7 +21,7 @@ import torch
 
 from poros.store.build import build_store
 from poros.config import TrainConfig
-from poros.engine.executor import PorosTrainer
+from poros.engine.methods.executor import PorosTrainer
 
 MAX_ENTRIES = 2_000_000
 

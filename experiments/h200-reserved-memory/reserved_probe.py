@@ -22,9 +22,9 @@ import torch
 
 from poros.store.build import build_store
 from poros.config import TrainConfig
-from poros.engine.executor import PorosTrainer
+from poros.engine.methods.executor import PorosTrainer
 from poros.provenance import provenance
-from poros.engine.trainer import enable_determinism
+from poros.engine.methods.trainer import enable_determinism
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from profile_step import echo, parse_variant  # noqa: E402  (one parser for schedule settings)

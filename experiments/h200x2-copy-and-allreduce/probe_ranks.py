@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from poros.engine.distributed import close_world, init_world
+from poros.engine.parallel.distributed import close_world, init_world
 
 
 def timed(fn, repeat: int) -> float:

@@ -9,7 +9,7 @@ import logging
 import sys
 import warnings
 
-from poros.engine.launch import launched
+from poros.engine.parallel.launch import launched
 from poros.errors import PorosError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{' / '.join(RANKED)}`, or a matrix's `gpus: N`")
         if wants_determinism(args):
             # before any command touches CUDA: cuBLAS reads its workspace configuration once per process
-            from poros.engine.trainer import set_cublas_workspace
+            from poros.engine.methods.trainer import set_cublas_workspace
 
             set_cublas_workspace()
         preflight(args)

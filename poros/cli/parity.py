@@ -8,7 +8,7 @@ import sys
 
 from poros import resolve
 from poros.config import Method, TrainConfig
-from poros.engine.methods import METHODS
+from poros.engine.methods.registry import METHODS
 from poros.errors import ConfigError
 from poros.settings import COMPUTED, RUN, SCHEDULE, add_arguments, from_arguments
 
@@ -73,8 +73,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from poros.engine.distributed import close_world, init_world
-    from poros.engine.parity import parity
+    from poros.engine.parallel.distributed import close_world, init_world
+    from poros.engine.verify.parity import parity
 
     if args.steps <= 0:
         raise ConfigError([f"steps: expected an integer > 0, got {args.steps}"], "poros parity")

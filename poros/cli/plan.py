@@ -133,7 +133,7 @@ def run(args) -> int:
     if is_auto(cfg.vram_budget) and cfg.device.value == "cuda":
         import torch  # only `auto` touches the device
 
-        from poros.engine.nvml import device_memory
+        from poros.engine.runtime.nvml import device_memory
 
         if not torch.cuda.is_available():
             raise CapabilityError("--vram-budget auto measures the free memory of this machine's CUDA GPU, and torch "

@@ -11,8 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from poros.engine.launch import launched
-from poros.engine.methods import FINETUNE_METHODS
+from poros.engine.parallel.launch import launched
+from poros.engine.methods.registry import FINETUNE_METHODS
 from poros.errors import PorosError
 from poros.finetune.config import RUN_FILE, override_words, parse_overrides, read_run_file, resolve
 from poros.harness import preflight as checks
@@ -107,8 +107,8 @@ def _terminate(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    from poros.engine.distributed import close_world, init_world
-    from poros.engine.trainer import set_cublas_workspace
+    from poros.engine.parallel.distributed import close_world, init_world
+    from poros.engine.methods.trainer import set_cublas_workspace
     from poros.finetune.recipe import check_paths, finetune
 
     fc, chosen = finetune_config(args)

@@ -32,7 +32,7 @@ import yaml
 from poros.choices import Device, LRSchedule
 from poros.common.yamlfile import load_yaml
 from poros.config import BY_NAME, Method, TrainConfig
-from poros.engine.methods import FINETUNE_METHODS, METHODS
+from poros.engine.methods.registry import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
 from poros.paths import unreadable
 from poros.resolve import with_defaults

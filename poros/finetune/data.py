@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from poros.engine.data import Batch
+from poros.engine.methods.data import Batch
 from poros.finetune.records import DataError, LineReader, RecordCounts, read_records, records  # noqa: F401
 from poros.finetune import tokenizing
 from poros.finetune.tables import open_reader

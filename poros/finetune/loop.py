@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from poros.engine.distributed import any_rank
+from poros.engine.parallel.distributed import any_rank
 from poros.errors import PorosError
 from poros.finetune.checkpoint import save_checkpoint, write_adapter
 from poros.finetune.runlog import StopRequest, plot_loss

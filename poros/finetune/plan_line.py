@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from poros.config import Method
-from poros.engine.nvml import device_memory
+from poros.engine.runtime.nvml import device_memory
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.plan import Plan

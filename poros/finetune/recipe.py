@@ -10,7 +10,7 @@ adapter starts from --seed, and a checkpoint holds every tensor the next step re
 run ends torch.equal to an uninterrupted one, and poros and resident (the same arithmetic) end
 torch.equal to each other. Settings that would change that arithmetic are refused on --resume.
 
-Under `poros train --gpus N` (or `torchrun --nproc-per-node N -m poros train ...`) the run is data-parallel (poros.engine.distributed):
+Under `poros train --gpus N` (or `torchrun --nproc-per-node N -m poros train ...`) the run is data-parallel (poros.engine.parallel.distributed):
 each step takes N x batch x grad_accum sequences, every rank trains its contiguous share, and rank 0
 alone writes the run folder. The number of ranks is part of the arithmetic (`gpus` in config.json):
 --resume refuses another.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from poros.engine.distributed import any_rank, barrier, init_world, share_store
-from poros.engine.methods import make_trainer
+from poros.engine.parallel.distributed import any_rank, barrier, init_world, share_store
+from poros.engine.methods.registry import make_trainer
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.checkpoint import load_checkpoint
 from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file

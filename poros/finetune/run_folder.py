@@ -16,7 +16,7 @@ from pathlib import Path
 
 from poros.common.folders import LOCK_NAME, OutputInUse, OutputLock
 from poros.config import BY_NAME, COMPUTED_NAMES
-from poros.engine.distributed import any_rank
+from poros.engine.parallel.distributed import any_rank
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.checkpoint import check_checkpoint, recover_checkpoint
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.method_info import REFERENCES
-from poros.engine.methods import config_for, gate_of, gated
+from poros.engine.methods.method_info import REFERENCES
+from poros.engine.methods.registry import config_for, gate_of, gated
 from poros.harness.matrix import Matrix, Stack
 from poros.harness.results import point_id, show_value
 from poros.models.shapes import SHAPES
@@ -147,7 +147,7 @@ def fingerprint(*parts) -> str:
 
 def cell_fingerprint(m: Matrix, cell: Cell) -> str:
     """The fingerprint of a timed cell's passes in the pass log: its matrix, settings and steps per pass."""
-    from poros.engine.methods import config_for
+    from poros.engine.methods.registry import config_for
 
     return fingerprint(m.name, config_for(cell.method, cell_config(m, cell)).as_dict(), m.steps)
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from poros.config import LORA_TARGETS, Method
-from poros.engine.methods import config_for
+from poros.engine.methods.registry import config_for
 from poros.errors import CapabilityError, ConfigError, PorosError
 from poros.harness.matrix import load_matrix as load
 from poros.harness.matrix import resolve_matrix_path

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from poros.config import Method
-from poros.engine.methods import config_for, gate_of, method_unavailable
+from poros.engine.methods.registry import config_for, gate_of, method_unavailable
 from poros.errors import PorosError
 from poros.harness.cells import (cell_config, cell_fingerprint, gate_config, gate_fingerprint, matrix_cells,
                                  matrix_device, model_unavailable, reference_fingerprint)

@@ -9,7 +9,7 @@ per difference."""
 from __future__ import annotations
 
 from poros.config import Attention, Method
-from poros.engine.method_info import INFO, by_value
+from poros.engine.methods.method_info import INFO, by_value
 from poros.harness.report.format import num, text_or_none
 from poros.harness.report.rows import OFFICIAL_REFERENCE, load_reference
 from poros.harness.stacks import stack_id

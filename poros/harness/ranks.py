@@ -1,5 +1,5 @@
 """A matrix cell on several data-parallel ranks (`gpus: N`): `poros bench` starts N processes with torchrun
-(`run_ranks`), each runs this module's `main` on its share of every step (poros.engine.distributed), and rank 0
+(`run_ranks`), each runs this module's `main` on its share of every step (poros.engine.parallel.distributed), and rank 0
 reports the gate's result or the measurement as one JSON file the bench turns into a results row."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from poros.config import Method, TrainConfig
-from poros.engine.distributed import (
+from poros.engine.parallel.distributed import (
     MULTICAST_OFF,
     barrier,
     close_world,
@@ -22,10 +22,10 @@ from poros.engine.distributed import (
     largest,
     share_store,
 )
-from poros.engine.launch import LAUNCH_ENV
-from poros.engine.methods import make_trainer
-from poros.engine.parity import parity
-from poros.engine.trainer import set_cublas_workspace
+from poros.engine.parallel.launch import LAUNCH_ENV
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import parity
+from poros.engine.methods.trainer import set_cublas_workspace
 from poros.errors import CapabilityError
 from poros.harness.timing import PEAKS, measure
 from poros.harness.child import emit

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from poros.engine.method_info import NAMES
+from poros.engine.methods.method_info import NAMES
 
 STATUSES = ("ok", "failed", "skipped")
 PASS_KINDS = ("pass", "gate", "reference", "part")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 
 from poros.config import Method, TrainConfig
-from poros.engine.link import copy_floor, h2d_gbps
-from poros.engine.methods import gate_of
+from poros.harness.link import copy_floor, h2d_gbps
+from poros.engine.methods.registry import gate_of
 from poros.harness.cells import Cell
 from poros.harness.matrix import Matrix
 from poros.harness.results import show_value
@@ -92,7 +92,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
     }
     row.update(copy_summary(meas.counters if meas else []))
     gbps = h2d_gbps(cfg.device.value) if row.get("weight_bytes_h2d_per_step") else None
-    row["link_h2d_gbps"] = gbps  # measured in this process (poros.engine.link)
+    row["link_h2d_gbps"] = gbps  # measured in this process (poros.harness.link)
     row["copy_floor_s"] = copy_floor(row.get("weight_bytes_h2d_per_step"), gbps)
     alone_steps = [t / steps for t in alone.per_pass_s] if alone else []
     if alone_steps and row["tokens_per_s"]:  # the ranks' tokens/s together over one GPU's, same run

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from poros.config import TrainConfig
-from poros.engine.nvml import NvmlPeak, alloc_retries
+from poros.engine.runtime.nvml import NvmlPeak, alloc_retries
 from poros.harness.pytest_benchmark_adapter import add_earlier_rounds, last_round
 from poros.harness.console import add_phase_time, progress, status, stop_if_interrupted
 from poros.provenance import this_gpu_uuid

@@ -6,7 +6,7 @@ the resident and poros cells of the same session keep running stock code. The ch
 same NF4 weights, written by `poros.store.export` as a pre-quantized bitsandbytes checkpoint, through
 FastLanguageModel, adds LoRA on the same projections with Unsloth's default gradient
 checkpointing, and trains on the same synthetic batches with the same AdamW. `compile` does not reach it:
-Unsloth compiles its own kernels and modules as its users run it (poros/engine/methods.py `config_for`).
+Unsloth compiles its own kernels and modules as its users run it (poros/engine/methods/registry.py `config_for`).
 
 The child reports each warm-up and timed pass as it ends (a `WARM` or `PASS` line); the parent's timed-pass
 loop, the one every method runs (`poros.harness.timing.timed_rounds`), closes a round on each, so a pass is a
@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 
 from poros.config import Method, TrainConfig
-from poros.engine.attention import sdpa_context
-from poros.engine.data import synthetic_step
-from poros.engine.methods import METHODS
-from poros.engine.nvml import NvmlPeak, alloc_retries
+from poros.engine.model.attention import sdpa_context
+from poros.engine.methods.data import synthetic_step
+from poros.engine.methods.registry import METHODS
+from poros.engine.runtime.nvml import NvmlPeak, alloc_retries
 from poros.harness.child import emit
 from poros.harness.profiling import profiled, summarize
-from poros.engine.trainer import deterministic_kernels, enable_determinism
+from poros.engine.methods.trainer import deterministic_kernels, enable_determinism
 from poros.errors import CapabilityError, PorosError
 from poros.store.export import export_bnb4bit
 
@@ -251,7 +251,7 @@ def _train(args, cfg, FastLanguageModel, sdpa_context) -> int:
             raise SystemExit("unsloth loaded no 4-bit layers (bitsandbytes unavailable?)")
         print(f"  unsloth: loaded with LoRA in {time.perf_counter() - t_load:.1f} s ({n4} 4-bit modules)", flush=True)
         params = [q for q in model.parameters() if q.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)  # as poros.engine.trainer
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)  # as poros.engine.methods.trainer
         model.train()
         vocab = model.config.vocab_size
         per_pass, retries, step = [], [], 0

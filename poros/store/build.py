@@ -141,7 +141,7 @@ def build_store(
     (the `double_quant` setting: a run's store must agree with it).
 
     `allocate(nbytes)` gives the zeroed host bytes of the arena (by default private memory;
-    `poros.engine.distributed` passes memory the ranks of a host share).
+    `poros.engine.parallel.distributed` passes memory the ranks of a host share).
 
     Returns:
         The host-resident store and the build's time and peak device memory.

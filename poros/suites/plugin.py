@@ -95,7 +95,7 @@ def pytest_sessionstart(session):
         deterministic = False
     if deterministic:
         # first, before any CUDA work: cuBLAS reads its workspace configuration once per process
-        from poros.engine.trainer import enable_determinism
+        from poros.engine.methods.trainer import enable_determinism
 
         enable_determinism()
     tw = config.get_terminal_writer()
@@ -158,7 +158,7 @@ def _preflight(config) -> None:
         raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
     console.reset_phases()
     if matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
-        from poros.engine.link import h2d_gbps
+        from poros.harness.link import h2d_gbps
 
         gbps = h2d_gbps("cuda")
         console.progress(f"host->device link: {gbps:.1f} GB/s (best of pinned copy probes; rows' copy_floor_s)")

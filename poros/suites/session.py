@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from poros.engine.methods import METHODS, method_unavailable
+from poros.engine.methods.registry import METHODS, method_unavailable
 from poros.harness import console, preflight
 from poros.harness.cell_memory import StoreCache
 from poros.harness.cells import cell_fingerprint, matrix_cells, matrix_device, model_unavailable

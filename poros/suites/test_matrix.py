@@ -1,7 +1,7 @@
 """The matrix suite: per model × stack × sweep point the parity gate, then per method (poros per plan)
 the timed passes.
 
-The gate compares the matrix's gated method (poros) with its reference (`poros.engine.methods.gate_of`):
+The gate compares the matrix's gated method (poros) with its reference (`poros.engine.methods.registry.gate_of`):
 resident QLoRA, or resident with gradient checkpointing in a matrix without plain resident (long
 context, where the two are run one after the other, the reference's states recorded in host memory),
 its layer inputs in host memory too (resident_gc_offload) in a matrix that lists only that.
@@ -24,7 +24,7 @@ import pytest
 
 from poros.config import Method
 from poros.harness import console
-from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
+from poros.engine.methods.registry import METHODS, config_for, gate_of, make_trainer
 from poros.harness.cell_memory import free_device_memory, kept_failure
 from poros.harness.cells import cell_config, computed_of, gate_config, gate_fingerprint, reference_fingerprint
 from poros.harness.report.floor import compute_floors, floor_fields
@@ -69,7 +69,7 @@ def _gate_fingerprint(session, cell, plan) -> str:
 
 def _run_gate(session, cell) -> dict:
     """Run the gate of `cell`'s model × stack × point: {plan: ParityResult or the exception it raised}."""
-    from poros.engine.parity import ParityResult, holds_a_cap, parity, run_gate_recorded
+    from poros.engine.verify.parity import ParityResult, holds_a_cap, parity, run_gate_recorded
 
     m = session.matrix
     reference, method = gate_of(m.methods)
@@ -122,8 +122,8 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
     (`DigestReference`, a `reference` record in the pass log): where the gated side of `plans` plans would end
     past the time budget, the part stops there (OutOfTime) and a later one (`--resume`) runs only that side,
     against the digests."""
-    from poros.engine.parity import record_reference
-    from poros.engine.parity_digest import DigestReference, DigestsRefused
+    from poros.engine.verify.parity import record_reference
+    from poros.engine.verify.parity_digest import DigestReference, DigestsRefused
 
     fingerprint = reference_fingerprint(session.matrix, cfg, session.parity_steps, reference)
     name, path = cell.id + "/reference", session.references / f"{fingerprint}.json.gz"
@@ -171,7 +171,7 @@ def _gate(session, cell, reference_only: bool = False) -> dict:
     log (a resumed run reuses them, and runs none that would end past its time budget: OutOfTime); an outcome
     that raised raises again for every cell that needs it. `reference_only`: asked by the reference's cell,
     which takes part in every plan's gate, with no poros cell selected: the plans an earlier part gated suffice."""
-    from poros.engine.parity import ParityResult
+    from poros.engine.verify.parity import ParityResult
 
     key = cell.gate_key
     if key not in session.gates:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.executor import PorosTrainer, geometry_of_store
-from poros.engine.methods import make_trainer
-from poros.engine.parity import run_gate
+from poros.engine.methods.executor import PorosTrainer, geometry_of_store
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import run_gate
 from poros.engine.planning.search import build_plan
-from poros.engine.trainer import ResidentTrainer
+from poros.engine.methods.trainer import ResidentTrainer
 from tests.engine.test_graphs import stand_in_graphs
 from tests.plans import plan_request
 

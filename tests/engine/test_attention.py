@@ -1,16 +1,16 @@
-"""Attention backends (poros/engine/attention.py): `fast` is one more backend list for every method alike, and
+"""Attention backends (poros/engine/model/attention.py): `fast` is one more backend list for every method alike, and
 each row records which backend every attention shape ran on."""
 
 from __future__ import annotations
 
 import pytest
 
-from poros.engine.attention import BackendLog, sdpa_context, shape_label
+from poros.engine.model.attention import BackendLog, sdpa_context, shape_label
 from poros.config import Method, TrainConfig
 from poros.errors import CapabilityError
 from poros.choices import Attention
-from poros.engine.methods import make_trainer
-from poros.engine.parity import run_gate
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import run_gate
 
 
 @pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3"])

@@ -10,9 +10,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from poros.config import Method, TrainConfig
-from poros.engine import attention_chunk as A
-from poros.engine.methods import make_trainer
-from poros.engine.parity import parity, run_gate
+from poros.engine.model import attention_chunk as A
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import parity, run_gate
 from poros.engine.planning.memory import (
     ACT_ATTENTION_CHUNKED, attention_chunk_saving, layer_activation_bytes, transient_bytes)
 from poros.engine.planning.search import build_plan

@@ -15,9 +15,9 @@ import torch
 
 from poros.cli import main
 from poros.config import TrainConfig
-from poros.engine import executor as X
-from poros.engine import allocator_limit as L
-from poros.engine import nvml as N
+from poros.engine.methods import executor as X
+from poros.engine.runtime import allocator_limit as L
+from poros.engine.runtime import nvml as N
 from poros.engine.planning import memory
 from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry

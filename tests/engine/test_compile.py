@@ -10,10 +10,10 @@ import torch
 from poros.config import COMPUTED_NAMES, Method, TrainConfig
 from poros.errors import ConfigError
 from poros.engine.planning.search import build_plan
-from poros.engine import runners
-from poros.engine.executor import PorosTrainer, geometry_of_store
-from poros.engine.parity import parity, run_gate
-from poros.engine.trainer import ResidentTrainer
+from poros.engine.runtime import runners
+from poros.engine.methods.executor import PorosTrainer, geometry_of_store
+from poros.engine.verify.parity import parity, run_gate
+from poros.engine.methods.trainer import ResidentTrainer
 from poros.settings import BY_NAME
 from tests.plans import plan_request
 
@@ -42,7 +42,7 @@ def test_deterministic_compile_sets_inductor_deterministic(stores, monkeypatch):
     strict mode is left out here so the trainer's own setting is what is seen)."""
     import torch._inductor.config as inductor
 
-    from poros.engine import trainer
+    from poros.engine.methods import trainer
 
     monkeypatch.setattr(trainer, "enable_determinism", lambda: None)
     # inductor's own patch, not monkeypatch: undoing a config attribute with delattr hides it from every
@@ -146,7 +146,7 @@ def test_compiled_layer_templates_match_compiled_resident(stores, model):
 def test_unsloth_runs_its_own_compilation_not_the_setting():
     """Unsloth, not gated, runs as its users run it (its own compiled kernels): `compile` is dropped from its
     settings, and kept for every gated method."""
-    from poros.engine.methods import config_for
+    from poros.engine.methods.registry import config_for
 
     cfg = compiled("tiny-qwen2", deterministic=True)
     assert config_for(Method.UNSLOTH, cfg).compile is False
@@ -170,7 +170,7 @@ def test_an_eager_mlp_outside_compiled_layers_is_refused(settings, refused):
 def _captures_compile(monkeypatch) -> list[int]:
     """The CUDA graph API replaced by the CPU stand-ins of tests/engine/test_graphs.py; returns the list of
     dynamo graphs compiled inside each capture (a real capture must record compiled kernels only)."""
-    import poros.engine.graphs as g
+    import poros.engine.runtime.graphs as g
     from torch._dynamo.utils import counters
 
     from tests.engine.test_graphs import _FakeCapture, stand_in_graphs
@@ -211,7 +211,7 @@ def test_compiled_templates_compile_before_their_capture(stores, monkeypatch):
 @pytest.mark.slow
 def test_without_warm_up_a_capture_would_compile(stores, monkeypatch):
     """Negative control of the check above: without the warm-up call, dynamo compiles inside the capture."""
-    import poros.engine.graphs as g
+    import poros.engine.runtime.graphs as g
 
     compiled_inside = _captures_compile(monkeypatch)
     monkeypatch.setattr(g, "COMPILED_WARMUP", 0)
@@ -228,7 +228,7 @@ def _kept_templates_gate(stores, monkeypatch, tmp_path):
     run the template's body again: a backward replay is a second backward over the capture's retained autograd
     graph), gated as the harness gates a plan: compiled resident first, recorded and closed, then poros. A fresh
     inductor cache, so the reference's compiled code is what the poros compile could be handed."""
-    from poros.engine.parity import RecordedReference, run_gate_recorded
+    from poros.engine.verify.parity import RecordedReference, run_gate_recorded
     from tests.engine.test_graphs import stand_in_graphs
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -253,7 +253,7 @@ def _kept_templates_gate(stores, monkeypatch, tmp_path):
 @pytest.mark.extended  # with its negative control below: compiled kept templates on CPU stand-ins for CUDA graphs
 def test_compiled_kept_templates_on_the_capture_path_match_compiled_resident(stores, monkeypatch, tmp_path):
     """A kept template runs its compiled backward more than once over one autograd graph: compiled backwards
-    must leave their saved tensors as they are (poros/engine/compiling.py `backward_keeps_saved_tensors`)."""
+    must leave their saved tensors as they are (poros/engine/model/compiling.py `backward_keeps_saved_tensors`)."""
     result, c = _kept_templates_gate(stores, monkeypatch, tmp_path)
     assert result.ok, _ok(result)
     assert c["kept_templates"] > 0 and c["graphs_captured"] == c["kept_templates"] and c["capture_errors"] == 0
@@ -267,7 +267,7 @@ def test_a_compiled_backward_that_donates_its_saved_tensors_fails_the_kept_templ
     reads what the first wrote into the saved tensors' memory."""
     import contextlib
 
-    from poros.engine import executor
+    from poros.engine.methods import executor
 
     monkeypatch.setattr(executor, "backward_keeps_saved_tensors", contextlib.nullcontext)
     result, _ = _kept_templates_gate(stores, monkeypatch, tmp_path)
@@ -279,7 +279,7 @@ def test_the_graph_cache_key_tells_kept_saved_tensors_from_donated_ones(stores, 
     """Negative control: inductor's graph cache alone does not tell a backward compiled to donate its saved
     tensors (the reference's, compiled first) from one compiled to keep them; with a pass uuid that does not
     say which, the kept templates are handed the reference's backward and fail."""
-    from poros.engine.compiling import RecomputeDequantization
+    from poros.engine.model.compiling import RecomputeDequantization
 
     monkeypatch.setattr(RecomputeDequantization, "uuid", lambda self: "poros-recompute-dequantization-control")
     result, _ = _kept_templates_gate(stores, monkeypatch, tmp_path)

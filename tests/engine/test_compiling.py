@@ -1,5 +1,5 @@
 """Compiled layers recompute bitsandbytes' dequantization in their backward instead of saving bf16 weights
-(poros/engine/compiling.py): shown on an NF4 matmul written as the GPU path of bitsandbytes' 4-bit matmul
+(poros/engine/model/compiling.py): shown on an NF4 matmul written as the GPU path of bitsandbytes' 4-bit matmul
 runs it (dequantize, then a bf16 matmul), which the CPU path of `matmul_4bit` does not (it multiplies packed
 weights directly in its forward)."""
 
@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config as inductor
 
-from poros.engine.compiling import RecomputeDequantization, install_recompute_dequantization, is_dequantization
+from poros.engine.model.compiling import RecomputeDequantization, install_recompute_dequantization, is_dequantization
 from tests.capabilities import requires_gpu
 
 OUT, IN = 256, 128
@@ -110,7 +110,7 @@ def test_donated_buffers_stay_off_until_the_last_holder_leaves():
     donated buffers back on under the other."""
     import torch._functorch.config as functorch
 
-    from poros.engine.compiling import backward_keeps_saved_tensors
+    from poros.engine.model.compiling import backward_keeps_saved_tensors
 
     before = functorch.donated_buffer
     first, second = backward_keeps_saved_tensors(), backward_keeps_saved_tensors()

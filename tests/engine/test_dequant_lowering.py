@@ -1,4 +1,4 @@
-"""Inductor's own NF4 dequantization in compiled layers (poros/engine/dequant_lowering.py) gives bitsandbytes'
+"""Inductor's own NF4 dequantization in compiled layers (poros/engine/model/dequant_lowering.py) gives bitsandbytes'
 bytes: compiled `dequantize_4bit` against bitsandbytes' eager kernel, bit for bit, with and without double
 quantization, where it is generated and where it falls back to bitsandbytes' kernel. On CPU inductor generates
 C++; with -m gpu the same checks run Triton code against bitsandbytes' CUDA kernels at the shapes of
@@ -13,8 +13,8 @@ import torch._dynamo
 import torch._inductor.config as inductor
 from torch._inductor.utils import run_and_get_code
 
-from poros.engine import dequant_lowering
-from poros.engine.dequant_lowering import install_dequantize_lowerings
+from poros.engine.model import dequant_lowering
+from poros.engine.model.dequant_lowering import install_dequantize_lowerings
 from tests.capabilities import requires_gpu
 
 # a call of bitsandbytes' kernel in generated code (comments name the ops too, without the call)

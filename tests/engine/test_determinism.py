@@ -14,8 +14,8 @@ import yaml
 
 from poros.config import Method, TrainConfig
 from poros.errors import CapabilityError
-from poros.engine.methods import make_trainer
-from poros.engine.trainer import CUBLAS_WORKSPACE, deterministic_kernels, kernel_refusal
+from poros.engine.methods.registry import make_trainer
+from poros.engine.methods.trainer import CUBLAS_WORKSPACE, deterministic_kernels, kernel_refusal
 
 REPO = Path(__file__).resolve().parents[2]
 IN_PROCESS = [Method.RESIDENT, Method.RESIDENT_GC, Method.POROS]
@@ -88,7 +88,7 @@ def test_filling_uninitialized_memory_changes_no_bit(stores, mode):
     """Strict mode leaves uninitialized memory unfilled: a training step reads only what it wrote, so its
     loss, gradients and weights are the same bits with PyTorch's NaN fill. Negative control: with the fill
     on, memory that is read before written is NaN, which any such read would carry into the results."""
-    from poros.engine.trainer import enable_determinism
+    from poros.engine.methods.trainer import enable_determinism
 
     enable_determinism()
     assert torch.utils.deterministic.fill_uninitialized_memory is False
@@ -101,7 +101,7 @@ def test_filling_uninitialized_memory_changes_no_bit(stores, mode):
 
 
 def test_gate_passes_under_strict_mode(stores, mode):
-    from poros.engine.parity import parity
+    from poros.engine.verify.parity import parity
 
     result = parity(_cfg("tiny-gemma3", grad_accum=2, deterministic=True), steps=2, store=stores("tiny-gemma3"))
     assert _mode() == (True, False)
@@ -150,7 +150,7 @@ def test_refused_kernel_ends_in_one_line_naming_the_op(stores, mode, refusing_at
 
 def test_refused_kernel_in_the_gate_and_the_cli(stores, mode, refusing_attention, capsys):
     from poros.cli import main
-    from poros.engine.parity import parity
+    from poros.engine.verify.parity import parity
 
     with pytest.raises(CapabilityError) as e:
         parity(_cfg(deterministic=True), steps=1, store=stores("tiny-qwen3"))

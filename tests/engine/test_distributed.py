@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from poros.engine.distributed import SINGLE, GradReducer, World, init_world, ordered_sum
+from poros.engine.parallel.distributed import SINGLE, GradReducer, World, init_world, ordered_sum
 from poros.errors import CapabilityError, PorosError
 from poros.harness.ranks import launch_env, torchrun
 
@@ -148,7 +148,7 @@ def test_ordered_sum_adds_in_the_order_given():
 def test_reducer_keeps_fewer_gathers_in_flight_at_more_ranks():
     """A layer's gather holds every rank's gradient: the layers in flight shrink as ranks grow, so that their
     bytes stay what two ranks' would hold."""
-    from poros.engine.distributed import IN_FLIGHT
+    from poros.engine.parallel.distributed import IN_FLIGHT
 
     in_flight = {n: GradReducer([], World(0, n, 0, n)).in_flight for n in (2, 3, 4, 8, 64)}
     assert in_flight == {2: IN_FLIGHT, 3: IN_FLIGHT * 2 // 3, 4: IN_FLIGHT // 2, 8: 1, 64: 1}
@@ -188,7 +188,7 @@ def test_alone_trains_by_itself_and_gives_back_its_collectives(stores):
     """`Trainer.alone()`: inside, this rank's own micro-batches and no reducer; after, the world and the
     reducer it had (also when the block raises)."""
     from poros.config import TrainConfig
-    from poros.engine.executor import PorosTrainer
+    from poros.engine.methods.executor import PorosTrainer
 
     trainer = PorosTrainer(stores("tiny-qwen3"), TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2))
     world, reducer = World(1, 2, 1, 2), object()

@@ -11,7 +11,7 @@ from poros.config import TrainConfig
 from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.search import build_plan
-from poros.engine.parity import parity
+from poros.engine.verify.parity import parity
 from poros.errors import ConfigError
 from poros.models.checkpoint import resolve
 from poros.models.shapes import SHAPES
@@ -79,9 +79,9 @@ def test_the_initial_check_compares_the_nested_state():
 def test_a_plain_store_is_not_a_double_quantized_run(stores, dq_stores):
     """Negative control: poros on the plain store gated against resident on the double-quantized one FAILs
     (the setting changes what is computed), and a store that disagrees with the run's setting is refused."""
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.parity import RecordedReference, run_gate_recorded
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.verify.parity import RecordedReference, run_gate_recorded
+    from poros.engine.methods.trainer import ResidentTrainer
 
     cfg = TrainConfig(model="tiny-qwen2", seq_len=64, block_size=2, double_quant=True)
     reference = RecordedReference(ResidentTrainer(dq_stores("tiny-qwen2"), cfg), 1)

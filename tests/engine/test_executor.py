@@ -15,10 +15,10 @@ from poros.models.checkpoint import Source
 from poros.store.build import build_store
 from poros.config import TrainConfig
 from poros.errors import CapabilityError
-from poros.engine.executor import PorosTrainer, geometry_of_store
-from poros.engine.parity import run_gate
+from poros.engine.methods.executor import PorosTrainer, geometry_of_store
+from poros.engine.verify.parity import run_gate
 from poros.models.shapes import get_shape
-from poros.engine.trainer import ResidentTrainer
+from poros.engine.methods.trainer import ResidentTrainer
 from tests.faults import refill_before_backward, reverse_micro_batches_in_backward
 from tests.plans import plan_request
 
@@ -202,7 +202,7 @@ def test_layer_backward_runs_where_the_schedule_says(stores, overlap):
 
 
 def test_an_error_in_a_worker_backward_reaches_the_caller(stores, monkeypatch):
-    import poros.engine.executor as ex
+    import poros.engine.methods.executor as ex
 
     trainer = PorosTrainer(stores("tiny-gemma3"), TrainConfig(model="tiny-gemma3", seq_len=64, block_size=2))
     real = ex.torch.autograd.backward
@@ -242,7 +242,7 @@ def test_saved_inputs_in_host_memory_keep_parity_and_move_every_input_both_ways(
 
 def test_corrupted_saved_inputs_fail_the_gate(stores, monkeypatch):
     """Negative control: an input that comes back from host memory with one value changed must FAIL."""
-    import poros.engine.executor as ex
+    import poros.engine.methods.executor as ex
 
     real = ex.SavedInputs.take
 

@@ -45,8 +45,8 @@ def measure(store, cfg, variant: str, plan=None, steps: int = 3) -> dict:
     """Build a trainer for `cfg` (or `plan`), run `steps` steps; the NVML peak of the process meanwhile."""
     import torch
 
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.nvml import NvmlPeak
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.runtime.nvml import NvmlPeak
     from poros.errors import BudgetError
 
     gc.collect()
@@ -79,7 +79,7 @@ def worker(seq: int, budget_gb: int) -> None:
     from poros.engine.planning.memory import ProcessCosts
     from poros.engine.planning.search import PlanRequest
     from poros.engine.planning.budget import plan_for_budget
-    from poros.engine.executor import geometry_of_store
+    from poros.engine.methods.executor import geometry_of_store
     from poros.store.build import build_store
 
     store, _ = build_store(MODEL, device="cuda", progress=False)

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from poros.engine.trainer import set_cublas_workspace
+from poros.engine.methods.trainer import set_cublas_workspace
 from tests.capabilities import requires_gpu
 
 set_cublas_workspace()  # before anything touches CUDA: repeatable matmuls under strict determinism
@@ -57,9 +57,9 @@ def _why(result) -> str:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager-schedule", "cuda_graphs"])
 @pytest.mark.parametrize("model", TINY, ids=[f"model={m}" for m in TINY])
 def test_gpu_compiled_gate_tiny(model, graphs):
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.parity import run_gate
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.verify.parity import run_gate
+    from poros.engine.methods.trainer import ResidentTrainer
 
     store = _store(model)
     cfg = _cfg(model, TINY_SEQ, grad_accum=2, cuda_graphs=graphs)
@@ -79,7 +79,7 @@ def test_gpu_compiled_gate_tiny(model, graphs):
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"], ids=lambda m: f"model={m}")
 def test_gpu_compiled_resident_gc_matches_compiled_resident(model):
     from poros.config import Method
-    from poros.engine.parity import parity
+    from poros.engine.verify.parity import parity
 
     result = parity(_cfg(model, TINY_SEQ), steps=STEPS, store=_store(model), method=Method.RESIDENT_GC)
     print(result.json())
@@ -90,8 +90,8 @@ def test_gpu_compiled_resident_gc_matches_compiled_resident(model):
 @requires_gpu(1)
 def test_gpu_inference_graph_forward_fails_the_gate(monkeypatch):
     """Negative control: poros's first forward without autograd (the inference graph) differs."""
-    from poros.engine import runners
-    from poros.engine.parity import parity
+    from poros.engine.runtime import runners
+    from poros.engine.verify.parity import parity
 
     def inference_forward(self, key, x, call):
         with torch.no_grad():
@@ -107,8 +107,8 @@ def test_gpu_inference_graph_forward_fails_the_gate(monkeypatch):
 @requires_gpu(1)
 def test_gpu_compiled_differs_from_eager():
     """Negative control: a compiled run is gated against a compiled reference, not an eager one."""
-    from poros.engine.parity import run_gate
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.verify.parity import run_gate
+    from poros.engine.methods.trainer import ResidentTrainer
 
     store, cfg = _store("tiny-qwen3"), _cfg("tiny-qwen3", TINY_SEQ)
     result = run_gate(ResidentTrainer(store, cfg.replace(compile=False)), ResidentTrainer(store, cfg), 1)
@@ -122,7 +122,7 @@ def test_gpu_compiled_differs_from_eager():
 @pytest.mark.parametrize("model", REAL or ["none"], ids=[f"real-model={m}" for m in REAL or ["none"]])
 def test_gpu_compiled_gate_real(model):
     from poros.store.build import build_store
-    from poros.engine.parity import parity
+    from poros.engine.verify.parity import parity
 
     store, stats = build_store(model, device="cuda")
     print(f"\nbuild {model}: {stats.seconds:.1f} s, NF4 store {stats.store_bytes / 1e9:.2f} GB")
@@ -138,7 +138,7 @@ def test_gpu_compiled_layers_with_an_eager_mlp_gate(model):
     """compile_mlp off with a chunked MLP: poros (its recompute deferring qwen's MLP chunks) and resident_gc against
     compiled resident; gemma3's MLP, whose output its post-feedforward norm reads, is not deferred."""
     from poros.config import Method
-    from poros.engine.parity import parity
+    from poros.engine.verify.parity import parity
 
     cfg, store = _cfg(model, TINY_SEQ, grad_accum=2, mlp_chunk=32, compile_mlp=False), _store(model)
     for method in (Method.POROS, Method.RESIDENT_GC):

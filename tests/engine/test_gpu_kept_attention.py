@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from poros.engine.trainer import set_cublas_workspace
+from poros.engine.methods.trainer import set_cublas_workspace
 from tests.capabilities import requires_gpu
 
 set_cublas_workspace()  # before anything touches CUDA: repeatable matmuls under strict determinism
@@ -27,9 +27,9 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_caches")  # tests/engine/con
 
 def _gate(model: str, **settings):
     from poros.config import TrainConfig
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.parity import run_gate
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.verify.parity import run_gate
+    from poros.engine.methods.trainer import ResidentTrainer
     from poros.store.build import build_store
 
     store = build_store(model, seed=0, device="cuda", progress=False)[0]

@@ -37,8 +37,8 @@ PAIRS = [("resident", "resident_gc", {}), ("resident_gc", "poros", {"cuda_graphs
 def test_gpu_long_context_gate(model, reference, method, change):
     from poros.store.build import build_store
     from poros.config import Method, TrainConfig
-    from poros.engine.methods import make_trainer
-    from poros.engine.parity import RecordedReference, run_gate_recorded
+    from poros.engine.methods.registry import make_trainer
+    from poros.engine.verify.parity import RecordedReference, run_gate_recorded
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN, deterministic=True)
     store, _ = build_store(model, device="cuda")

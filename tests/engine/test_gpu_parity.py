@@ -34,9 +34,9 @@ GRAPHS = os.environ.get("POROS_GPU_TEST_GRAPHS", "0") == "1"
 def test_gpu_parity(model):
     from poros.store.build import build_store
     from poros.config import TrainConfig
-    from poros.engine.parity import run_gate
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.verify.parity import run_gate
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=4, device="cuda", attention=ATTN, cuda_graphs=GRAPHS)
     store, stats = build_store(model, device="cuda")
@@ -72,14 +72,14 @@ def test_gpu_gate_fails_when_a_buffer_is_refilled_before_backward(graphs):
     from CUDA graphs (whose fixed addresses read whatever the buffer holds at replay)."""
     from poros.store.build import build_store
     from poros.config import TrainConfig
-    from poros.engine.parity import run_gate
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.verify.parity import run_gate
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     model = os.environ.get("POROS_GPU_TEST_NEGATIVE_MODEL", "tiny-qwen3")
     cfg = TrainConfig(model=model, seq_len=SEQ, block_size=2, device="cuda", attention=ATTN, cuda_graphs=graphs)
     store, _ = build_store(model, device="cuda")
-    from poros.engine.executor import geometry_of_store
+    from poros.engine.methods.executor import geometry_of_store
     from poros.engine.planning.search import build_plan
     from tests.faults import refill_before_backward
     from tests.plans import plan_request
@@ -112,11 +112,11 @@ def test_gpu_plans_keep_parity(model, schedule, graphs):
     eager and replayed from CUDA graphs."""
     from poros.store.build import build_store
     from poros.config import TrainConfig
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.parity import run_gate
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.verify.parity import run_gate
+    from poros.engine.methods.trainer import ResidentTrainer
 
-    from poros.engine.executor import geometry_of_store
+    from poros.engine.methods.executor import geometry_of_store
     from poros.engine.planning.search import build_plan
     from tests.plans import plan_request
 

@@ -40,7 +40,7 @@ def _cfg(model: str, **kw):
 
 
 def _gate(reference, method, steps=2):
-    from poros.engine.parity import run_gate
+    from poros.engine.verify.parity import run_gate
 
     try:
         return run_gate(reference, method, steps)
@@ -53,8 +53,8 @@ def _gate(reference, method, steps=2):
 @pytest.mark.parametrize("k", [0, 2, 5], ids=lambda k: f"device_inputs={k}")
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
 def test_gpu_split_keeps_parity_and_moves_what_the_plan_says(model, k, graphs):
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     cfg = _cfg(model, offload_inputs=True, device_inputs=k, cuda_graphs=graphs)
     poros = PorosTrainer(_store(model), cfg)
@@ -76,8 +76,8 @@ def test_gpu_split_keeps_parity_and_moves_what_the_plan_says(model, k, graphs):
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma4"], ids=lambda m: f"model={m}")
 def test_gpu_resident_gc_offload_is_resident_gc_and_gates_a_split(model):
     from poros.config import Method
-    from poros.engine.methods import make_trainer
-    from poros.engine.parity import parity
+    from poros.engine.methods.registry import make_trainer
+    from poros.engine.verify.parity import parity
 
     cfg = _cfg(model, offload_inputs=True, device_inputs=2)
     result = _gate(make_trainer(Method.RESIDENT_GC, _store(model), cfg),
@@ -97,10 +97,10 @@ def test_gpu_resident_gc_offload_is_resident_gc_and_gates_a_split(model):
 
 def test_gpu_an_offload_over_an_input_not_fetched_yet_fails():
     """Negative control on the device: two micro-batches' inputs of a layer through one slot."""
-    from poros.engine.executor import PorosTrainer, geometry_of_store
+    from poros.engine.methods.executor import PorosTrainer, geometry_of_store
     from poros.engine.planning import plan as P
     from poros.engine.planning.search import build_plan
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
     from tests.plans import plan_request
 
     cfg = _cfg("tiny-qwen3", offload_inputs=True, device_inputs=2)

@@ -1,4 +1,4 @@
-"""Layer templates (poros/engine/graphs.py) on CPU, run eagerly: the copies in and out that let layers
+"""Layer templates (poros/engine/runtime/graphs.py) on CPU, run eagerly: the copies in and out that let layers
 share one template (one CUDA graph on the GPU) must keep bitwise parity; corrupting them must not."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 from poros.store.build import build_store
 from poros.config import TrainConfig
 from poros.errors import ConfigError
-from poros.engine.graphs import LayerTemplate, layer_key
-from poros.engine.parity import run_gate
-from poros.engine.executor import PorosTrainer
-from poros.engine.trainer import ResidentTrainer
+from poros.engine.runtime.graphs import LayerTemplate, layer_key
+from poros.engine.verify.parity import run_gate
+from poros.engine.methods.executor import PorosTrainer
+from poros.engine.methods.trainer import ResidentTrainer
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
@@ -106,7 +106,7 @@ def test_models_whose_layers_reuse_other_layers_kv_are_refused():
 def test_a_template_that_cannot_be_captured_falls_back_to_eager_and_says_so(stores, monkeypatch):
     """Capture is CUDA-only; here it is made to fail: every layer then runs eagerly, parity holds,
     and the counters report the failures (the sweep prints their messages)."""
-    import poros.engine.graphs as g
+    import poros.engine.runtime.graphs as g
 
     monkeypatch.setattr(g.torch.cuda, "graph_pool_handle", lambda: None)
 
@@ -161,7 +161,7 @@ def stand_in_graphs(monkeypatch) -> None:
     """The CUDA graph API replaced by the CPU stand-ins above."""
     import contextlib
 
-    import poros.engine.graphs as g
+    import poros.engine.runtime.graphs as g
 
     class _Stream:
         def wait_stream(self, other):
@@ -219,7 +219,7 @@ def test_templates_share_one_set_of_static_tensors(stores):
 def test_a_template_that_does_not_copy_its_result_out_fails_the_gate(stores, monkeypatch):
     """Negative control for the shared statics: a template whose result stays where the next template
     overwrites it (nothing copied out) must FAIL."""
-    from poros.engine.graphs import LayerTemplate
+    from poros.engine.runtime.graphs import LayerTemplate
 
     monkeypatch.setattr(LayerTemplate, "_put", lambda self, dst, src: None)
     store = stores("tiny-qwen3")

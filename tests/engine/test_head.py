@@ -10,9 +10,9 @@ from torch.nn import functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poros.config import Method, TrainConfig
-from poros.engine.head import IGNORE_INDEX, chunked_loss
-from poros.engine.methods import make_trainer
-from poros.engine.parity import run_gate
+from poros.engine.model.head import IGNORE_INDEX, chunked_loss
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import run_gate
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 HIDDEN, VOCAB = 32, 500

@@ -9,15 +9,15 @@ from dataclasses import replace
 import pytest
 
 from poros.config import Method, TrainConfig
-from poros.engine.executor import PorosTrainer
-from poros.engine.methods import make_trainer
-from poros.engine.parity import run_gate
+from poros.engine.methods.executor import PorosTrainer
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import run_gate
 from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.plan import describe
 from poros.engine.planning.rules import check
 from poros.engine.planning.search import PlanRequest, build_plan
-from poros.engine.runners import Recompute
+from poros.engine.runtime.runners import Recompute
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from tests.engine.test_executor import gate, plan_for

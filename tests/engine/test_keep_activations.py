@@ -14,9 +14,9 @@ from poros.engine.planning.rules import check
 from poros.engine.planning.search import build_plan
 from poros.config import TrainConfig
 from poros.errors import CapabilityError, ConfigError
-from poros.engine.executor import PorosTrainer, geometry_of_store
-from poros.engine.parity import run_gate
-from poros.engine.trainer import ResidentTrainer
+from poros.engine.methods.executor import PorosTrainer, geometry_of_store
+from poros.engine.verify.parity import run_gate
+from poros.engine.methods.trainer import ResidentTrainer
 from tests.plans import plan_request
 
 
@@ -92,7 +92,7 @@ def test_kept_templates_on_the_capture_path(stores, monkeypatch):
     assert all(t.graphs["forward"].replays == 2 and t.graphs["backward"].replays == 2 for t in kept)
     assert poros.counters()["capture_errors"] == 0
 
-    import poros.engine.templates as g
+    import poros.engine.runtime.templates as g
 
     real = g.KeptTemplate._body
 
@@ -121,7 +121,7 @@ def test_a_kept_layer_whose_backward_capture_fails_runs_without_its_template_aft
     capture fails, and the gate must pass: the layer leaves its template after that backward."""
     from tests.engine.test_graphs import _FakeGraph, stand_in_graphs
 
-    import poros.engine.templates as g
+    import poros.engine.runtime.templates as g
 
     stand_in_graphs(monkeypatch)
     real_replay, real_body = _FakeGraph.replay, g.KeptTemplate._body

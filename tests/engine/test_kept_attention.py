@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from poros.config import TrainConfig
-from poros.engine import kept_attention
-from poros.engine.executor import PorosTrainer
-from poros.engine.parity import run_gate
-from poros.engine.trainer import ResidentTrainer
+from poros.engine.model import kept_attention
+from poros.engine.methods.executor import PorosTrainer
+from poros.engine.verify.parity import run_gate
+from poros.engine.methods.trainer import ResidentTrainer
 from poros.errors import ConfigError
 from tests.faults import change_kept_attention_output
 

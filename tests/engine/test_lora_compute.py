@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from poros.config import LoRACompute, Method, TrainConfig
-from poros.engine.lora_compute import CastLinear, lora_in_activation_dtype
-from poros.engine.methods import config_for, make_trainer
-from poros.engine.parity import parity
+from poros.engine.model.lora_compute import CastLinear, lora_in_activation_dtype
+from poros.engine.methods.registry import config_for, make_trainer
+from poros.engine.verify.parity import parity
 from poros.errors import ConfigError
 from tests.capabilities import requires_bitsandbytes
 

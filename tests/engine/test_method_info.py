@@ -1,4 +1,4 @@
-"""The methods' facts are one torch-free table (`poros.engine.method_info`): the runnable registry is built on
+"""The methods' facts are one torch-free table (`poros.engine.methods.method_info`): the runnable registry is built on
 it, the report reads it, and no harness or suite module names a method by a string of its own."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from poros.config import Method
-from poros.engine.method_info import INFO, NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
-from poros.engine.methods import METHODS, MethodSpec
+from poros.engine.methods.method_info import INFO, NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
+from poros.engine.methods.registry import METHODS, MethodSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def test_in_process_must_agree_with_a_factory():
 
 
 def test_report_and_table_import_no_torch():
-    code = ("import sys, poros.engine.method_info, poros.harness.report, poros.harness.stacks; "
+    code = ("import sys, poros.engine.methods.method_info, poros.harness.report, poros.harness.stacks; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
@@ -67,7 +67,8 @@ HARNESS = sorted([*(ROOT / "poros" / "harness").rglob("*.py"), *(ROOT / "suites"
 
 @pytest.mark.parametrize("path", HARNESS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_harness_names_no_method_by_string(path):
-    assert method_strings(path.read_text()) == [], f"{path}: compare with poros.engine.method_info's facts instead"
+    assert method_strings(path.read_text()) == [], \
+        f"{path}: compare with poros.engine.methods.method_info's facts instead"
 
 
 def test_method_strings_finds_a_comparison():

@@ -13,11 +13,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from poros.config import Method, TrainConfig
-from poros.engine import mlp_chunk as M
-from poros.engine import seq_chunks
-from poros.engine.dropout import DropoutKeys, KeyedDropout
-from poros.engine.methods import make_trainer
-from poros.engine.parity import parity, run_gate
+from poros.engine.model import mlp_chunk as M
+from poros.engine.model import seq_chunks
+from poros.engine.model.dropout import DropoutKeys, KeyedDropout
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import parity, run_gate
 from poros.engine.planning.memory import ACT_INTERMEDIATE, layer_activation_bytes, resident_memory, transient_bytes
 from poros.engine.planning.search import build_plan
 from poros.errors import ConfigError

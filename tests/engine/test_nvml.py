@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from poros.engine.nvml import NvmlPeak
+from poros.engine.runtime.nvml import NvmlPeak
 
 
 class FakeNvml(types.ModuleType):

@@ -8,7 +8,7 @@ import pytest
 
 from poros.store.build import build_store
 from poros.config import TrainConfig
-from poros.engine.parity import parity
+from poros.engine.verify.parity import parity
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 N_LAYERS = 5  # every tiny shape; 2 does not divide it, 5 is all layers in one block
@@ -75,9 +75,9 @@ def test_flipped_byte_fails_in_training_too():
 def test_recorded_reference_gate_passes_for_any_schedule_and_fails_for_other_arithmetic(stores):
     """The gate against resident states recorded in host memory (for plans that cannot share the device
     with resident): every schedule PASSes; a trainer computing something else (lr) FAILs."""
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.parity import RecordedReference, run_gate_recorded
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.verify.parity import RecordedReference, run_gate_recorded
+    from poros.engine.methods.trainer import ResidentTrainer
 
     store = stores("tiny-qwen3")
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, lr=1e-2)
@@ -93,8 +93,8 @@ def test_a_reset_trainer_trains_as_a_fresh_one(stores):
     """`Trainer.reset_to(init)` (the sweep's control and timing reuse the reference's trainer): after two
     steps and a reset, the gate against the recorded fresh run PASSes; reset to other weights, it FAILs."""
     from poros.config import Method
-    from poros.engine.methods import make_trainer
-    from poros.engine.parity import RecordedReference, run_gate_recorded
+    from poros.engine.methods.registry import make_trainer
+    from poros.engine.verify.parity import RecordedReference, run_gate_recorded
 
     store = stores("tiny-qwen3")
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, lr=1e-2)

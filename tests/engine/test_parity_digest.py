@@ -1,4 +1,4 @@
-"""The gate against a reference kept as digests (poros/engine/parity_digest.py), as a run in parts uses it: saved
+"""The gate against a reference kept as digests (poros/engine/verify/parity_digest.py), as a run in parts uses it: saved
 and loaded again, it PASSes where the reference's recorded states do and FAILs where they do, naming the tensor."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from poros.config import TrainConfig
-from poros.engine.parity_digest import DigestReference, DigestsRefused, tensor_digest
+from poros.engine.verify.parity_digest import DigestReference, DigestsRefused, tensor_digest
 from poros.errors import PorosError
 
 FP = "0123456789abcdef"  # the gate's fingerprint the file belongs to
@@ -18,16 +18,16 @@ FP = "0123456789abcdef"  # the gate's fingerprint the file belongs to
 
 @pytest.fixture(scope="module")
 def recorded(stores):
-    from poros.engine.parity import RecordedReference
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.verify.parity import RecordedReference
+    from poros.engine.methods.trainer import ResidentTrainer
 
     cfg = TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2, lr=1e-2)
     return cfg, RecordedReference(ResidentTrainer(stores("tiny-qwen3"), cfg), 2)
 
 
 def _gate(stores, cfg, reference, **change):
-    from poros.engine.executor import PorosTrainer
-    from poros.engine.parity import run_gate_recorded
+    from poros.engine.methods.executor import PorosTrainer
+    from poros.engine.verify.parity import run_gate_recorded
 
     return run_gate_recorded(reference, PorosTrainer(stores("tiny-qwen3"), cfg.replace(**change)))
 

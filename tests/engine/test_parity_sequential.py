@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from poros.config import Method, TrainConfig
-from poros.engine import parity as G
+from poros.engine.verify import parity as G
 
 
 def test_which_runs_hold_a_cap():

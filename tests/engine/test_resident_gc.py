@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from poros.config import Method, TrainConfig
-from poros.engine.methods import gate_of, gated, make_trainer
-from poros.engine.parity import run_gate
+from poros.engine.methods.registry import gate_of, gated, make_trainer
+from poros.engine.verify.parity import run_gate
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma4"]
 
@@ -69,7 +69,7 @@ def test_resident_gc_with_another_lr_fails(stores):
 @pytest.mark.parametrize("sequential", [False, True], ids=lambda s: f"sequential={s}")
 def test_parity_against_resident_gc(stores, sequential):
     """`parity(reference=resident_gc)`: side by side, or the reference first, recorded in host memory."""
-    from poros.engine.parity import parity
+    from poros.engine.verify.parity import parity
 
     result = parity(_cfg("tiny-gemma3"), steps=2, store=stores("tiny-gemma3"), reference=Method.RESIDENT_GC,
                     sequential=sequential)
@@ -79,16 +79,16 @@ def test_parity_against_resident_gc(stores, sequential):
 
 def test_sequential_parity_fails_for_other_arithmetic(stores, monkeypatch):
     """Negative control for the recorded gate: poros with a different lr than its reference FAILs."""
-    import poros.engine.methods
-    import poros.engine.parity
-    from poros.engine.parity import parity
+    import poros.engine.methods.registry
+    import poros.engine.verify.parity
+    from poros.engine.verify.parity import parity
 
-    real = poros.engine.methods.make_trainer
+    real = poros.engine.methods.registry.make_trainer
 
     def other_lr(method, store, cfg, world=None):
         return real(method, store, cfg.replace(lr=2e-2) if method is Method.POROS else cfg, world)
 
-    monkeypatch.setattr(poros.engine.parity, "make_trainer", other_lr)
+    monkeypatch.setattr(poros.engine.verify.parity, "make_trainer", other_lr)
     result = parity(_cfg("tiny-qwen3"), steps=2, store=stores("tiny-qwen3"), reference=Method.RESIDENT_GC,
                     sequential=True)
     assert result.parity == "FAIL" and result.first_mismatch.startswith("step0.weight:"), result.first_mismatch
@@ -110,7 +110,7 @@ def test_resident_gc_offload_keeps_every_layer_input_in_host_memory(stores):
 def test_resident_gc_offload_recomputes_from_the_bytes_in_host_memory(stores, monkeypatch):
     """Negative control: one value of one layer input changed on its way back from host memory FAILs the gate
     against resident_gc (the recompute reads the host copy, not the device's)."""
-    from poros.engine.host_saved import HostSaved
+    from poros.engine.runtime.host_saved import HostSaved
 
     real, hidden, changed = HostSaved.unpack, stores("tiny-qwen3").config.hidden_size, []
 
@@ -134,7 +134,7 @@ def test_host_saved_moves_activations_and_leaves_weights():
     weight stays (negative control: without the model named, the weight moves too)."""
     import torch
 
-    from poros.engine.host_saved import HostSaved
+    from poros.engine.runtime.host_saved import HostSaved
 
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8, requires_grad=True)
@@ -156,7 +156,7 @@ def test_host_saved_past_its_limit_keeps_the_later_tensors_on_the_device():
     every one)."""
     import torch
 
-    from poros.engine.host_saved import HostSaved, host_block
+    from poros.engine.runtime.host_saved import HostSaved, host_block
 
     a, b = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)
     model = torch.nn.Sequential(a, b)
@@ -177,7 +177,7 @@ def test_host_saved_past_its_limit_keeps_the_later_tensors_on_the_device():
 
 
 def test_host_blocks_are_counted_as_the_pinned_allocator_rounds_them():
-    from poros.engine.host_saved import host_block
+    from poros.engine.runtime.host_saved import host_block
 
     assert [host_block(n, pin=True) for n in (0, 1, 3, 1024, 1025, 3 << 30)] == [0, 1, 4, 1024, 2048, 4 << 30]
     assert host_block(1025, pin=False) == 1025
@@ -189,7 +189,7 @@ def test_host_blocks_are_counted_as_the_pinned_allocator_rounds_them():
     (40 * 10**9, True, None, 0),  # a budget the store alone fills: every saved tensor stays on the device
     ("auto", True, None, None), ("auto", False, 10**9, None), (None, True, 10**9, None)])
 def test_saved_host_limit_follows_host_budget(setting, cuda, available, want):
-    from poros.engine.host_saved import saved_host_limit
+    from poros.engine.runtime.host_saved import saved_host_limit
 
     assert saved_host_limit(setting, 44 * 10**9, cuda, available) == want
 
@@ -258,7 +258,7 @@ def test_a_recorded_reference_leaves_its_states_host_memory_out_of_the_saved_ten
     so the two together stay within the host budget."""
     import torch
 
-    from poros.engine.parity import STATES_PER_STEP, RecordedReference
+    from poros.engine.verify.parity import STATES_PER_STEP, RecordedReference
 
     store = stores("tiny-qwen3")
     cfg = _cfg("tiny-qwen3", host_budget=store.host_bytes + 10**7)

@@ -1,4 +1,4 @@
-"""Saved inputs split between the device and host memory, run (poros/engine/saved_inputs.py): bitwise equal to
+"""Saved inputs split between the device and host memory, run (poros/engine/runtime/saved_inputs.py): bitwise equal to
 resident QLoRA and to resident_gc at every split, the placement honored (the bytes each way per step are the
 plan's, and the host arena is the plan's size), and plans that break it caught: by the counters, by the
 rules, and by the gate when run anyway."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.executor import PorosTrainer
-from poros.engine.methods import make_trainer
-from poros.engine.parity import run_gate
+from poros.engine.methods.executor import PorosTrainer
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import run_gate
 from poros.engine.planning import plan as P
-from poros.engine.saved_inputs import HostArena
+from poros.engine.runtime.saved_inputs import HostArena
 from poros.errors import CapabilityError
 from tests.engine.test_executor import gate, plan_for
 
@@ -145,8 +145,8 @@ def test_host_memory_is_measured_for_cuda_runs_and_shared_among_a_hosts_ranks(mo
     """`host_budget: auto` on CUDA: what the host has left and the built store; data-parallel ranks each plan
     for their share of the least any rank found (the same plan on every rank); a size, or the CPU, measures
     nothing."""
-    from poros.engine import saved_inputs
-    from poros.engine.distributed import World
+    from poros.engine.runtime import saved_inputs
+    from poros.engine.parallel.distributed import World
     from poros.engine.planning.inputs import HostMemory
 
     monkeypatch.setattr(saved_inputs, "available_host_memory", lambda: 100 * 10**9)

@@ -147,7 +147,7 @@ def test_rule_a_gather_needs_shares(tiny):
 
 
 def test_an_unsafe_shared_plan_is_refused_by_the_executor(stores, tiny):
-    from poros.engine.executor import PorosTrainer
+    from poros.engine.methods.executor import PorosTrainer
 
     plan = shared(geometry("tiny-qwen3"), 2, block_size=2)
     pos = _first(plan, P.GATHER)

@@ -8,7 +8,7 @@ import torch
 
 from poros.store.build import build_store
 from poros.config import TrainConfig
-from poros.engine.data import synthetic_batch, synthetic_step
+from poros.engine.methods.data import synthetic_batch, synthetic_step
 from tests.capabilities import requires_bitsandbytes
 
 
@@ -20,7 +20,7 @@ def qwen3_store():
 
 @requires_bitsandbytes
 def test_resident_training_lowers_loss(qwen3_store):
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     # lr 1e-2 overshoots at this size (the loss stalls near ln(vocab)); 3e-3 falls steadily.
     trainer = ResidentTrainer(qwen3_store, TrainConfig(model="tiny-qwen3", seq_len=64, lr=3e-3))
@@ -65,7 +65,7 @@ def test_synthetic_step_is_the_micro_batches_in_order():
 
 @requires_bitsandbytes
 def test_grad_accum_runs_each_micro_batch(qwen3_store):
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     trainer = ResidentTrainer(qwen3_store, TrainConfig(model="tiny-qwen3", seq_len=64, grad_accum=2))
     seen, losses = [], []

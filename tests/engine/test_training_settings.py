@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.dropout import DropoutKeys, KeyedDropout
-from poros.engine.methods import make_trainer
-from poros.engine.parity import parity
-from poros.engine.schedule import learning_rate, lr_factor
+from poros.engine.model.dropout import DropoutKeys, KeyedDropout
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity import parity
+from poros.engine.methods.schedule import learning_rate, lr_factor
 from poros.errors import ConfigError
 from poros.choices import LRSchedule
 from tests.capabilities import requires_bitsandbytes

@@ -457,10 +457,10 @@ def test_eval_data_shorter_than_one_batch_is_refused(files, tmp_path, capsys):
 
 
 def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
-    import poros.engine.methods
-    from poros.engine.trainer import StepResult
+    import poros.engine.methods.registry
+    from poros.engine.methods.trainer import StepResult
 
-    real = poros.engine.methods.make_trainer
+    real = poros.engine.methods.registry.make_trainer
 
     def diverging(method, store, cfg, world=None):
         trainer = real(method, store, cfg, world)
@@ -585,9 +585,9 @@ def test_settings_no_run_can_take_are_refused_before_work(files, tmp_path, capsy
 
 
 def test_a_checkpoint_is_never_written_with_non_finite_state(files, tmp_path, capsys, monkeypatch):
-    import poros.engine.methods
+    import poros.engine.methods.registry
 
-    real = poros.engine.methods.make_trainer
+    real = poros.engine.methods.registry.make_trainer
 
     def blowing_up(method, store, cfg, world=None):
         trainer = real(method, store, cfg, world)

@@ -4,7 +4,7 @@ model's settings; full-size shapes are gated off the CPU."""
 
 from __future__ import annotations
 
-from poros.engine.method_info import REFERENCES
+from poros.engine.methods.method_info import REFERENCES
 from poros.harness.cells import matrix_cells, model_unavailable
 from poros.harness.matrix import load_matrix, parse_matrix
 from tests.suite_runs import TINY

@@ -396,7 +396,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
     and takes its passes (its row names them, `passes_of`) without a second child; a cell of other settings (the
     control) runs its own."""
     from poros.config import Method
-    from poros.engine.methods import config_for
+    from poros.engine.methods.registry import config_for
     from poros.harness.cells import cell_config, matrix_cells
     from poros.harness.matrix import parse_matrix
     from poros.harness.results import PassLog

@@ -97,7 +97,7 @@ def test_a_parent_stopped_mid_run_kills_the_child(fake, tmp_path):
 
 def test_unsloth_runs_without_strict_determinism_and_gated_methods_keep_it():
     from poros.config import Method
-    from poros.engine.methods import config_for
+    from poros.engine.methods.registry import config_for
 
     strict = TrainConfig(model="tiny-qwen3", device="cuda", deterministic=True)
     assert config_for(Method.UNSLOTH, strict).deterministic is False

@@ -290,7 +290,7 @@ def test_seq_len_beyond_max_positions():
 
 @requires_bitsandbytes
 def test_trainer_refuses_seq_len_beyond_max_positions():
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     store, _ = build_store("tiny-qwen2", progress=False)
     too_long = store.config.max_position_embeddings * 2
@@ -329,7 +329,7 @@ def test_checkpoint_buffers_are_read_used_and_exported(tmp_path):
 
     from poros.config import TrainConfig
     from poros.store.export import export_bnb4bit
-    from poros.engine.qlora import QLoRAModel
+    from poros.engine.model.qlora import QLoRAModel
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(get_shape("tiny-gemma4").config(), dtype=torch.bfloat16)

@@ -118,7 +118,7 @@ def test_dequantized_weights_are_bitsandbytes_own_double_quantized_linear4bit(ck
     import bitsandbytes.functional as F
 
     from poros.config import TrainConfig
-    from poros.engine.qlora import QLoRAModel
+    from poros.engine.model.qlora import QLoRAModel
 
     bnb = _bnb_model(ckpt, double=True)
     bnb.save_pretrained(str(tmp_path / "nf4-dq"))

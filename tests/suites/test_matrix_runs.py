@@ -74,7 +74,7 @@ def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, refere
 
 def _plugin(tmp_path, name: str, make_model_source: str) -> dict:
     """A pytest plugin module replacing PorosTrainer._make_model; returns the env that finds it."""
-    return plugin_env(tmp_path, name, "import poros.engine.executor as r\n" + make_model_source
+    return plugin_env(tmp_path, name, "import poros.engine.methods.executor as r\n" + make_model_source
                       + "r.PorosTrainer._make_model = _make_model\n")
 
 
@@ -149,7 +149,7 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
 
     env = plugin_env(
         tmp_path, "cut_off",
-        "import poros.engine.trainer as t\n"
+        "import poros.engine.methods.trainer as t\n"
         "orig = t.ResidentTrainer.step\n"
         "def step(self, batches=None):\n"
         "    if self.steps_done == 3:  # inside the resident cell's first timed pass\n"
@@ -231,7 +231,7 @@ def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
 
 
 CUT_PASS = """import os
-import poros.engine.trainer as t
+import poros.engine.methods.trainer as t
 orig = t.ResidentTrainer.step
 def step(self, batches=None):
     # the resident cell: warm-up (2 steps), pass 1 (2 steps), then cut off inside pass 2
@@ -330,7 +330,7 @@ def test_a_resumed_part_reuses_the_gates_an_earlier_part_ran(tmp_path):
 
 
 SLOW_REFERENCE = """import time
-import poros.engine.parity as parity
+import poros.engine.verify.parity as parity
 import poros.suites.test_matrix as suite
 
 real = time.monotonic
@@ -440,7 +440,7 @@ def test_a_parity_fail_row_is_gated_again_on_resume(tmp_path):
 
 TERMINATED = """import os
 import signal
-import poros.engine.trainer as t
+import poros.engine.methods.trainer as t
 orig = t.ResidentTrainer.step
 def step(self, batches=None):
     # the resident cell, inside its second timed pass: a scheduler's SIGTERM

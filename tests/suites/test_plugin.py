@@ -57,7 +57,7 @@ def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
 
 
 LOST_MACHINE = """import os
-import poros.engine.trainer as t
+import poros.engine.methods.trainer as t
 orig = t.ResidentTrainer.step
 def step(self, batches=None):
     # the resident cell, inside pass 2: the process ends at once, as on a machine taken away (no session end)

@@ -7,6 +7,6 @@
 - `search`: the plan a request describes (`PlanRequest`, `build_plan`);
 - `budget`: the plan a run's settings ask for, or the one that copies the fewest bytes within a budget;
 - `limits`: the smallest budget that holds a plan, and the longest sequence a plan fits within a budget;
-- `rules`: what every plan must keep for the executor (poros/engine/executor.py) to run it bitwise equal
+- `rules`: what every plan must keep for the executor (poros/engine/methods/executor.py) to run it bitwise equal
   to resident QLoRA, checked on the plan alone, without a GPU.
 """

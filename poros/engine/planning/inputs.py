@@ -13,7 +13,7 @@ backward, the most time for both copies behind compute; none leaves at the end o
 brought back behind the head.
 
 Host memory is one arena of exact size, a slot per host-held layer and live micro-batch, page-locked in place
-(poros/engine/saved_inputs.py): torch's caching host allocator would round every pinned block up to a power of
+(poros/engine/runtime/saved_inputs.py): torch's caching host allocator would round every pinned block up to a power of
 two. A plan's host memory is that arena and the NF4 store (`Plan.host_bytes`); `host_budget` holds it.
 """
 

@@ -16,7 +16,7 @@ from poros.engine.planning.geometry import Geometry
 # the head holds the logits in bf16 and fp32 and their gradient.
 ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
 ACT_INTERMEDIATE = 14  # bytes per token x intermediate
-# `attention_chunk` (poros/engine/attention_chunk.py) runs a layer's norms and attention projections a chunk at a
+# `attention_chunk` (poros/engine/model/attention_chunk.py) runs a layer's norms and attention projections a chunk at a
 # time, so what they save for the backward is one chunk's, not the sequence's. Measured on the CPU
 # (tests/engine/test_attention_chunk.py: bytes a tiny layer's forward saves, with and without the chunk), what
 # leaves per token per hidden unit is the two norms' float32 copies of their inputs (4 bytes each) less the
@@ -105,7 +105,7 @@ class ProcessCosts:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """A CUDA device's memory as the run found it (poros/engine/nvml.py `device_memory`), bytes."""
+    """A CUDA device's memory as the run found it (poros/engine/runtime/nvml.py `device_memory`), bytes."""
 
     total: int
     free: int  # what no process holds
@@ -185,8 +185,8 @@ def template_bytes(geo: Geometry, rank: int) -> int:
 
 
 def template_static_bytes(geo: Geometry, seq_len: int, batch: int) -> int:
-    """The static tensors every template shares (poros/engine/graphs.py `Statics`): the layer input, the incoming
-    gradient, the gradient at the input and the output, one activation each."""
+    """The static tensors every template shares (poros/engine/runtime/graphs.py `Statics`): the layer input, the
+    incoming gradient, the gradient at the input and the output, one activation each."""
     return 4 * seq_len * batch * geo.hidden * 2
 
 
@@ -220,7 +220,8 @@ def counted_attention_chunk(compiled: bool, compile_mlp: bool, attention_chunk: 
 
 def mlp_intermediate_bytes(geo: Geometry, tokens: int, batch: int, mlp_chunk: int | None = None) -> int:
     """The MLP intermediates alive at once in a layer's recompute + backward: `tokens`' (one micro-batch's), or
-    with `mlp_chunk` one chunk's (`mlp_chunk` tokens of each of the `batch` sequences: poros/engine/mlp_chunk.py)."""
+    with `mlp_chunk` one chunk's (`mlp_chunk` tokens of each of the `batch` sequences:
+    poros/engine/model/mlp_chunk.py)."""
     return (min(tokens, mlp_chunk * batch) if mlp_chunk else tokens) * ACT_INTERMEDIATE * geo.intermediate
 
 

@@ -4,7 +4,7 @@ once, or a streamed group that takes turns in a rotating buffer), where each lay
 buffer, forward a layer for a micro-batch, the head, recompute and backward a layer, release a buffer, and
 for a saved input in host memory its copy out (offload) and back (fetch) through its slot of the host
 arena, and with `input_stride` the no-grad forwards that regenerate in backward the inputs of the layers
-between two saved ones (poros/engine/planning/regen.py). The executor (poros/engine/executor.py) runs any plan and derives every stream ordering from it;
+between two saved ones (poros/engine/planning/regen.py). The executor (poros/engine/methods/executor.py) runs any plan and derives every stream ordering from it;
 `describe` is its text in `poros plan`."""
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
     parts = (one_input, *(attention_parts(geo, seq_len, batch_size) if c.keep_attention else ()))
     one_saved = sum(parts)  # what one recompute needs saved: its input, with kept attention its results
     # offloaded: inputs back on the device ahead of their backward, one block's worth. A copy back starts once
-    # the compute stream reaches its fetch, a backward before (poros/engine/saved_inputs.py), and has that
+    # the compute stream reaches its fetch, a backward before (poros/engine/runtime/saved_inputs.py), and has that
     # backward's time: a layer's recompute and backward take more than 2 x 6 x hidden^2 FLOPs a token where its
     # copy moves 2 x hidden bytes (with kept attention about twice that), tens of times shorter on any GPU that
     # streams weights.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from poros.engine.method_info import PLANNED
+from poros.engine.methods.method_info import PLANNED
 from poros.harness.report.format import DASH, md_table, num, text_or_none
 from poros.harness.report.reference import on_hardware
 from poros.harness.report.tables import cells_of, ok_value, parity_text, s_step_text

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from poros.engine.method_info import PLANNED, REFERENCES
+from poros.engine.methods.method_info import PLANNED, REFERENCES
 from poros.harness.report.format import num, text_or_none
 from poros.harness.report.rows import latest, point_label, setting_shown
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS

@@ -1,7 +1,7 @@
 """How far a streamed step is from what bounds it from below, derived from saved rows alone.
 
 A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
-its own process measured it, poros/engine/link.py). Its compute floor is the fastest step of the same work with
+its own process measured it, poros/harness/link.py). Its compute floor is the fastest step of the same work with
 nothing streamed: resident QLoRA, resident_gc, or a plan that copies no bytes, of the same model, stack and
 computed settings (poros/settings.py), in the same run on the same GPU. A matrix runs a model's reference before
 its poros cells, so a streamed row carries its floors when it is written (`floor_fields`); a page finds them again
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from poros.engine.method_info import REFERENCES, is_planned
+from poros.engine.methods.method_info import REFERENCES, is_planned
 from poros.harness.report.format import DASH, num
 from poros.harness.report.rows import computed_key, run_of
 

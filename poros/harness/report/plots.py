@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from poros.engine.method_info import INFO, NAMES, is_planned
+from poros.engine.methods.method_info import INFO, NAMES, is_planned
 from poros.harness.report.format import num
 from poros.harness.report.rows import hardware_of, latest, named
 from poros.harness.report.sweep import attention_pairs, schedule_kind, sweep_rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from poros.engine.method_info import PLANNED, REFERENCES, UNGATED
+from poros.engine.methods.method_info import PLANNED, REFERENCES, UNGATED
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none, uniq
 from poros.harness.report.tables import cells_of, ok_value, s_step_text
 from poros.harness.stacks import same_stack

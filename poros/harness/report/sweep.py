@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from poros.config import Method
-from poros.engine.method_info import REFERENCES, by_value, is_planned
+from poros.engine.methods.method_info import REFERENCES, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, floor_cells
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none
 from poros.harness.report.rows import frame, gpu_uuid, point_label, run_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
+from poros.engine.methods.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, steps_by_passes, text_or_none, uniq
 from poros.harness.report.rows import budget_bytes, named, on_cpu, planned_shown, row_gpus, setting_shown

@@ -1,11 +1,11 @@
 """A module run on N tokens of the sequence at a time (dimension -2), each chunk under non-reentrant
 checkpointing where autograd records, the outputs concatenated: the one mechanism of `mlp_chunk`
-(poros/engine/mlp_chunk.py) and `attention_chunk` (poros/engine/attention_chunk.py); and for a result only
+(poros/engine/model/mlp_chunk.py) and `attention_chunk` (poros/engine/model/attention_chunk.py); and for a result only
 backpropagated, the same chunks computed in the backward alone (`deferred_in_chunks`).
 
 LoRA dropout inside a chunk draws its masks under keys of its own (the step and micro-batch of the chunk's first
 run, and the chunk's index), pinned for the chunk's recompute: poros may run that recompute on its backward thread
-while its own thread has moved the keys on to the next layer (poros/engine/dropout.py).
+while its own thread has moved the keys on to the next layer (poros/engine/model/dropout.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from poros.engine.dropout import DropoutKeys, KeyedDropout
+from poros.engine.model.dropout import DropoutKeys, KeyedDropout
 
 
 def dropout_keys(module: nn.Module) -> DropoutKeys | None:

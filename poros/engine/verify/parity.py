@@ -11,11 +11,11 @@ from typing import Callable
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.distributed import SINGLE, agree, share_store
-from poros.engine.allocator_limit import AllocatorLimit
-from poros.engine.methods import make_trainer
-from poros.engine.parity_digest import Digest
-from poros.engine.trainer import Trainer, deterministic_kernels
+from poros.engine.parallel.distributed import SINGLE, agree, share_store
+from poros.engine.runtime.allocator_limit import AllocatorLimit
+from poros.engine.methods.registry import make_trainer
+from poros.engine.verify.parity_digest import Digest
+from poros.engine.methods.trainer import Trainer, deterministic_kernels
 from poros.store.arena import slot_tensors
 
 
@@ -37,7 +37,8 @@ class ParityResult:
     gate: str = "resident"  # the reference `method` was compared with: resident, resident_gc, or "control"
     # (the reference against a second run of itself); "(recorded)" when its states were recorded first
     method: str = "poros"  # the method compared with the reference
-    world_size: int = 1  # ranks, each gating its own states (poros.engine.distributed); PASS only if every rank's is
+    # ranks, each gating its own states (poros.engine.parallel.distributed); PASS only if every rank's is
+    world_size: int = 1
     ranks: list = field(default_factory=list)  # each rank's verdict when world_size > 1
     losses: list = field(default_factory=list)
 
@@ -59,7 +60,8 @@ class Comparator:
 
     def equal(self, name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         self.count += 1
-        if isinstance(a, Digest):  # a reference kept as digests (poros/engine/parity_digest.py): equal bytes or not
+        # a reference kept as digests (poros/engine/verify/parity_digest.py): equal bytes or not
+        if isinstance(a, Digest):
             same = a.matches(b)
             diff = 0.0 if same else float("inf")
         elif a is None or b is None:
@@ -207,7 +209,7 @@ def run_gate(
 
 def run_gate_recorded(reference, poros: Trainer, steps: int | None = None) -> ParityResult:
     """The gate against resident states recorded earlier, step by step: a `RecordedReference`, or its digests
-    (`poros.engine.parity_digest.DigestReference`, kept by an earlier part of a run)."""
+    (`poros.engine.verify.parity_digest.DigestReference`, kept by an earlier part of a run)."""
     steps = len(reference.states) if steps is None else min(steps, len(reference.states))
     cmp = Comparator()
     result = _result(poros, f"{reference.method} (recorded)")
@@ -216,7 +218,7 @@ def run_gate_recorded(reference, poros: Trainer, steps: int | None = None) -> Pa
 
 
 def holds_a_cap(cfg: TrainConfig, method: Method) -> bool:
-    """Whether `method` on `cfg` holds torch's allocator to its budget (poros/engine/allocator_limit.py
+    """Whether `method` on `cfg` holds torch's allocator to its budget (poros/engine/runtime/allocator_limit.py
     `AllocatorLimit`)."""
     return method is Method.POROS and AllocatorLimit.holds(cfg)
 
@@ -259,8 +261,8 @@ def parity(
     before the method is set up (`RecordedReference`): the gate for settings where the two do not fit
     the device together (long context), and always for a method that holds the allocator to a budget
     (`holds_a_cap`): the cap is process-wide, so a reference alive beside it would count against it.
-    With a `world` of several ranks (poros.engine.distributed) both sides are data-parallel (the reference under
-    DistributedDataParallel), every rank gates its own states, and the result is PASS only if every
+    With a `world` of several ranks (poros.engine.parallel.distributed) both sides are data-parallel (the reference
+    under DistributedDataParallel), every rank gates its own states, and the result is PASS only if every
     rank's is.
     """
 

@@ -1,6 +1,6 @@
 """Layer templates: one decoder layer's recompute + backward (and its forward without autograd),
 replayed from a CUDA graph (`LayerTemplate`). The templates a trainer holds, and a kept layer's, are in
-poros/engine/templates.py.
+poros/engine/runtime/templates.py.
 
 At seq 512 poros's backward is bound by host-side launch work (hundreds of small kernels per layer
 through bitsandbytes, peft and transformers), not by the GPU. A CUDA graph replays a captured
@@ -24,7 +24,7 @@ data, so the result is bitwise the same; the parity gate checks that on the GPU.
 what the CPU gate verifies.
 
 Compiled layers (`compile`): a template compiles its own copy (`layer.compile()`, as resident does), its
-forward runs the training graph (with autograd, dropped, as poros's eager runners do: poros/engine/runners.py),
+forward runs the training graph (with autograd, dropped, as poros's eager runners do: poros/engine/runtime/runners.py),
 and it runs at least one warm-up call before its capture, so dynamo and inductor compile outside the capture
 and the graph records only the compiled kernels; a replay never re-enters Python, so no guard runs then
 (a template's tensors, shapes and arguments are fixed, which is what the guards would check). A layer whose
@@ -40,8 +40,8 @@ import warnings
 import torch
 from torch import nn
 
-from poros.engine.compiling import compile_module
-from poros.engine.layer_call import LayerCall, hidden_of
+from poros.engine.model.compiling import compile_module
+from poros.engine.runtime.layer_call import LayerCall, hidden_of
 
 # Eager runs on a side stream before each capture, as PyTorch's examples do. They leave activations
 # allocated for good (experiments/h200-cuda-graph-memory) and capture succeeds without them, so none by

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poros.engine.held import Counted
+from poros.engine.model.held import Counted
 
 _aten = torch.ops.aten
 # the fused attention ops (outputs 0 and 1 are (output, log-sum-exp) for each) and where their dropout_p is

@@ -82,7 +82,7 @@ class DigestReference:
     @classmethod
     def of(cls, recorded) -> DigestReference:
         """The digests of a `RecordedReference`'s initial weights and recorded steps."""
-        from poros.engine.parity import StepState
+        from poros.engine.verify.parity import StepState
 
         with ThreadPoolExecutor() as pool:
             states = [StepState([Digest(tensor_digest(x), float(x)) for x in s.losses], _digests(s.grads, pool),
@@ -118,7 +118,7 @@ class DigestReference:
             DigestsRefused: the file is unreadable, cut short or of another format, its contents do not match its
                 checksum (edited or damaged), or it is another gate's (its fingerprint, or a checksum other than
                 the run recorded); naming the file and which."""
-        from poros.engine.parity import StepState
+        from poros.engine.verify.parity import StepState
 
         def digests(d: dict) -> dict:
             return {n: None if h is None else Digest(h) for n, h in d.items()}

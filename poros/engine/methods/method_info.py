@@ -1,6 +1,6 @@
 """What each method is, as data: its labels and capabilities, free of torch so that reports, matrix checks and
-`--help` can read them. `poros.engine.methods` builds the runnable registry (trainers, capability gates) on this
-table; a results row names its method by `Method` value, which `by_value` reads back."""
+`--help` can read them. `poros.engine.methods.registry` builds the runnable registry (trainers, capability gates) on
+this table; a results row names its method by `Method` value, which `by_value` reads back."""
 
 from __future__ import annotations
 

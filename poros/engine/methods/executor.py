@@ -4,8 +4,8 @@ The very same modules and kernels run as in resident training; only where the NF
 they are copied differ. `PorosTrainer` sets a run up: the plan (made for the device, or the one it is given,
 checked), torch's allocator held to its budget, the device buffers, every layer's NF4 modules bound to its
 group's buffer, each layer's runner and the loads every step starts from; and it reports what a step copied.
-Per micro-batch, the Hugging Face forward runs as a prologue and as the head (poros/engine/model_hooks.py),
-and the plan's operations run the layers between them (poros/engine/interpreter.py).
+Per micro-batch, the Hugging Face forward runs as a prologue and as the head (poros/engine/runtime/model_hooks.py),
+and the plan's operations run the layers between them (poros/engine/runtime/interpreter.py).
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ from poros.config import Method
 from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.rules import check
-from poros.engine.allocator_limit import AllocatorLimit, held_text
-from poros.engine.buffers import DeviceBuffers
-from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
-from poros.engine.templates import LayerTemplates
-from poros.engine import kept_attention
-from poros.engine.interpreter import PlanInterpreter
-from poros.engine.model_hooks import ModelHooks, ModelPass
-from poros.engine.nvml import device_memory
+from poros.engine.runtime.allocator_limit import AllocatorLimit, held_text
+from poros.engine.runtime.buffers import DeviceBuffers
+from poros.engine.parallel.distributed import (SINGLE, GradReducer, World, gather_group, release_group,
+                                              same_on_every_rank)
+from poros.engine.runtime.templates import LayerTemplates
+from poros.engine.model import kept_attention
+from poros.engine.runtime.interpreter import PlanInterpreter
+from poros.engine.runtime.model_hooks import ModelHooks, ModelPass
+from poros.engine.runtime.nvml import device_memory
 from poros.engine.planning.budget import make_plan
-from poros.engine.qlora import QLoRAModel
-from poros.engine.runners import Kept, Recompute, Runner, TemplateKept, TemplateRecompute
-from poros.engine.saved_inputs import SavedInputs, host_memory
-from poros.engine.compiling import backward_keeps_saved_tensors, compile_layers
-from poros.engine.trainer import Trainer
+from poros.engine.model.qlora import QLoRAModel
+from poros.engine.runtime.runners import Kept, Recompute, Runner, TemplateKept, TemplateRecompute
+from poros.engine.runtime.saved_inputs import SavedInputs, host_memory
+from poros.engine.model.compiling import backward_keeps_saved_tensors, compile_layers
+from poros.engine.methods.trainer import Trainer
 from poros.errors import BudgetError, CapabilityError
 from poros.sizes import format_size
 from poros.store.arena import slot_tensors
@@ -265,7 +266,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
 
     def use_layer_templates(self, capture: bool) -> None:
         """Run every layer's forward, and its recompute + backward, through layer templates
-        (poros/engine/graphs.py): replayed from CUDA graphs with `capture` (what `cuda_graphs: true` selects),
+        (poros/engine/runtime/graphs.py): replayed from CUDA graphs with `capture` (what `cuda_graphs: true` selects),
         eagerly without (CPU tests)."""
         self.templates = LayerTemplates(capture=capture, compiled=self.cfg.compile)
         self._stop_worker()

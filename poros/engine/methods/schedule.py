@@ -1,7 +1,7 @@
 """The learning rate of each optimizer step, a function of the settings and the step alone.
 
 Every method sets its AdamW learning rate from `learning_rate(cfg, step)` before each optimizer step
-(poros/engine/trainer.py), so a resumed run needs no scheduler state: the step count is enough. The
+(poros/engine/methods/trainer.py), so a resumed run needs no scheduler state: the step count is enough. The
 formulas are those of Hugging Face's `get_{constant,linear,cosine}_schedule_with_warmup`, so a run
 moved from Transformers or TRL keeps its curve; past `decay_steps` the rate stays 0 (where the
 Transformers cosine would rise again).

@@ -20,9 +20,9 @@ nothing in its forward and each chunk's forward and backward in its backward (`o
 `seq_chunks.deferred_in_chunks`): each chunk runs twice a step, not three times (the forward, the recompute, its
 checkpoint's recompute), with the checkpointed chunks' bits. A compiled layer's MLP runs in the graph resident's
 forward runs, three times a step; with `compile_mlp` off it runs eager between the layer's compiled parts
-(poros/engine/compiling.py `keep_mlp_eager`) and is deferred as an eager layer's.
+(poros/engine/model/compiling.py `keep_mlp_eager`) and is deferred as an eager layer's.
 
-How a module runs in chunks, LoRA dropout's keys per chunk included, is poros/engine/seq_chunks.py.
+How a module runs in chunks, LoRA dropout's keys per chunk included, is poros/engine/model/seq_chunks.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import types
 import torch
 from torch import nn
 
-from poros.engine.seq_chunks import deferred_in_chunks, dropout_keys, run_in_chunks
+from poros.engine.model.seq_chunks import deferred_in_chunks, dropout_keys, run_in_chunks
 from poros.errors import ConfigError
 
 CHUNK_ATTR = "mlp_chunk"  # tokens per chunk, on each chunked MLP module (a layer template's copy keeps it)

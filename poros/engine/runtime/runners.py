@@ -6,13 +6,13 @@
                   enqueued there, while the executor's thread enqueues the next layer's recompute. With
                   `keep_attention` the forward's attention results are saved with the input and the
                   recompute takes them instead of running attention's forward again
-                  (poros/engine/kept_attention.py). A layer whose input the plan regenerates
+                  (poros/engine/model/kept_attention.py). A layer whose input the plan regenerates
                   (`input_stride`) saves none; `regenerate` runs a layer's forward again, the very call the
                   forward pass made, from its input: the next layer's input, bit for bit.
   Kept            resident QLoRA's forward, with autograd, its activations kept until its backward
                   (`keep_activations`: no recompute).
   TemplateRecompute, TemplateKept
-                  the same through layer templates (poros/engine/graphs.py), replayed from CUDA graphs
+                  the same through layer templates (poros/engine/runtime/graphs.py), replayed from CUDA graphs
                   under capture; a call a template declines runs as the eager runner runs it.
 
 With compiled layers (`compile`) a layer's first forward runs the graph resident's forward runs: inductor
@@ -36,10 +36,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from poros.engine import kept_attention, mlp_chunk
-from poros.engine.saved_inputs import SavedInputs
-from poros.engine.templates import LayerTemplates
-from poros.engine.layer_call import LayerCall, hidden_of
+from poros.engine.model import kept_attention, mlp_chunk
+from poros.engine.runtime.saved_inputs import SavedInputs
+from poros.engine.runtime.templates import LayerTemplates
+from poros.engine.runtime.layer_call import LayerCall, hidden_of
 
 Key = tuple[int, int]  # (layer, micro-batch)
 

@@ -1,5 +1,5 @@
 """The layer templates a poros trainer runs (`LayerTemplates`): recomputing templates by layer key
-(poros/engine/graphs.py says how a template replays a layer's kernels from a CUDA graph), and a kept layer's
+(poros/engine/runtime/graphs.py says how a template replays a layer's kernels from a CUDA graph), and a kept layer's
 template (`KeptTemplate`), which holds its forward's activations until its backward.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from poros.engine.graphs import LayerRefs, LayerTemplate, Statics, templatable, tensors_in
-from poros.engine.layer_call import LayerCall
+from poros.engine.runtime.graphs import LayerRefs, LayerTemplate, Statics, templatable, tensors_in
+from poros.engine.runtime.layer_call import LayerCall
 
 
 class KeptTemplate(LayerTemplate):

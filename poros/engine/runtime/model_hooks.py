@@ -1,4 +1,4 @@
-"""The Hugging Face forward as the executor (poros/engine/executor.py) runs it: the model's decoder layers,
+"""The Hugging Face forward as the executor (poros/engine/methods/executor.py) runs it: the model's decoder layers,
 embedding and lm_head patched so that one call of its forward serves either pass a micro-batch needs.
 
   prologue   every decoder layer is replaced by a recorder: the forward computes what the model computes
@@ -9,7 +9,7 @@ embedding and lm_head patched so that one call of its forward serves either pass
              the leaf.
 
 Outside both (`ModelPass.PLAIN`) every layer runs the model's own forward. The embedding looks tokens up on
-the host and the lm_head reads its device copy (poros/engine/buffers.py) in every pass.
+the host and the lm_head reads its device copy (poros/engine/runtime/buffers.py) in every pass.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import enum
 
 import torch
 
-from poros.engine.buffers import HEAD_KEY
-from poros.engine.layer_call import LayerCall
-from poros.engine.qlora import QLoRAModel
+from poros.engine.runtime.buffers import HEAD_KEY
+from poros.engine.runtime.layer_call import LayerCall
+from poros.engine.model.qlora import QLoRAModel
 from poros.errors import CapabilityError
 
 

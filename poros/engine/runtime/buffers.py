@@ -1,5 +1,5 @@
 """The device side of a plan's weights: its buffers with the copies into them and the events that order
-them (`DeviceBuffers`). Each layer's saved input, kept for its recompute, is poros/engine/saved_inputs.py's.
+them (`DeviceBuffers`). Each layer's saved input, kept for its recompute, is poros/engine/runtime/saved_inputs.py's.
 
 Copies run on their own stream. Each buffer has a `ready` event (recorded after a load) that the
 compute stream waits for on its first read, and a `free` event (recorded at a release) that the next
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from poros.engine.planning import plan as P
-from poros.engine.distributed import SINGLE, World
+from poros.engine.parallel.distributed import SINGLE, World
 
 HEAD_KEY = -1  # the lm_head's own region when it borrows no buffer
 

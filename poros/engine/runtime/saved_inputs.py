@@ -1,6 +1,6 @@
 """What each recomputed layer's recompute needs from its forward, one tuple of tensors per (layer,
 micro-batch): its input, and with `keep_attention` its attention's output and log-sum-exp
-(poros/engine/kept_attention.py). `SavedInputs` keeps them on the device, or, for the layers a plan places in
+(poros/engine/model/kept_attention.py). `SavedInputs` keeps them on the device, or, for the layers a plan places in
 host memory (`Plan.host_inputs`), moves them as the plan's operations say: `offload` copies one device->host
 into its slot of the host arena on a stream of its own, right after its forward, and `fetch` brings it back
 into fresh device memory, on another stream, ahead of its backward. The bytes are the same either way.
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from poros.engine.distributed import World, largest
+from poros.engine.parallel.distributed import World, largest
 from poros.engine.planning import plan as P
 from poros.engine.planning.inputs import HostMemory
 from poros.errors import CapabilityError, PinningError
@@ -193,7 +193,7 @@ class SavedInputs:
 def host_memory(cfg, world: World, store_bytes: int) -> HostMemory | None:
     """This host's memory as `host_budget: auto` plans with it (None: unmeasured), once the store (`store_bytes`)
     is built: what the host has left, and the store. Data-parallel ranks share their host's memory and one store
-    (poros.engine.distributed `share_store`): each plans for its share (of its host's ranks) of the least any
+    (poros.engine.parallel.distributed `share_store`): each plans for its share (of its host's ranks) of the least any
     rank found, so that every rank makes the same plan."""
     if not is_auto(cfg.host_budget) or cfg.device.value != "cuda":
         return None

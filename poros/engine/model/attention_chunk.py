@@ -17,7 +17,7 @@ are left whole, as are the rotary embeddings (they save only the per-position co
 The modules' matmuls then run on fewer rows and the LoRA weight gradients are summed chunk by chunk, so the bits
 differ from the unchunked block's: a setting of what is computed, shared by every method of a run, which runs the
 same chunks through the same kernels whether its layer runs eagerly, recomputed, compiled or from a layer
-template (as `mlp_chunk`, whose chunked run and keyed LoRA dropout it shares: poros/engine/seq_chunks.py).
+template (as `mlp_chunk`, whose chunked run and keyed LoRA dropout it shares: poros/engine/model/seq_chunks.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import types
 import torch
 from torch import nn
 
-from poros.engine.seq_chunks import dropout_keys, run_in_chunks
+from poros.engine.model.seq_chunks import dropout_keys, run_in_chunks
 from poros.errors import ConfigError
 
 CHUNK_ATTR = "attention_chunk"  # tokens per chunk, on each chunked module (a layer template's copy keeps it)

@@ -9,7 +9,7 @@ rounded once to the output dtype; a blockwise (8-bit) dequantization, the absmax
 so the bytes are bitsandbytes' own (tests/engine/test_dequant_lowering.py compares them bit for bit, on CPU and
 with -m gpu on a GPU; experiments/h200-dequant-speed times both kernels). They change which kernel computes a
 dequantization, not which nodes the forward saves: lowering comes after the forward/backward partition
-(`poros.engine.compiling.RecomputeDequantization`).
+(`poros.engine.model.compiling.RecomputeDequantization`).
 
 A blockwise result is written to memory before anything reads it: bitsandbytes adds double quantization's
 offset to it in a separate step, and a multiply and an add generated into one kernel may be fused into one

@@ -1,18 +1,18 @@
-"""The executor's step (poros/engine/executor.py): an interpreter of the plan's operations over one optimizer
+"""The executor's step (poros/engine/methods/executor.py): an interpreter of the plan's operations over one optimizer
 step's micro-batches.
 
   load, release       a group's NF4 bytes into its buffer, and the point after which the buffer may be
-                      refilled (poros/engine/buffers.py: the copies and the events that order them);
+                      refilled (poros/engine/runtime/buffers.py: the copies and the events that order them);
   gather              with copies shared among data-parallel ranks (shard_stream), the other ranks'
                       shares of the load before, all-gathered into the buffer;
   offload, fetch      a saved input the plan keeps in host memory, out after its forward and back ahead of its
-                      backward (poros/engine/saved_inputs.py);
+                      backward (poros/engine/runtime/saved_inputs.py);
   regenerate          with `input_stride`, a layer's no-grad forward again in backward, from its input: the
                       input of the layer above, which saved none (poros/engine/planning/regen.py);
-  forward, backward   a layer, by the runner of its kind (poros/engine/runners.py: recomputed or kept,
+  forward, backward   a layer, by the runner of its kind (poros/engine/runtime/runners.py: recomputed or kept,
                       eagerly or through layer templates replayed from CUDA graphs); the first layer's forward
-                      of a micro-batch runs its prologue first (poros/engine/model_hooks.py);
-  head                the Hugging Face forward again as the head pass (poros/engine/model_hooks.py): the final
+                      of a micro-batch runs its prologue first (poros/engine/runtime/model_hooks.py);
+  head                the Hugging Face forward again as the head pass (poros/engine/runtime/model_hooks.py): the final
                       norm, lm_head and loss, backpropagated to the last hidden state.
 
 A backward is pending until the next one needs its gradient: with `overlap_backward` a worker thread
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from poros.engine.attention import sdpa_context
-from poros.engine.buffers import HEAD_KEY
-from poros.engine.layer_call import LayerCall
-from poros.engine.model_hooks import ModelPass
+from poros.engine.model.attention import sdpa_context
+from poros.engine.runtime.buffers import HEAD_KEY
+from poros.engine.runtime.layer_call import LayerCall
+from poros.engine.runtime.model_hooks import ModelPass
 from poros.engine.planning import plan as P
-from poros.engine.runners import Done, Key
+from poros.engine.runtime.runners import Done, Key
 from poros.errors import CapabilityError
 
 

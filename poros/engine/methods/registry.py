@@ -1,6 +1,6 @@
 """The methods a matrix compares, as one registry: how each is made, whether it can run here, and
 how the parity gate holds it to resident QLoRA. Their facts (labels, gated, reference, in-process) are the
-torch-free table of `poros.engine.method_info`, which reports read; the registry itself loads no torch: each
+torch-free table of `poros.engine.methods.method_info`, which reports read; the registry itself loads no torch: each
 trainer's module is imported when one is made, so commands that only read it (`poros --help`) stay light."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from poros.config import LoRACompute, Method, TrainConfig
-from poros.engine.method_info import INFO, MethodInfo, gate_of, gated  # noqa: F401  (gate_of, gated: re-exported)
+# gate_of, gated: re-exported
+from poros.engine.methods.method_info import INFO, MethodInfo, gate_of, gated  # noqa: F401
 
 if TYPE_CHECKING:
-    from poros.engine.distributed import World
-    from poros.engine.trainer import Trainer
+    from poros.engine.parallel.distributed import World
+    from poros.engine.methods.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -41,30 +42,30 @@ def _unsloth_unavailable(device: str) -> str | None:
 
 
 def _poros(store, cfg: TrainConfig, world: World) -> Trainer:
-    from poros.engine.executor import PorosTrainer
+    from poros.engine.methods.executor import PorosTrainer
 
     return PorosTrainer(store, cfg, world)
 
 
 def _resident(store, cfg: TrainConfig, world: World) -> Trainer:
-    from poros.engine.trainer import ResidentTrainer
+    from poros.engine.methods.trainer import ResidentTrainer
 
     return ResidentTrainer(store, cfg, world)
 
 
 def _resident_gc(store, cfg: TrainConfig, world: World) -> Trainer:
-    from poros.engine.trainer import ResidentGCTrainer
+    from poros.engine.methods.trainer import ResidentGCTrainer
 
     return ResidentGCTrainer(store, cfg, world)
 
 
 def _resident_gc_offload(store, cfg: TrainConfig, world: World) -> Trainer:
-    from poros.engine.trainer import ResidentGCOffloadTrainer
+    from poros.engine.methods.trainer import ResidentGCOffloadTrainer
 
     return ResidentGCOffloadTrainer(store, cfg, world)
 
 
-_RUN = {  # what each method needs beyond its facts (poros.engine.method_info.INFO)
+_RUN = {  # what each method needs beyond its facts (poros.engine.methods.method_info.INFO)
     Method.POROS: dict(factory=_poros),
     Method.RESIDENT: dict(factory=_resident),
     Method.RESIDENT_GC: dict(factory=_resident_gc),
@@ -77,12 +78,12 @@ FINETUNE_METHODS = tuple(m for m, s in METHODS.items() if s.finetune)  # what `p
 
 def make_trainer(method: Method, store, cfg: TrainConfig, world: World | None = None) -> Trainer:
     """An in-process trainer of `method` on `store`; with a `world` of several ranks, data-parallel
-    (poros.engine.distributed).
+    (poros.engine.parallel.distributed).
 
     Raises:
         ValueError: `method` is measured in a child process (poros.harness.unsloth).
     """
-    from poros.engine.distributed import SINGLE
+    from poros.engine.parallel.distributed import SINGLE
 
     spec = METHODS[method]
     if spec.factory is None:

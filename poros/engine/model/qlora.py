@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from poros.config import LoRACompute, TrainConfig
-from poros.engine.dropout import DropoutKeys, key_lora_dropout
-from poros.engine.head import use_chunked_loss
-from poros.engine.lora_compute import lora_in_activation_dtype
-from poros.engine.attention_chunk import use_chunked_attention
-from poros.engine.mlp_chunk import use_chunked_mlp
+from poros.engine.model.dropout import DropoutKeys, key_lora_dropout
+from poros.engine.model.head import use_chunked_loss
+from poros.engine.model.lora_compute import lora_in_activation_dtype
+from poros.engine.model.attention_chunk import use_chunked_attention
+from poros.engine.model.mlp_chunk import use_chunked_mlp
 from poros.errors import ConfigError
 from poros.models.skeleton import decoder_layers, skeleton
 from poros.store.arena import NF4Store, SlotTensors, slot_tensors

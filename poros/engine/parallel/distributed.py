@@ -14,7 +14,7 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT). NCCL on CUDA, gloo on the CPU.
 - One host copy of the store per host (`share_store`): the host's first rank builds it into shared memory
   (memfd) and the host's other ranks map the same pages, each pinning them for its own GPU.
 - A shared stream (`shard_stream`): each rank copies its share of every streamed block from that host copy
-  and the ranks all-gather the rest (poros/engine/buffers.py) in a process group of their own
+  and the ranks all-gather the rest (poros/engine/runtime/buffers.py) in a process group of their own
   (`gather_group`), so the weights' gathers and the gradients' are two sequences of collectives, each
   issued in one order on every rank.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from poros.engine.launch import LAUNCH_ENV, launched
+from poros.engine.parallel.launch import LAUNCH_ENV, launched
 from poros.errors import CapabilityError, PorosError
 from poros.store.arena import NF4Store
 from poros.store.layout import align

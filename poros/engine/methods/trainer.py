@@ -16,16 +16,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
-from poros.engine.attention import BackendLog, sdpa_context
-from poros.engine.buffers import resolved
-from poros.engine.compiling import (compile_layers, enable_deterministic_compile, install_layer_compilation,
+from poros.engine.model.attention import BackendLog, sdpa_context
+from poros.engine.runtime.buffers import resolved
+from poros.engine.model.compiling import (compile_layers, enable_deterministic_compile, install_layer_compilation,
                                     keep_mlp_eager)
-from poros.engine.data import Batch, synthetic_step
-from poros.engine.distributed import SINGLE, World, rank_ordered_mean, reduce_mean
-from poros.engine.host_saved import HostSaved, saved_host_limit
+from poros.engine.methods.data import Batch, synthetic_step
+from poros.engine.parallel.distributed import SINGLE, World, rank_ordered_mean, reduce_mean
+from poros.engine.runtime.host_saved import HostSaved, saved_host_limit
 from poros.engine.planning.plan import Plan
-from poros.engine.qlora import QLoRAModel
-from poros.engine.schedule import learning_rate
+from poros.engine.model.qlora import QLoRAModel
+from poros.engine.methods.schedule import learning_rate
 from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
 from poros.store.arena import NF4Store
@@ -209,7 +209,7 @@ class Trainer(abc.ABC):
         return norm
 
     def optimizer_step(self) -> None:
-        """Clip, set the step's learning rate (poros/engine/schedule.py), update, drop the gradients.
+        """Clip, set the step's learning rate (poros/engine/methods/schedule.py), update, drop the gradients.
         Under data parallelism the gradients are reduced over the ranks already (in `accumulate`)."""
         self.clip_gradients()
         lr = learning_rate(self.cfg, self.steps_done)
@@ -221,7 +221,7 @@ class Trainer(abc.ABC):
 
     def counters(self, deferred: bool = False) -> dict:
         """What the last step did beside its arithmetic (bytes copied, and when); `deferred`: its device timings
-        left on the device, for `StepResult` to read when asked (`poros.engine.buffers.resolved`)."""
+        left on the device, for `StepResult` to read when asked (`poros.engine.runtime.buffers.resolved`)."""
         return {}
 
     def leave_host_memory(self, nbytes: int) -> None:
@@ -307,7 +307,7 @@ class ResidentTrainer(Trainer):
     def _distribute(self) -> None:
         """The model under DistributedDataParallel: LoRA gradients reduced in the last micro-batch's backward
         (the others run under `no_sync`), each bucket by `rank_ordered_mean`, poros's arithmetic (an all-reduce
-        would add the ranks in an order that depends on the bucket: poros/engine/distributed.py says why).
+        would add the ranks in an order that depends on the bucket: poros/engine/parallel/distributed.py says why).
         Frozen weights and buffers are left out of its bucketing and broadcasts: every rank builds them from the
         same store."""
         frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
@@ -375,7 +375,7 @@ class ResidentGCTrainer(ResidentTrainer):
 
 class ResidentGCOffloadTrainer(ResidentGCTrainer):
     """resident_gc with every checkpointed layer's input, and what the head saves, in host memory from its
-    forward to its backward (poros/engine/host_saved.py, as torch.autograd.graph.save_on_cpu keeps them): the
+    forward to its backward (poros/engine/runtime/host_saved.py, as torch.autograd.graph.save_on_cpu keeps them): the
     reference at lengths where resident_gc's saved inputs do not fit the device beside the model. The same
     kernels read the same bytes, so its bits are resident_gc's (tests/engine/test_resident_gc.py gates that).
     `host_budget` bounds its host memory as it bounds poros's (the store and the saved tensors together): the

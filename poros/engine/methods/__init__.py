@@ -1,0 +1,1 @@
+"""The methods a matrix compares: the training-step API, resident QLoRA, the poros executor, and their registry."""

@@ -1,0 +1,1 @@
+"""Data parallelism over torch.distributed, and what a launcher tells a process through its environment."""
