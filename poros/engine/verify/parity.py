@@ -15,6 +15,7 @@ from poros.engine.parallel.distributed import SINGLE, agree, share_store
 from poros.engine.runtime.allocator_limit import AllocatorLimit
 from poros.engine.methods.registry import make_trainer
 from poros.engine.verify.parity_digest import Digest
+from poros.engine.verify.step_state import StepState
 from poros.engine.methods.trainer import Trainer, deterministic_kernels
 from poros.store.arena import slot_tensors
 
@@ -106,16 +107,6 @@ def compare_base_weights(cmp: Comparator, resident: Trainer, poros: Trainer) -> 
             ok &= cmp.equal(f"{slot.name}.weight.nested_absmax", state.state2.absmax, t.nested_absmax)
             ok &= cmp.equal(f"{slot.name}.weight.offset", state.offset, t.offset)
     return ok
-
-
-@dataclass
-class StepState:
-    """What the gate compares after one optimizer step of one side."""
-
-    losses: list
-    grads: dict
-    weights: dict
-    adamw: dict
 
 
 def take_step(trainer: Trainer, step: int, to_host: bool = False) -> StepState:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from poros.engine.verify.step_state import StepState
 from poros.errors import PorosError
 
 FORMAT = 2  # 2: the gate's fingerprint and a checksum of the file's contents
@@ -82,8 +83,6 @@ class DigestReference:
     @classmethod
     def of(cls, recorded) -> DigestReference:
         """The digests of a `RecordedReference`'s initial weights and recorded steps."""
-        from poros.engine.verify.parity import StepState
-
         with ThreadPoolExecutor() as pool:
             states = [StepState([Digest(tensor_digest(x), float(x)) for x in s.losses], _digests(s.grads, pool),
                                 _digests(s.weights, pool), _digests(s.adamw, pool)) for s in recorded.states]
@@ -118,8 +117,6 @@ class DigestReference:
             DigestsRefused: the file is unreadable, cut short or of another format, its contents do not match its
                 checksum (edited or damaged), or it is another gate's (its fingerprint, or a checksum other than
                 the run recorded); naming the file and which."""
-        from poros.engine.verify.parity import StepState
-
         def digests(d: dict) -> dict:
             return {n: None if h is None else Digest(h) for n, h in d.items()}
 
