@@ -15,7 +15,7 @@ from poros.finetune.config import resolve as resolve_run
 from poros.harness.cells import cell_config, matrix_cells, settings_line
 from poros.harness.matrix import parse_matrix
 from poros.resolve import DEVICE_DEFAULTS, RULES, problems, with_defaults
-from poros.settings import add_arguments
+from poros.cli.flags import add_arguments
 
 RUN = {"model": "tiny-qwen2", "data": "data.jsonl", "out": "runs/a", "steps": 10}
 

@@ -10,7 +10,8 @@ from poros import resolve
 from poros.config import Method, TrainConfig
 from poros.engine.methods.registry import METHODS
 from poros.errors import ConfigError
-from poros.settings import COMPUTED, RUN, SCHEDULE, add_arguments, from_arguments
+from poros.cli.flags import add_arguments, from_arguments
+from poros.settings import COMPUTED, RUN, SCHEDULE
 
 EPILOG = """examples:
   poros parity --model tiny-qwen3 --steps 3 --block-size 2 --seq-len 128

@@ -14,7 +14,7 @@ from poros.engine.planning.search import PlanRequest
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_seq_len
-from poros.settings import add_arguments
+from poros.cli.flags import add_arguments
 from poros.sizes import format_size, is_auto, parse_size
 from poros.store.host_memory import available_host_memory
 

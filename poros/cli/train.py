@@ -16,7 +16,7 @@ from poros.engine.methods.registry import FINETUNE_METHODS
 from poros.errors import PorosError
 from poros.finetune.config import RUN_FILE, override_words, parse_overrides, read_run_file, resolve
 from poros.harness import preflight as checks
-from poros.settings import add_arguments, from_arguments
+from poros.cli.flags import add_arguments, from_arguments
 
 EPILOG = """examples:
   poros train --model ./Qwen3-32B --data chats.jsonl --out runs/qwen3 --steps 1000
@@ -74,7 +74,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the plan, the data's sequences and tokens, and exit "
                                                           "without training or writing the run folder")
-    add_arguments(p)  # the settings table's flags (poros/settings.py)
+    add_arguments(p)  # the settings table's flags (poros/cli/flags.py)
     p.set_defaults(run=run)
 
 

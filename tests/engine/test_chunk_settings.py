@@ -9,7 +9,7 @@ import pytest
 
 from poros.config import TrainConfig
 from poros.errors import ConfigError
-from poros.settings import add_arguments, from_arguments
+from poros.cli.flags import add_arguments, from_arguments
 
 CHUNKS = ["loss_chunk", "mlp_chunk", "attention_chunk"]
 

@@ -241,7 +241,7 @@ def test_every_problem_at_once():
 def test_flags_come_from_the_settings_table():
     import argparse
 
-    from poros.settings import add_arguments, from_arguments
+    from poros.cli.flags import add_arguments, from_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
