@@ -1,7 +1,7 @@
 """The package's import graph, read from every import statement (at module top, inside a function, or under
-TYPE_CHECKING): no two modules import each other, however long the way round; the engine's modules live in its
-subpackages, one folder a concern; and each of the engine's folders imports only the folders listed after it in
-poros/engine/__init__.py."""
+TYPE_CHECKING): every import of the package names one of its modules (none left under a moved module's old name); no
+two modules import each other, however long the way round; the engine's modules live in its subpackages, one folder a
+concern; and each of the engine's folders imports only the folders listed after it in poros/engine/__init__.py."""
 
 from __future__ import annotations
 
@@ -121,9 +121,32 @@ def floor_breaches(graph: dict[str, set[str]], engine: str, floors: tuple[str, .
                   if floor(a) is not None and floor(b) is not None and floor(b) < floor(a))
 
 
+def missing_modules(files: list[Path], modules: dict[str, Path], package: str = "poros") -> list[str]:
+    """`file:line imports MODULE` for each absolute import of a module of `package` that `modules` has not (a module
+    moved or renamed, its old name still imported)."""
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            bad += [f"{path}:{node.lineno} imports {n}" for n in names
+                    if (n == package or n.startswith(package + ".")) and n not in modules]
+    return bad
+
+
 def test_no_module_of_the_package_imports_itself_round_a_circle():
     found = circles(import_graph(PACKAGE))
     assert found == [], "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_every_import_of_the_package_names_one_of_its_modules():
+    folders = ("poros", "tests", "suites", "scripts", "experiments")
+    files = [p for folder in folders for p in (ROOT / folder).rglob("*.py")]
+    assert missing_modules(sorted(files), module_names(PACKAGE)) == []
 
 
 def test_the_engine_keeps_its_modules_in_subpackages():
@@ -185,3 +208,13 @@ def test_a_module_loose_in_the_engine_and_an_import_up_a_floor_are_found(tmp_pat
     assert loose_modules(engine) == ["stray.py"]
     graph = import_graph(engine)
     assert floor_breaches(graph, "engine", ENGINE_FLOORS) == ["engine.runtime.buffers -> engine.methods.trainer"]
+
+
+def test_an_import_of_a_module_that_moved_is_found(tmp_path):
+    """Negative control: imports of a module by its old name (at the top and inside a function) are named; an import
+    of a name from a module that exists, and of another package whose name only begins alike, are not."""
+    tool = tmp_path / "tool.py"
+    tool.write_text("from poros.engine.trainer import Trainer\nimport porosity\n"
+                    "from poros.engine.methods.trainer import Trainer as T\ndef f():\n    import poros.engine.parity\n")
+    assert missing_modules([tool], module_names(PACKAGE)) == [f"{tool}:1 imports poros.engine.trainer",
+                                                              f"{tool}:5 imports poros.engine.parity"]
