@@ -228,7 +228,10 @@ def _model_identity(name: str) -> str:
 
 
 def _known_model(name: str) -> bool:
-    return name in SHAPES or Path(name).expanduser().is_dir()
+    try:
+        return name in SHAPES or Path(name).expanduser().is_dir()
+    except OSError:  # a name too long for a path (ENAMETOOLONG) names no folder
+        return False
 
 
 def parse_matrix(data, source: str = "<matrix>") -> Matrix:
