@@ -45,3 +45,8 @@ class CapabilityError(PorosError):
 
 class BudgetError(PorosError):
     """No plan fits the device memory the user allows."""
+
+
+class WriteError(PorosError):
+    """A file, or standard output, could not be written (a full disk, a file-size limit, a read-only folder):
+    the message names what and where; nothing that looks whole was left half-written."""

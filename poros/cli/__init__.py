@@ -10,7 +10,8 @@ import sys
 import warnings
 
 from poros.engine.launch import launched
-from poros.errors import PorosError
+from poros.cli.streams import console_streams
+from poros.errors import PorosError, WriteError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
 
@@ -108,7 +109,18 @@ RANKED = ("parity", "train")  # commands that run as one rank of several under t
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The command line: one subcommand, its status returned; standard output and error as `console_streams`
+    makes them."""
+    with console_streams():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except WriteError as e:  # --help or a usage line that standard output or error could not take
+        print(f"poros: error: {e}", file=sys.stderr)
+        return 2
     quiet()
     try:
 
@@ -121,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
 
             set_cublas_workspace()
         preflight(args)
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # the last of standard output, delivered or reported here
+        return code
     except PorosError as e:
         prefix = f"poros {args.command}: "  # a check that names the command itself
         print(f"{prefix}error: {str(e).removeprefix(prefix)}", file=sys.stderr)

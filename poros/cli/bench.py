@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from poros.cli.report import add_reference_argument, reference_path
+from poros.cli.streams import ConsoleStream
 from poros.common.folders import OutputLock, ensure_folder
 from poros.errors import PorosError
 from poros.harness import preflight
@@ -121,11 +122,13 @@ class RunLog:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        self.terminal = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
+        # the terminal as the command line's own standard error behaves: escapes, a reader gone is silence
+        self.terminal = ConsoleStream(os.fdopen(os.dup(self._saved[1]), "w", buffering=1, errors="backslashreplace"),
+                                      "error")
         # Python's own streams too, wherever they pointed (pytest prints its usage errors there)
         self._streams = (sys.stdout, sys.stderr)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
         return self
 
     def __exit__(self, *exc) -> None:
