@@ -13,6 +13,7 @@ from poros.cli.report import add_reference_argument, reference_path
 from poros.cli.streams import ConsoleStream
 from poros.common.folders import OutputLock, ensure_folder
 from poros.errors import PorosError
+from poros.paths import path_arg
 from poros.harness import preflight
 from poros.harness.compare import load_compare_source, parse_compare_fail
 from poros.harness.matrix import resolve_matrix_path
@@ -46,8 +47,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run benchmark matrices", epilog=EPILOG)
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     m = bsub.add_parser("matrix", help="run every cell of a matrix file", epilog=EPILOG)
-    m.add_argument("file", help="matrix file or name (cpu, h200, b300, a100)")
-    m.add_argument("-o", "--out", default="out", help="output folder (default: out/)")
+    m.add_argument("file", type=path_arg, help="matrix file or name (cpu, h200, b300, a100)")
+    m.add_argument("-o", "--out", default="out", type=path_arg, help="output folder (default: out/)")
     m.add_argument("--steps", type=int, help="steps per pass (default: the matrix's; fewer is a reduced run, flagged "
                                              "in the report)")
     m.add_argument("--passes", type=int, help="timed passes (default: the matrix's; fewer is a reduced run)")
@@ -60,7 +61,7 @@ def add_parser(sub) -> None:
                    help="stop between passes before MIN minutes have passed (exit 75; --resume continues): a pass is "
                         "judged by the last one timed; a cell's first warm-up, with no pass to judge it by, "
                         "starts whatever time is left")
-    m.add_argument("--benchmark-compare", metavar="PATH",
+    m.add_argument("--benchmark-compare", metavar="PATH", type=path_arg,
                    help="compare each timed cell with the same cell in PATH, an earlier run's benchmark.json "
                         "(the table is in OUT/bench.log)")
     m.add_argument("--benchmark-compare-fail", metavar="EXPR", nargs="+", action="extend",
@@ -71,8 +72,8 @@ def add_parser(sub) -> None:
     st = bsub.add_parser("status", help="where a run in parts stands: cells done, passes kept, what each part took",
                          epilog="examples:\n  poros bench status matrices/h200.yaml -o results/h200\n",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    st.add_argument("file", help="the run's matrix file or name")
-    st.add_argument("-o", "--out", required=True, help="the run's output folder")
+    st.add_argument("file", type=path_arg, help="the run's matrix file or name")
+    st.add_argument("-o", "--out", required=True, type=path_arg, help="the run's output folder")
     st.set_defaults(run=run_status)
 
 

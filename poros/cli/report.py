@@ -6,6 +6,7 @@ import re
 import sys
 
 from poros.errors import PorosError
+from poros.paths import path_arg
 from poros.harness.preflight import check_reference, check_report_paths
 from poros.harness.report import (
     OFFICIAL_REFERENCE,
@@ -39,7 +40,7 @@ against sequence length, gradient accumulation and GPUs).
 
 def add_reference_argument(p) -> None:
     """`--reference [CSV]`, shared with `poros bench matrix`: alone, the official figures."""
-    p.add_argument("--reference", nargs="?", const=True, metavar="CSV",
+    p.add_argument("--reference", nargs="?", const=True, metavar="CSV", type=path_arg,
                    help="reference figures to set beside the measured ones; alone: the official B300 and A100 "
                         "figures (reports/reference/official.csv)")
 
@@ -54,8 +55,8 @@ def reference_path(value):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="render results (JSON Lines) into Markdown tables and a PNG", epilog=EPILOG)
-    p.add_argument("results", nargs="+", metavar="RESULTS.jsonl", help="results files written by `poros bench`")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.md", help="Markdown file to write")
+    p.add_argument("results", nargs="+", metavar="RESULTS.jsonl", type=path_arg, help="results files written by `poros bench`")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.md", type=path_arg, help="Markdown file to write")
     add_reference_argument(p)
     p.add_argument("--title", metavar="T", help="title prefix (default: 'Poros — Validation Results')")
     p.add_argument("--sweep", action="store_true",

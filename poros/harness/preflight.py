@@ -199,12 +199,15 @@ def check_report_paths(inputs, output, reference=None) -> None:
     Raises:
         PorosError: naming the output and why it cannot be written.
     """
+    from poros.paths import check_input, resolved
+
     out = Path(output)
     if out.is_dir():
         raise PorosError(f"-o {output} is a folder, expected a .md file name, e.g. -o {out / 'report.md'}")
-    written = {out.resolve(), out.with_suffix(".png").resolve()}
+    written = {resolved(out, "-o"), resolved(out.with_suffix(".png"), "-o")}
     for given in [*inputs, *([reference] if reference else [])]:
-        if Path(given).resolve() in written:
+        check_input(given, "results file" if given != reference else "--reference")
+        if resolved(given, "results file") in written:
             raise PorosError(f"-o {output} would write over the input {given}; a command never writes over its own "
                              f"input: pass another file, e.g. -o {out.with_name('report.md')}")
     if out.suffix.lower() != ".md":
