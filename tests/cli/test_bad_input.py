@@ -47,3 +47,56 @@ def test_a_loop_of_symbolic_links_as_a_path_is_one_line(capsys, tmp_path):
     (tmp_path / "to-pages").symlink_to(tmp_path / "pages")
     assert main(["report", str(tmp_path / "link.jsonl"), "-o", str(tmp_path / "to-pages" / "r.md")]) == 0
     assert (tmp_path / "pages" / "r.md").is_file()
+
+
+# --- rows a page cannot claim ratios from ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("s_per_step_median", float("nan"), "field s_per_step_median: expected a positive finite number or null, got nan"),
+    ("s_per_step_median", -1.0, "field s_per_step_median: expected a positive finite number or null, got -1.0"),
+    ("s_per_step_median", float("inf"), "field s_per_step_median: expected a positive finite number or null, got inf"),
+    ("s_per_step_median", 0, "field s_per_step_median: expected a positive finite number or null, got 0"),
+    ("s_per_step_std", float("-inf"), "field s_per_step_std: expected a finite number >= 0 or null, got -inf"),
+    ("per_pass_s", [1.0, float("nan")], "field per_pass_s: expected a list of positive finite seconds"),
+    ("tokens_per_s", -5.0, "field tokens_per_s: expected a positive finite number or null"),
+], ids=["median=nan", "median=-1", "median=inf", "median=0", "std=-inf", "per_pass=nan", "tokens=-5"])
+def test_a_row_whose_time_is_not_a_positive_finite_number_is_refused_by_file_line_and_field(
+        capsys, tmp_path, field, value, named):
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(method="resident"), fixture_row(**{field: value})])
+    one_line_refusal(capsys, main(["report", str(results), "-o", str(tmp_path / "r.md")]), f"{results}:2: {named}")
+    assert not (tmp_path / "r.md").exists()
+    write_jsonl(results, [fixture_row(method="resident"), fixture_row()])  # control: the same rows, timed
+    assert main(["report", str(results), "-o", str(tmp_path / "r.md")]) == 0
+    assert "3.57×" in (tmp_path / "r.md").read_text()  # 1.2345 / 0.3456
+
+
+def test_a_sweep_page_of_rows_that_predate_the_gate_field_names_the_reference_as_the_reference(tmp_path):
+    """`--sweep` over rows without `gate` (results/cpu's) renders; the reference's row says it is the gate's
+    reference, never "vs resident"; the gated row says what it was held to where the row names it."""
+    from tests.cli.test_streams import ROOT
+
+    assert main(["report", str(ROOT / "results/cpu/results.jsonl"), "-o", str(tmp_path / "s.md"), "--sweep"]) == 0
+    page = (tmp_path / "s.md").read_text()
+    resident = [x for x in page.splitlines() if "| resident |" in x]
+    assert resident and all("PASS (as the gate's reference)" in x for x in resident), resident
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(method="resident", gate="resident", parity_steps=3),
+                          fixture_row(gate="resident", parity_steps=3)])
+    assert main(["report", str(results), "-o", str(tmp_path / "t.md"), "--sweep"]) == 0
+    page = (tmp_path / "t.md").read_text()
+    assert "| PASS (3 steps, as the gate's reference) |" in page and "| PASS (3 steps, vs resident) |" in page, page
+
+
+@pytest.mark.parametrize("warmup,said", [(0, "with no warm-up pass"), (1, "after a discarded warm-up pass"),
+                                         (2, "after 2 discarded warm-up passes")])
+def test_a_page_says_how_many_warm_up_passes_were_discarded(tmp_path, warmup, said):
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(method="resident", warmup_passes=warmup), fixture_row(warmup_passes=warmup)])
+    assert main(["report", str(results), "-o", str(tmp_path / "r.md")]) == 0
+    page = (tmp_path / "r.md").read_text()
+    assert f"each cell 200 steps × 3 passes {said} in its process" in page, page
+    assert ("(no warm-up;" in page) is (warmup == 0)
+    assert main(["report", str(results), "-o", str(tmp_path / "s.md"), "--sweep"]) == 0
+    assert ("then was timed with no warm-up pass" in (tmp_path / "s.md").read_text()) is (warmup == 0)

@@ -11,12 +11,12 @@ from poros.harness.report.floor import FLOOR_NOTE, with_floors
 from poros.harness.report.plots import plot, plot_title, sweep_figures
 from poros.harness.report.rows import latest, load_reference, load_results, named_as_reference, on_cpu
 from poros.harness.report.sweep import (
-    SWEEP_INTRO,
     UNSLOTH_NOTE,
     attention_table,
     backends_table,
     floor_table,
     scaling_table,
+    sweep_intro,
     sweep_rows,
     sweep_table,
     unsloth_table,
@@ -78,7 +78,7 @@ def render_sweep_markdown(df: pd.DataFrame, title: str | None = None, plots=()) 
     """The sweep page: every row, each streamed step against its floors, data-parallel scaling, math against the
     fast path, the attention backends, provenance, then the plots (heading, PNG name) it links."""
     rows = with_floors(sweep_rows(df))
-    parts = [f"# {title or 'Poros — plans measured'}", SWEEP_INTRO, sweep_table(rows)]
+    parts = [f"# {title or 'Poros — plans measured'}", sweep_intro(rows), sweep_table(rows)]
     sections = (("Against the floors", FLOOR_NOTE, floor_table), ("Beside Unsloth", UNSLOTH_NOTE, unsloth_table),
                 ("Data-parallel scaling", "Tokens/s under data parallelism against the same plan on one GPU of "
                  "the same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling_table),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -95,14 +96,29 @@ SECTIONS = ("config", "provenance")  # mappings every row holds
 TEXTS = ("matrix", "model", "stack", "arch")
 
 
+# measured times and rates: a ratio of them is a page's claim, so each is a positive finite number (JSON admits
+# NaN and Infinity; a NaN would read as "not run", a negative time as a speed-up)
+POSITIVE = ("s_per_step_median", "tokens_per_s", "copy_floor_s", "link_h2d_gbps", "copy_gbps")
+NOT_NEGATIVE = ("s_per_step_std", "peak_vram_gb", "bytes_h2d_per_step", "copy_hidden_share")  # finite, >= 0
+
+
 def field_problems(row: dict) -> list[str]:
-    """Fields of a row the report could not read as their kind: a number that is text, a section that is
-    null or not a mapping. Each names the field, what it holds and what it should."""
+    """Fields of a row the report could not read as their kind: a number that is text, a time that is not a
+    positive finite number, a section that is null or not a mapping. Each names the field, what it holds and what
+    it should."""
     out = []
     for k in NUMBERS:
         v = row.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             out.append(f"field {k}: expected a number or null, got {v!r}")
+        elif v is not None and k in POSITIVE and not (math.isfinite(v) and v > 0):
+            out.append(f"field {k}: expected a positive finite number or null, got {v!r}")
+        elif v is not None and k in NOT_NEGATIVE and not (math.isfinite(v) and v >= 0):
+            out.append(f"field {k}: expected a finite number >= 0 or null, got {v!r}")
+    passes = row.get("per_pass_s")
+    if passes is not None and not (isinstance(passes, list) and all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in passes)):
+        out.append(f"field per_pass_s: expected a list of positive finite seconds, got {passes!r}")
     for k in SECTIONS:
         if not isinstance(row.get(k), dict):
             out.append(f"field {k}: expected a mapping, got {row.get(k)!r}")

@@ -164,6 +164,12 @@ def runs_text(df: pd.DataFrame) -> str:
     return uniq(steps_by_passes(s, p) for s, p in zip(df["steps"], df["passes"]))
 
 
+def warmup_text(df: pd.DataFrame) -> str:
+    """What came before the timed passes: `warm-up discarded`, or `no warm-up` where no row ran one."""
+    none = all(num(w) == 0 for w in df["warmup_passes"])
+    return "no warm-up" if none else "warm-up discarded"
+
+
 def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
     """A row per training setting (poros/settings.py): what is computed over every row, how poros
     schedules it over the poros rows (distinct values joined by "; "); a setting a row predates reads
@@ -207,7 +213,7 @@ def config_table(df: pd.DataFrame, hw: str) -> str:
     rows = [
         ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
         ("Precision", uniq(cfg("precision")).upper()),
-        ("Steps × passes", f"{runs_text(df)} (warm-up discarded; median ± std across passes)"),
+        ("Steps × passes", f"{runs_text(df)} ({warmup_text(df)}; median ± std across passes)"),
         *_setting_rows(df),
         ("Dataset", uniq(f"`{d}`" for d in cfg("dataset") if d)),
         ("Methods", ", ".join(by_value(m).label for m in methods)),
@@ -322,10 +328,14 @@ def protocol_line(df: pd.DataFrame) -> str:
     timed = df[df["status"] == "ok"].to_dict("records")
     if not timed:
         return ""
-    def measured(r: dict) -> str:  # a cell's timed passes and the warm-up discarded before them
+    def measured(r: dict) -> str:  # a cell's timed passes and the warm-up passes discarded before them
+        runs, passes = steps_by_passes(r["steps"], r["passes"]), num(r.get("warmup_passes"))
         warm = num(r.get("warmup_pass_steps", r.get("warmup_steps")))
-        return (f"{steps_by_passes(r['steps'], r['passes'])} after a discarded "
-                f"{'warm-up pass' if warm is None else f'{warm:g}-step warm-up'}")
+        if passes == 0:
+            return f"{runs} with no warm-up pass"
+        if passes is not None and passes > 1:
+            return f"{runs} after {passes:g} discarded warm-up passes" + ("" if warm is None else f" of {warm:g} steps")
+        return f"{runs} after a discarded {'warm-up pass' if warm is None else f'{warm:g}-step warm-up'}"
 
     protocols = uniq((measured(r) for r in timed), sep="; ")
     gated = [r for r in timed if text_or_none(r.get("parity")) is not None and is_planned(r["method"])]
