@@ -87,7 +87,9 @@ def preflight(args) -> None:
         checks.check_device(device, "--device")
     model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)
     if model and isinstance(seq_len, int) and seq_len > 0:
-        problems = checks.model_problems([model], seq_len)
+        rank = getattr(args, "lora_rank", None)
+        problems = checks.model_problems([model], seq_len, rank if isinstance(rank, int) and rank > 0 else None,
+                                         getattr(args, "lora_targets", None))
         if problems:
             raise PorosError("; ".join(problems))
 

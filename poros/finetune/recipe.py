@@ -44,7 +44,7 @@ from poros.finetune.plan_line import dry_plan, plan_line
 from poros.finetune.run_folder import check_resume, own_run_folder, prepare_out, write_atomic
 from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
-from poros.models.skeleton import check_seq_len
+from poros.models.skeleton import check_lora_rank, check_seq_len
 from poros.paths import check_input
 from poros.provenance import provenance
 from poros.store.nf4_checkpoint import is_bnb_checkpoint
@@ -114,6 +114,7 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
     check_seq_len(src.config, cfg.seq_len)
     linears = layer_linear_names(src.config)
     cfg = cfg.replace(lora_targets=resolve_targets(linears, cfg.lora_targets))
+    check_lora_rank(src.config, cfg.lora_rank, cfg.lora_targets)
     fc = dataclasses.replace(fc, train=cfg)
     start = before["checkpoint"]["step"] if before is not None else 0
     bar = Progress(fc.steps, start, tty=progress) if world.main and not dry_run else _Quiet()

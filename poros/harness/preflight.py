@@ -18,6 +18,7 @@ from poros.harness.report import load_reference
 from poros.models.checkpoint import resolve
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
+    check_lora_rank,
     check_seq_len,
     check_supported,
     decoder_layers,
@@ -66,9 +67,10 @@ def check_device(device: str, where: str) -> None:
                           f"with a CUDA build of torch")
 
 
-def model_problems(models, seq_len: int) -> list[str]:
+def model_problems(models, seq_len: int, lora_rank: int | None = None, lora_targets=None) -> list[str]:
     """Problems knowable from each model's config alone: an unreadable checkpoint folder, layers
-    Poros cannot quantize, and `seq_len` beyond the model's max_position_embeddings."""
+    Poros cannot quantize, `seq_len` beyond the model's max_position_embeddings, and `lora_rank` beyond the
+    smallest dimension of a linear it adapts (`lora_targets`, default every target)."""
 
     problems = []
     for model in models:
@@ -78,6 +80,11 @@ def model_problems(models, seq_len: int) -> list[str]:
                 check_seq_len(src.config, seq_len, model)
             except ConfigError as e:
                 problems.extend(e.problems)
+            if lora_rank is not None:
+                try:
+                    check_lora_rank(src.config, lora_rank, lora_targets or LORA_TARGETS, model)
+                except ConfigError as e:
+                    problems.extend(e.problems)
             if src.checkpoint is not None:  # registered shapes are known to be supported
                 list_name, layers = decoder_layers(skeleton(src.config))
                 check_supported(src.name, layers, list_name)
@@ -98,7 +105,9 @@ def check_matrix(m) -> None:
         ConfigError: listing every problem.
     """
     seq_len = max(p.get("seq_len", m.seq_len) for p in m.points())  # the longest the sweep asks for
-    problems = model_problems(m.models, seq_len) + reference_problems(m)
+    rank = max(m.settings_for(m.models[0], p, method).get("lora_rank", m.lora_rank) for p in m.points()
+               for method in m.methods)  # the largest any cell asks for
+    problems = model_problems(m.models, seq_len, rank, m.lora_targets) + reference_problems(m)
     problems += plan_problems(m) if not problems else []
     if problems:
         raise ConfigError(problems, m.source)

@@ -100,3 +100,47 @@ def test_a_page_says_how_many_warm_up_passes_were_discarded(tmp_path, warmup, sa
     assert ("(no warm-up;" in page) is (warmup == 0)
     assert main(["report", str(results), "-o", str(tmp_path / "s.md"), "--sweep"]) == 0
     assert ("then was timed with no warm-up pass" in (tmp_path / "s.md").read_text()) is (warmup == 0)
+
+
+# --- settings beyond what the model or the environment can take -------------------------------------
+
+
+def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused_naming_both(capsys, tmp_path):
+    from tests.cli.test_cli_errors import _matrix
+
+    named = "lora_rank: 65 exceeds tiny-qwen2's smallest adapted dimension, 64 (model.layers.0.self_attn.k_proj)"
+    one_line_refusal(capsys, main(["parity", "--model", "tiny-qwen2", "--lora-rank", "65", "--steps", "1",
+                                   "--seq-len", "64", "--device", "cpu"]), named)
+    one_line_refusal(capsys, main(["bench", "matrix", _matrix(tmp_path, lora_rank=65), "-o", str(tmp_path / "o")]),
+                     named)
+    assert not (tmp_path / "o").exists()
+    one_line_refusal(capsys, main(["plan", "--model", "tiny-qwen2", "--lora-rank", "100000", "--device", "cpu"]),
+                     "lora_rank: 100000 exceeds the model's smallest adapted dimension, 64")
+    # controls: the largest rank the model takes, and a rank that exceeds only a linear the run does not adapt
+    assert main(["plan", "--model", "tiny-qwen2", "--lora-rank", "64", "--device", "cpu"]) == 0
+    assert main(["validate", _matrix(tmp_path, lora_rank=65, lora_targets=["q_proj", "o_proj"])]) == 0
+    capsys.readouterr()
+
+
+def test_a_graph_warm_up_count_that_is_not_a_number_names_the_variable(monkeypatch):
+    from poros.engine.graphs import graph_warmup
+    from poros.errors import PorosError
+
+    for junk in ("junk", "-1", "1.5"):
+        monkeypatch.setenv("POROS_GRAPH_WARMUP", junk)
+        with pytest.raises(PorosError, match=f"POROS_GRAPH_WARMUP: expected a whole number >= 0 .* got '{junk}'"):
+            graph_warmup()
+    monkeypatch.setenv("POROS_GRAPH_WARMUP", "2")  # controls: a count, and the variable unset
+    assert graph_warmup() == 2
+    monkeypatch.delenv("POROS_GRAPH_WARMUP")
+    assert graph_warmup() == 0
+
+
+def test_importing_the_engine_with_a_junk_graph_warm_up_is_no_error():
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import poros.engine.graphs"], capture_output=True, text=True,
+                          env={**os.environ, "POROS_GRAPH_WARMUP": "junk"}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
