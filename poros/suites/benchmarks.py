@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.utils import safe_dumps
 
+from poros.common.atomic import write_atomic
 from poros.errors import PorosError
 from poros.harness.compare import current_name, load_compare_source
 from poros.suites.session import matrix_of
@@ -116,9 +117,28 @@ def _write_with_earlier(config, data: dict) -> None:
     earlier = getattr(config, "_poros_benchmarks", [])
     mine = {b.get("fullname") for b in data.get("benchmarks", [])}
     data["benchmarks"] = [b for b in earlier if b.get("fullname") not in mine] + data.get("benchmarks", [])
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(safe_dumps(data, ensure_ascii=True, indent=4))  # as pytest-benchmark writes it
-    tmp.replace(path)
+    write_atomic(path, safe_dumps(data, ensure_ascii=True, indent=4), "the benchmark record",  # as pytest-benchmark
+                 "the file stays as it was")
+
+
+def save_atomically(config) -> None:
+    """pytest-benchmark writes its JSON at the session's end by opening the file for writing, which a full disk
+    leaves cut short (and its error ends pytest in a traceback): its session writes it through `write_atomic`
+    instead; a write that fails keeps the earlier file and stops the run as any failed record does."""
+    bs, path = getattr(config, "_benchmarksession", None), json_path(config)
+    if bs is None or path is None or not hasattr(bs, "save_json"):
+        return
+
+    def save_json(output_json):
+        try:
+            write_atomic(path, safe_dumps(output_json, ensure_ascii=True, indent=4), "the benchmark record",
+                         "the file stays as it was")
+        except PorosError as e:
+            state = getattr(config, "_poros_session", None)
+            if state is not None:
+                state.write_failed = state.write_failed or str(e)
+
+    bs.save_json = save_json
 
 
 def checkpoint(config) -> None:
@@ -150,4 +170,9 @@ def append_earlier(config) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             data = None
         if isinstance(data, dict):
-            _write_with_earlier(config, data)
+            try:
+                _write_with_earlier(config, data)
+            except PorosError as e:  # the session's own JSON stays as pytest-benchmark wrote it
+                state = getattr(config, "_poros_session", None)
+                if state is not None:
+                    state.write_failed = state.write_failed or str(e)
