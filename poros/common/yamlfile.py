@@ -74,7 +74,8 @@ def _expanded(node, sizes: dict, open_: set) -> int:
 
 def load_yaml(text: str):
     """Parse YAML text with `YamlLoader`; a document whose aliases would expand it past `MAX_VALUES` values (or
-    into a value that holds itself) is refused before anything is built from it.
+    into a value that holds itself) is refused before anything is built from it, as is one nested deeper than
+    Python's recursion reaches.
 
     Raises:
         yaml.YAMLError: the text is not valid YAML (callers name their file in the message).
@@ -86,5 +87,8 @@ def load_yaml(text: str):
             return None
         _expanded(node, {}, set())
         return loader.construct_document(node)
+    except RecursionError:  # PyYAML composes and constructs nested values recursively
+        raise yaml.YAMLError("its values are nested too deeply (thousands of levels of [ or {); a matrix or config "
+                             "nests a few") from None
     finally:
         loader.dispose()

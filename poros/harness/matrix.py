@@ -337,9 +337,14 @@ def resolve_matrix_path(name_or_path: str) -> Path:
     Raises:
         ConfigError: naming what was looked for and the matrices known by name.
     """
+    from poros.paths import unreadable
+
     p = Path(name_or_path)
     if p.is_file():
         return p
+    why = unreadable(p)
+    if why:
+        raise ConfigError([f"matrix {name_or_path!r} {why}; pass a matrix file (YAML) or a name"], "matrix")
     for candidate in (Path("matrices") / f"{name_or_path}.yaml", MATRICES / f"{name_or_path}.yaml"):
         if candidate.is_file():
             return candidate

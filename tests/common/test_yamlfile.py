@@ -57,3 +57,11 @@ def test_poros_validate_refuses_an_alias_bomb_in_one_line(tmp_path):
         assert main(["validate", str(path)]) == 1
     text = out.getvalue()
     assert "expand it to more than 100,000 values" in text and len(text) < 500, text[:500]
+
+
+@pytest.mark.parametrize("text", ["a: " + "[" * 100_000 + "]" * 100_000 + "\n",
+                                  "a: " + "{b: " * 50_000 + "1" + "}" * 50_000 + "\n"], ids=["lists", "mappings"])
+def test_values_nested_deeper_than_recursion_reaches_are_one_yaml_error(text):
+    with pytest.raises(yaml.YAMLError, match="nested too deeply"):
+        load_yaml(text)
+    assert load_yaml("a: [[[1]]]\n") == {"a": [[[1]]]}  # control: a few levels load
