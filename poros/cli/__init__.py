@@ -14,6 +14,7 @@ from poros.cli.streams import console_streams
 from poros.errors import PorosError, WriteError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
+from poros.settings import check_values
 
 SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate")
 
@@ -88,8 +89,9 @@ def preflight(args) -> None:
     model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)
     if model and isinstance(seq_len, int) and seq_len > 0:
         rank = getattr(args, "lora_rank", None)
-        problems = checks.model_problems([model], seq_len, rank if isinstance(rank, int) and rank > 0 else None,
-                                         getattr(args, "lora_targets", None))
+        if rank is not None and check_values({"lora_rank": rank})[1]:
+            rank = None  # not a rank at all: the settings' own check says so
+        problems = checks.model_problems([model], seq_len, rank, getattr(args, "lora_targets", None))
         if problems:
             raise PorosError("; ".join(problems))
 

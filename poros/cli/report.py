@@ -14,6 +14,7 @@ from poros.harness.report import (
     latest,
     load_results,
     results_table,
+    timing_warning,
     write_report,
 )
 
@@ -79,7 +80,8 @@ def run(args) -> int:
     else:
         print(f"wrote {out} and {out.with_suffix('.png')}")
         for hw, g in latest(df).groupby("hardware", sort=False):
-            print(f"\nResults — {hw}\n{results_table(g)}")
+            warning = timing_warning(g)
+            print(f"\nResults — {hw}\n" + (f"{warning}\n\n" if warning else "") + results_table(g))
     failed = failures(df, sweep=args.sweep)
     if failed:
         print(f"poros report: {len(failed)} cell(s) FAIL: " + "; ".join(failed), file=sys.stderr)

@@ -14,12 +14,15 @@ from poros.errors import WriteError
 
 
 class ConsoleStream:
-    """A text stream (sys.stdout or sys.stderr) whose write and flush turn a closed reader into silence and any
-    other failure into `WriteError`; everything else is the stream's own."""
+    """A text stream (sys.stdout or sys.stderr, or a log written through them) whose write and flush turn a closed
+    reader into silence and any other failure into `WriteError` naming `what` (with `keep_going`, into `failure`,
+    which the owner reports when it is done: a run does not stop because its log filled the disk); everything else
+    is the stream's own."""
 
-    def __init__(self, stream, name: str):
-        self._stream, self._name = stream, name
+    def __init__(self, stream, what: str, keep_going: bool = False):
+        self._stream, self._what, self._keep_going = stream, what, keep_going
         self.gone = False  # the reader went away, or the device failed: later output is dropped
+        self.failure: str | None = None  # with keep_going: why the output stopped
 
     def _drop(self) -> None:
         """Send what the stream still buffers, and everything after, to /dev/null: the interpreter's own flush
@@ -44,7 +47,9 @@ class ConsoleStream:
             self._drop()
             if e.errno == errno.EPIPE:
                 return None
-            raise WriteError(f"cannot write to standard {self._name} ({e.strerror or e})") from None
+            self.failure = f"cannot write {self._what} ({e.strerror or e})"
+            if not self._keep_going:
+                raise WriteError(self.failure) from None
         return None
 
     def write(self, text: str) -> int:
@@ -76,7 +81,7 @@ def console_streams():
     saved = sys.stdout, sys.stderr
     for stream in saved:
         _escaping(stream)
-    sys.stdout, sys.stderr = ConsoleStream(saved[0], "output"), ConsoleStream(saved[1], "error")
+    sys.stdout, sys.stderr = ConsoleStream(saved[0], "to standard output"), ConsoleStream(saved[1], "to standard error")
     try:
         yield
         sys.stdout.flush()
