@@ -231,7 +231,7 @@ def _out_of_time(session, e: OutOfTime, where: str = ""):
     """A cell the time budget stopped: skipped, and the part stops there (`--resume` continues it); one that could
     not end within a whole budget fails, naming what to change (a part as long would stop it again)."""
     if e.never:
-        pytest.fail(str(e), pytrace=False)
+        raise pytest.fail.Exception(str(e), pytrace=False) from None
     session.stopped = True
     pytest.skip(f"time budget reached{' ' + where if where else ''} ({e}); --resume continues")
 

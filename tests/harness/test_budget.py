@@ -127,3 +127,27 @@ def test_a_budget_spent_before_anything_ran_exits_without_the_retry_status_and_r
     parts = [r for r in result_rows(results.with_name("passes.jsonl")) if r["kind"] == "part"]
     assert len(parts) == 1 and parts[0]["stopped"] and parts[0]["max_minutes"] == 1e-09
     assert not results.exists() or not results.read_text()
+
+
+@pytest.mark.slow  # the suites end to end in a subprocess
+@pytest.mark.parametrize("changes, flags, failing", [
+    ({"steps": 10**12}, [], ["method:poros", "method:resident"]),
+    ({}, ["--parity-steps=1000000000"], ["gate:parity", "method:poros", "method:resident"]),
+], ids=["steps=1e12", "parity-steps=1e9"])
+def test_a_run_whose_pass_or_gate_can_never_end_within_the_budget_ends_in_time_naming_it(tmp_path, changes, flags,
+                                                                                          failing):
+    """The run ends well within `--max-minutes 0.5` (it used to run on forever), each cell the pass or gate belongs
+    to fails in one line naming what to change, and the gate that cannot end runs once, not once per cell; the
+    control, the same matrix with steps that fit, ends 0."""
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"], "parity_steps": 1, **changes}
+    t0 = time.monotonic()
+    proc, _ = run_suite(tmp_path, matrix, "--max-minutes=0.5", *flags)
+    assert proc.returncode == 1, why(proc)
+    assert time.monotonic() - t0 < 200, "the run ended at the budget, not after it"
+    assert f"{len(failing)} failed" in proc.stdout.splitlines()[-1], why(proc)
+    assert all(any(x.startswith("FAILED ") and cell in x for x in proc.stdout.splitlines()) for cell in failing)
+    said = [x for x in proc.stdout.splitlines() if "cannot end within --max-minutes 0.5 (30 s): it takes at least" in x]
+    assert len(said) >= len(failing) and "During handling" not in proc.stdout, why(proc)
+    (tmp_path / "control").mkdir()
+    control, _ = run_suite(tmp_path / "control", {**matrix, "steps": 2}, "--max-minutes=10")
+    assert control.returncode == 0, why(control)
