@@ -68,6 +68,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     reference = reference_path(args.reference)
     check_report_paths(args.results, args.output, reference)  # never over its own input
+    if args.title is not None and ("\n" in args.title or "\r" in args.title or not args.title.strip()):
+        raise PorosError(f"--title: expected one line of text (the page's heading), got {args.title[:80]!r}")
     if reference and args.sweep:
         raise PorosError("--reference and --sweep: a sweep page has no reference table; leave one out")
     if reference:

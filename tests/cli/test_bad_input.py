@@ -144,3 +144,37 @@ def test_importing_the_engine_with_a_junk_graph_warm_up_is_no_error():
     done = subprocess.run([sys.executable, "-c", "import poros.engine.graphs"], capture_output=True, text=True,
                           env={**os.environ, "POROS_GRAPH_WARMUP": "junk"}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("steps", 0, "field steps: expected an integer >= 1, got 0"),
+    ("passes", -2, "field passes: expected an integer >= 1, got -2"),
+    ("warmup_passes", 1.5, "field warmup_passes: expected an integer >= 0, got 1.5"),
+], ids=["steps=0", "passes=-2", "warmup=1.5"])
+def test_a_row_whose_protocol_counts_are_not_counts_is_refused(capsys, tmp_path, field, value, named):
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(method="resident"), fixture_row(**{field: value})])
+    one_line_refusal(capsys, main(["report", str(results), "-o", str(tmp_path / "r.md")]), f"{results}:2: {named}")
+    write_jsonl(results, [fixture_row(method="resident"), fixture_row(warmup_passes=0)])  # control: 0 warm-ups
+    assert main(["report", str(results), "-o", str(tmp_path / "r.md")]) == 0
+
+
+@pytest.mark.parametrize("title", ["line one\nline two", "   "], ids=["newline", "blank"])
+def test_a_title_that_is_not_one_line_is_refused(capsys, tmp_path, title):
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(method="resident"), fixture_row()])
+    one_line_refusal(capsys, main(["report", str(results), "-o", str(tmp_path / "r.md"), "--title", title]),
+                     "--title: expected one line of text")
+    assert main(["report", str(results), "-o", str(tmp_path / "r.md"), "--title", "Poros — mine"]) == 0
+    assert (tmp_path / "r.md").read_text().startswith("# Poros — mine (")
+
+
+def test_a_matrix_path_that_is_a_fifo_or_a_device_says_so(capsys, tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["validate", str(tmp_path / "fifo"), "/dev/null"]) == 1
+    out = capsys.readouterr().out
+    assert "is a FIFO (named pipe), not a file" in out and "'/dev/null' is a character device" in out, out
+    one_line_refusal(capsys, main(["bench", "matrix", str(tmp_path / "fifo"), "-o", str(tmp_path / "o")]),
+                     "is a FIFO (named pipe), not a file")

@@ -100,6 +100,7 @@ TEXTS = ("matrix", "model", "stack", "arch")
 # NaN and Infinity; a NaN would read as "not run", a negative time as a speed-up)
 POSITIVE = ("s_per_step_median", "tokens_per_s", "copy_floor_s", "link_h2d_gbps", "copy_gbps")
 NOT_NEGATIVE = ("s_per_step_std", "peak_vram_gb", "bytes_h2d_per_step", "copy_hidden_share")  # finite, >= 0
+COUNTS = {"steps": 1, "passes": 1, "warmup_passes": 0}  # whole numbers a row's protocol is made of, and their least
 
 
 def field_problems(row: dict) -> list[str]:
@@ -115,6 +116,8 @@ def field_problems(row: dict) -> list[str]:
             out.append(f"field {k}: expected a positive finite number or null, got {v!r}")
         elif v is not None and k in NOT_NEGATIVE and not (math.isfinite(v) and v >= 0):
             out.append(f"field {k}: expected a finite number >= 0 or null, got {v!r}")
+        elif v is not None and k in COUNTS and not (math.isfinite(v) and v == int(v) and v >= COUNTS[k]):
+            out.append(f"field {k}: expected an integer >= {COUNTS[k]}, got {v!r}")
     passes = row.get("per_pass_s")
     if passes is not None and not (isinstance(passes, list) and all(
             isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in passes)):
