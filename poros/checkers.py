@@ -9,7 +9,7 @@ import enum
 import math
 from typing import Callable, Literal
 
-from poros.sizes import parse_size
+from poros.sizes import is_auto, parse_size
 
 
 def returns(type_) -> Callable[[Callable], Callable]:
@@ -147,7 +147,7 @@ def _optional_int(v, least: int, wanted: str, auto: bool = False):
     auto as itself."""
     if v is None or v == "none":
         return None
-    if auto and v == "auto":
+    if auto and is_auto(v):
         return v
     if isinstance(v, str) and v.isdigit():
         v = int(v)

@@ -39,7 +39,7 @@ from poros.checkers import (
     sequence_length,
 )
 from poros.choices import Accumulation, Attention, Device, LoRACompute, LRSchedule, Placement
-from poros.sizes import format_size
+from poros.sizes import AUTO, format_size
 
 COMPUTED, SCHEDULE, RUN = "computed", "schedule", "run"
 
@@ -116,7 +116,7 @@ SETTINGS: tuple[Setting, ...] = (
             report_default=False),
     Setting("max_grad_norm", None, COMPUTED, optional_positive_number,
             "clip the LoRA gradients to this global L2 norm before each optimizer step (after the data-parallel "
-            "all-reduce)", "Gradient clipping (global norm)", metavar="NORM", default_help="none: no clipping",
+            "reduction of the gradients)", "Gradient clipping (global norm)", metavar="NORM", default_help="none: no clipping",
             report_default=False),
     Setting("lora_dropout", 0.0, COMPUTED, dropout_share,
             "dropout on the LoRA input; each mask is drawn from (seed, step, micro-batch, module), so every method "
@@ -202,7 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
             "that fit the VRAM and host budgets (without a vram_budget, every one)", "Regenerated inputs (layers)",
             metavar="N", report_default=False,
             default_help="none: every one input_stride allows"),
-    Setting("host_budget", "auto", SCHEDULE, optional_size,
+    Setting("host_budget", AUTO, SCHEDULE, optional_size,
             "poros: host memory the NF4 store and the saved inputs kept in host memory may take together (100GB, "
             "120GiB, or auto: /proc/meminfo's MemAvailable, within a cgroup's memory limit, less a tenth of it as headroom, "
             "plus the store the process holds already; none: unchecked); a plan that needs more is refused. "
@@ -285,6 +285,8 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
                   default_text: dict | None = None) -> None:
     """Command-line flags for the settings of `kinds` (each flag's default is None: unset). `defaults`
     shows other default values, `default_text` words them (a command whose defaults depend on the device)."""
+    from poros import resolve  # the device defaults and the rules read this table
+
     for s in SETTINGS:
         if not s.cli or s.kind not in kinds:
             continue
@@ -293,11 +295,11 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
         elif defaults and s.name in defaults:
             shown = s.show(defaults[s.name])
         else:
-            shown = s.default_help or s.show(s.default)
+            shown = resolve.default_text(s.name) or s.default_help or s.show(s.default)
         help_ = f"{s.help} (default: {shown})"
         if s.check is flag:
             parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True, help=help_)
-            if s.default:  # a flag on by default gets a --no- form
+            if s.default or any(d.get(s.name) for d in resolve.DEVICE_DEFAULTS.values()):  # on by default somewhere
                 parser.add_argument("--no-" + s.flag[2:], dest=s.name, action="store_const", const=False,
                                     help=f"turn off {s.flag}")
         else:

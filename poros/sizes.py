@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+AUTO = "auto"  # a size left to be measured where the run is (a budget: what the device or host has free)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -22,8 +23,8 @@ def parse_size(value) -> int | str:
             raise ValueError(f"expected a size > 0, got {value!r}")
         return int(value)
     text = str(value).strip().lower().replace(" ", "")
-    if text == "auto":
-        return "auto"
+    if text == AUTO:
+        return AUTO
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
     if not m or m.group(2) not in _UNITS:
         raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
@@ -31,6 +32,11 @@ def parse_size(value) -> int | str:
     if n <= 0:
         raise ValueError(f"expected a size > 0, got {value!r}")
     return n
+
+
+def is_auto(value) -> bool:
+    """Whether a size setting's value is `auto` (to be measured), not a byte count or none."""
+    return isinstance(value, str) and value == AUTO
 
 
 def format_size(n: int | str | None) -> str:

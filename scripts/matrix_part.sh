@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One part of a matrix run in parts, on a GPU machine without a package index, from the repository root with
 # .devpkgs/ copied along (scripts/stage_device.sh), e.g.
-#   scripts/matrix_part.sh matrices/h200-long-context.yaml results/h200-long-context 8.5
+#   scripts/matrix_part.sh matrices/h200-long-context.yaml results/h200-long-context/32k 8.5
 #   scripts/matrix_part.sh matrices/h200-copy-floor.yaml results/h200-copy-floor 8.5 -k "plan:24GB"
 # Arguments: MATRIX, RESULTS (the run's folder: the first part creates it, a later part continues from the rows
 # and passes an earlier part of the same commit left there; `--resume` refuses another commit's), MINUTES (`--max-minutes`: no pass starts that would end past it; default 8.5), then any further
@@ -25,7 +25,7 @@ mkdir -p "$out" "$results"
 nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader > "$results/gpu.txt" || true
 cat "$results/gpu.txt"
 copy_out() {
-  for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt; do
+  for f in results.jsonl passes.jsonl benchmark.json bench.log report.md gpu.txt matrix.yaml; do
     [ -f "$results/$f" ] && cp "$results/$f" "$out/"
   done
   if compgen -G "$results/gate-references/*.json.gz" > /dev/null; then

@@ -2,16 +2,19 @@
 poros against resident QLoRA under DistributedDataParallel, a negative control that leaves one layer's
 gradients unreduced, and the host's shared store; with `shard`, the shared stream (shard_stream: each rank
 copies its share of every streamed block, an all-gather completes it) against the same reference, a negative
-control whose gather leaves the other ranks' share stale, and the bytes each rank copies and gathers. Rank 0
-writes one JSON object to the path given.
+control whose gather leaves the other ranks' share stale, and the bytes each rank copies and gathers; with
+`order`, one step of poros and of resident_gc_offload against resident and a negative control whose reducer
+adds the ranks in reverse order, on every world from the ranks launched down to two (`fewer_ranks`: one launch,
+one store). Rank 0 writes one JSON object to the path given.
 
-    torchrun --nproc-per-node 2 tests/distributed_worker.py OUT.json tiny-qwen3 [cpu|cuda] [shard]"""
+    torchrun --nproc-per-node 2 tests/distributed_worker.py OUT.json tiny-qwen3 [cpu|cuda] [shard|order]"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,20 +22,41 @@ import torch.distributed as dist
 
 from poros.config import Method, TrainConfig
 from poros.engine.planning import plan as P
-from poros.engine.distributed import close_world, init_world, share_store
+from poros.engine.distributed import World, close_world, init_world, share_store
 from poros.engine.methods import make_trainer
 from poros.engine.parity import parity
 
 
-def main(out: Path, model: str, device: str, shard: bool = False) -> None:
+def main(out: Path, model: str, device: str, mode: str = "") -> None:
     world = init_world(device)
     store, _ = share_store(model, seed=0, device=device, world=world)
     # math attention: the same kernels run to run on CUDA too (seq 64: bitsandbytes' CPU kernels need >= 64 tokens)
     cfg = TrainConfig(model=model, seq_len=64, grad_accum=2, block_size=2, device=device, attention="math")
-    report = shared_stream(cfg, store, world) if shard else data_parallel(cfg, store, world, device)
-    if world.main:
-        out.write_text(json.dumps({"world_size": world.size, **report}))
+    if mode == "order":  # each world from the launched one down to two ranks; the ranks left out are done
+        report = {"world_size": world.size, "worlds": {}}
+        while True:
+            report["worlds"][world.size] = rank_order(cfg.replace(grad_accum=1), store, world)
+            if world.size == 2 or (world := fewer_ranks(world, world.size - 1)) is None:
+                break
+    else:
+        report = shared_stream(cfg, store, world) if mode == "shard" else data_parallel(cfg, store, world, device)
+        report = {"world_size": world.size, **report}
+    if world is not None and world.main:
+        out.write_text(json.dumps(report))
     close_world()
+
+
+def fewer_ranks(world: World, size: int) -> World | None:
+    """The first `size` ranks go on as a world of their own (a new default process group, over the launcher's
+    store); the others get None and are done. Every rank keeps the store it mapped."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if world.rank >= size:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"world{size}/", store), rank=world.rank,
+                            world_size=size)
+    return World(world.rank, size, world.local_rank, size)
 
 
 def data_parallel(cfg, store, world, device) -> dict:
@@ -56,6 +80,20 @@ def data_parallel(cfg, store, world, device) -> dict:
             "arena_shared": "poros-store-arena" in maps, "dense_shared": "poros-store-dense" in maps,
             "checksums_equal": all(torch.equal(s, sums[0]) for s in sums), "losses": losses,
             "pinned": device == "cuda" and store.pinned}
+
+
+def rank_order(cfg, store, world) -> dict:
+    """One step of poros and of resident_gc_offload (DDP, checkpointed layers, inputs in host memory) against
+    resident under DDP, and the control: poros's reducer adding the ranks in reverse order, which from three
+    ranks on gives other bits (with two, a + b == b + a)."""
+    gate = parity(cfg, steps=1, store=store, world=world)
+    offload = parity(cfg, steps=1, store=store, world=world, method=Method.RESIDENT_GC_OFFLOAD)
+
+    def reversed_order(ref, mine):
+        mine.reducer.order = mine.reducer.order[::-1]
+
+    control = parity(cfg, steps=1, store=store, world=world, mutate=reversed_order)
+    return {"gate": gate.__dict__, "offload": offload.__dict__, "control": control.__dict__}
 
 
 def shared_stream(cfg, store, world) -> dict:
@@ -85,4 +123,4 @@ def shared_stream(cfg, store, world) -> dict:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "cpu",
-         len(sys.argv) > 4 and sys.argv[4] == "shard")
+         sys.argv[4] if len(sys.argv) > 4 else "")

@@ -1,5 +1,6 @@
-"""tox.ini: each env pins the stack a matrix pins under its name (torch with its CUDA build), installs it from
-the index of that build, and runs scripts/tox_stack.py: the stack check, or a matrix's cells with ARGS."""
+"""tox.ini: each env pins the stack the matrices pin under its name, installs it from the default index under its
+constraints file (torch's CUDA build is the default wheel's, checked by torch.version.cuda at run time), and runs
+scripts/tox_stack.py: the stack check (the parity tests, then the CPU matrix on its stack), or a matrix's cells."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from poros.harness.matrix import load_matrix
+from poros.harness.matrix import MATRICES, load_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 INI = configparser.ConfigParser(interpolation=None)
@@ -46,24 +47,71 @@ def factor_lines(key: str, env: str) -> list[str]:
 
 
 def pins(env: str) -> dict[str, str]:
-    return dict(line.split("==") for line in factor_lines("deps", env))
+    return dict(line.split("==") for line in factor_lines("deps", env) if "==" in line)
+
+
+def constraints(env: str) -> dict[str, str]:
+    """The versions constraints/ENV.txt pins, by package name."""
+    path = ROOT / "constraints" / f"{env}.txt"
+    lines = [x.strip() for x in path.read_text().splitlines() if x.strip() and not x.startswith("#")]
+    return {name.lower(): version for name, version in (x.split("==") for x in lines)}
+
+
+def pinning_matrices() -> dict[str, list]:
+    """{stack name: [(matrix, stack), ...]} of every shipped matrix that pins a stack."""
+    out: dict[str, list] = {}
+    for path in sorted(MATRICES.glob("*.yaml")):
+        m = load_matrix(str(path))
+        for s in m.stacks:
+            if not s.is_current:
+                out.setdefault(s.name, []).append((m.name, s))
+    return out
 
 
 def test_envs_pin_the_stacks_of_the_same_name():
-    stacks = {s.name: s for s in load_matrix("b300").stacks}
-    assert ENVS == ["torch210", "torch212"] and set(ENVS) <= set(stacks)
+    """Every matrix that pins a stack pins the versions its env installs; torch's build is the matrix's to state
+    (the index's version carries none)."""
+    pinned = pinning_matrices()
+    assert ENVS == ["torch210", "torch212"] and set(pinned) == set(ENVS)
     for env in ENVS:
-        s = stacks[env]
-        assert pins(env) == {"torch": s.torch, "transformers": s.transformers, "bitsandbytes": s.bitsandbytes}, env
-    assert pins("torch210")["torch"] == "2.10.0+cu128" and pins("torch212")["transformers"] == "5.10.1"
+        assert {m for m, _ in pinned[env]} == {"b300", f"cpu-{env}"}, pinned[env]
+        for matrix, s in pinned[env]:
+            want = {"torch": s.torch.partition("+")[0], "transformers": s.transformers, "bitsandbytes": s.bitsandbytes}
+            assert pins(env) == want, (env, matrix)
+    assert pins("torch210")["torch"] == "2.10.0" and pins("torch212")["transformers"] == "5.10.1"
+    assert {s.torch for _, s in pinned["torch210"]} == {"2.10.0+cu128"}
 
 
-def test_each_env_installs_from_the_index_of_its_build():
+def test_each_env_installs_from_the_default_index_under_its_constraints():
+    """No env names an index of its own (a machine whose only index is the default one installs every env) or a
+    `+build` pin (the default index serves none); each installs under constraints/ENV.txt, which pins its stack's
+    versions and every other package it installs."""
+    text = (ROOT / "tox.ini").read_text()
+    assert "INDEX_URL" not in text and "find-links" not in text.lower()
     for env in ENVS:
-        build = pins(env)["torch"].partition("+")[2]
-        (index,) = [line for line in factor_lines("set_env", env) if line.startswith("PIP_EXTRA_INDEX_URL")]
-        assert index.endswith(f"/whl/{build}"), (env, index)
+        assert all("+" not in v for v in pins(env).values()), pins(env)
+        assert f"-c constraints/{env}.txt" in [x.replace("{env_name}", env) for x in factor_lines("deps", env)]
+        fixed = constraints(env)
+        assert {k: fixed[k] for k in pins(env)} == pins(env), env
+        assert {"peft", "accelerate", "pytest-benchmark", "numpy"} <= set(fixed), env
     assert INI["testenv"]["constrain_package_deps"].strip() == "true"  # poros's dependencies cannot move a pin
+
+
+def test_tox_ini_names_no_path_outside_the_checkout():
+    """The project works from a plain clone: tox.ini reaches nothing above its folder nor any absolute path."""
+    assert outside_paths((ROOT / "tox.ini").read_text()) == []
+
+
+def outside_paths(text: str) -> list[str]:
+    """Paths in `text` outside the checkout: `../x`, `/x` (not a URL's), `~/x`."""
+    return re.findall(r"(?:^|[\s=:,\"'(])((?:\.\./|~/|/(?!/))[\w./-]+)", "\n".join(
+        x for x in text.splitlines() if not x.lstrip().startswith("#")))
+
+
+def test_outside_paths_are_found():
+    """Negative control: each form is found; `{toxinidir}`, relative paths and URLs are not."""
+    text = "deps = -r ../elsewhere/req.txt\nx = /opt/data/a\ny = ~/w\nz = {toxinidir}/a constraints/b.txt https://h/p"
+    assert outside_paths(text) == ["../elsewhere/req.txt", "/opt/data/a", "~/w"]
 
 
 def test_envs_run_the_stack_helper_and_tox_is_declared():
@@ -90,9 +138,14 @@ def test_tox_reads_the_same_configuration():
 
 def test_stack_helper_runs_the_stack_check_or_the_matrix_given():
     ts = _tox_stack()
-    check = ts.commands("/tmp/env", [])
+    check = ts.commands("/tmp/env", [], "cpu-torch210")
     assert [c[2:] for c in check] == [["pytest", "-p", "no:cacheprovider", "tests/engine/test_parity.py"],
-                                      ["poros", "bench", "matrix", "matrices/cpu.yaml", "-o", "/tmp/env/out"]]
+                                      ["poros", "bench", "matrix", "matrices/cpu-torch210.yaml", "-o", "/tmp/env/out"]]
+    assert ts.commands("/tmp/env", [])[1][5] == "matrices/cpu.yaml"  # the installed env's: the current stack
+    for env in ENVS:  # each env's stack check runs the CPU matrix on its stack
+        assert f"POROS_CPU_MATRIX = cpu-{env}" in [x.replace("{env_name}", env) for x in factor_lines("set_env", env)]
+        assert {s.name for s in load_matrix(f"cpu-{env}").stacks} == {env}
+    assert "POROS_CPU_MATRIX = cpu" in INI["testenv:installed"]["set_env"]
     (matrix,) = ts.commands("/tmp/env", ["--matrix=b300", "-k", "poros"])
     assert matrix[2:] == ["pytest", "-p", "no:cacheprovider", "suites/", "--matrix=b300", "-k", "poros"]
     assert ts.main([]) == 2  # no scratch folder given
@@ -102,9 +155,9 @@ def test_stack_helper_installs_the_unsloth_extra_under_the_pins():
     ts = _tox_stack()
     extra = ts.extra_requirements()
     assert extra and all(r.startswith("unsloth") for r in extra)  # pyproject's [unsloth] extra, as installed
-    cmd = ts.install_extra_command({"torch": "2.12.0+cu130", "transformers": "5.10.1", "bitsandbytes": None})
+    cmd = ts.install_extra_command({"torch": "2.12.0", "transformers": "5.10.1", "bitsandbytes": None})
     assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
-    assert cmd[4:] == [*extra, "torch==2.12.0+cu130", "transformers==5.10.1"]
+    assert cmd[4:] == [*extra, "torch==2.12.0", "transformers==5.10.1"]
 
 
 def test_benchmark_histogram_is_declared():
@@ -116,12 +169,11 @@ def test_benchmark_histogram_is_declared():
 
 
 def test_stack_helper_reads_the_installed_pins():
+    """As package metadata states them: an installed torch `2.10.0` satisfies the pin `torch==2.10.0`, which pip
+    then keeps; `2.10.0+cu128` would match no installed or indexed torch."""
     from importlib import metadata
 
-    from poros.harness.stacks import installed_torch
-
-    assert _tox_stack().installed() == {"torch": installed_torch(), "transformers": metadata.version("transformers"),
-                                        "bitsandbytes": metadata.version("bitsandbytes")}
+    assert _tox_stack().installed() == {pkg: metadata.version(pkg) for pkg in ("torch", "transformers", "bitsandbytes")}
 
 
 def test_the_installed_env_pins_and_installs_nothing():
@@ -140,7 +192,7 @@ def test_the_stack_helper_installs_no_extra_when_told(monkeypatch, tmp_path):
     ts = _tox_stack()
     ran = []
     monkeypatch.setattr(ts, "cuda_present", lambda: True)
-    monkeypatch.setattr(ts, "commands", lambda out, args: [])
+    monkeypatch.setattr(ts, "commands", lambda out, args, matrix: [])
     monkeypatch.setattr(ts.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     monkeypatch.setenv("POROS_STACK_EXTRA", "0")
     assert ts.main([str(tmp_path)]) == 0 and ran == []

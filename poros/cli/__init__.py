@@ -15,8 +15,10 @@ from poros.errors import PorosError, WriteError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
 from poros.settings import check_values
+from poros.sizes import is_auto
 
-SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate")
+SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate",
+               "docs")
 
 # Third-party notices that read like failures to a new user but change nothing Poros does; the
 # command line hides them (`poros bench` keeps pytest's warning summary in its log).
@@ -83,7 +85,7 @@ def preflight(args) -> None:
 
     device = getattr(args, "device", None)
     # a plan is made from shapes alone, for any device; only `--vram-budget auto` reads the device
-    planning = args.command == "plan" and getattr(args, "vram_budget", None) != "auto"
+    planning = args.command == "plan" and not is_auto(getattr(args, "vram_budget", None))
     if device is not None and not planning:
         checks.check_device(device, "--device")
     model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)

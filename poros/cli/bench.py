@@ -15,7 +15,7 @@ from poros.common.folders import OutputLock, ensure_folder
 from poros.errors import PorosError
 from poros.paths import path_arg
 from poros.harness import preflight
-from poros.harness.compare import load_compare_source, parse_compare_fail
+from poros.harness.compare import load_compare_source, parse_compare_fail, pass_length_problem
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
 from poros.harness.results import PassLog, ResultsWriter, keep_earlier, passes_path
@@ -27,7 +27,7 @@ EPILOG = """examples:
   poros bench matrix matrices/h200.yaml -o out/h200 -k "method:poros and plan:24GB"
   poros bench matrix matrices/h200.yaml -o out/h200 --resume      # continue a killed run
   poros bench matrix matrices/h200.yaml -o out/h200 --resume --max-minutes 8   # in parts: repeat until exit 0
-  poros bench matrix matrices/cpu.yaml -o out/now --benchmark-compare results/cpu/benchmark.json \
+  poros bench matrix matrices/cpu.yaml -o out/now --benchmark-compare results/cpu/benchmark.json \\
       --benchmark-compare-fail mean:25%          # exit 1 if a cell's mean pass is 25 % slower than then
 
 Cell ids read model:M-stack:S[-SETTING:V...]-method:M[-plan:P] (or gate:parity) and -k selects by any
@@ -75,17 +75,23 @@ def add_parser(sub) -> None:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("file", type=path_arg, help="the run's matrix file or name")
     st.add_argument("-o", "--out", required=True, type=path_arg, help="the run's output folder")
+    st.add_argument("--steps", type=int, help="the run's steps per pass (default: as its parts recorded them, else "
+                                             "the matrix's)")
+    st.add_argument("--passes", type=int, help="the run's timed passes (default: as its parts recorded them, else "
+                                              "the matrix's)")
     st.set_defaults(run=run_status)
 
 
 def run_status(args) -> int:
-    from poros.harness.progress import status_markdown
+    from poros.harness.progress import run_counts, status_markdown
 
     m = preflight.load_matrix(args.file)
+    preflight.check_counts("poros bench status", steps=args.steps, passes=args.passes)
     out = Path(args.out)
     if not (out / "results.jsonl").exists() and not (out / "passes.jsonl").exists():
         raise PorosError(f"{out}: no results.jsonl or passes.jsonl there: pass the output folder of a "
                          f"`poros bench matrix` run (-o)")
+    m = run_counts(m, out) if args.steps is None and args.passes is None else m.with_overrides(args.steps, args.passes)
     print(status_markdown(m, out), end="")
     return 0
 
@@ -213,7 +219,9 @@ def _preflight(args):
                          "to compare with, e.g. --benchmark-compare results/cpu/benchmark.json")
     parse_compare_fail(args.benchmark_compare_fail)
     if args.benchmark_compare:
-        load_compare_source(args.benchmark_compare)
+        problem = pass_length_problem(load_compare_source(args.benchmark_compare), args.steps or m.steps)
+        if problem:
+            raise PorosError(f"--benchmark-compare {args.benchmark_compare}: {problem}")
     device = matrix_device(m)
     preflight.check_runnable(m, device)
     if not args.keyword:  # with -k the suites check the models it selects, after collecting them
@@ -224,7 +232,7 @@ def _preflight(args):
 
 
 def run(args) -> int:
-    from poros.harness.console import interrupt_on_sigint
+    from poros.harness.console import interrupt_on_sigint, interrupted_by
 
     m = _preflight(args)
     out = ensure_folder(args.out)
@@ -232,9 +240,13 @@ def run(args) -> int:
         try:
             return _run_locked(args, m, out, lock)
         except KeyboardInterrupt:
-            print(f"\nporos bench: interrupted; finished cells are kept in {out / 'results.jsonl'}. "
-                  f"Continue with:\n  {command_line(args, resume=True)}", file=sys.stderr)
-            return 130
+            import signal
+
+            signum = interrupted_by() or signal.SIGINT
+            print(f"\nporos bench: interrupted ({signal.Signals(signum).name}); finished cells are kept in "
+                  f"{out / 'results.jsonl'}, their benchmarks in {out / 'benchmark.json'}. Continue with:\n  "
+                  f"{command_line(args, resume=True)}", file=sys.stderr)
+            return 128 + signum
 
 
 def _run_locked(args, m, out: Path, lock) -> int:

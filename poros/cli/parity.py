@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from poros import resolve
 from poros.config import Method, TrainConfig
 from poros.engine.methods import METHODS
 from poros.errors import ConfigError
@@ -19,9 +20,9 @@ EPILOG = """examples:
   poros parity --model qwen3-32b --device cuda --control   # resident vs resident: is this stack repeatable?
   poros parity --model qwen3-32b --device cuda --attention flash --deterministic --control
   poros parity --model qwen3-32b --device cuda --attention flash --deterministic --method resident_gc
-  poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \
+  poros parity --model qwen2.5-72b --device cuda --attention flash --deterministic --seq-len 16384 \\
       --gate resident_gc --sequential --vram-budget 24GB --offload-inputs --cuda-graphs --steps 2
-  poros parity --model qwen2.5-72b --device cuda --attention fast --deterministic --seq-len 65536 \
+  poros parity --model qwen2.5-72b --device cuda --attention fast --deterministic --seq-len 65536 \\
       --loss-chunk 4096 --gate resident_gc_offload --sequential --vram-budget 130GB --steps 1
   poros parity --model ./my-checkpoint --device cuda --attention math --grad-accum 2
   torchrun --nproc-per-node 2 -m poros parity --model qwen3-32b --device cuda --cuda-graphs --grad-accum 4
@@ -39,12 +40,14 @@ def add_train_args(p: argparse.ArgumentParser, kinds=None) -> None:
 
 
 def train_config(args):
-    """The TrainConfig the flags ask for (unset flags take the table's defaults; device: cuda when there)."""
+    """The TrainConfig the flags ask for: unset flags take the device's defaults (poros/resolve.py; device: cuda
+    when there), but for the VRAM budget, which stays none (every layer streamed) unless given: parity and plan look
+    at the streamed schedule unless asked about a budget."""
     import torch
-
 
     values = from_arguments(args)
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    values, _ = resolve.with_defaults(values, leave=("vram_budget",))
     return TrainConfig.from_settings(values, model=args.model)
 
 

@@ -15,7 +15,7 @@ from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_lora_rank, check_seq_len
 from poros.settings import add_arguments
-from poros.sizes import format_size, parse_size
+from poros.sizes import format_size, is_auto, parse_size
 from poros.store.host_memory import available_host_memory
 
 EPILOG = """examples:
@@ -96,7 +96,7 @@ def search_steps(args) -> tuple[int, int]:
             problems.append("--budget-step is the granularity of --smallest-budget: give that too, or drop it")
         try:
             budget = parse_size(args.budget_step)
-            if budget == "auto":
+            if is_auto(budget):
                 raise ValueError("expected a size such as 100MB or 1GiB, got 'auto'")
         except ValueError as e:
             problems.append(f"--budget-step: {e}")
@@ -131,7 +131,7 @@ def run(args) -> int:
     check_lora_rank(source.config, cfg.lora_rank, cfg.lora_targets)
     geo = Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant)
     device = None
-    if cfg.vram_budget == "auto" and cfg.device.value == "cuda":
+    if is_auto(cfg.vram_budget) and cfg.device.value == "cuda":
         import torch  # only `auto` touches the device
 
         from poros.engine.nvml import device_memory
@@ -141,7 +141,7 @@ def run(args) -> int:
                                   "finds none here; give the budget as a size, e.g. --vram-budget 24GB")
         device = device_memory(torch.device("cuda"))
     host = None
-    if cfg.host_budget == "auto" and cfg.device.value == "cuda" and _has_cuda():  # this machine runs it: its memory
+    if is_auto(cfg.host_budget) and cfg.device.value == "cuda" and _has_cuda():  # this machine runs it: its memory
         available = available_host_memory()  # the store not built yet
         host = None if available is None else HostMemory(available)
     found, head = {}, None  # a search's findings (--json) and its lines

@@ -17,6 +17,7 @@ from poros.harness.report import (
     timing_warning,
     write_report,
 )
+from poros.harness.report.check import RATIO_BAND, check_against
 
 EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md
@@ -24,6 +25,7 @@ EPILOG = """examples:
   poros report out/results.jsonl -o reports/h200.md --reference my_reference.csv
   poros report out/pr.jsonl out/un.jsonl -o reports/b300.md --title "Poros — Official Validation Results"
   poros report out/results.jsonl -o reports/h200-plans.md --sweep --title "Poros — plans on the H200"
+  poros report out/ci/results.jsonl -o out/ci/cpu.md --check-against results/cpu/results.jsonl
 
 Later files win: a row repeating a (matrix, model, stack, method, plan, sweep point) cell replaces the
 earlier one. Exits 1 when a cell FAILs (a failed run or a parity FAIL), after writing the report.
@@ -36,6 +38,10 @@ that is none of the inputs.
 each compared only with the reference of its own run on its own GPU, and a PNG per plot the rows hold
 (STEM-budget: s/step against VRAM over the plans' budgets; STEM-seq, STEM-accum, STEM-gpus: tokens/s
 against sequence length, gradient accumulation and GPUs).
+--check-against ROWS holds this page to a committed page of the same matrix (the rows it is rendered
+from): every cell's protocol (steps, passes, warm-up, settings, stack, bitsandbytes and peft) and parity
+must equal the committed cell's, each difference one line naming the cell, else exit 1; a slowdown vs
+resident outside --ratio-band (default 0.25: ±25%) of the committed one is printed as a warning.
 """
 
 
@@ -62,6 +68,11 @@ def add_parser(sub) -> None:
     p.add_argument("--title", metavar="T", help="title prefix (default: 'Poros — Validation Results')")
     p.add_argument("--sweep", action="store_true",
                    help="a sweep page: every row, ratios within one run on one GPU, a plot per swept axis")
+    p.add_argument("--check-against", metavar="ROWS.jsonl", nargs="+",
+                   help="the committed page's results files: protocol and parity must match them cell by cell")
+    p.add_argument("--ratio-band", type=float, default=RATIO_BAND, metavar="SHARE",
+                   help=f"with --check-against: warn where a slowdown differs more than this share from the "
+                        f"committed one (default {RATIO_BAND})")
     p.set_defaults(run=run)
 
 
@@ -74,6 +85,11 @@ def run(args) -> int:
         raise PorosError("--reference and --sweep: a sweep page has no reference table; leave one out")
     if reference:
         check_reference(reference)
+    if args.check_against and args.sweep:
+        raise PorosError("--check-against and --sweep: the check holds a matrix page to its committed one; leave one out")
+    if not args.ratio_band > 0:
+        raise PorosError(f"--ratio-band: expected a share > 0 (0.25 is ±25%), got {args.ratio_band!r}")
+    committed = load_results(args.check_against) if args.check_against else None
     out = write_report(args.results, args.output, reference_csv=reference, title=args.title, sweep=args.sweep)
     df = load_results(args.results)
     if args.sweep:
@@ -87,5 +103,26 @@ def run(args) -> int:
     failed = failures(df, sweep=args.sweep)
     if failed:
         print(f"poros report: {len(failed)} cell(s) FAIL: " + "; ".join(failed), file=sys.stderr)
+    if committed is not None and print_check(check_against(df, committed, args.ratio_band), args):
         return 1
-    return 0
+    return 1 if failed else 0
+
+
+def print_check(found, args) -> bool:
+    """Print what the check against the committed page found; whether it failed."""
+    against = " ".join(args.check_against)
+    for line in found.warnings:
+        print(f"warning: {line}")
+    if found.problems:
+        print(f"poros report: {out_name(args)} differs from the committed page ({against}) in "
+              f"{len(found.problems)} place(s):", file=sys.stderr)
+        for line in found.problems:
+            print(f"  - {line}", file=sys.stderr)
+        return True
+    print(f"checked against {against}: protocol and parity match in all {found.cells} cells; "
+          f"{len(found.warnings)} slowdown(s) outside ±{args.ratio_band:.0%} of the committed ones")
+    return False
+
+
+def out_name(args) -> str:
+    return str(args.output)

@@ -46,8 +46,6 @@ and accepts new schedule settings. Then: poros export --merge, poros generate.
 Prints one JSON line at the end; exit 0 when done, 130 when stopped by Ctrl-C (143: SIGTERM), 2 on bad input.
 """
 
-CUDA_DEFAULT_TEXT = {"attention": "fast on cuda, else default", "deterministic": "on with cuda, else off",
-                     "cuda_graphs": "on with cuda unless lora_dropout or keep_attention is given", "vram_budget": "auto on cuda, else none: stream every layer"}
 RANK_GRACE_S = 60  # after one rank fails, how long the others may take to fail or finish before they are ended
 
 
@@ -77,7 +75,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the plan, the data's sequences and tokens, and exit "
                                                           "without training or writing the run folder")
-    add_arguments(p, default_text=CUDA_DEFAULT_TEXT)  # the settings table's flags (poros/settings.py)
+    add_arguments(p)  # the settings table's flags (poros/settings.py)
     p.set_defaults(run=run)
 
 
@@ -122,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if fc.train.deterministic:
         set_cublas_workspace()  # before anything touches CUDA: cuBLAS reads it once per process
     if fc.train.gpus > 1 and not launched() and not args.dry_run:
+        checks.check_ranks(fc.train.gpus, device, "gpus")  # before any rank starts
         return run_ranks(override_words(fc) + (["--resume"] if args.resume else []), fc.train.gpus)
     world = init_world(device)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \

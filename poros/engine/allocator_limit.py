@@ -65,3 +65,17 @@ class AllocatorLimit:
         if self.expandable:
             set_allocator_settings("expandable_segments:False")
             self.expandable = False
+
+
+def held_text(device: torch.device) -> str:
+    """What torch's allocator holds on `device` now, as an error names it: its tensors, what it reserved, and the
+    share of that in CUDA graphs' private pools (every segment outside the default pool)."""
+    if device.type != "cuda":
+        return "no CUDA device"
+    stats = torch.cuda.memory_stats(device)
+    segments = torch.cuda.memory_snapshot()
+    pools = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    in_pools = sum(s["total_size"] for s in pools)
+    return (f"held {stats.get('allocated_bytes.all.current', 0) / 1e9:.2f} GB of tensors, "
+            f"{stats.get('reserved_bytes.all.current', 0) / 1e9:.2f} GB reserved, {in_pools / 1e9:.2f} GB of it in "
+            f"{len({tuple(s['segment_pool_id']) for s in pools})} CUDA-graph pool(s)")

@@ -165,18 +165,32 @@ class DeviceBuffers:
             event.record(torch.cuda.current_stream(self.device))
             self.free[key] = event
 
-    def counters(self) -> dict:
-        if self.cuda and (self._wait_events or self._copy_events):
-            torch.cuda.synchronize(self.device)
-            self.copy_wait_s += sum(a.elapsed_time(b) for a, b in self._wait_events) / 1e3
-            self.copy_s += sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
-            self._wait_events, self._copy_events = [], []
-        if self.cuda and self._gather_events:
-            torch.cuda.synchronize(self.device)
-            self.gather_s += sum(a.elapsed_time(b) for a, b in self._gather_events) / 1e3
-            self._gather_events = []
+    def counters(self, deferred: bool = False) -> dict:
+        """Bytes and copies since `reset_counters`, and the seconds the copies, the compute stream's waits for them
+        and the gathers took on the device; `deferred`: those seconds left to `resolved`, which waits for the
+        events only when the counters are read (no synchronization where the caller goes on enqueueing)."""
         out = {"bytes_h2d": self.bytes_h2d, "block_copies": self.loads, "copy_s": self.copy_s,
                "copy_wait_s": self.copy_wait_s}
         if self.plan.shards > 1:
             out.update(bytes_gathered=self.bytes_gathered, gather_s=self.gather_s)
-        return out
+        if self.cuda and (self._wait_events or self._copy_events or self._gather_events):
+            out[PENDING] = {"copy_wait_s": self._wait_events, "copy_s": self._copy_events,
+                            "gather_s": self._gather_events}
+            self._wait_events, self._copy_events, self._gather_events = [], [], []
+        return out if deferred else resolved(out)
+
+
+PENDING = "_pending_events"  # a counters dict's device timings not read yet: {field: [(start, end) events]}
+
+
+def resolved(counters: dict) -> dict:
+    """`counters` with the device timings it defers added to their fields (each waits for its last event)."""
+    pending = counters.get(PENDING)
+    if not pending:
+        return counters
+    out = {k: v for k, v in counters.items() if k != PENDING}
+    for name, events in pending.items():
+        if events:
+            events[-1][1].synchronize()
+            out[name] = out.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in events) / 1e3
+    return out

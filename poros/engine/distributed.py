@@ -1,22 +1,21 @@
 """Data parallelism over torch.distributed: each rank trains on its share of a step's micro-batches, the
-LoRA gradients are all-reduced, and every rank takes the same optimizer step.
+LoRA gradients are averaged over the ranks, and every rank takes the same optimizer step.
 
 Launch with `torchrun --nproc-per-node N poros ...` (any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT). NCCL on CUDA, gloo on the CPU.
 
-- Resident QLoRA (and resident_gc) run under torch's DistributedDataParallel: the reference.
+- Resident QLoRA (resident_gc, resident_gc_offload) runs under torch's DistributedDataParallel, its buckets
+  reduced by `rank_ordered_mean`: the reference.
 - Poros reduces a layer's LoRA gradients as soon as the backward of its last micro-batch is enqueued
   (`GradReducer`), overlapped with the backward of the layers still to come.
-- Exactness: DDP multiplies each rank's accumulated gradient by 1/world_size and sums over the ranks;
-  `GradReducer` does the same multiplication and the same sum. With two ranks each element's sum is one
-  addition, and a + b == b + a in floating point whatever the bucket layout or the collective's algorithm,
-  so the two are bitwise equal. With more ranks the order of the additions is the collective's (bucket
-  layout, ring position): the gate says whether they agree.
+- Exactness at any number of ranks: both multiply each rank's accumulated gradient by 1/world_size, gather
+  every rank's product and add them in rank order 0, 1, ..., n-1 (`ordered_sum`), one element at a time. See
+  "gradients" below for why not an all-reduce.
 - One host copy of the store per host (`share_store`): the host's first rank builds it into shared memory
   (memfd) and the host's other ranks map the same pages, each pinning them for its own GPU.
 - A shared stream (`shard_stream`): each rank copies its share of every streamed block from that host copy
   and the ranks all-gather the rest (poros/engine/buffers.py) in a process group of their own
-  (`gather_group`), so the gathers and the gradients' all-reduces are two sequences of collectives, each
+  (`gather_group`), so the weights' gathers and the gradients' are two sequences of collectives, each
   issued in one order on every rank.
 """
 
@@ -39,7 +38,7 @@ from poros.store.progress import BuildStats
 
 # NVLink multicast (NVLS) off for NCCL, symmetric memory and NVSHMEM, in this process and those it starts
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-IN_FLIGHT = 4  # layer all-reduces outstanding before the oldest is waited for and copied back
+IN_FLIGHT = 4  # layer gathers outstanding (at two ranks) before the oldest is waited for, summed and copied back
 
 
 @dataclass(frozen=True)
@@ -255,20 +254,66 @@ def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> t
 
 
 # --- gradients ---------------------------------------------------------------------------------------
+#
+# Why no all-reduce: floating-point addition does not associate, and an all-reduce adds the ranks' values in an order
+# of its own. Gloo's and NCCL's rings split the buffer into one chunk a rank and start each chunk's sum at another
+# rank (NCCL's trees and its choice between the two depend on the size too), so an element's order of additions
+# depends on where it falls in the buffer and how large that is, that is on how the tensors were grouped:
+# DistributedDataParallel's buckets (25 MB, in reverse order of the parameters) and the reducer's layers give the same
+# element other neighbours. With two ranks every element is one addition, a + b == b + a, and any grouping agrees;
+# from three ranks on, (a + b) + c and a + (b + c) differ in the last bit and resident and poros no longer match. So
+# both sides gather every rank's scaled gradient and add them in rank order (`ordered_sum`): each element is then
+# ((g0 + g1) + g2) + ... on every rank, for every grouping, chunking and backend, and every rank holds the same bits.
+#
+# Cost, against the ring all-reduce it replaces: each rank receives the other ranks' (n - 1) x S bytes of a gradient
+# of S bytes, where a ring all-reduce moves 2 (n - 1) / n x S: the same bytes at 2 ranks, n / 2 times as many beyond
+# (4x at 8 ranks: 5.9 GB a step for qwen2.5-72b's 842 MB of LoRA gradients at rank 16, over NVLink beside the tens of
+# GB a rank streams from host memory), and (n + 1) x S of device memory while a gather is in flight (a layer's in
+# GradReducer, which keeps fewer in flight as n grows; a 25 MB bucket's under DDP). An all-to-all of one chunk a rank,
+# the rank-ordered sum of each chunk and an all-gather of the sums would move the ring's bytes with the same bits, at
+# the price of two dependent collectives a bucket.
+
+def ordered_sum(parts: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """`parts[r]` added over the ranks r in `order` (default 0, 1, ..., n-1), one elementwise addition a rank:
+    each element's sum is ((parts[0] + parts[1]) + parts[2]) + ..., whatever its position in the buffer."""
+    order = tuple(range(len(parts))) if order is None else order
+    total = parts[order[0]].clone()
+    for r in order[1:]:
+        total.add_(parts[r])
+    return total
+
+
+def rank_ordered_mean(state, bucket):  # no return annotation: DDP accepts none or the class itself, not a string
+    """DistributedDataParallel's communication hook (`ddp.register_comm_hook(None, rank_ordered_mean)`): the
+    bucket multiplied by 1/world_size, as DDP's own reduction multiplies it, every rank's product gathered and
+    added in rank order, as `GradReducer` reduces a layer (the reason is above). `state`: unused (the default
+    process group)."""
+    n = dist.get_world_size()
+    flat = bucket.buffer().mul_(1.0 / n)
+    gathered = flat.new_empty(n * flat.numel())
+    work = dist.all_gather_into_tensor(gathered, flat, async_op=True)
+    # on CUDA the callback runs on a stream that waits for the gather, and the future records `gathered`'s
+    # storage (its value) on that stream, so the sum reads it before the allocator hands it out again
+    return work.get_future().then(lambda _: ordered_sum(gathered.view(n, -1)))
+
 
 class GradReducer:
-    """Per layer, the LoRA gradients all-reduced as DistributedDataParallel reduces them: flattened into
-    one bucket, multiplied by 1/world_size, summed over the ranks, copied back into `.grad`.
+    """Per layer, the LoRA gradients reduced as `rank_ordered_mean` reduces DistributedDataParallel's buckets:
+    flattened into one buffer, multiplied by 1/world_size, every rank's buffer gathered and added in rank order,
+    copied back into `.grad`.
 
-    `layer_done(i)` launches layer i's all-reduce on the collective's stream, after the work enqueued so
-    far on the compute stream (its backward); up to IN_FLIGHT run while later layers' backward runs.
-    `finish()` waits for the rest (before the optimizer step).
+    `layer_done(i)` launches layer i's gather on the collective's stream, after the work enqueued so far on the
+    compute stream (its backward); a few run while later layers' backward runs (`in_flight`: IN_FLIGHT layers
+    at two ranks, fewer beyond, so that the gathered buffers in flight hold no more bytes than two ranks'
+    would). `finish()` waits for the rest (before the optimizer step).
     """
 
     def __init__(self, layers: list[list[torch.nn.Parameter]], world: World, skip: frozenset = frozenset()):
         self.layers, self.world = layers, world
         self.scale = 1.0 / world.size
         self.skip = skip  # layers left unreduced: negative controls only
+        self.order = tuple(range(world.size))  # the ranks' order in every sum; negative controls change it
+        self.in_flight = max(1, IN_FLIGHT * 2 // world.size)
         self.pending: deque = deque()
         self.reduced: set[int] = set()
         self.bytes = 0
@@ -283,14 +328,16 @@ class GradReducer:
         if any(g is None for g in grads):
             raise CapabilityError(f"layer {i}: a LoRA gradient is missing when its layer's backward is done")
         flat = torch.cat([g.reshape(-1) for g in grads]).mul_(self.scale)
-        self.pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
+        gathered = flat.new_empty(self.world.size * flat.numel())
+        self.pending.append((i, gathered, dist.all_gather_into_tensor(gathered, flat, async_op=True)))
         self.bytes += flat.numel() * flat.element_size()
-        while len(self.pending) > IN_FLIGHT:
+        while len(self.pending) > self.in_flight:
             self._copy_back()
 
     def _copy_back(self) -> None:
-        i, flat, work = self.pending.popleft()
+        i, gathered, work = self.pending.popleft()
         work.wait()
+        flat = ordered_sum(gathered.view(self.world.size, -1), self.order)
         offset = 0
         for p in self.layers[i]:
             n = p.grad.numel()
@@ -332,12 +379,13 @@ def barrier(world: World) -> None:
 
 
 def reduce_mean(value: float, world: World, device) -> float:
-    """The mean of `value` over the ranks (a step's loss as every rank reports it)."""
+    """The mean of `value` over the ranks (a step's loss as every rank reports it), added in rank order."""
     if not world.distributed:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t) / world.size
+    gathered = t.new_empty(world.size)
+    dist.all_gather_into_tensor(gathered, t)
+    return float(ordered_sum(gathered.view(world.size, 1))) / world.size
 
 
 def agree(result, world: World):

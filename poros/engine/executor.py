@@ -19,7 +19,7 @@ from poros.config import Method
 from poros.engine.planning import plan as P
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.rules import check
-from poros.engine.allocator_limit import AllocatorLimit
+from poros.engine.allocator_limit import AllocatorLimit, held_text
 from poros.engine.buffers import DeviceBuffers
 from poros.engine.distributed import SINGLE, GradReducer, World, gather_group, release_group, same_on_every_rank
 from poros.engine.templates import LayerTemplates
@@ -63,7 +63,8 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         super().__init__(store, cfg, world)
 
     def _distribute(self) -> None:
-        """Each layer's LoRA gradients all-reduced once the backward of its last micro-batch is enqueued."""
+        """Each layer's LoRA gradients reduced over the ranks (`GradReducer`) once the backward of its last
+        micro-batch is enqueued."""
         self.reducer = GradReducer([[p for p in layer.parameters() if p.requires_grad] for layer in self.qlora.layers],
                                    self.world)
 
@@ -75,11 +76,26 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
             self._refuse_unsafe(self.plan)
         self.allocator_limit = AllocatorLimit(self.plan, self.device)  # before the first device allocation
         try:
-            return self._make_within_limit()
+            with self._within_budget():
+                return self._make_within_limit()
         except BaseException:  # a trainer never built is never closed: the cap goes now
             self.allocator_limit.release()
             self._held.close()
             raise
+
+    @contextlib.contextmanager
+    def _within_budget(self):
+        """An out-of-memory error under the allocator's cap as one BudgetError line: what the plan predicted and
+        what the allocator held when it ran out, CUDA graphs' pools apart."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            if self.allocator_limit.fraction is None:
+                raise
+            raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
+                              f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB of it for the process; "
+                              f"{held_text(self.device)}), and the allocator is held to the budget: give a larger "
+                              "--vram-budget, or --no-cuda-graphs, or drop --keep-activations") from None
 
     def _make_within_limit(self) -> QLoRAModel:
         if self.cfg.keep_attention:
@@ -186,18 +202,11 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         self.buffers.reset_counters()
         self.saved.bytes_d2h = self.saved.bytes_h2d = 0
         self._regenerations = 0
-        try:
+        with self._within_budget():
             return super().step(batches)
-        except torch.OutOfMemoryError as e:
-            if self.allocator_limit.fraction is None:
-                raise
-            raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
-                              f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB), and the allocator is held "
-                              "to the budget: give a larger --vram-budget, or drop --cuda-graphs or "
-                              "--keep-activations") from e
 
-    def counters(self) -> dict:
-        out = self.buffers.counters()
+    def counters(self, deferred: bool = False) -> dict:
+        out = self.buffers.counters(deferred)
         if self.plan.offload_inputs:
             out.update(input_bytes_d2h=self.saved.bytes_d2h, input_bytes_h2d=self.saved.bytes_h2d)
             out["bytes_h2d"] += self.saved.bytes_h2d

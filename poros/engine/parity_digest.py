@@ -6,7 +6,11 @@ method's in a later one, on any machine, compared tensor by tensor with the dige
 Equal digests mean equal bytes (a 128-bit hash: two tensors that differ collide with odds of 2^-128), which is
 stricter than torch.equal only where the two disagree on signed zeros and NaN payloads: a gate that passes here
 passes torch.equal. A mismatch names its tensor, not by how much it differs (`max_abs_diff` is inf): the digest
-holds no values."""
+holds no values.
+
+A file carries the fingerprint of the gate it belongs to and a checksum of everything it holds: one edited by hand
+(a digest or a loss changed), damaged, or copied over from another run's gate is refused by name when loaded
+(`DigestsRefused`), and the suites record the reference's side again, never blaming the gated method for it."""
 
 from __future__ import annotations
 
@@ -19,10 +23,22 @@ from pathlib import Path
 
 import torch
 
+from poros.common.atomic import atomic_path
 from poros.errors import PorosError
 
-FORMAT = 1
+FORMAT = 2  # 2: the gate's fingerprint and a checksum of the file's contents
 DIGEST_BYTES = 16
+
+
+class DigestsRefused(PorosError):
+    """A kept reference's digests that cannot be trusted: unreadable, of another format, not what their checksum
+    says, or another gate's."""
+
+
+def checksum(doc: dict) -> str:
+    """sha256 of a digests document's canonical JSON, its `checksum` left out."""
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -74,24 +90,37 @@ class DigestReference:
                                 _digests(s.weights, pool), _digests(s.adamw, pool)) for s in recorded.states]
             return cls(str(recorded.method), _digests(recorded.init, pool), states)
 
-    def save(self, path: Path) -> None:
-        """Written whole under a temporary name, then renamed: a part killed mid-write leaves no half file."""
+    def save(self, path: Path, fingerprint: str) -> str:
+        """Written whole under a temporary name, then renamed (`poros.common.atomic`): a part killed mid-write leaves
+        no half file. `fingerprint`: the gate's (what it runs with), kept in the file.
+
+        Returns:
+            The file's checksum (the pass log's `reference` record keeps it too).
+
+        Raises:
+            WriteError: the file could not be written (a full disk, a file-size limit)."""
         def hexes(d: dict) -> dict:
             return {n: None if v is None else v.hex for n, v in d.items()}
 
-        doc = {"format": FORMAT, "method": self.method, "init": hexes(self.init),
+        doc = {"format": FORMAT, "fingerprint": fingerprint, "method": self.method, "init": hexes(self.init),
                "states": [{"losses": [[x.hex, x.value] for x in s.losses], "grads": hexes(s.grads),
                            "weights": hexes(s.weights), "adamw": hexes(s.adamw)} for s in self.states]}
+        doc["checksum"] = checksum(doc)
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(path.name + ".part")
-        with gzip.open(part, "wt") as f:
+        with atomic_path(path, "the gate reference's digests", "--resume records them again") as tmp, \
+                gzip.open(tmp, "wt") as f:
             json.dump(doc, f)
-        part.replace(path)
+        return doc["checksum"]
 
     @classmethod
-    def load(cls, path: Path) -> DigestReference:
-        """Raises:
-            PorosError: the file is unreadable, cut short, or of another format."""
+    def load(cls, path: Path, fingerprint: str, expected_checksum: str | None = None) -> DigestReference:
+        """The digests kept in `path` for the gate of `fingerprint`; `expected_checksum`: the one the run recorded
+        when it wrote them (the pass log's), where it has one.
+
+        Raises:
+            DigestsRefused: the file is unreadable, cut short or of another format, its contents do not match its
+                checksum (edited or damaged), or it is another gate's (its fingerprint, or a checksum other than
+                the run recorded); naming the file and which."""
         from poros.engine.parity import StepState
 
         def digests(d: dict) -> dict:
@@ -100,11 +129,19 @@ class DigestReference:
         try:
             with gzip.open(path, "rt") as f:
                 doc = json.load(f)
-            if doc.get("format") != FORMAT:
-                raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT}")
-            states = [StepState([Digest(h, v) for h, v in s["losses"]], digests(s["grads"]), digests(s["weights"]),
-                                digests(s["adamw"])) for s in doc["states"]]
-            return cls(doc["method"], digests(doc["init"]), states)
-        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
-            raise PorosError(f"{path}: not a gate reference's digests ({type(e).__name__}: {e}); remove it and "
-                             f"run the gate again") from e
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+                raise ValueError(f"format {doc.get('format') if isinstance(doc, dict) else None!r}, expected {FORMAT}")
+            states = [StepState([Digest(h, float(v)) for h, v in s["losses"]], digests(s["grads"]),
+                                digests(s["weights"]), digests(s["adamw"])) for s in doc["states"]]
+            kept = cls(doc["method"], digests(doc["init"]), states)
+        except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DigestsRefused(f"{path}: not a gate reference's digests ({type(e).__name__}: {e})") from e
+        if doc.get("checksum") != checksum(doc):
+            raise DigestsRefused(f"{path}: its contents do not match its checksum (the file was edited or damaged)")
+        if doc.get("fingerprint") != fingerprint:
+            raise DigestsRefused(f"{path}: holds the digests of another gate (fingerprint {doc.get('fingerprint')}, "
+                                 f"this gate's is {fingerprint}): another run's file")
+        if expected_checksum is not None and doc["checksum"] != expected_checksum:
+            raise DigestsRefused(f"{path}: is not the file this run recorded (checksum {doc['checksum'][:12]}, the "
+                                 f"pass log's {expected_checksum[:12]}): another run's file")
+        return kept

@@ -27,6 +27,7 @@ from poros.errors import CapabilityError, PinningError
 from poros.store.arena import memlock_limit, pin_in_place
 from poros.store.host_memory import available_host_memory
 from poros.store.layout import align
+from poros.sizes import is_auto
 
 
 class HostArena:
@@ -194,7 +195,7 @@ def host_memory(cfg, world: World, store_bytes: int) -> HostMemory | None:
     is built: what the host has left, and the store. Data-parallel ranks share their host's memory and one store
     (poros.engine.distributed `share_store`): each plans for its share (of its host's ranks) of the least any
     rank found, so that every rank makes the same plan."""
-    if cfg.host_budget != "auto" or cfg.device.value != "cuda":
+    if not is_auto(cfg.host_budget) or cfg.device.value != "cuda":
         return None
     available = available_host_memory()
     if world.distributed:

@@ -10,7 +10,6 @@ import os
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -18,10 +17,11 @@ from torch.utils.checkpoint import checkpoint
 
 from poros.config import Method, TrainConfig
 from poros.engine.attention import BackendLog, sdpa_context
+from poros.engine.buffers import resolved
 from poros.engine.compiling import (compile_layers, enable_deterministic_compile, install_layer_compilation,
                                     keep_mlp_eager)
 from poros.engine.data import Batch, synthetic_step
-from poros.engine.distributed import SINGLE, World, reduce_mean
+from poros.engine.distributed import SINGLE, World, rank_ordered_mean, reduce_mean
 from poros.engine.host_saved import HostSaved, saved_host_limit
 from poros.engine.planning.plan import Plan
 from poros.engine.qlora import QLoRAModel
@@ -30,6 +30,7 @@ from poros.errors import CapabilityError
 from poros.models.skeleton import check_seq_len
 from poros.store.arena import NF4Store
 from poros.store.host_memory import available_host_memory
+from poros.sizes import is_auto
 
 CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: repeatable matmuls (strict mode refuses others)
 NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # PyTorch's refusal in strict mode
@@ -115,11 +116,25 @@ def after_each_step(hook):
         _after_step = previous
 
 
-@dataclass
 class StepResult:
-    loss: float  # sum over micro-batches of the scaled loss, i.e. the mean loss of the step (over every rank's)
-    seconds: float
-    counters: dict = field(default_factory=dict)
+    """One optimizer step's outcome. `loss`: the sum over micro-batches of the scaled loss, i.e. the mean loss of the
+    step (over every rank's); `seconds`: what the step took the host to enqueue; `counters`: what it copied and
+    when. The loss and the copy timings stay on the device until first read, so a loop that reads them now and
+    then enqueues its next step while the device still runs this one (no synchronization a step)."""
+
+    def __init__(self, loss, seconds: float, counters: dict | None = None):
+        self._loss, self.seconds, self._counters = loss, seconds, counters if counters is not None else {}
+
+    @property
+    def loss(self) -> float:
+        if not isinstance(self._loss, float):
+            self._loss = float(self._loss)  # waits for the step's last kernel that the loss depends on
+        return self._loss
+
+    @property
+    def counters(self) -> dict:
+        self._counters = resolved(self._counters)
+        return self._counters
 
 
 class Trainer(abc.ABC):
@@ -141,7 +156,7 @@ class Trainer(abc.ABC):
         self.store, self.cfg, self.world = store, cfg, world
         self.device = torch.device(cfg.device.value)
         self.ddp = None  # resident under DistributedDataParallel (`_distribute`)
-        self.reducer = None  # or poros's own per-layer all-reduce (its `_distribute`)
+        self.reducer = None  # or poros's own per-layer reduction (its `_distribute`)
         self.attention_backends: dict[str, str] | None = None  # attention shape -> SDPA backend, once recorded
         self.qlora = self._make_model()
         self.model = self.qlora.add_lora()
@@ -210,7 +225,7 @@ class Trainer(abc.ABC):
 
     def optimizer_step(self) -> None:
         """Clip, set the step's learning rate (poros/engine/schedule.py), update, drop the gradients.
-        Under data parallelism the gradients are all-reduced already (in `accumulate`)."""
+        Under data parallelism the gradients are reduced over the ranks already (in `accumulate`)."""
         self.clip_gradients()
         lr = learning_rate(self.cfg, self.steps_done)
         for group in self.optimizer.param_groups:
@@ -221,7 +236,9 @@ class Trainer(abc.ABC):
         if _after_step is not None:
             _after_step()
 
-    def counters(self) -> dict:
+    def counters(self, deferred: bool = False) -> dict:
+        """What the last step did beside its arithmetic (bytes copied, and when); `deferred`: its device timings
+        left on the device, for `StepResult` to read when asked (`poros.engine.buffers.resolved`)."""
         return {}
 
     def leave_host_memory(self, nbytes: int) -> None:
@@ -261,8 +278,8 @@ class Trainer(abc.ABC):
             for micro in self.accumulate_step(batches):
                 loss = loss + micro.float()
             self.optimizer_step()
-        value = reduce_mean(float(loss), self.world, self.device)
-        return StepResult(value, time.perf_counter() - t0, self.counters())
+        value = reduce_mean(float(loss), self.world, self.device) if self.world.distributed else loss
+        return StepResult(value, time.perf_counter() - t0, self.counters(deferred=True))
 
     # --- state for the parity gate --------------------------------------------------------
     def lora_state(self) -> dict[str, torch.Tensor]:
@@ -305,15 +322,18 @@ class ResidentTrainer(Trainer):
         compile_layers(model.layers, mlp=self.cfg.compile_mlp)
 
     def _distribute(self) -> None:
-        """The model under DistributedDataParallel: LoRA gradients all-reduced in the last micro-batch's
-        backward (the others run under `no_sync`). Frozen weights and buffers are left out of its bucketing
-        and broadcasts: every rank builds them from the same store."""
+        """The model under DistributedDataParallel: LoRA gradients reduced in the last micro-batch's backward
+        (the others run under `no_sync`), each bucket by `rank_ordered_mean`, poros's arithmetic (an all-reduce
+        would add the ranks in an order that depends on the bucket: poros/engine/distributed.py says why).
+        Frozen weights and buffers are left out of its bucketing and broadcasts: every rank builds them from the
+        same store."""
         frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self.model, frozen + [n for n, _ in self.model.named_buffers()])
         ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+        self.ddp.register_comm_hook(None, rank_ordered_mean)
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Scaled loss of one micro-batch, gradients accumulated into the LoRA `.grad`s."""
@@ -325,7 +345,7 @@ class ResidentTrainer(Trainer):
 
     def accumulate(self, batches: list[Batch]) -> list[torch.Tensor]:
         """The scaled loss of every micro-batch of one step, gradients accumulated into the LoRA
-        `.grad`s in micro-batch order (under DDP, all-reduced in the last one's backward)."""
+        `.grad`s in micro-batch order (under DDP, reduced over the ranks in the last one's backward)."""
         losses = []
         for k, b in enumerate(batches):
             self.dropout_micro(k, len(batches))
@@ -382,7 +402,7 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
 
     def _make_model(self) -> QLoRAModel:
         cuda = self.device.type == "cuda"
-        available = available_host_memory() if cuda and self.cfg.host_budget == "auto" else None
+        available = available_host_memory() if cuda and is_auto(self.cfg.host_budget) else None
         limit = saved_host_limit(self.cfg.host_budget, self.store.host_bytes, cuda, available)
         self.host_saved = HostSaved(pin=cuda and self.cfg.pin_memory, host_limit=limit)
         return super()._make_model()
@@ -396,7 +416,7 @@ class ResidentGCOffloadTrainer(ResidentGCTrainer):
         with self.host_saved.scope(self.model):
             return super().forward_backward(batch)
 
-    def counters(self) -> dict:
+    def counters(self, deferred: bool = False) -> dict:
         return self.host_saved.counters()
 
     def close(self) -> None:

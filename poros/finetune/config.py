@@ -14,9 +14,8 @@ The command line adds to it and overrides it: first the run file, then the flags
 words. The run folder keeps the resolved configuration as `run.yaml`, a run file that repeats (or,
 with --resume, continues) the run. Relative paths are read from the working directory.
 
-On CUDA a setting left unset takes `CUDA_DEFAULTS` (the fast exact path: flash-or-efficient attention
-under strict determinism, CUDA-graph layers unless a setting given refuses them, a budget from the device's
-free memory); on the CPU the table's defaults stay.
+A setting left unset takes the device's default (poros/resolve.py `DEVICE_DEFAULTS`: on CUDA the fastest exact
+path, unless a setting given refuses it), then the table's.
 """
 
 from __future__ import annotations
@@ -30,18 +29,18 @@ from pathlib import Path
 
 import yaml
 
-from poros.choices import Attention, Device, LRSchedule
+from poros.choices import Device, LRSchedule
 from poros.common.yamlfile import load_yaml
 from poros.config import BY_NAME, Method, TrainConfig
 from poros.engine.methods import FINETUNE_METHODS, METHODS
 from poros.errors import ConfigError
 from poros.paths import unreadable
+from poros.resolve import with_defaults
 
 MAX_STEPS = 2**62  # positions in the data are steps x sequences a step, kept in 64 bits
 RUN_KEYS = ("model", "data", "out", "steps", "method", "save_every", "eval_data", "eval_split")
 REQUIRED = ("model", "data", "out", "steps")
 KEYS = (*RUN_KEYS, *BY_NAME)
-CUDA_DEFAULTS = {"attention": Attention.FAST, "deterministic": True, "cuda_graphs": True, "vram_budget": "auto"}
 # names other trainers' configs use (Transformers/TRL, Axolotl, torchtune), suggested when one is given
 OTHER_NAMES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "output_dir": "out",
                "dataset": "data", "datasets": "data", "base_model": "model", "model_name_or_path": "model",
@@ -192,7 +191,7 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
     """The FinetuneConfig of merged run-file, flag and override `values`, with the device's defaults.
 
     Returns:
-        the config, and the names of the settings that took `CUDA_DEFAULTS`.
+        the config, and the names of the settings that took the device's defaults.
     Raises:
         ConfigError: every unknown key, missing key and invalid value at once.
     """
@@ -205,10 +204,8 @@ def resolve(values: dict, *, cuda_available: bool) -> tuple[FinetuneConfig, tupl
         raise ConfigError(problems, "poros train")
     values = dict(values)
     values.setdefault("device", Device.CUDA if cuda_available else Device.CPU)
-    chosen: tuple[str, ...] = ()
-    if _is_cuda(values["device"]):
-        chosen = tuple(k for k in CUDA_DEFAULTS if values.get(k) is None and not _graphs_left_off(k, values))
-        values.update({k: CUDA_DEFAULTS[k] for k in chosen})
+    settings, chosen = with_defaults({k: v for k, v in values.items() if k in BY_NAME and v is not None})
+    values.update(settings)
     if values.get("lr_schedule") in DECAYING and values.get("decay_steps") is None:
         values["decay_steps"] = values["steps"]  # the schedule decays over the run (run.yaml records it)
     run = {k: values.pop(k) for k in RUN_KEYS if values.get(k) is not None}
@@ -236,20 +233,6 @@ def _warmup_problems(values: dict, run: dict) -> list[str]:
         return [f"warmup_steps: expected fewer than steps ({steps}), got {warmup}: the run would end before its "
                 f"learning rate reaches lr"]
     return []
-
-
-def _graphs_left_off(key: str, values: dict) -> bool:
-    """CUDA-graph layers stay off by default where a setting given refuses them: LoRA dropout (a replayed graph
-    draws no new masks) and keep_attention (a replayed graph would not hand back the kept results)."""
-    if key != "cuda_graphs":
-        return False
-    p = values.get("lora_dropout")
-    dropout = isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
-    return dropout or values.get("keep_attention") is True
-
-
-def _is_cuda(device) -> bool:
-    return getattr(device, "value", device) == Device.CUDA.value
 
 
 def dump_run_file(fc: FinetuneConfig) -> str:

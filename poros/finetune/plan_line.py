@@ -12,7 +12,7 @@ from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.inputs import HostMemory
 from poros.engine.planning.plan import Plan
 from poros.engine.planning.budget import make_plan
-from poros.sizes import format_size
+from poros.sizes import format_size, is_auto
 from poros.store.host_memory import available_host_memory
 
 
@@ -23,7 +23,7 @@ def dry_plan(fc, source) -> Plan | None:
     if fc.method is not Method.POROS:
         return None
     device = None
-    if cfg.vram_budget == "auto":
+    if is_auto(cfg.vram_budget):
         if cfg.device.value != "cuda" or not torch.cuda.is_available():
             return None
         device = device_memory(torch.device("cuda"))
@@ -40,7 +40,7 @@ def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str
              f"attention {cfg.attention.value}" + (" (deterministic)" if cfg.deterministic else "")]
     if fc.method is Method.POROS:
         if plan is not None:
-            budget = f" (budget {'auto: ' if cfg.vram_budget == 'auto' else ''}{format_size(plan.budget)})" \
+            budget = f" (budget {'auto: ' if is_auto(cfg.vram_budget) else ''}{format_size(plan.budget)})" \
                 if plan.budget else ""
             parts.append(f"{plan.n_layers} layers: {len(plan.resident_layers)} resident, {len(plan.streamed_layers)} "
                          f"streamed in blocks of {plan.block_size}, predicted peak "
@@ -48,7 +48,7 @@ def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str
             if plan.host_inputs:
                 parts.append(f"saved inputs of {len(plan.host_inputs)} layers in host memory "
                              f"({format_size(plan.host_input_bytes)}), {len(plan.device_input_layers)} on the device")
-        elif cfg.vram_budget == "auto":
+        elif is_auto(cfg.vram_budget):
             parts.append(f"vram_budget auto (planned from the free device memory at the start), blocks of "
                          f"{cfg.block_size}")
         parts.append("CUDA-graph layers" if cfg.cuda_graphs else "eager layers")

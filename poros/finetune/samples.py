@@ -1,9 +1,10 @@
 """Generated training data and a tokenizer trained on it, built locally (nothing from a hub), to try `poros train`
-end to end on any registered shape (scripts/train_gpu_check.py) and for the tests.
+end to end on any registered shape (scripts/train_gpu_check.py, scripts/tiny_checkpoint.py) and for the tests.
 
     texts = generated_texts(200)
     write_jsonl(path, [{"text": t} for t in texts] + [{"messages": m} for m in generated_chats(50)])
     train_tokenizer(folder, texts, vocab_size=512)   # byte-level BPE, saved as a transformers tokenizer
+    tiny_checkpoint(folder, "tiny-qwen2", texts)     # bf16 safetensors + config.json + that tokenizer
 
 The text is a small seeded grammar (subject, verb, place, ...), so a model can learn it and its loss falls within a
 few steps; chats are arithmetic questions with their answers.
@@ -76,3 +77,26 @@ def train_tokenizer(folder: str | Path, texts: list[str], *, vocab_size: int = 5
                                    chat_template=CHAT_TEMPLATE if chat_template else None)
     fast.save_pretrained(str(folder))
     return fast
+
+
+def tiny_checkpoint(folder: str | Path, model: str = "tiny-qwen2", texts: list[str] | None = None, *,
+                    seed: int = 0, chat_template: bool = True, vocab_size: int = 512) -> Path:
+    """A seeded registered shape saved as a bf16 Hugging Face checkpoint (config.json + safetensors),
+    with a tokenizer trained on `texts` (default: `generated_texts(200)`) in the same folder."""
+    import torch
+    import transformers
+
+    from poros.models.shapes import get_shape
+
+    folder = Path(folder)
+    config = get_shape(model).config()
+    tok = train_tokenizer(folder, texts if texts is not None else generated_texts(200), vocab_size=vocab_size,
+                          chat_template=chat_template)
+    if len(tok) > config.vocab_size:
+        raise ValueError(f"a tokenizer of {len(tok)} tokens exceeds {model}'s vocabulary of {config.vocab_size}")
+    config.eos_token_id = config.pad_token_id = tok.eos_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.save_pretrained(str(folder))
+    return folder

@@ -4,16 +4,21 @@ each cell and each gate runs with; and the declared gate that keeps full-size sh
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
 
 from poros.config import Method, TrainConfig
-from poros.engine.methods import gate_of, gated
+from poros.engine.method_info import REFERENCES
+from poros.engine.methods import config_for, gate_of, gated
 from poros.harness.matrix import Matrix, Stack
-from poros.harness.results import point_id
+from poros.harness.results import point_id, show_value
 from poros.models.shapes import SHAPES
-from poros.settings import COMPUTED_NAMES
+from poros.choices import Device
+from poros.resolve import DEVICE_DEFAULTS, with_defaults
+from poros.settings import COMPUTED_NAMES, RUN, SCHEDULE, SCHEDULE_NAMES, SETTINGS
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,20 @@ class Cell:
             parts.append(f"plan:{self.plan}")
         return "-".join(parts)
 
+    @property
+    def label(self) -> str:
+        """How the cell's console line names it, every part that tells it from its neighbours:
+        `tiny-qwen2 seq_len=256 poros plan 24GB`, `qwen3-32b [torch212] parity gate`."""
+        parts = [self.model, *([f"[{self.stack.name}]"] if self.stack.name != "current" else []),
+                 *(f"{k}={show_value(v)}" for k, v in self.point),
+                 self.method.value if self.method else "parity gate", *([f"plan {self.plan}"] if self.plan else [])]
+        return " ".join(parts)
+
 
 def matrix_cells(m: Matrix) -> list[Cell]:
     """Model by model, point by point: the parity gate, then each method (poros once per plan), so one
-    store build serves them all."""
+    store build serves them all; a reference method (resident QLoRA) before the others, so that a streamed row
+    written after it carries its compute floor."""
     cells = []
     for model in m.models:
         for stack in m.stacks:
@@ -57,7 +72,7 @@ def matrix_cells(m: Matrix) -> list[Cell]:
                 pt = tuple(point.items())
                 if gated(m.methods):
                     cells.append(Cell(model, stack, None, pt))
-                for meth in m.methods:
+                for meth in sorted(m.methods, key=lambda x: x.value not in REFERENCES):  # references first
                     plans = m.plan_names() if meth is Method.POROS else [None]
                     cells.extend(Cell(model, stack, meth, pt, plan) for plan in plans)
     return cells
@@ -72,7 +87,8 @@ def matrix_device(m: Matrix) -> str:
 def train_config(m: Matrix, model: str, point=None, method: Method | None = None, plan: str | None = None) -> TrainConfig:
     """The settings a cell runs with (`Matrix.settings_for`)."""
     point = dict(point or ())
-    return TrainConfig.from_settings(m.settings_for(model, point, method, plan), model=model, device=matrix_device(m))
+    device = matrix_device(m)
+    return TrainConfig.from_settings(m.settings_for(model, point, method, plan, device), model=model, device=device)
 
 
 def cell_config(m: Matrix, cell: Cell) -> TrainConfig:
@@ -101,3 +117,46 @@ def model_unavailable(model: str, device: str) -> str | None:
     if device == "cpu" and shape is not None and (shape.published_params or 0) > CPU_PARAM_LIMIT:
         return f"{model} has {shape.published_params / 1e9:.1f}B parameters: run it on a GPU (device: cuda)"
     return None
+
+
+def settings_line(m: Matrix, cell: Cell) -> str:
+    """What a cell's method runs with, as `poros bench matrix` prints it before the run: every setting that differs
+    from the table's default (RUN settings apart), those that took the device's default marked so."""
+    cfg = config_for(cell.method, cell_config(m, cell))
+    device = matrix_device(m)
+    given = {**{k: m.settings[k] for k in m.named}, **dict(cell.point), **m.method_overrides(cell.method),
+             **m.overrides_for(cell.model), **m.plan_settings(cell.plan)}
+    _, chosen = with_defaults(given, device, leave=() if cell.method is Method.POROS else SCHEDULE_NAMES)
+    shown = []
+    for s in SETTINGS:
+        if s.kind == RUN or (s.kind == SCHEDULE and cell.method is not Method.POROS):
+            continue
+        v = getattr(cfg, s.name)
+        took = s.name in chosen and v == DEVICE_DEFAULTS[Device(device)][s.name]
+        if v != s.default or took:
+            shown.append(f"{s.name} {s.show(v)}" + (f" ({device} default)" if took else ""))
+    plan = f" (plan {cell.plan})" if cell.plan else ""
+    return f"  {cell.method.value}{plan}: " + (", ".join(shown) or "the table's defaults")
+
+
+def fingerprint(*parts) -> str:
+    """What a cell or gate runs with, hashed: passes and gate outcomes recorded under another are never reused."""
+    text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cell_fingerprint(m: Matrix, cell: Cell) -> str:
+    """The fingerprint of a timed cell's passes in the pass log: its matrix, settings and steps per pass."""
+    from poros.engine.methods import config_for
+
+    return fingerprint(m.name, config_for(cell.method, cell_config(m, cell)).as_dict(), m.steps)
+
+
+def gate_fingerprint(m: Matrix, cell: Cell, plan: str | None, parity_steps: int) -> str:
+    """The fingerprint of a gate's outcome for `plan` in the pass log."""
+    return fingerprint(m.name, gate_config(m, cell, plan).as_dict(), parity_steps)
+
+
+def reference_fingerprint(m: Matrix, cfg: TrainConfig, parity_steps: int, reference: Method) -> str:
+    """The fingerprint of a gate's reference side kept as digests (gate-references/NAME.json.gz)."""
+    return fingerprint(m.name, cfg.as_dict(), parity_steps, reference.value)

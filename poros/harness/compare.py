@@ -55,6 +55,22 @@ def load_compare_source(path) -> list[dict]:
     return benchmarks
 
 
+def pass_length_problem(benchmarks: list[dict], steps: int) -> str | None:
+    """Why `benchmarks` (a benchmark.json's) cannot be compared with a run of `steps`-step passes (None where they
+    can): a benchmark round is one pass, so rounds of another pass length, or of a length the file does not record
+    (`extra_info.steps`, absent from runs of an earlier harness), compare other work."""
+    lengths = [(b.get("extra_info") or {}).get("steps") for b in benchmarks]
+    unknown = [b.get("name") or b.get("fullname") for b, n in zip(benchmarks, lengths) if not isinstance(n, int)]
+    if unknown:
+        return (f"its benchmark {unknown[0]} records no pass length (extra_info.steps; a run of an earlier harness), "
+                f"so its rounds cannot be held to this run's {steps}-step passes; compare with a run that records it")
+    other = sorted({n for n in lengths if n != steps})
+    if other:
+        return (f"its passes ran {other[0]} step(s) each, this run's {steps}; pass --steps {other[0]}, or compare "
+                f"with a run of {steps}-step passes")
+    return None
+
+
 def parse_compare_fail(exprs) -> list:
     """pytest-benchmark's regression checks, e.g. `mean:10%` (slower by more than 10 %) or `min:0.5`
     (slower by more than 0.5 s).

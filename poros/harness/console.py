@@ -19,30 +19,40 @@ _cell = ""  # the current cell's label, which status updates follow
 # signal lands; landing in a finalizer that garbage collection ran (a cell's start frees the last cell's
 # memory), it is reported as unraisable and lost. The flag stays set, and the step loop stops at the next step.
 _interrupted = False
+_signal: int | None = None  # which signal it was
 
 
 @contextlib.contextmanager
 def interrupt_on_sigint():
-    """While it lasts, SIGINT raises KeyboardInterrupt as Python's own handler does and also sets the flag
-    that `stop_if_interrupted` reads (main thread only, and only where SIGINT is not ignored)."""
-    global _interrupted
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, `&`): it stays so
+    """While it lasts, SIGINT (and SIGTERM, which a scheduler or `timeout` sends) raises KeyboardInterrupt as Python's
+    own SIGINT handler does, so a run ends as a Ctrl-C ends it (pytest's session end writes what it keeps), and sets
+    the flag that `stop_if_interrupted` reads (main thread only; a signal ignored when it started stays ignored)."""
+    global _interrupted, _signal
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        global _interrupted
-        _interrupted = True
+        global _interrupted, _signal
+        _interrupted, _signal = True, signum
         raise KeyboardInterrupt
 
-    _interrupted = False
-    previous = signal.signal(signal.SIGINT, handler)
+    _interrupted, _signal = False, None
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # started with it ignored (nohup, `&`): it stays so
+            previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
         _interrupted = False
+
+
+def interrupted_by() -> int | None:
+    """The signal that interrupted the run (SIGINT or SIGTERM; None where none did)."""
+    return _signal
 
 
 def stop_if_interrupted() -> None:
@@ -78,8 +88,15 @@ def progress(msg: str) -> None:
         sys.stderr.flush()
 
 
+def announce(msg: str) -> None:
+    """A line of the full log that the compact output shows too (what a run is about to do)."""
+    progress(msg)
+    if _status is not None:
+        _status(msg, True)
+
+
 def begin_cell(label: str) -> None:
-    """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 resident`."""
+    """Start a cell's compact line, e.g. `[cell 3/16] tiny-qwen2 poros plan 24GB` (`Cell.label`)."""
     global _cell
     _cell = label
     status("…")

@@ -14,6 +14,7 @@ from poros.config import Device, Method
 from poros.errors import ConfigError
 from poros.models.shapes import SHAPES
 from poros.harness.stacks import Stack, stack_problems
+from poros.resolve import with_defaults
 from poros.settings import BY_NAME, COMPUTED_NAMES, RUN, SCHEDULE_NAMES, SETTINGS, check_values
 
 MATRICES = Path(__file__).resolve().parents[1] / "matrices"  # shipped in the package (a checkout links matrices/ to it)
@@ -33,7 +34,7 @@ class Matrix:
     methods: tuple[Method, ...]
     models: tuple[str, ...]
     stacks: tuple[Stack, ...]
-    settings: dict  # every setting of the table that is not RUN-only: the matrix's value or the default
+    settings: dict  # every setting of the table that is not RUN-only: the matrix's value or the table's default
     hardware: str | None = None
     precision: str = "nf4"
     warmup_passes: int = 1
@@ -54,6 +55,8 @@ class Matrix:
     # its methods must run on the attention paths the reference's note says (poros.harness.protocol)
     reference: str | None = None
     source: str = ""
+    # the settings the matrix names at its top level: the others take the device's defaults, then the table's
+    named: frozenset[str] = frozenset()
 
     def __getattr__(self, name: str):  # matrix.seq_len etc.: the settings by name
         settings = self.__dict__.get("settings", {})
@@ -70,6 +73,11 @@ class Matrix:
         keys = [k for k, _ in self.sweep]
         return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in self.sweep))]
 
+    def most_ranks(self) -> int:
+        """The most data-parallel ranks (`gpus`) a cell of this matrix runs on: the matrix's, or its sweep's
+        largest (neither plans, models nor methods set it)."""
+        return max(point.get("gpus", self.settings.get("gpus", 1)) for point in self.points())
+
     def plan_names(self) -> list[str | None]:
         """The poros plans by name ([None]: the matrix's own schedule, without a `plans:` axis)."""
         return [name for name, _ in self.plans] or [None]
@@ -81,11 +89,17 @@ class Matrix:
         return dict(next((kv for m, kv in self.method_settings if m is method), ()))
 
     def settings_for(self, model: str, point: dict | None = None, method: Method | None = None,
-                     plan: str | None = None) -> dict:
+                     plan: str | None = None, device: Device | str | None = None) -> dict:
         """Every setting a cell of `model` runs with: the matrix's, the sweep point's, the method's, the
-        model's schedule overrides and the plan's, later ones winning."""
-        return {**self.settings, **(point or {}), **self.method_overrides(method), **self.overrides_for(model),
-                **self.plan_settings(plan)}
+        model's schedule overrides and the plan's, later ones winning; then, for what none of them names, the
+        defaults of `device` (default: the matrix's; poros/resolve.py, the settings `poros train` takes there;
+        poros's schedule ones for poros's cells and gates alone), then the table's."""
+        given = {**{k: self.settings[k] for k in self.named}, **(point or {}), **self.method_overrides(method),
+                 **self.overrides_for(model), **self.plan_settings(plan)}
+        leave = () if method in (None, Method.POROS) else SCHEDULE_NAMES
+        resolved, _ = with_defaults(given, device if device is not None else self.device, leave=leave)
+        resolved.pop("device", None)  # a run setting: the cell's config takes it apart
+        return {**self.settings, **given, **resolved}
 
     def with_overrides(self, steps: int | None = None, passes: int | None = None) -> "Matrix":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -327,6 +341,7 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
         warmup_passes=data.get("warmup_passes", 1), device=device, parity_steps=data.get("parity_steps", 3),
         model_overrides=overrides, sweep=sweep, plans=plans, method_settings=method_settings,
         warmup_pass_steps=data.get("warmup_pass_steps"), reference=data.get("reference"), source=source,
+        named=frozenset(settings),
     )
 
 

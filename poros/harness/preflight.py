@@ -26,6 +26,7 @@ from poros.models.skeleton import (
 )
 from poros.store.host_memory import check_host_memory as check
 from poros.store.host_memory import config_host_need
+from poros.sizes import is_auto
 
 
 def check_counts(source: str, **counts: int | None) -> None:
@@ -134,12 +135,12 @@ def plan_problems(m) -> list[str]:
                 cell = Cell(model, m.stacks[0], Method.POROS, tuple(point.items()), plan)
                 try:
                     cfg = cell_config(m, cell)
-                    if cfg.vram_budget is None or (cfg.vram_budget == "auto" and cfg.device.value == "cuda"):
+                    if cfg.vram_budget is None or (is_auto(cfg.vram_budget) and cfg.device.value == "cuda"):
                         continue  # (auto: what the run's GPU has free; on the CPU the planner refuses it below)
                     key = (model, cfg.lora_targets, cfg.double_quant)
                     if key not in geometries:
                         geometries[key] = Geometry.of_config(model, resolve(model).config, *key[1:])
-                    if cfg.vram_budget == "auto":
+                    if is_auto(cfg.vram_budget):
                         make_plan(geometries[key], cfg)
                     request = PlanRequest.of_config(cfg)
                     least = build_plan(geometries[key], smallest_request(geometries[key], request))
@@ -377,17 +378,50 @@ def check_runnable(m, device: str) -> None:
     models = [model_unavailable(x, device) for x in m.models]
     if all(models):
         raise CapabilityError(f"{m.source}: no cell can run here: {models[0]}")
-    check_ranks(m.settings.get("gpus", 1), device, f"{m.source}: gpus")
+    check_matrix_ranks(m, device)
+
+
+def check_matrix_ranks(m, device: str) -> None:
+    """`check_ranks` for the most ranks a cell of matrix `m` runs on, naming where the count comes from."""
+    swept = any(k == "gpus" for k, _ in m.sweep)
+    check_ranks(m.most_ranks(), device, f"{m.source}: {'sweep.gpus' if swept else 'gpus'}")
+
+
+# Data-parallel ranks on the CPU are processes of this host, each a Python process with its own trainers and
+# threads (launch_env gives each cores // ranks, at least one). Up to a few a core they take turns and a gate ends
+# (eight tiny-model ranks pass the gate on two cores); far beyond, a step's collectives wait on every rank's turn and
+# the run crawls or never ends. A rank count above this many per usable core is refused before any rank starts.
+CPU_RANKS_PER_CORE = 4
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: taskset, a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def check_ranks(gpus: int, device: str, where: str) -> None:
-    """`gpus` data-parallel ranks need as many CUDA devices on this host (on the CPU they are processes).
+    """`gpus` data-parallel ranks need as many CUDA devices on this host; on the CPU, where they are processes,
+    at most CPU_RANKS_PER_CORE a usable core.
 
     Raises:
-        CapabilityError: naming how many the host has.
+        CapabilityError: naming the count asked, what the host has and the most it takes.
     """
-    import torch
+    if gpus <= 1:
+        return
+    if device.startswith("cuda"):
+        import torch
 
-    if gpus > 1 and device.startswith("cuda") and gpus > torch.cuda.device_count():
-        raise CapabilityError(f"{where}: {gpus} data-parallel ranks need {gpus} CUDA GPUs; this host has "
-                              f"{torch.cuda.device_count()}: set gpus to {max(torch.cuda.device_count(), 1)} or less")
+        if gpus > torch.cuda.device_count():
+            raise CapabilityError(f"{where}: {gpus} data-parallel ranks need {gpus} CUDA GPUs; this host has "
+                                  f"{torch.cuda.device_count()}: set gpus to {max(torch.cuda.device_count(), 1)} "
+                                  "or less")
+        return
+    cores = usable_cores()
+    most = CPU_RANKS_PER_CORE * cores
+    if gpus > most:
+        raise CapabilityError(f"{where}: {gpus} data-parallel ranks on the CPU are {gpus} processes; this host gives "
+                              f"this process {cores} CPU core(s), and a CPU run takes at most {CPU_RANKS_PER_CORE} "
+                              f"ranks a core: set gpus to {most} or less")

@@ -80,7 +80,9 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "copy_hidden_share": None,
         "status": status,
         "error": error,
-        "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
+        # the budget as the run resolved it (`auto`: what the device had free), the one figure a report reads
+        "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware,
+                   **({"vram_budget": plan["vram_budget"]} if plan is not None and plan.get("vram_budget") else {})},
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
             "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",
@@ -134,7 +136,7 @@ def copy_summary(step_counters: list[dict]) -> dict:
         out["gathered_bytes_per_rank"] = sum(gathered) // len(gathered)
         out["gather_s_per_step"] = sum(c.get("gather_s", 0.0) for c in counters) / n
     reduced = [c["allreduce_bytes"] for c in counters if "allreduce_bytes" in c]
-    if reduced:  # data-parallel: LoRA gradient bytes all-reduced per step by this rank
+    if reduced:  # data-parallel: LoRA gradient bytes this rank reduces over the ranks per step
         out["allreduce_bytes_per_step"] = sum(reduced) // len(reduced)
     if "capture_errors" in counters[-1]:  # CUDA graphs: the templates' state after the last timed step (counted
         # from the trainer's start): a capture that failed leaves its layer eager, slower but exact

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from poros.common.atomic import append_line, write_atomic
 from poros.errors import PorosError
+from poros.harness.record_schema import one_line, pass_problems, row_problems
 
 EARLIER = "earlier"
-# what one `poros bench matrix` run writes into its output folder
-RUN_FILES = ("results.jsonl", "results.jsonl.torn", "passes.jsonl", "benchmark.json", "bench.log", "report.md",
-             "report.png")
+# what one `poros bench matrix` run writes into its output folder (gate-references/: a gate's reference side kept as
+# digests, named by the pass log beside it: the two move together; matrix.yaml: the matrix the run measured)
+RUN_FILES = ("results.jsonl", "results.jsonl.torn", "passes.jsonl", "passes.jsonl.torn", "benchmark.json",
+             "bench.log", "report.md", "report.png", "matrix.yaml", "gate-references")
 
 
 class ResultsFileError(PorosError):
@@ -56,10 +58,12 @@ def keep_earlier(folder, names=RUN_FILES) -> tuple[Path | None, list[str]]:
 
 class ResultsWriter:
     """Appends one JSON object per cell, each as one write of a whole line, synced, so a killed
-    run keeps every finished cell."""
+    run keeps every finished cell; reads each back checked against its schema (`check`: results rows by default,
+    `poros.harness.record_schema`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, check=row_problems):
         self.path = Path(path)
+        self.check = check
         self.last: dict | None = None  # the row most recently appended by this writer
 
     def _text(self) -> str:
@@ -75,7 +79,8 @@ class ResultsWriter:
         """The complete rows, and the index of a torn last line (None when there is none).
 
         Raises:
-            ResultsFileError: a line other than the last is not a JSON object.
+            ResultsFileError: a line other than the last is not a JSON object, or a line's record does not fit
+                its schema (naming the file, the line and the field).
         """
         lines = text.split("\n")
         last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
@@ -89,6 +94,10 @@ class ResultsWriter:
                     return rows, i
                 raise ResultsFileError(f"{self.path}:{i + 1}: not a results row (JSON object); the file was "
                                        f"edited or mixed with another: fix or delete that line, or pass another -o")
+            problems = self.check(row)
+            if problems:
+                raise ResultsFileError(f"{self.path}:{i + 1}: {one_line(problems)}; the line was edited or damaged: "
+                                       f"fix or delete it (poros writes every line), or pass another -o")
             rows.append(row)
         return rows, None
 
@@ -122,10 +131,11 @@ class ResultsWriter:
                 f"the {len(rows)} complete rows and moved the partial line to {side}")
 
     def done(self, matrix: str, timed: bool = True) -> dict[tuple, dict]:
-        """The finished cells of `matrix` by `row_key`; with `timed`, only rows that hold a timing (a run
-        under --benchmark-disable records gates, not timings)."""
-        return {row_key(r): r for r in self.rows() if r.get("matrix") == matrix and r.get("status") == "ok"
-                and (not timed or r.get("timed", True))}
+        """The finished cells of `matrix` by `row_key`, each its latest row; with `timed`, only rows that hold a
+        timing (a run under --benchmark-disable records gates, not timings). A cell whose latest row failed, or
+        failed its parity gate, is not finished: `--resume` runs it (and its gate) again."""
+        latest = {row_key(r): r for r in self.rows() if r.get("matrix") == matrix}
+        return {k: r for k, r in latest.items() if finished(r) and (not timed or r.get("timed", True))}
 
     def _write_raw(self, data: bytes) -> None:
         """Append `data` whole or not at all (`append_line`): every complete row stays as it was.
@@ -139,6 +149,11 @@ class ResultsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write_raw((json.dumps(row) + "\n").encode())
         self.last = row
+
+
+def finished(row: dict) -> bool:
+    """Whether a results row finishes its cell: it ran (status ok) and passed its gate, or took part in none."""
+    return row.get("status") == "ok" and row.get("parity") != "FAIL"
 
 
 def show_value(v) -> str:
@@ -175,8 +190,9 @@ class PassLog:
     by the cell and a fingerprint of everything it runs with, so a killed or budgeted run loses at most the
     pass (or the side of a gate) it was in and `--resume` continues the cell where it stopped."""
 
-    def __init__(self, path):
-        self.writer = ResultsWriter(path)
+    def __init__(self, path, process: dict | None = None):
+        self.writer = ResultsWriter(path, check=pass_problems)
+        self.process = process  # where this process's records come from ({host, pid, started}), named in each
 
     def _records(self, kind: str, cell: str, fingerprint: str) -> list[dict]:
         return [r for r in self.writer.rows()
@@ -186,10 +202,33 @@ class PassLog:
         """Every record, passes, gate outcomes and parts alike."""
         return self.writer.rows()
 
-    def passes(self, cell: str, fingerprint: str) -> list[dict]:
-        """The timed passes recorded for `cell`, by pass index (a repeated index: the later record)."""
-        by_index = {r["index"]: r for r in self._records("pass", cell, fingerprint)}
-        return [by_index[i] for i in sorted(by_index)]
+    def passes(self, cell: str, fingerprint: str, count: int | None = None) -> list[dict]:
+        """The timed passes recorded for `cell`: passes 0, 1, ... in order, each once (its first record), up to
+        the first index missing and below `count` (the passes the cell times); records past those (an index
+        beyond the passes, a second record of one, one after a gap) count for nothing: `ignored_passes` names
+        them."""
+        return self._pass_records(cell, fingerprint, count)[0]
+
+    def ignored_passes(self, cell: str, fingerprint: str, count: int | None = None) -> list[str]:
+        """Why each pass record of `cell` that `passes` leaves out is left out, one line each."""
+        return self._pass_records(cell, fingerprint, count)[1]
+
+    def _pass_records(self, cell: str, fingerprint: str, count: int | None) -> tuple[list[dict], list[str]]:
+        kept: dict[int, dict] = {}
+        ignored = []
+        for r in self._records("pass", cell, fingerprint):
+            i = r["index"]
+            if count is not None and i >= count:
+                ignored.append(f"pass index {i} is beyond the cell's {count} passes (0 to {count - 1})")
+            elif i in kept:
+                ignored.append(f"pass {i} is recorded again ({r['seconds']:g} s); its first record counts")
+            else:
+                kept[i] = r
+        ordered = []
+        while len(ordered) in kept:
+            ordered.append(kept[len(ordered)])
+        ignored += [f"pass {i} follows a pass never recorded ({len(ordered)})" for i in sorted(kept) if i > len(ordered)]
+        return ordered, [f"{self.writer.path}: {cell}: {why}" for why in ignored]
 
     def gate(self, cell: str, fingerprint: str) -> dict | None:
         found = self._records("gate", cell, fingerprint)
@@ -203,8 +242,10 @@ class PassLog:
     def add(self, kind: str, cell: str, fingerprint: str, **record) -> None:
         from poros.provenance import current_commit
 
-        self.writer.append({"kind": kind, "cell": cell, "fingerprint": fingerprint, "commit": current_commit(),
-                            **record})
+        head = {"kind": kind, "cell": cell, "fingerprint": fingerprint, "commit": current_commit()}
+        if self.process is not None:
+            head["process"] = self.process
+        self.writer.append({**head, **record})
 
 
 def _row(line: str) -> dict | None:

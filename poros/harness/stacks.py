@@ -16,7 +16,9 @@ from pathlib import Path
 
 TORCH_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+){1,2}(?:\+(?:cu[0-9]+|cpu|rocm[0-9.]+|xpu))?")  # 2.12.0, 2.12.0+cu130
 LABEL = re.compile(r"torch ([0-9][^\s+]*)(?:\+(\S+))? / transformers (\S+)")
-_VERSION_PY = re.compile(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", re.MULTILINE)
+# torch/version.py's assignments: `__version__ = '2.12.0+cu130'`, `cuda: Optional[str] = '13.0'`, `hip = None`
+_VERSION_PY = {k: re.compile(rf"^{k}(?:\s*:[^=]*)?\s*=\s*['\"]([^'\"]+)['\"]", re.MULTILINE)
+               for k in ("__version__", "cuda", "hip")}
 
 
 def _version(pkg: str) -> str | None:
@@ -26,22 +28,48 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def installed_torch() -> str | None:
-    """The installed torch's version with its build, as `torch.__version__` says it (`2.12.0+cu130`), without
-    importing torch. A wheel from PyPI records no build in its package metadata; its `torch/version.py` does."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(getattr(torch, "__version__", None), str):
-        return str(torch.__version__)
+def torch_build(version: str | None, cuda: str | None = None, hip: str | None = None) -> str | None:
+    """torch's build as a stack names it (`cu128`, `cu130`, `rocm6.4`, `cpu`), from what `torch.version` says: the
+    CUDA version it was built for (`torch.version.cuda`, 12.8 -> cu128), else its ROCm version, else the build
+    `__version__` states after its `+`; a build for neither is `cpu`. The version's suffix is not asked first: an
+    index may serve a CUDA build whose version states none."""
+    if cuda:
+        return "cu" + cuda.replace(".", "")
+    if hip:
+        return "rocm" + ".".join(hip.split(".")[:2])
+    if version is None:
+        return None
+    return version.partition("+")[2] or "cpu"
+
+
+def _torch_version_py() -> dict[str, str | None] | None:
+    """`__version__`, `cuda` and `hip` of the installed torch's `torch/version.py`, read without importing torch."""
     spec = importlib.util.find_spec("torch")
     if spec is None:
         return None
     for folder in spec.submodule_search_locations or ():
         version_py = Path(folder) / "version.py"
         if version_py.is_file():
-            found = _VERSION_PY.search(version_py.read_text())
-            if found:
-                return found.group(1)
-    return _version("torch")
+            text = version_py.read_text()
+            found = {k: _VERSION_PY[k].search(text) for k in _VERSION_PY}
+            if found["__version__"]:
+                return {k: (m.group(1) if m else None) for k, m in found.items()}
+    return None
+
+
+def installed_torch() -> str | None:
+    """The installed torch's version with its build (`2.12.0+cu130`: `torch_build`), without importing torch. A
+    wheel from an index records no build in its package metadata; its `torch/version.py` does."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(getattr(torch, "__version__", None), str):
+        info = {"__version__": str(torch.__version__), "cuda": getattr(torch.version, "cuda", None),
+                "hip": getattr(torch.version, "hip", None)}
+    else:
+        info = _torch_version_py()
+    if info is None:
+        return _version("torch")
+    version = info["__version__"]
+    return f"{version.partition('+')[0]}+{torch_build(version, info['cuda'], info['hip'])}"
 
 
 def running_label() -> str:

@@ -16,6 +16,7 @@ import torch
 from poros.config import TrainConfig
 from poros.engine.nvml import NvmlPeak, alloc_retries
 from poros.harness.budget import OutOfTime, TimeBudget  # noqa: F401 (OutOfTime: raised from here, caught by callers)
+from poros.harness.pytest_benchmark_adapter import add_earlier_rounds, last_round
 from poros.harness.console import add_phase_time, progress, status, stop_if_interrupted
 from poros.provenance import this_gpu_uuid
 
@@ -107,14 +108,13 @@ def timed_rounds(benchmark, run, warmup: int, rounds: int, *, earlier: list[floa
         if before is not None:
             before()
         if count[0] == warmup:  # the first timed round: the earlier passes come first
-            for t in earlier:
-                benchmark.stats.stats.update(t)
+            add_earlier_rounds(benchmark, earlier)
 
     def teardown():
         i = count[0]
         count[0] += 1
         if done is not None:
-            done(i, None if i < warmup else benchmark.stats.stats.data[-1])
+            done(i, None if i < warmup else last_round(benchmark))
 
     if benchmark is not None and not getattr(benchmark, "disabled", True) and rounds > 0:
         benchmark.pedantic(lambda: run(count[0]), setup=setup, teardown=teardown, rounds=rounds,
@@ -173,21 +173,21 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             budget.check(f"{label} {kind}".strip(), None if pace["s_per_step"] is None else pace["s_per_step"] * n)
         retried = alloc_retries(device)
         t0 = time.perf_counter()
-        counters, ends = [], []
+        results, ends = [], []
         timed = i >= warmup
         with budget.watch(f"{label} {kind}".strip(), n) if budget is not None else contextlib.nullcontext():
-            steps_of(i, n, kind, timed, counters, ends, t0)
+            steps_of(n, kind, timed, results, ends)
         # a warm-up's pace is its second half's: its first steps compile and capture
         half = n - n // 2
         pace["s_per_step"] = (ends[-1] - t0) / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
-        last.update(counters=counters, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
+        last.update(results=results, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
 
-    def steps_of(i: int, n: int, kind: str, timed: bool, counters: list, ends: list, t0: float) -> None:
-        """The `n` steps of round `i` (`kind`): counters and the times their ends were synchronized at."""
+    def steps_of(n: int, kind: str, timed: bool, results: list, ends: list) -> None:
+        """The `n` steps of a round (`kind`): their results, and the times their ends were synchronized at."""
         for s in range(n):
             stop_if_interrupted()
             r = trainer.step()
-            counters.append(r.counters)
+            results.append(r)  # its loss and copy timings read after the pass: no synchronization a step
             status(f"{kind}, step {s + 1}/{n}")
             if (s + 1) % max(1, n // 4) == 0 or s + 1 == n:
                 progress(f"  {label} {kind}: step {s + 1}/{n} loss {r.loss:.4f}")
@@ -200,8 +200,9 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             if on_warmup is not None:
                 on_warmup(time.perf_counter() - last["t0"])
             return
+        counters = [r.counters for r in last["results"]]  # outside the round's time
         out.per_pass_s.append(seconds)
-        out.counters.extend(last["counters"])
+        out.counters.extend(counters)
         out.alloc_retries.append(last["retried"])
         out.pass_gpus.append(gpu)
         out.pass_load.append(host_load())
@@ -209,7 +210,7 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         progress(f"  time: {kinds[i][0]} {seconds:.1f} s")
         if on_pass is not None:
             on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "load_avg": out.pass_load[-1],
-                     "counters": last["counters"],
+                     "counters": counters,
                      "alloc_retries": last["retried"], "gpu": gpu, **peaks[-1]})
 
     with NvmlPeak() as nvml:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.session import PerformanceRegression
 
+from poros.common.atomic import write_atomic
 from poros.common.folders import OutputLock, ensure_folder
 from poros.config import Method
 from poros.errors import PorosError, WriteError
@@ -27,8 +28,9 @@ from poros.harness.cells import Cell, matrix_cells, matrix_device
 from poros.harness.console import set_progress_writer
 from poros.harness.compare import load_compare_source
 from poros.harness.results import RUN_FILES, PassLog, ResultsWriter, keep_earlier, passes_path, row_key
-from poros.suites.benchmarks import (append_earlier, check_compare, check_compared_cells, checkpoint,
-                                     earlier_benchmarks, json_path, save_atomically)
+from poros.harness import pytest_benchmark_adapter as adapter
+from poros.suites.benchmarks import (check_compare, check_compared_cells, checkpoint, earlier_benchmarks, json_path,
+                                     update_commit_info, update_json, update_machine_info)
 from poros.suites import OUT_OF_TIME, WRITE_FAILED
 from poros.suites.session import matrix_of, session_of
 
@@ -58,13 +60,19 @@ def pytest_configure(config):
         preflight.check_benchmark_json_resumable(md.version("pytest-benchmark"), config.getoption("--resume"))
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
-    if getattr(config.option, "benchmark_json", "absent") is None:  # keep its JSON beside the results
+    target = getattr(config.option, "benchmark_json", "absent")
+    if target is None:  # keep its JSON beside the results
         results = Path(config.getoption("--results"))
         try:
             ensure_folder(results.parent, "results folder")
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
-        config.option.benchmark_json = results.with_name("benchmark.json")
+        target = results.with_name("benchmark.json")
+    if target != "absent":
+        # the suites write the JSON themselves, whole under a temporary name and renamed (`checkpoint`): after each
+        # timed cell and at the session's end, a Ctrl-C or SIGTERM included; pytest-benchmark writes none of its own
+        config._poros_json = Path(target.name if hasattr(target, "write") else target)  # (a file: pytest-benchmark<5.3)
+        config.option.benchmark_json = None
     compare = getattr(config.option, "benchmark_compare", None)
     if isinstance(compare, str) and (compare.endswith(".json") or "/" in compare):
         try:  # a file: pytest-benchmark would stop on a missing one with an internal error
@@ -72,6 +80,11 @@ def pytest_configure(config):
         except PorosError as e:
             raise pytest.UsageError(str(e)) from None
     config._poros_benchmarks = earlier_benchmarks(config)
+    if console.status_writer() is None:  # plain pytest: SIGTERM ends the session as Ctrl-C does (`poros bench` sets it)
+        import contextlib
+
+        config._poros_signals = contextlib.ExitStack()
+        config._poros_signals.enter_context(console.interrupt_on_sigint())
 
 
 def pytest_sessionstart(session):
@@ -103,7 +116,6 @@ def pytest_sessionstart(session):
     if console.status_writer() is None:  # `poros bench` routes it to the terminal, its log gets `line`
         console.set_status_writer(lambda msg, final: final and line(msg))
         config._poros_status = True
-    save_atomically(config)
     try:
         _preflight(config)
         check_compare(config)
@@ -119,7 +131,7 @@ def _preflight(config) -> None:
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
-    preflight.check_ranks(m.settings.get("gpus", 1), matrix_device(m), f"{m.source}: gpus")
+    preflight.check_matrix_ranks(m, matrix_device(m))
     results = Path(config.getoption("--results"))
     lock = OutputLock(results.parent).acquire()
     config.add_cleanup(lock.release)
@@ -136,7 +148,10 @@ def _preflight(config) -> None:
         console.progress(warning)
     if config.getoption("--resume"):
         preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
-    warning = ResultsWriter(passes_path(results)).repair()
+    kept = results.parent / "matrix.yaml"  # the matrix the run's rows measure, as it read when the run began
+    if Path(m.source).is_file() and not (config.getoption("--resume") and kept.is_file()):
+        write_atomic(kept, Path(m.source).read_bytes(), "the run's matrix", "the run has not started")
+    warning = PassLog(passes_path(results)).writer.repair()
     if warning:
         console.progress(warning)
     minutes = config.getoption("--max-minutes")
@@ -228,6 +243,23 @@ def pytest_collection_finish(session):
         preflight.check_host_memory(sorted(runnable), device)
     except PorosError as e:
         raise pytest.UsageError(str(e)) from None
+    _say_settings(m, [c for c, w in zip(cells, why) if not w])
+
+
+def _say_settings(m, cells) -> None:
+    """The settings each method (poros per plan) runs, once per method and plan, as the first model's cells
+    resolve them on this device."""
+    from poros.harness.cells import settings_line
+
+    seen, lines = set(), []
+    for c in cells:
+        if c.method is None or (c.method, c.plan) in seen or c.model != cells[0].model:
+            continue
+        seen.add((c.method, c.plan))
+        lines.append(settings_line(m, c))
+    if lines:
+        console.announce("settings (beside the table's defaults; poros/resolve.py for the device's):\n" +
+                         "\n".join(lines))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -237,10 +269,8 @@ def pytest_runtest_setup(item):
         return
     config = item.config
     config._poros_index = getattr(config, "_poros_index", 0) + 1
-    what = cell.method.value if cell.method else "parity gate"
-    stack = "" if cell.stack.name == "current" else f" [{cell.stack.name}]"
     item._poros_t0 = time.perf_counter()
-    console.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.model}{stack} {what}")
+    console.begin_cell(f"[cell {config._poros_index}/{getattr(config, '_poros_cells', '?')}] {cell.label}")
 
 
 def _outcome(item, report) -> str:
@@ -330,6 +360,11 @@ def pytest_sessionfinish(session, exitstatus):
                                  f"gate or row was recorded: a part this short makes no progress; raise --max-minutes")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
             getattr(session.config, "_poros_say", console.progress)(state.no_progress)
+    try:
+        checkpoint(session.config)  # every timed cell's benchmark, the earlier parts' kept (the JSON's last write)
+    except WriteError as e:
+        if state is not None:
+            state.write_failed = state.write_failed or str(e)
     if state is not None and (state.ran or state.stopped) and state.write_failed is None:
         try:
             state.record_part(int(session.exitstatus))
@@ -338,6 +373,7 @@ def pytest_sessionfinish(session, exitstatus):
     if state is not None and state.write_failed is not None:
         session.exitstatus = WRITE_FAILED
         getattr(session.config, "_poros_say", console.progress)(f"{state.write_failed}; the run stopped there")
+    elif state is not None and state.ran:
         if state.keep_exports and not state.stopped:  # the run is complete: no later part needs them
             from poros.harness.unsloth import remove_kept_exports
 
@@ -347,27 +383,42 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(wrapper=True)
 def pytest_terminal_summary(terminalreporter, config):
     """pytest-benchmark raises its regression out of pytest's session end, which skips every plugin's
-    unconfigure (benchmarks of resumed runs would not be appended back) and ends in a traceback: here it
-    fails the run (exit 1) after its table and lines naming each regression."""
-    bs = getattr(config, "_benchmarksession", None)
-    if bs is not None and bs.compared_mapping:
-        config._poros_compared = sum(1 for b in bs.benchmarks if b and any(
-            b.fullname in names for names in bs.compared_mapping.values()))
+    unconfigure and ends in a traceback: here it fails the run (exit 1) after its table and lines naming each
+    regression."""
+    compared = adapter.compare_source(config)[1]
+    if compared:
+        config._poros_compared = sum(1 for b in adapter.timed_benchmarks(config) if any(
+            b.fullname in names for names in compared.values()))
     try:
         return (yield)
     except PerformanceRegression:
-        config._poros_regressions = [f"{name} - {why}" for name, why in bs.performance_regressions]
+        found = adapter.regressions(config)
+        config._poros_regressions = [f"{name} - {why}" for name, why in found]
         session = getattr(config, "_poros_pytest_session", None)
         if session is not None and session.exitstatus in (pytest.ExitCode.OK, OUT_OF_TIME):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        sources = ", ".join(map(str, bs.compared_mapping))
-        terminalreporter.write_line(f"benchmark comparison with {sources}: {len(bs.performance_regressions)} "
+        sources = ", ".join(map(str, compared))
+        terminalreporter.write_line(f"benchmark comparison with {sources}: {len(found)} "
                                     f"regression(s) past --benchmark-compare-fail; exit status 1", red=True)
         return None
 
 
+def pytest_benchmark_update_machine_info(config, machine_info):
+    update_machine_info(machine_info)
+
+
+def pytest_benchmark_update_commit_info(config, commit_info):
+    update_commit_info(commit_info)
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    update_json(config, output_json)
+
+
 def pytest_unconfigure(config):
-    append_earlier(config)
+    stack = getattr(config, "_poros_signals", None)
+    if stack is not None:
+        stack.close()
     set_progress_writer(None)
     if getattr(config, "_poros_status", False):  # this session installed it: the next starts afresh
         console.set_status_writer(None)

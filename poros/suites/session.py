@@ -3,8 +3,6 @@ cache, gate outcomes and time budget, shared by its cells (poros/suites/plugin.p
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -13,8 +11,16 @@ from poros.engine.methods import METHODS, method_unavailable
 from poros.harness import console, preflight
 from poros.harness.budget import TimeBudget
 from poros.harness.cell_memory import StoreCache
-from poros.harness.cells import matrix_cells, matrix_device, model_unavailable
+from poros.harness.cells import cell_fingerprint, matrix_cells, matrix_device, model_unavailable
 from poros.harness.results import PassLog, ResultsWriter, passes_path
+
+def this_process(started: float) -> dict:
+    """What names the process a pass log's records come from: its host, pid and start time (seconds since the
+    epoch), together unique to one run."""
+    import socket
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": round(started, 6)}
+
 
 def matrix_of(config):
     """(the matrix `--matrix` names, the same with `--steps` and `--passes` applied)."""
@@ -35,7 +41,10 @@ class Session:
         self.parity_steps = self.matrix.parity_steps if given is None else given
         results = Path(config.getoption("--results"))
         self.writer = ResultsWriter(results)
-        self.passlog = PassLog(passes_path(results))
+        self.started = time.time()
+        self.process = this_process(self.started)
+        self.passlog = PassLog(passes_path(results), process=self.process)
+        self.ignored: set[str] = set()  # pass records left out, said once each
         self.references = results.with_name("gate-references")  # gate references kept as digests, by fingerprint
         self.resume = config.getoption("--resume")
         self.timed = not getattr(config.option, "benchmark_disable", False)
@@ -50,7 +59,6 @@ class Session:
         self.stopped = False  # a cell stopped at the time budget
         # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
         self.keep_exports = self.max_minutes is not None
-        self.started = time.time()
         self.ran = False  # a cell got past its checks: the part is recorded from then on
         self.part_id = f"{self.started:.6f}-{os.getpid()}"  # the records of this part (one run) in the pass log
         self.write_failed: str | None = None  # the first record this run could not write: it stops there
@@ -72,10 +80,20 @@ class Session:
         self.passlog.add("part", "", "", part_id=self.part_id, started=self.started, ended=now,
                          wall_s=round(now - self.started, 1), phases=phases, exit_status=exit_status,
                          stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
-                         max_minutes=self.max_minutes)
+                         max_minutes=self.max_minutes, steps=self.matrix.steps, passes=self.matrix.passes)
         if exit_status is not None:
             console.progress(f"this run: {now - self.started:.0f} s; " +
                              ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
+
+    def passes(self, cell) -> list[dict]:
+        """The passes the pass log keeps for `cell`: passes 0 to passes-1, each once; a record past them (added by
+        hand, or a second record of a pass) is left out, and said so once."""
+        fp, count = self.cell_fingerprint(cell), self.matrix.passes
+        for why in self.passlog.ignored_passes(cell.id, fp, count):
+            if why not in self.ignored:
+                self.ignored.add(why)
+                console.progress(f"  ignored: {why}")
+        return self.passlog.passes(cell.id, fp, count)
 
     @property
     def total(self) -> int:
@@ -101,14 +119,9 @@ class Session:
             return f"{cell.method.value} runs as one process: gpus: {gpus} is for the in-process methods"
         return None
 
-    @staticmethod
-    def fingerprint(*parts) -> str:
-        """What a cell runs with, hashed: passes and gate outcomes recorded under another are never reused."""
-        text = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def cell_fingerprint(self, cell, cfg) -> str:
-        return self.fingerprint(self.matrix.name, cfg.as_dict(), self.matrix.steps)
+    def cell_fingerprint(self, cell) -> str:
+        """The fingerprint of `cell`'s passes in the pass log (`poros.harness.cells.cell_fingerprint`)."""
+        return cell_fingerprint(self.matrix, cell)
 
 
 def session_of(config) -> Session:

@@ -23,13 +23,13 @@ import time
 
 import pytest
 
-from poros.common.atomic import write_failure
 from poros.config import Method
 from poros.errors import WriteError
 from poros.harness import console
 from poros.engine.methods import METHODS, config_for, gate_of, make_trainer
 from poros.harness.cell_memory import free_device_memory, kept_failure
-from poros.harness.cells import cell_config, computed_of, gate_config
+from poros.harness.cells import cell_config, computed_of, gate_config, gate_fingerprint, reference_fingerprint
+from poros.harness.report.floor import compute_floors, floor_fields
 from poros.harness.result_row import record
 from poros.harness.timing import Measurement, OutOfTime, measure
 from poros.harness.console import progress, stop_if_interrupted
@@ -66,7 +66,7 @@ def _gate_plans(session) -> list:
 
 
 def _gate_fingerprint(session, cell, plan) -> str:
-    return session.fingerprint(session.matrix.name, gate_config(session.matrix, cell, plan).as_dict(), session.parity_steps)
+    return gate_fingerprint(session.matrix, cell, plan, session.parity_steps)
 
 
 def _run_gate(session, cell) -> dict:
@@ -131,23 +131,25 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
     past the time budget, the part stops there (OutOfTime) and a later one (`--resume`) runs only that side,
     against the digests."""
     from poros.engine.parity import record_reference
-    from poros.engine.parity_digest import DigestReference
+    from poros.engine.parity_digest import DigestReference, DigestsRefused
 
-    fingerprint = session.fingerprint(session.matrix.name, cfg.as_dict(), session.parity_steps, reference.value)
+    fingerprint = reference_fingerprint(session.matrix, cfg, session.parity_steps, reference)
     name, path = cell.id + "/reference", session.references / f"{fingerprint}.json.gz"
     kept = session.passlog.reference(name, fingerprint) if session.resume else None
+    recorded = None
     if kept and path.exists():
-        progress(f"  parity gate: {reference.value}'s states kept from an earlier part (--resume): {path.name}")
-        recorded, seconds = DigestReference.load(path), kept["seconds"]
-    else:
+        try:
+            recorded, seconds = DigestReference.load(path, fingerprint, kept.get("checksum")), kept.get("seconds") or 0.0
+            progress(f"  parity gate: {reference.value}'s states kept from an earlier part (--resume): {path.name}")
+        except DigestsRefused as e:  # never the gated method's fault: its reference is recorded again
+            progress(f"  parity gate: refused {e}; recording {reference.value}'s side again")
+    if recorded is None:
         t0 = time.monotonic()
         recorded = record_reference(reference, store, cfg, session.parity_steps)
-        try:
-            DigestReference.of(recorded).save(path)
-        except OSError as e:
-            raise write_failure("the gate reference's digests", path, e, "--resume records them again") from None
+        checksum = DigestReference.of(recorded).save(path, fingerprint)
         seconds = time.monotonic() - t0
-        session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1))
+        session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1),
+                            checksum=checksum)
     if session.budget is not None:
         session.budget.check(f"the gated side of the gate ({reference.value}'s side took {seconds:.0f} s and is kept)",
                              plans * seconds, margin=1.2, lower="parity_steps")
@@ -158,7 +160,10 @@ def _kept_gates(session, cell, plans: list) -> dict:
     """{plan: outcome an earlier part of this run recorded, or None} (empty where the run does not resume)."""
     if not session.resume:
         return {}
-    return {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan)) for plan in plans}
+    kept = {plan: session.passlog.gate(cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan)) for plan in plans}
+    # a FAIL is gated again: a gate that failed once against a reference since refused, or on a machine since
+    # changed, must not stick to the cell without being run again
+    return {plan: r if r and r.get("parity") == "PASS" else None for plan, r in kept.items()}
 
 
 def _gate_fits(session) -> None:
@@ -284,7 +289,7 @@ def test_step(session, cell, benchmark):
     except (AssertionError, WriteError):  # a parity FAIL: its rows are written, saying FAIL; a record that could not
         raise  # be written stops the run (poros/suites/plugin.py)
     except OutOfTime as e:
-        done = len(session.passlog.passes(cell.id, session.cell_fingerprint(cell, cfg)))
+        done = len(session.passes(cell))
         _out_of_time(session, e, f"after {done} of {m.passes} passes")
     except KeyboardInterrupt:  # cut off (a chunk's time budget sends SIGINT): pytest-benchmark would
         benchmark.has_error = True  # put the half-run benchmark into its JSON and crash on its empty stats
@@ -317,8 +322,8 @@ def _measure_cell(session, cell, cfg, benchmark):
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-        fp = session.cell_fingerprint(cell, cfg)
-        earlier = session.passlog.passes(cell.id, fp) if session.resume else []
+        fp = session.cell_fingerprint(cell)
+        earlier = session.passes(cell) if session.resume else []
         if earlier:
             progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
         if earlier and session.budget is not None and len(earlier) < m.passes:
@@ -373,14 +378,14 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
     from poros.harness.unsloth import measure_unsloth
 
     m = session.matrix
-    fp = session.cell_fingerprint(cell, cfg)
+    fp = session.cell_fingerprint(cell)
     twin = _twin(session, cell, fp)
     if twin is not None:  # a swept setting this method does not run with: the same run, measured once
         cell_id, passes = twin
         progress(f"  {cell.method.value}: runs as {cell_id} ran (a swept setting it does not take): its passes")
         write(_child_measurement(passes, passes_of=cell_id))
         return
-    earlier = session.passlog.passes(cell.id, fp) if session.resume else []
+    earlier = session.passes(cell) if session.resume else []
     if len(earlier) < m.passes and session.budget is not None and earlier:
         session.budget.check("a child's start and next pass",
                              (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"])
@@ -429,7 +434,7 @@ def _twin(session, cell, fp: str) -> tuple[str, list[dict]] | None:
 
     others = [c.id for c in matrix_cells(session.matrix) if c.method is cell.method and c.id != cell.id]
     for cell_id in others:
-        passes = session.passlog.passes(cell_id, fp)
+        passes = session.passlog.passes(cell_id, fp, session.matrix.passes)
         if len(passes) == session.matrix.passes:
             return cell_id, passes
     return None
@@ -438,6 +443,7 @@ def _twin(session, cell, fp: str) -> tuple[str, list[dict]] | None:
 def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=None) -> None:
     row = record(session.matrix, cell, cfg, meas, gate, reduced=session.reduced, arch=arch, plan=plan,
                  timed=meas is not None, alone=alone)
+    row.update(floor_fields(row, compute_floors(session.writer.rows())))  # the run's reference has run by now
     session.writer.append(row)
     if meas is None:
         progress(f"  {cell.method.value}: not timed (--benchmark-disable)")
@@ -447,8 +453,10 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
         benchmark.skipped = True
     benchmark.extra_info.update(row_info(row))
     shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
+    floor = "" if row["floor_share"] is None else (f", floor share {row['floor_share']:.0%}, host "
+                                                   f"{row['host_s_per_step']:+.4f} s/step")
     progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "
-             f"{shown(row['peak_vram_gb'], '{:.2f}')} GB")
+             f"{shown(row['peak_vram_gb'], '{:.2f}')} GB{floor}")
     if row.get("capture_errors"):
         progress(f"  {cell.method.value}: {row['capture_errors']} CUDA graph template(s) failed to capture; their "
                  f"layers ran eagerly ({row['template_fallbacks']} eager layer calls)")

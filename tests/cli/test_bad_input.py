@@ -147,9 +147,9 @@ def test_importing_the_engine_with_a_junk_graph_warm_up_is_no_error():
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("steps", 0, "field steps: expected an integer >= 1, got 0"),
-    ("passes", -2, "field passes: expected an integer >= 1, got -2"),
-    ("warmup_passes", 1.5, "field warmup_passes: expected an integer >= 0, got 1.5"),
+    ("steps", 0, "field steps: expected an integer >= 1 or null, got 0"),
+    ("passes", -2, "field passes: expected an integer >= 1 or null, got -2"),
+    ("warmup_passes", 1.5, "field warmup_passes: expected an integer >= 0 or null, got 1.5"),
 ], ids=["steps=0", "passes=-2", "warmup=1.5"])
 def test_a_row_whose_protocol_counts_are_not_counts_is_refused(capsys, tmp_path, field, value, named):
     results = tmp_path / "results.jsonl"

@@ -98,3 +98,69 @@ def test_dash_o_is_out_wherever_out_is(argv):
 
     parser = build_parser()
     assert parser.parse_args([*argv, "-o", "there"]).out == parser.parse_args([*argv, "--out", "there"]).out == "there"
+
+
+def _epilogs():
+    """Every (sub)command's epilog as --help shows it, by command."""
+    from poros.cli import build_parser
+
+    found, todo = {}, [("poros", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        found[name] = parser.epilog or ""
+        for action in parser._actions:
+            if isinstance(action, __import__("argparse")._SubParsersAction):
+                todo += [(f"{name} {n}", p) for n, p in action.choices.items()]
+    return found
+
+
+def continued_lines(text: str) -> list[str]:
+    """Lines of an example where a continued source line left a run of spaces before an option."""
+    import re
+
+    return [line for line in text.splitlines() if re.search(r"\S {3,}--?\w", line)]
+
+
+def test_no_help_example_shows_a_continued_line_as_spaces():
+    epilogs = _epilogs()
+    assert len(epilogs) > len(("poros", "bench matrix")), sorted(epilogs)
+    assert {name: continued_lines(text) for name, text in epilogs.items() if continued_lines(text)} == {}
+
+
+def test_a_continued_line_is_found():
+    """Negative control: the example as a backslash-newline inside a plain string leaves it."""
+    text = "  poros bench matrix cpu --benchmark-compare x.json \
+      --benchmark-compare-fail mean:25%   # exit 1"
+    assert continued_lines(text) == [text]
+    assert continued_lines("  poros bench matrix cpu -o out/h200 --resume      # continue a killed run") == []
+
+
+def product_value(line: str) -> tuple[int, int]:
+    """(what `A × B × (C + D)` before `=` works out to, the count after it) of a `poros validate` line."""
+    import re
+
+    product, count = line.split(": ", 1)[1].split(" = ")
+    arithmetic = re.sub(r"[a-z]+", "", product).replace("×", "*")
+    return eval(arithmetic, {"__builtins__": {}}), int(count.split()[0])
+
+
+def test_validate_prints_a_product_that_multiplies_out(capsys):
+    from poros.cli.validate import cell_product
+    from poros.harness.cells import matrix_cells
+    from poros.harness.matrix import MATRICES, load_matrix
+
+    for path in sorted(MATRICES.glob("*.yaml")):  # every shipped matrix's product, as validate words it
+        m = load_matrix(path)
+        line = f"ok   {path}: {cell_product(m)} = {sum(c.method is not None for c in matrix_cells(m))} timed cells"
+        got, count = product_value(line)
+        assert got == count, line
+    assert main(["validate", "h200-copy-floor"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.endswith(": 1 model × (1 method + 3 poros plans) = 4 timed cells"), line
+
+
+def test_a_product_that_does_not_multiply_out_is_found():
+    """Negative control: the form that listed poros's plans as one more factor."""
+    line = "ok   m.yaml: 5 models × 1 stacks × 3 methods × 2 sweep points × 8 poros plans = 100 timed cells"
+    assert product_value(line) == (240, 100)
+    assert product_value("ok   m.yaml: 1 model × (2 methods + 10 poros plans) = 12 timed cells") == (12, 12)

@@ -84,6 +84,25 @@ def test_bench_refuses_a_matrix_with_no_cell_runnable_here(capsys, tmp_path, cha
     assert not out.exists()
 
 
+@pytest.mark.parametrize("changes,where", [({"gpus": 64}, "gpus"), ({"sweep": {"gpus": [1, 64]}}, "sweep.gpus")],
+                         ids=["gpus=64", "sweep-gpus=64"])
+def test_bench_refuses_more_ranks_than_the_host_takes_before_any_starts(capsys, tmp_path, monkeypatch, changes, where):
+    """`gpus: 64` on a two-core machine: one line naming the count, the cores and the most it takes; no rank
+    started, nothing written (tests/harness/test_preflight.py holds the limit itself to a count that runs)."""
+    import poros.harness.preflight
+    import poros.harness.ranks
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(poros.harness.preflight, "usable_cores", lambda: 2)
+    monkeypatch.setattr(poros.harness.ranks, "run_ranks", no_ranks)
+    out, m = tmp_path / "out", _matrix(tmp_path, **changes)
+    _refused(capsys, ["bench", "matrix", m, "-o", str(out)], f"{m}: {where}: 64 data-parallel ranks on the CPU",
+             "2 CPU core(s)", "set gpus to 8 or less")
+    assert not out.exists()
+
+
 def test_bench_refuses_an_output_path_that_is_a_file(capsys, tmp_path):
     f = tmp_path / "out.txt"
     f.write_text("keep me\n")

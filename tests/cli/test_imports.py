@@ -34,7 +34,8 @@ def loaded(*argv: str, cwd) -> dict:
     return json.loads(said[-1].removeprefix("LOADED "))
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["report", "--help"], ["validate", "--help"], ["plan", "--help"]],
+@pytest.mark.parametrize("argv", [["--help"], ["report", "--help"], ["validate", "--help"], ["plan", "--help"],
+                                  ["docs", "--help"]],
                          ids=lambda a: "argv=" + " ".join(a))
 def test_help_loads_no_torch(argv, tmp_path):
     assert loaded(*argv, cwd=tmp_path) == {"exit": 0, "heavy": []}

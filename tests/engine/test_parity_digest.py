@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from poros.config import TrainConfig
-from poros.engine.parity_digest import DigestReference, tensor_digest
+from poros.engine.parity_digest import DigestReference, DigestsRefused, tensor_digest
 from poros.errors import PorosError
+
+FP = "0123456789abcdef"  # the gate's fingerprint the file belongs to
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,8 @@ def _gate(stores, cfg, reference, **change):
 def test_a_gate_against_saved_digests_passes_where_the_recorded_states_do(stores, recorded, tmp_path):
     cfg, reference = recorded
     path = tmp_path / "ref.json.gz"
-    DigestReference.of(reference).save(path)
-    kept = DigestReference.load(path)
+    checksum = DigestReference.of(reference).save(path, FP)
+    kept = DigestReference.load(path, FP, checksum)
     assert path.stat().st_size < 200_000 and not list(tmp_path.glob("*.part"))
     full, digests = _gate(stores, cfg, reference, block_size=1), _gate(stores, cfg, kept, block_size=1)
     assert full.ok and digests.ok, (full.first_mismatch, digests.first_mismatch)
@@ -51,15 +53,58 @@ def test_a_gate_against_digests_fails_naming_the_tensor(stores, recorded, tmp_pa
     assert other.parity == "FAIL" and other.first_mismatch == _gate(stores, cfg, reference, lr=2e-2).first_mismatch
     assert other.first_mismatch.startswith("step0.weight:") and other.max_abs_diff == float("inf")
 
-    path = tmp_path / "ref.json.gz"
-    kept.save(path)
+    changed = DigestReference.of(reference)
+    name = sorted(changed.states[1].adamw)[3]
+    changed.states[1].adamw[name] = type(changed.states[1].adamw[name])("0" * 32)
+    tampered = _gate(stores, cfg, changed)
+    assert tampered.parity == "FAIL" and tampered.first_mismatch == f"step1.adamw:{name}", tampered.first_mismatch
+
+
+def _edit(path, change) -> None:
     doc = json.loads(gzip.open(path, "rt").read())
-    name = sorted(doc["states"][1]["adamw"])[3]
-    doc["states"][1]["adamw"][name] = "0" * 32
+    change(doc)
     with gzip.open(path, "wt") as f:
         json.dump(doc, f)
-    tampered = _gate(stores, cfg, DigestReference.load(path))
-    assert tampered.parity == "FAIL" and tampered.first_mismatch == f"step1.adamw:{name}", tampered.first_mismatch
+
+
+def _flip_digit(doc) -> None:
+    name = sorted(doc["states"][1]["adamw"])[3]
+    h = doc["states"][1]["adamw"][name]
+    doc["states"][1]["adamw"][name] = ("1" if h[0] == "0" else "0") + h[1:]
+
+
+def _edit_loss(doc) -> None:
+    doc["states"][0]["losses"][0][1] += 1.0
+
+
+@pytest.mark.parametrize("change, why", [(_flip_digit, "do not match its checksum"),
+                                         (_edit_loss, "do not match its checksum")],
+                         ids=["one-hex-digit", "stored-loss"])
+def test_a_digest_file_edited_by_hand_is_refused_by_name(recorded, tmp_path, change, why):
+    """A file whose digests or losses were changed is refused naming it (the suites record the reference again),
+    never compared and blamed on the gated method as a parity FAIL."""
+    _, reference = recorded
+    path = tmp_path / "ref.json.gz"
+    checksum = DigestReference.of(reference).save(path, FP)
+    assert DigestReference.load(path, FP, checksum).states  # negative control: the file as written loads
+    _edit(path, change)
+    with pytest.raises(DigestsRefused) as e:
+        DigestReference.load(path, FP, checksum)
+    assert str(e.value).startswith(f"{path}: ") and why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_another_gates_digests_are_refused(recorded, tmp_path):
+    """Another gate's file copied over this one (its own fingerprint), or another run's file of the same gate (not
+    the checksum this run's pass log recorded): refused by name."""
+    _, reference = recorded
+    mine, theirs = tmp_path / "mine.json.gz", tmp_path / "theirs.json.gz"
+    checksum = DigestReference.of(reference).save(mine, FP)
+    DigestReference.of(reference).save(theirs, "fedcba9876543210")
+    with pytest.raises(DigestsRefused, match="another gate .*fingerprint fedcba9876543210.*another run's file"):
+        DigestReference.load(theirs, FP)
+    with pytest.raises(DigestsRefused, match="not the file this run recorded"):
+        DigestReference.load(mine, FP, "f" * 64)
+    assert DigestReference.load(mine, FP, checksum).method == DigestReference.load(theirs, "fedcba9876543210").method
 
 
 def test_a_digest_sees_one_bit_dtype_and_shape():
@@ -76,10 +121,14 @@ def test_a_digest_sees_one_bit_dtype_and_shape():
 
 def test_a_cut_or_foreign_file_is_refused_by_name(tmp_path):
     cut = tmp_path / "cut.json.gz"
-    cut.write_bytes(gzip.compress(b'{"format": 1, "method": "resident", "init": {'))
+    cut.write_bytes(gzip.compress(b'{"format": 2, "method": "resident", "init": {'))
     with pytest.raises(PorosError, match="cut.json.gz: not a gate reference's digests"):
-        DigestReference.load(cut)
+        DigestReference.load(cut, FP)
     other = tmp_path / "other.json.gz"
     other.write_bytes(gzip.compress(b'{"format": 99}'))
     with pytest.raises(PorosError, match="format 99"):
-        DigestReference.load(other)
+        DigestReference.load(other, FP)
+    earlier = tmp_path / "earlier.json.gz"  # a file of the format before checksums
+    earlier.write_bytes(gzip.compress(b'{"format": 1, "method": "resident", "init": {}, "states": []}'))
+    with pytest.raises(DigestsRefused, match="format 1, expected 2"):
+        DigestReference.load(earlier, FP)

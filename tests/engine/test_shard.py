@@ -242,7 +242,7 @@ def test_gpu_shared_stream(model, tmp_path):
 
 
 @pytest.mark.slow  # a matrix suite under torchrun: minutes on two cores
-@pytest.mark.extended  # ranks in a matrix run in CI (tests/suites/test_matrix.py), the shared stream's gate above
+@pytest.mark.extended  # ranks in a matrix run in CI (tests/suites/test_matrix_runs.py), the shared stream's gate above
 def test_a_shared_stream_matrix_row_records_its_bytes_and_scaling(tmp_path):
     """`gpus: 2, shard_stream: true` on the CPU (gloo): the poros row carries each rank's bytes from the host and
     from its peer, and `scaling` over rank 0's one-device figure timed in the same run."""

@@ -11,11 +11,12 @@ from poros.config import Method
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.budget import make_plan
 from poros.errors import ConfigError
-from poros.finetune.config import (CUDA_DEFAULTS, dump_run_file, override_words, parse_overrides, read_run_file,
+from poros.finetune.config import (dump_run_file, override_words, parse_overrides, read_run_file,
                                    resolve)
 from poros.finetune.plan_line import plan_line
 from poros.models.checkpoint import resolve as resolve_model
 from poros.choices import Attention, Device
+from poros.resolve import DEVICE_DEFAULTS
 
 BASE = {"model": "tiny-qwen2", "data": "data.jsonl", "out": "runs/a", "steps": 10}
 
@@ -92,7 +93,7 @@ def test_cuda_takes_the_fast_exact_path_when_nothing_is_set():
     cfg = fc.train
     assert cfg.device is Device.CUDA
     assert (cfg.attention, cfg.deterministic, cfg.cuda_graphs, cfg.vram_budget) == (Attention.FAST, True, True, "auto")
-    assert chosen == tuple(CUDA_DEFAULTS)
+    assert chosen == tuple(DEVICE_DEFAULTS[Device.CUDA])
     # each setting given keeps its value; the others still take the GPU's defaults
     fc, chosen = resolve({**BASE, "vram_budget": "24GB", "attention": "math"}, cuda_available=True)
     assert fc.train.vram_budget == 24_000_000_000 and fc.train.attention is Attention.MATH

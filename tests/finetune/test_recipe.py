@@ -537,6 +537,24 @@ def test_gpus_starts_the_ranks_itself(files, two_ranks, capfd):
     assert read_run_file(out / "run.yaml")["gpus"] == 2
 
 
+def test_more_ranks_than_the_host_takes_are_refused_before_any_starts(files, tmp_path, capsys, monkeypatch):
+    """`poros train --gpus 64` on a two-core machine: one line, no rank started, no run folder (the limit itself
+    is held to a count that runs in tests/harness/test_preflight.py)."""
+    import subprocess
+
+    import poros.harness.preflight
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(poros.harness.preflight, "usable_cores", lambda: 2)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    code = train(files, tmp_path / "run", "--gpus", "64")
+    one_line_refusal(capsys, code, "poros train: error: gpus: 64 data-parallel ranks on the CPU", "2 CPU core(s)",
+                     "set gpus to 8 or less")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow  # a poros run on two gloo ranks under torchrun (the module's ranks)
 def test_resuming_with_another_number_of_ranks_is_refused(files, two_ranks, capsys):
     out = two_ranks / "poros"

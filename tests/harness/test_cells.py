@@ -1,9 +1,10 @@
-"""The cells of a matrix (poros/harness/cells.py): model by model, parity first, with ids that read like report
+"""The cells of a matrix (poros/harness/cells.py): model by model, parity first, then the reference, with ids that read like report
 rows and parse as -k expressions; a poros cell always has its gate cell; a model's overrides change only that
 model's settings; full-size shapes are gated off the CPU."""
 
 from __future__ import annotations
 
+from poros.engine.method_info import REFERENCES
 from poros.harness.cells import matrix_cells, model_unavailable
 from poros.harness.matrix import load_matrix, parse_matrix
 from tests.suite_runs import TINY
@@ -16,7 +17,9 @@ def test_cells_run_model_by_model_parity_first():
     for i, model in enumerate(m.models):
         chunk = cells[i * (1 + len(m.methods)) : (i + 1) * (1 + len(m.methods))]
         assert [c.model for c in chunk] == [model] * len(chunk)
-        assert chunk[0].method is None and [c.method for c in chunk[1:]] == list(m.methods)
+        references = [x for x in m.methods if x.value in REFERENCES]  # a reference first: streamed rows' floor
+        assert references and chunk[0].method is None
+        assert [c.method for c in chunk[1:]] == references + [x for x in m.methods if x not in references]
 
 
 def test_cell_ids_read_like_report_rows():
@@ -56,3 +59,24 @@ def test_model_overrides_change_only_that_models_schedule():
     assert q2.overlap_backward and q2.vram_budget is None
     assert not q3.overlap_backward and q3.vram_budget == 300 * 10**6
     assert q2.replace(model="tiny-qwen3", overlap_backward=False, vram_budget=300 * 10**6) == q3  # nothing else
+
+
+def test_each_cells_console_label_tells_it_from_every_other():
+    """Two poros plans of one model, or one method at two sweep points, read apart on the console."""
+    m = parse_matrix({**{k: v for k, v in TINY.items() if k != "seq_len"}, "models": ["tiny-qwen2"],
+                      "methods": ["poros", "resident"],
+                      "sweep": {"seq_len": [64, 128]}, "plans": {"streamed": {}, "kept": {"keep_activations": True}}})
+    labels = [c.label for c in matrix_cells(m)]
+    assert len(set(labels)) == len(labels), labels
+    assert labels[:4] == ["tiny-qwen2 seq_len=64 parity gate", "tiny-qwen2 seq_len=64 poros plan streamed",
+                          "tiny-qwen2 seq_len=64 poros plan kept", "tiny-qwen2 seq_len=64 resident"], labels
+    plain = [c.label for c in matrix_cells(load_matrix("cpu"))]
+    assert plain[:2] == ["tiny-qwen2 parity gate", "tiny-qwen2 poros"], plain
+
+
+def test_labels_without_the_plan_would_repeat():
+    """Negative control: the model and method alone name two plans' cells alike."""
+    m = parse_matrix({**TINY, "models": ["tiny-qwen2"], "methods": ["poros"],
+                      "plans": {"streamed": {}, "kept": {"keep_activations": True}}})
+    bare = [f"{c.model} {c.method.value}" for c in matrix_cells(m) if c.method]
+    assert len(set(bare)) < len(bare)

@@ -91,6 +91,19 @@ def test_the_committed_cpu_run_is_a_compare_source_for_the_cpu_matrix():
     assert len(load_compare_source(path)) == len(cells)
 
 
+def test_a_source_of_another_or_no_pass_length_is_refused():
+    """A benchmark round is one pass: rounds of another length, or of one the file does not record (the committed
+    results/cpu/benchmark.json, of an earlier harness), compare other work. The control: the same length."""
+    from poros.harness.compare import pass_length_problem
+
+    committed = load_compare_source(REPO / "results" / "cpu" / "benchmark.json")
+    assert "records no pass length (extra_info.steps" in pass_length_problem(committed, 4)
+    bench = {"name": "b", "extra_info": {"steps": 3}}
+    assert "its passes ran 3 step(s) each, this run's 4; pass --steps 3" in pass_length_problem([bench], 4)
+    assert pass_length_problem([bench, {**bench, "extra_info": {"steps": 4}}], 3).startswith("its passes ran 4")
+    assert pass_length_problem([bench], 3) is None
+
+
 def test_compare_sources_and_thresholds_are_checked(tmp_path):
     with pytest.raises(PorosError, match="no such file"):
         load_compare_source(tmp_path / "missing.json")
@@ -119,7 +132,9 @@ def test_bench_refuses_bad_compare_options_before_any_work(tmp_path, capsys):
     for extra, named in ((["--benchmark-compare-fail", GENEROUS], "needs --benchmark-compare PATH"),
                          (["--benchmark-compare", str(tmp_path / "none.json")], "none.json: no such file"),
                          (["--benchmark-compare", str(REPO / "results" / "cpu" / "benchmark.json"),
-                           "--benchmark-compare-fail", "mean:5.5%"], "'mean:5.5%': expected FIELD:N%")):
+                           "--benchmark-compare-fail", "mean:5.5%"], "'mean:5.5%': expected FIELD:N%"),
+                         (["--benchmark-compare", str(REPO / "results" / "cpu" / "benchmark.json")],
+                          "records no pass length")):
         one_line_refusal(capsys, main(["bench", "matrix", str(matrix), "-o", str(out), *extra]), named)
         assert not out.exists()
 
@@ -131,13 +146,17 @@ def test_comparisons_that_would_compare_nothing_are_refused_before_any_cell(tmp_
     bench = {"fullname": cell, "stats": {"min": 1.0, "max": 1.0, "mean": 1.0, "median": 1.0, "stddev": 0.0,
                                          "rounds": 1, "iqr": 0.0, "q1": 1.0, "q3": 1.0}, "extra_info": {"steps": 3}}
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"machine_info": {}, "benchmarks": [{**bench, "fullname": cell.replace("qwen2", "x")}]}))
+    other.write_text(json.dumps({"machine_info": {}, "benchmarks": [{**bench, "fullname": cell.replace("qwen2", "x"),
+                                                                     "extra_info": {"steps": 1}}]}))
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"machine_info": {}, "benchmarks": [{**bench, "extra_info": {}}]}))
     longer = tmp_path / "longer.json"
     longer.write_text(json.dumps({"machine_info": {}, "benchmarks": [bench]}))
     results = tmp_path / "r" / "results.jsonl"
     for extra, named in (
             ([f"--benchmark-compare={other}"], "none of its cells is one of the 1 timed cells selected here"),
             ([f"--benchmark-compare={longer}"], "its passes ran 3 step(s) each, this run's 1; pass --steps 3"),
+            ([f"--benchmark-compare={unknown}"], "records no pass length (extra_info.steps"),
             ([f"--benchmark-compare={tmp_path / 'missing.json'}"], "missing.json: no such file"),
             ([f"--benchmark-compare-fail={GENEROUS}"], "--benchmark-compare-fail needs --benchmark-compare PATH")):
         proc = _suite(tmp_path, matrix, results, *extra)

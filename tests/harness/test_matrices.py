@@ -234,3 +234,14 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
     path.write_text(yaml.safe_dump({**TINY, "methods": ["poros"], "models": ["tiny-qwen2"]}) + "lr: 1e-4\n")
     assert yaml.safe_load(path.read_text())["lr"] == "1e-4"  # PyYAML's own reading: a string
     assert load_matrix(str(path)).lr == 1e-4
+
+
+@pytest.mark.parametrize("name", ["cpu-torch210", "cpu-torch212"])
+def test_the_cpu_matrix_on_a_stack_measures_what_cpu_does(name):
+    """The stack check's CPU matrix (tox -e ENV) differs from cpu.yaml only in its name and the stack it pins, so the
+    stacks page compares like with like."""
+    cpu, other = load_matrix("cpu"), load_matrix(name)
+    (stack,) = other.stacks
+    assert name == f"cpu-{stack.name}" and not stack.is_current
+    same = dict(name=cpu.name, stacks=cpu.stacks, source=cpu.source)
+    assert dataclasses.replace(other, **same) == cpu

@@ -31,6 +31,7 @@ class SlowStart:
 
 
 CPU = TrainConfig(model="tiny-qwen2", device="cpu")
+GATE_PASS = {"parity": "PASS", "steps": 3, "tensors_compared": 10, "first_mismatch": None, "max_abs_diff": 0.0}
 
 
 def test_no_warm_up_starts_where_an_earlier_pass_says_the_next_pass_would_not_fit():
@@ -189,7 +190,8 @@ def test_the_store_fingerprint_names_the_weights():
 
 
 def test_the_committed_run_in_parts_says_where_it_stands():
-    """results/h200/README.md carries `poros bench status` of its own rows, as the rows now are."""
+    """results/h200/README.md carries `poros bench status` of its own rows, as the rows now are, against the matrix
+    the run ran (the run's folder keeps it as matrix.yaml)."""
     from pathlib import Path
 
     from poros.harness.matrix import load_matrix
@@ -197,39 +199,119 @@ def test_the_committed_run_in_parts_says_where_it_stands():
 
     root = Path(__file__).resolve().parents[2]
     readme = (root / "results/h200/README.md").read_text()
-    status = status_markdown(load_matrix(str(root / "matrices/h200.yaml")), root / "results/h200")
+    status = status_markdown(load_matrix(str(root / "results/h200/matrix.yaml")), root / "results/h200")
     assert readme.endswith("## Cells and parts\n\n" + status)
 
 
-def test_status_reads_gates_passes_and_rows(tmp_path):
-    from poros.harness.cells import cell_config, matrix_cells
-    from poros.harness.result_row import record
+def _status_matrix(**change):
     from poros.harness.matrix import parse_matrix
+
+    return parse_matrix(dict(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1,
+                                  lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu",
+                                  stacks=["current"], methods=["poros", "resident"], models=["tiny-qwen2"]), **change),
+                        "t.yaml")
+
+
+def test_status_reads_gates_passes_and_rows(tmp_path):
+    from poros.harness.cells import cell_config, cell_fingerprint, gate_fingerprint, matrix_cells
+    from poros.harness.result_row import record
     from poros.harness.progress import cell_states, status_markdown
     from poros.harness.results import PassLog, ResultsWriter
 
-    m = parse_matrix(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1, grad_accum=1,
-                          lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu",
-                          stacks=["current"], methods=["poros", "resident"], models=["tiny-qwen2"]), "t.yaml")
-    gate, poros, resident = matrix_cells(m)
+    m = _status_matrix()
+    gate, resident, poros = matrix_cells(m)
     log = PassLog(tmp_path / "passes.jsonl")
-    log.add("gate", gate.id + "/None", "f", result={"parity": "PASS", "steps": 3})
-    log.add("pass", resident.id, "f", index=0, seconds=1.0)
+    log.add("gate", gate.id + "/None", gate_fingerprint(m, gate, None, m.parity_steps), result=GATE_PASS)
+    log.add("pass", resident.id, cell_fingerprint(m, resident), index=0, seconds=1.0, gpu="GPU-c")
+    log.add("pass", resident.id, "another-fingerprint", index=1, seconds=1.0)  # another run's: not counted
     row = record(m, poros, cell_config(m, poros), None, None, reduced=False)
     ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0]})
     assert cell_states(m, tmp_path) == [("tiny-qwen2 gate", "PASS (3 steps)"),
-                                        ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes"),
-                                        ("tiny-qwen2 resident", "1 of 2 passes")]
+                                        ("tiny-qwen2 resident", "1 of 2 passes on c"),
+                                        ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes")]
     log.add("part", "", "", started=0.0, wall_s=10.0, phases={"timed passes": 4.0, "warm-up": 6.0}, exit_status=75,
             gpu=["GPU-12345678-aa"])
     md = status_markdown(m, tmp_path)
     assert "| 1 | 1970-01-01 00:00 | 10 s | 4 s | warm-up 6 s | 75 | 12345678 |" in md
     assert "1 of 2 timed cells done (4 steps x 2 passes each)" in md
-    assert "GPUs" not in md.split("| part |")[0]  # CPU rows name no GPU
     ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [2.0, 2.0],
                                                       "pass_gpus": ["GPU-a", "GPU-b"]})
-    assert cell_states(m, tmp_path)[1] == ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes on a, b")
-    assert "The timed cells ran on 2 GPUs (a, b): a ratio between cells of different GPUs" in status_markdown(m, tmp_path)
+    assert cell_states(m, tmp_path)[2] == ("tiny-qwen2 poros", "done: 0.5000 s/step over 2 passes on a, b")
+    assert "The timed cells ran on 3 GPUs (a, b, c): a ratio between cells of different GPUs" in status_markdown(m, tmp_path)
+
+
+def test_status_counts_gpus_and_processes_from_the_passes(tmp_path):
+    """Each pass record names its GPU and process: a cell whose passes ran on two GPUs is said to, whatever the GPU
+    of the process that wrote its row. Negative control: one GPU and one process say nothing of either."""
+    from poros.harness.cells import cell_config, cell_fingerprint, matrix_cells
+    from poros.harness.progress import cell_states, status_markdown
+    from poros.harness.result_row import record
+    from poros.harness.results import PassLog, ResultsWriter
+
+    m = _status_matrix(methods=["resident"])
+    (resident,) = matrix_cells(m)
+    fp = cell_fingerprint(m, resident)
+    one = PassLog(tmp_path / "passes.jsonl", process={"host": "h", "pid": 7, "started": 1.0})
+    one.add("pass", resident.id, fp, index=0, seconds=1.0, gpu="GPU-aaaa")
+    row = record(m, resident, cell_config(m, resident), None, None, reduced=False)
+    ResultsWriter(tmp_path / "results.jsonl").append({**row, "s_per_step_median": 0.5, "per_pass_s": [1.0, 1.0],
+                                                      "pass_gpus": ["GPU-bbbb", "GPU-bbbb"]})
+    one.add("pass", resident.id, fp, index=1, seconds=1.0, gpu="GPU-aaaa")
+    md = status_markdown(m, tmp_path)
+    assert cell_states(m, tmp_path)[0][1].endswith("on aaaa") and "GPUs" not in md and "processes" not in md, md
+    other = PassLog(tmp_path / "passes.jsonl", process={"host": "h2", "pid": 7, "started": 2.0})
+    (tmp_path / "passes.jsonl").write_text((tmp_path / "passes.jsonl").read_text().splitlines(True)[0])
+    other.add("pass", resident.id, fp, index=1, seconds=1.0, gpu="GPU-cccc")
+    md = status_markdown(m, tmp_path)
+    assert "The timed cells ran on 2 GPUs (aaaa, cccc)" in md and "Their passes ran in 2 processes." in md, md
+
+
+def test_status_holds_every_record_to_the_matrix(tmp_path):
+    """What `poros bench status` once said falsely: passes past the cell's count ("4 of 2 passes"), rows of another
+    matrix or another seq_len read as done, a FAIL cell read as done, a kept reference side as "not run", unsloth on a
+    CPU as "not started". Each control: the record as this matrix's run writes it."""
+    from poros.errors import PorosError
+    from poros.harness.cells import (cell_config, cell_fingerprint, gate_config, matrix_cells,
+                                     reference_fingerprint)
+    from poros.config import Method
+    from poros.harness.progress import cell_states, status_markdown
+    from poros.harness.result_row import record
+    from poros.harness.results import PassLog, ResultsWriter
+
+    m = _status_matrix(methods=["poros", "resident_gc", "unsloth"])
+    gate, gc, poros, unsloth = matrix_cells(m)
+    log = PassLog(tmp_path / "passes.jsonl")
+    fp = cell_fingerprint(m, gc)
+    for i in (0, 1, 2, 3):  # a run of 4 passes in a folder this 2-pass matrix is asked about
+        log.add("pass", gc.id, fp, index=i, seconds=1.0)
+    states = dict(cell_states(m, tmp_path))
+    assert states["tiny-qwen2 resident_gc"] == "2 of 2 passes"
+    assert "pass index 2 is beyond the cell's 2 passes" in status_markdown(m, tmp_path)
+    assert states["tiny-qwen2 unsloth"] == "cannot run on cpu: unsloth needs a CUDA GPU (it cannot even be imported without one)"
+    assert states["tiny-qwen2 poros"] == "not started"  # control: a cell that can run
+    assert states["tiny-qwen2 gate"] == "not run"
+    cfg = gate_config(m, gate, None)
+    log.add("reference", gate.id + "/reference", reference_fingerprint(m, cfg, m.parity_steps, Method.RESIDENT_GC),
+            file="x.json.gz", seconds=12.0)
+    assert dict(cell_states(m, tmp_path))["tiny-qwen2 gate"] == \
+        "resident_gc's side kept (12 s, x.json.gz); poros's side not run yet"
+
+    results = ResultsWriter(tmp_path / "results.jsonl")
+    row = {**record(m, poros, cell_config(m, poros), None, None, reduced=False), "s_per_step_median": 0.23,
+           "per_pass_s": [1.0, 1.0], "parity": "FAIL", "parity_first_mismatch": "step0.grad:x", "gate": "resident_gc"}
+    results.append(row)
+    states = dict(cell_states(m, tmp_path))
+    assert states["tiny-qwen2 poros"] == "parity FAIL (first mismatch step0.grad:x): not done; --resume gates it again"
+    assert states["tiny-qwen2 gate"].startswith("FAIL (first mismatch step0.grad:x)")
+    assert status_markdown(m, tmp_path).startswith("0 of 3 timed cells done (4 steps x 2 passes each); 1 cannot run on cpu.")
+    results.append({**row, "parity": "PASS", "parity_first_mismatch": None})  # control
+    assert dict(cell_states(m, tmp_path))["tiny-qwen2 poros"].startswith("done: 0.2300 s/step")
+    results.append({**row, "parity": "PASS", "config": {**row["config"], "seq_len": 128}})
+    assert dict(cell_states(m, tmp_path))["tiny-qwen2 poros"] == \
+        "rows of other settings (seq_len 128, the matrix 64): not this matrix's cell"
+    results.append({**row, "matrix": "other"})
+    with pytest.raises(PorosError, match="holds rows of matrix 'other', not 't': pass the matrix file that run measured"):
+        cell_states(m, tmp_path)
 
 
 def test_a_part_is_its_last_record_and_one_without_an_end_says_so(tmp_path):
@@ -320,7 +402,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
     from poros.harness.matrix import parse_matrix
     from poros.harness.results import PassLog
     from poros.suites import test_matrix as tm
-    from poros.suites.session import Session
+    from poros.harness.cells import cell_fingerprint
 
     m = parse_matrix(dict(name="t", steps=2, passes=2, warmup_passes=1, batch_size=1, grad_accum=1, lora_rank=4,
                           lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"],
@@ -336,8 +418,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
 
     monkeypatch.setattr(um, "measure_unsloth", fake_unsloth)
     session = SimpleNamespace(matrix=m, passlog=PassLog(tmp_path / "passes.jsonl"), resume=False, budget=None,
-                              keep_exports=False, cell_fingerprint=lambda cell, cfg: Session.fingerprint(
-                                  m.name, cfg.as_dict(), m.steps))
+                              keep_exports=False, cell_fingerprint=lambda cell: cell_fingerprint(m, cell))
     store = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8))
     written = {}
     for cell in cells:
@@ -351,3 +432,34 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
         assert written[first].passes_of is None and written[second].passes_of == first
         assert written[second].per_pass_s == written[first].per_pass_s == [1.0, 2.0]
         assert written[second].peak_vram_gb == 2.0
+
+
+def test_status_reads_a_reduced_run_at_the_counts_its_parts_recorded(tmp_path, capsys):
+    """A run of `--steps 2 --passes 3` records its counts in its parts: `poros bench status` reads its cells at
+    them (its passes' fingerprints hold the steps), and --steps/--passes override. Control: a folder whose parts
+    name no counts is read at the matrix's."""
+    import yaml
+
+    from poros.cli import main
+    from poros.harness.cells import cell_fingerprint, matrix_cells
+
+    m = _status_matrix(methods=["resident"])
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(dict(name="t", steps=4, passes=2, warmup_passes=1, seq_len=64, batch_size=1,
+                                        grad_accum=1, lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic",
+                                        device="cpu", stacks=["current"], methods=["resident"], models=["tiny-qwen2"])))
+    from poros.harness.results import PassLog
+
+    reduced = m.with_overrides(2, 3)
+    (cell,) = matrix_cells(reduced)
+    log = PassLog(tmp_path / "passes.jsonl")
+    log.add("pass", cell.id, cell_fingerprint(reduced, cell), index=0, seconds=1.0)
+    log.add("part", "", "", part_id="p", started=0.0, wall_s=1.0, phases={}, exit_status=75, gpu=[])
+    assert main(["bench", "status", str(path), "-o", str(tmp_path)]) == 0
+    assert "| tiny-qwen2 resident | not started |" in capsys.readouterr().out  # control: no counts recorded
+    log.add("part", "", "", part_id="p", started=0.0, wall_s=1.0, phases={}, exit_status=75, gpu=[], steps=2, passes=3)
+    assert main(["bench", "status", str(path), "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("0 of 1 timed cells done (2 steps x 3 passes each).") and "| 1 of 3 passes |" in out, out
+    assert main(["bench", "status", str(path), "-o", str(tmp_path), "--steps", "4", "--passes", "2"]) == 0
+    assert "| tiny-qwen2 resident | not started |" in capsys.readouterr().out

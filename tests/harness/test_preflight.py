@@ -261,6 +261,27 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     check_ranks(1, "cuda", "m.yaml: gpus")
 
 
+def test_more_cpu_ranks_than_the_cores_take_are_refused(monkeypatch):
+    """On the CPU, ranks are processes: at most CPU_RANKS_PER_CORE a usable core, whatever the matrix or the sweep
+    asks; the count at the limit runs (the negative control)."""
+    monkeypatch.setattr(preflight, "usable_cores", lambda: 2)
+    most = 2 * preflight.CPU_RANKS_PER_CORE
+    preflight.check_ranks(most, "cpu", "m.yaml: gpus")
+    with pytest.raises(CapabilityError) as e:
+        preflight.check_ranks(64, "cpu", "m.yaml: gpus")
+    assert _one_line(e.value) == (
+        "m.yaml: gpus: 64 data-parallel ranks on the CPU are 64 processes; this host gives this process 2 CPU "
+        f"core(s), and a CPU run takes at most {preflight.CPU_RANKS_PER_CORE} ranks a core: set gpus to {most} or less")
+    cpu = {**TINY, "device": "cpu"}
+    preflight.check_matrix_ranks(parse_matrix({**cpu, "sweep": {"gpus": [1, most]}}, "m.yaml"), "cpu")
+    for changes, where in (({"gpus": most + 1}, "m.yaml: gpus: "), ({"sweep": {"gpus": [1, most + 1]}},
+                                                                      "m.yaml: sweep.gpus: ")):
+        m = parse_matrix({**cpu, **changes}, "m.yaml")
+        assert m.most_ranks() == most + 1
+        with pytest.raises(CapabilityError, match=f"^{where}{most + 1} data-parallel ranks on the CPU"):
+            preflight.check_matrix_ranks(m, "cpu")
+
+
 def test_resume_refuses_rows_of_other_computed_settings_plans_or_stacks(tmp_path):
     from poros.errors import PorosError
     from poros.harness.cells import cell_config

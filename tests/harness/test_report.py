@@ -306,21 +306,25 @@ def test_reference_matches_case_insensitively(tmp_path):
     ref_csv.write_text(
         "hardware,model,arch,stack,parity,poros_s_step_median,poros_s_step_std,resident_s_step,unsloth_s_step,"
         "poros_vram_gb,resident_vram_gb,unsloth_vram_gb,attention_note\n"
-        f"B300,Qwen2.5-32B,qwen2,{STACK},PASS,1.0012,0.0082,0.2755,0.4051,11.04,36.53,20.54,note\n"
-        "A100-80GB-PCIe,Qwen2.5-32B,qwen2,,,2.0489,0.0091,0.7662,0.9086,10.95,,20.82,note\n"
-        "B300,Qwen2.5-72B,qwen2,,,1.8680,0.0087,0.4489,0.5917,18.16,67.63,42.46,note\n"
+        f"H200,Qwen2.5-32B,qwen2,{STACK},PASS,1.0012,0.0082,0.2755,0.4051,11.04,36.53,20.54,note\n"
+        "H200,Qwen2.5-32B,qwen2,,,2.0489,0.0091,0.7662,0.9086,10.95,,20.82,note\n"
+        "H200,Qwen2.5-72B,qwen2,,,1.8680,0.0087,0.4489,0.5917,18.16,67.63,42.46,note\n"
+        f"B300,Qwen2.5-32B,qwen2,{STACK},PASS,0.9900,0.0049,0.2731,,11.04,36.54,,note\n"
     )
     df = load_results(write_jsonl(tmp_path / "r.jsonl", three_methods()))
     assert "Reference vs measured" not in render_markdown(df)
     md = render_markdown(df, load_reference(ref_csv))
     rows = table_rows(md, "Qwen2.5-32B", ncols=11)
-    assert [r[1] for r in rows] == ["B300", "A100-80GB-PCIe"]  # 72B was not measured: no row
+    assert [r[1] for r in rows] == ["H200", "H200"]  # 72B was not measured: no row; the B300 row is not this hardware
     assert rows[0][3:] == ["1.0012±0.0082", "1.2345±0.0123", "0.2755", "0.3456±0.0012",
                            "11.04 GB", "12.34 GB", "36.53 GB", "40.12 GB"]
-    # the A100 row states no stack: no measurement is known to be of its stack
+    # the second row states no stack: no measurement is known to be of its stack
     assert rows[1][2] == "—" and rows[1][4] == rows[1][6] == rows[1][8] == rows[1][10] == "—"
     # the results table names the model as the reference does
     assert table_rows(md, "Qwen2.5-32B") and not table_rows(md, "qwen2.5-32b")
+    assert "## Reference vs measured, same hardware and stack" in md
+    other = md.split("## The reference on other hardware (B300)", 1)[1]
+    assert f"| Qwen2.5-32B | B300 | {STACK} |" in other  # same stack, other hardware: beside, never paired
 
 
 def _reference_rows(md: str) -> dict:
@@ -334,30 +338,45 @@ def tables_with(md: str, column: str) -> list[list[str]]:
 
 
 TORCH210, TORCH212 = "torch 2.10.0+cu128 / transformers 5.5.0", "torch 2.12.0+cu130 / transformers 5.10.1"
+B300_GPU = "NVIDIA B300 SXM6 AC"  # the name NVML and torch.cuda.get_device_name give a B300
 
 
-def _official_as_measured(stack: str) -> list[dict]:
-    """Rows of qwen3-32b on `stack` carrying the reference's own poros and resident figures of that stack."""
+def on_gpu(rows: list[dict], gpu: str, hardware: str | None = None) -> list[dict]:
+    """`rows` run on a GPU named `gpu`, their matrix declaring `hardware`."""
+    out = []
+    for r in rows:
+        gpus = [{**g, "name": gpu} for g in r["provenance"]["gpus"]]
+        out.append({**r, "config": {**r["config"], "hardware": hardware}, "provenance": {**r["provenance"], "gpus": gpus}})
+    return out
+
+
+def _official_as_measured(stack: str, gpu: str = B300_GPU) -> list[dict]:
+    """Rows of qwen3-32b on `stack` and a GPU named `gpu` carrying the reference's own poros and resident figures of
+    that stack."""
     ref = load_reference(OFFICIAL_REFERENCE)
     (r,) = [r for r in ref.to_dict("records") if r["model"] == "Qwen3-32B" and r["stack"] == stack]
-    return [fixture_row(model="qwen3-32b", arch="qwen3", method=m, stack=stack, s_per_step_median=r[f"{m}_s_step" if
-                        m == "resident" else "poros_s_step_median"], s_per_step_std=0.0) for m in ("poros", "resident")]
+    return on_gpu([fixture_row(model="qwen3-32b", arch="qwen3", method=m, stack=stack, s_per_step_median=r[
+        f"{m}_s_step" if m == "resident" else "poros_s_step_median"], s_per_step_std=0.0)
+        for m in ("poros", "resident")], gpu)
 
 
 def test_reference_row_stands_beside_its_own_stack_only(tmp_path):
-    """The reference's figures fed back as measurements of each stack: each reference row meets its own."""
+    """The reference's figures fed back as measurements of each stack on a B300: each reference row meets its own."""
     ref = load_reference(OFFICIAL_REFERENCE)
     both = load_results(write_jsonl(tmp_path / "both.jsonl", _official_as_measured(TORCH210) +
                                     _official_as_measured(TORCH212)))
-    got = _reference_rows(render_markdown(both, ref))
+    page = render_markdown(both, ref)
+    got = _reference_rows(page)
     assert got[("Qwen3-32B", TORCH210)] == ("1.0585±0.0044", "1.0585±0.0000", "0.2945", "0.2945±0.0000")
     assert got[("Qwen3-32B", TORCH212)] == ("1.0483±0.0096", "1.0483±0.0000", "0.2960", "0.2960±0.0000")
-    assert got[("Qwen3-32B", "—")][1] == "—"  # the A100 row names no stack
+    assert ("Qwen3-32B", "—") not in got  # the A100 row is of other hardware
+    assert "## Reference vs measured, same hardware and stack" in page
+    assert "| Qwen3-32B | A100-80GB-PCIe |" in page.split("## The reference on other hardware (A100-80GB-PCIe)")[1]
 
 
 def test_reference_row_of_another_stack_shows_no_measurement(tmp_path):
-    """Only torch 2.10 measured: the torch 2.12 reference row stands beside nothing (not the 2.10 figures), and a
-    stack that differs only in its CUDA build, or does not state it, meets no reference row."""
+    """Only torch 2.10 measured on a B300: the torch 2.12 reference row stands beside nothing (not the 2.10
+    figures), and a stack that differs only in its CUDA build, or does not state it, meets no reference row."""
     ref = load_reference(OFFICIAL_REFERENCE)
     only_210 = load_results(write_jsonl(tmp_path / "210.jsonl", _official_as_measured(TORCH210)))
     got = _reference_rows(render_markdown(only_210, ref))
@@ -366,15 +385,42 @@ def test_reference_row_of_another_stack_shows_no_measurement(tmp_path):
     for other in ("torch 2.10.0+cu126 / transformers 5.5.0", "torch 2.10.0 / transformers 5.5.0"):
         rows = [{**r, "stack": other} for r in _official_as_measured(TORCH210)]
         page = render_markdown(load_results(write_jsonl(tmp_path / "o.jsonl", rows)), ref)
-        # nothing pairs: no same-stack table, only the rows beside the reference, each naming its own stack
+        # nothing pairs: no same-cell table, only the rows beside the reference, each naming its own stack
         assert "## Reference vs measured" not in page and _reference_rows(page) == {}, other
-        assert f"| Qwen3-32B | NVIDIA H200 (this page) | {other} |" in page
+        assert f"| Qwen3-32B | {B300_GPU} (this page) | {other} |" in page
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA GB300"], ids=lambda g: f"gpu={g}")
+def test_rows_of_other_hardware_never_pair_with_the_reference(tmp_path, gpu):
+    """An H200 row labelled with the reference's torch 2.10 stack is not the B300's cell: no same-cell table, and
+    the B300 and A100 rows stand under a heading that names them other hardware (a GB300 is not a B300 either)."""
+    ref = load_reference(OFFICIAL_REFERENCE)
+    page = render_markdown(load_results(write_jsonl(tmp_path / "h.jsonl", _official_as_measured(TORCH210, gpu))), ref)
+    assert "## Reference vs measured" not in page and _reference_rows(page) == {}
+    assert "same stack" not in page and "## The reference on this hardware" not in page
+    other = page.split("## The reference on other hardware (B300, A100-80GB-PCIe)", 1)[1]
+    assert f"| Qwen3-32B | B300 | {TORCH210} |" in other and "| Qwen3-32B | A100-80GB-PCIe |" in other
+
+
+def test_the_a100_rows_are_this_hardware_on_an_a100(tmp_path):
+    """On a GPU NVML names `NVIDIA A100 80GB PCIe` the reference's `A100-80GB-PCIe` rows are this hardware's; they
+    name no stack, so none is paired. The control: an A100 SXM4 is other hardware."""
+    ref = load_reference(OFFICIAL_REFERENCE)
+    rows = [fixture_row(model="qwen3-32b", arch="qwen3", method=m) for m in ("poros", "resident")]
+    pcie = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", on_gpu(rows, "NVIDIA A100 80GB PCIe"))), ref)
+    this = pcie.split("## The reference on this hardware (A100-80GB-PCIe)", 1)[1].split("## The reference on other")[0]
+    assert "| Qwen3-32B | A100-80GB-PCIe |" in this and "## Reference vs measured" not in pcie
+    assert "| Qwen3-32B | B300 |" in pcie.split("## The reference on other hardware (B300)", 1)[1]
+    sxm = render_markdown(load_results(write_jsonl(tmp_path / "s.jsonl", on_gpu(rows, "NVIDIA A100-SXM4-80GB"))), ref)
+    assert "## The reference on this hardware" not in sxm
+    assert "| Qwen3-32B | A100-80GB-PCIe |" in sxm.split("## The reference on other hardware (B300, A100-80GB-PCIe)")[1]
 
 
 def test_the_rows_beside_the_reference_name_their_hardware_stack_and_attention(tmp_path):
     ref = load_reference(OFFICIAL_REFERENCE)
-    page = render_markdown(load_results(write_jsonl(tmp_path / "m.jsonl", _official_as_measured(TORCH210))), ref)
-    section = page.split("## Beside the reference", 1)[1].split("\n\n")[1].splitlines()
+    page = render_markdown(load_results(write_jsonl(tmp_path / "m.jsonl", _official_as_measured(TORCH210, "NVIDIA H200"))),
+                           ref)
+    section = page.split("## The reference on other hardware", 1)[1].split("\n\n")[1].splitlines()
     b300 = next(line for line in section if line.startswith("| Qwen3-32B | B300 | torch 2.10.0+cu128"))
     cells = [c.strip() for c in b300.strip("|").split("|")]
     assert cells[3] == "poros math-only SDPA; baselines default flash"
@@ -523,15 +569,15 @@ def test_official_reference_ships_with_its_source():
 
 
 def test_report_with_the_official_reference(tmp_path, capsys):
-    results = write_jsonl(tmp_path / "r.jsonl", three_methods(stack=TORCH210))
-    out = tmp_path / "h200.md"
+    results = write_jsonl(tmp_path / "r.jsonl", on_gpu(three_methods(stack=TORCH210), B300_GPU, "NVIDIA B300 SXM6"))
+    out = tmp_path / "b300.md"
     assert main(["report", results, "-o", str(out), "--reference"]) == 0
     md = out.read_text()
     assert_tables_well_formed(md)
     rows = table_rows(md, "Qwen2.5-32B", ncols=11)
-    assert [(r[1], r[3]) for r in rows] == [("B300", "1.0012±0.0082"), ("B300", "0.9900±0.0049"),
-                                            ("A100-80GB-PCIe", "2.0489±0.0091")]
-    assert [(r[4], r[6]) for r in rows] == [("1.2345±0.0123", "0.3456±0.0012"), ("—", "—"), ("—", "—")]
+    assert [(r[1], r[3]) for r in rows] == [("B300", "1.0012±0.0082"), ("B300", "0.9900±0.0049")]
+    assert [(r[4], r[6]) for r in rows] == [("1.2345±0.0123", "0.3456±0.0012"), ("—", "—")]
+    assert "## The reference on other hardware (A100-80GB-PCIe)" in md
     assert 'Reference figures: "Poros — Official Validation Results (NVIDIA B300 SXM6)"' in md
     assert str(tmp_path) not in md  # nothing machine-specific: reports re-render identically anywhere
 
@@ -594,31 +640,32 @@ def test_a_cpu_row_is_its_declared_hardware_whatever_gpu_the_machine_has(tmp_pat
     assert "## Results — CPU\n" in render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
 
 
-def test_a_ratio_between_rows_of_two_gpus_is_marked(tmp_path):
-    """Resident measured on another GPU than poros: its ratio carries † and the note says why; Unsloth's, on
-    poros's GPU, carries none (and three rows of one GPU, the control, no note at all)."""
+def test_a_ratio_between_rows_of_two_gpus_is_not_printed(tmp_path):
+    """Resident measured on another GPU than poros: no ratio, `other GPU` and the note says why; Unsloth's, on
+    poros's GPU, is printed (and three rows of one GPU, the control, print every ratio and no note)."""
     rows = three_methods()
     rows[1]["provenance"] = {**rows[1]["provenance"],
                              "gpus": [{**rows[1]["provenance"]["gpus"][0], "uuid": "GPU-other-uuid"}]}
     assert rows[1]["method"] == "resident"
     md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
     (row,) = table_rows(md, "qwen2.5-32b", 14)
-    assert row[7].endswith("× †") and not row[8].endswith("†")
+    assert row[7] == "other GPU" and row[8].endswith("×")
     assert "ran on different GPUs" in md
     same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", three_methods())))
-    assert "†" not in same and "ran on different GPUs" not in same
+    (row,) = table_rows(same, "qwen2.5-32b", 14)
+    assert row[7].endswith("×") and "other GPU" not in same and "ran on different GPUs" not in same
 
 
-def test_a_row_whose_passes_ran_on_two_gpus_marks_its_ratios(tmp_path):
-    """poros's passes timed on two GPUs (a run in parts changed machines), its process's GPU the others': both
-    its ratios carry † (the control: the same passes all on that one GPU carry none)."""
+def test_a_row_whose_passes_ran_on_two_gpus_prints_no_ratio(tmp_path):
+    """poros's passes timed on two GPUs (a run in parts changed machines), its process's GPU the others': neither
+    ratio is printed (the control: the same passes all on that one GPU print both)."""
     rows = three_methods()
     uuid = rows[0]["provenance"]["gpus"][0]["uuid"]
     rows[0]["pass_gpus"] = ["GPU-earlier-part", uuid, uuid]
     md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
     (row,) = table_rows(md, "qwen2.5-32b", 14)
-    assert row[7].endswith("× †") and row[8].endswith("× †")
+    assert row[7] == row[8] == "other GPU"
     assert "one row's passes ran on more than one" in md
     rows[0]["pass_gpus"] = [uuid, uuid, uuid]
     same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", rows)))
-    assert "†" not in same
+    assert "other GPU" not in same

@@ -35,12 +35,12 @@ def test_tokens_per_s_against_unsloth_and_the_prediction_against_nvml(tmp_path):
     assert rows["unsloth"]["Predicted vs NVML"] == "—" and rows["unsloth"]["VRAM budget"] == "—"
 
 
-def test_a_ratio_of_rows_from_two_gpus_is_marked(tmp_path):
+def test_a_ratio_of_rows_from_two_gpus_is_not_printed(tmp_path):
     rows = memory_rows(page(tmp_path, [poros_row(), on_gpu(fixture_row(method="unsloth"), "GPU-other")]))
-    assert rows["poros"]["Tokens/s vs unsloth"].endswith("†")
-    # negative control: one GPU, no mark
+    assert rows["poros"]["Tokens/s vs unsloth"] == "other GPU"
+    # negative control: one GPU, the ratio
     rows = memory_rows(page(tmp_path, [poros_row(), fixture_row(method="unsloth")]))
-    assert not rows["poros"]["Tokens/s vs unsloth"].endswith("†")
+    assert rows["poros"]["Tokens/s vs unsloth"].endswith("×")
 
 
 def test_no_memory_table_without_nvml_peaks(tmp_path):
@@ -58,3 +58,14 @@ def test_saved_inputs_the_plan_put_in_host_memory_are_shown_as_planned(tmp_path)
     assert setting([with_config(poros_row(plan=PLAN), offload_inputs=True)]) == "on"
     # negative control: a plan with every saved input on the device reads as its configuration
     assert setting([poros_row(plan={**PLAN, "host_inputs": []})]) == "off"
+
+
+def test_a_budget_of_auto_reads_as_the_bytes_its_run_resolved(tmp_path):
+    """A row that recorded `vram_budget: auto` (rows now record the resolved bytes) shows its plan's budget; the
+    control: a row that streamed every layer shows none."""
+    auto = with_config(fixture_row(predicted_process_vram_gb=13.26), vram_budget="auto")
+    auto["plan"] = {**(auto.get("plan") or {}), "vram_budget": 121_000_000_000}
+    rows = memory_rows(page(tmp_path, [auto, fixture_row(method="unsloth")]))
+    assert rows["poros"]["VRAM budget"] == "121.00 GB"
+    streamed = with_config(fixture_row(predicted_process_vram_gb=13.26), vram_budget=None)
+    assert memory_rows(page(tmp_path, [streamed, fixture_row(method="unsloth")]))["poros"]["VRAM budget"] == "—"

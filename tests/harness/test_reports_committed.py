@@ -1,129 +1,200 @@
-"""Pages in reports/ are pure functions of results/: each re-renders byte for byte (Markdown) from the results
-files and reference that reports/manifest.yaml names for it. One page per matrix in matrices/ (a matrix without rows
-of its own reproduces the reference figures, reports/reference/), and reports/README.md, the index, links each."""
+"""Pages in reports/ are pure functions of results/: each re-renders byte for byte (Markdown) from the rows of its own
+folder, as reports/manifest.yaml says (poros/harness/report/layout.py). One page per matrix, `matrices/NAME.yaml` ->
+`results/NAME/` -> `reports/NAME.md`, every folder with its page and every page with its folder, and the index,
+reports/README.md, is what `poros docs` renders from that layout."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from poros.cli import main
 from poros.harness.matrix import MATRICES
-from poros.harness.report import load_results
-from tests.harness.test_report import assert_tables_well_formed
+from poros.harness.report import load_results, write_report
+from poros.harness.report.layout import (INDEX, Page, layout_problems, load_manifest, official_page, render_index,
+                                         unmeasured_matrices)
+from tests.harness.test_report import assert_tables_well_formed, cpu_row, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFEST = yaml.safe_load((ROOT / "reports" / "manifest.yaml").read_text())
-INDEX = ROOT / "reports" / "README.md"
-REFERENCE_README = ROOT / "reports" / "reference" / "README.md"
-KEYS = {"results", "reference", "sweep", "title", "fails", "matrices"}
+PAGES = load_manifest(ROOT)
+BY_NAME = {p.name: p for p in PAGES}
+MATRIX_NAMES = {p.stem for p in MATRICES.glob("*.yaml")}
+PNG = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
 
-def matrices_of(page: str, entry: dict) -> list[str]:
-    """The matrices a page shows: `matrices:`, else the one its file is named after."""
-    return list(entry.get("matrices") or [Path(page).stem])
-
-
-def layout_problems(manifest: dict, matrices: set[str], reference_text: str, index_text: str) -> list[str]:
-    """What breaks one page per matrix: a page naming no such matrix, a matrix on two pages or on none (unless the
-    reference figures' README names it as reproducing them, or the index lists it among the matrices not measured
-    yet, on a line of its own), a page the index does not link."""
-    unmeasured = {m for line in index_text.splitlines() if line.startswith("- not measured yet: ")
-                  for m in re.findall(r"`matrices/([^`]+)\.yaml`", line)}
-    problems, pages_of = [], {}
-    for page, entry in manifest.items():
-        for m in matrices_of(page, entry):
-            pages_of.setdefault(m, []).append(page)
-            if m not in matrices:
-                problems.append(f"{page}: no matrices/{m}.yaml")
-        if f"]({Path(page).name})" not in index_text:
-            problems.append(f"{page}: reports/README.md does not link it")
-    for m in sorted(matrices):
-        pages = pages_of.get(m, [])
-        if len(pages) > 1:
-            problems.append(f"matrices/{m}.yaml: on {len(pages)} pages ({', '.join(pages)})")
-        elif not pages and f"matrices/{m}.yaml" not in reference_text and m not in unmeasured:
-            problems.append(f"matrices/{m}.yaml: no page shows it")
-        elif pages and m in unmeasured:
-            problems.append(f"matrices/{m}.yaml: the index says it is not measured yet, and {pages[0]} shows it")
-    return problems
-
-
-def render(tmp_path: Path, report: str, entry: dict) -> str:
-    """Run `poros report` as the manifest says, writing under tmp_path with the report's own file name
-    (the Markdown links the PNG by that name)."""
-    out = tmp_path / Path(report).name
-    argv = ["report", *(str(ROOT / r) for r in entry["results"]), "-o", str(out)]
-    if entry.get("reference"):
-        argv += ["--reference", str(ROOT / entry["reference"])]
-    if entry.get("sweep"):
-        argv += ["--sweep"]
-    if entry.get("title"):
-        argv += ["--title", entry["title"]]
-    # `fails: true`: the page shows a cell that failed (its row says why), so `poros report` exits 1
-    assert main(argv) == (1 if entry.get("fails") else 0)
+def render(tmp_path: Path, page: Page, **change) -> str:
+    """The page as `poros docs` renders it (`write_report` with the manifest's options), under its own file name
+    (the Markdown links its PNGs by that name)."""
+    out = tmp_path / page.markdown.name
+    args = {**page.report_args(ROOT), **change}
+    write_report(out_md=out, **args)
     return out.read_text()
 
 
-def test_manifest_lists_every_committed_report():
-    committed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "reports").glob("*.md") if p != INDEX)
-    assert sorted(MANIFEST) == committed
-    for report, entry in MANIFEST.items():
-        assert set(entry) <= KEYS, f"{report}: unknown key(s) {set(entry) - KEYS}"
-        for path in [*entry["results"], *([entry["reference"]] if entry.get("reference") else [])]:
-            assert (ROOT / path).is_file(), f"{report}: {path} does not exist"
-        linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (ROOT / report).read_text())
-        assert linked or entry.get("sweep"), f"{report}: links no plot"  # a sweep page plots only the axes its rows vary
-        for png in linked:
-            assert (ROOT / report).with_name(png).is_file(), f"{report}: its {png} is not committed"
+@pytest.mark.parametrize("name", sorted(BY_NAME), ids=lambda n: f"report={n}")
+def test_committed_report_rerenders_identically(tmp_path, name):
+    got = render(tmp_path, BY_NAME[name])
+    want = (ROOT / BY_NAME[name].markdown).read_text()
+    assert got == want, f"reports/{name}.md differs from what its rows render; run `poros docs`"
 
 
-@pytest.mark.parametrize("report", sorted(MANIFEST), ids=lambda r: f"report={Path(r).stem}")
-def test_committed_report_rerenders_identically(tmp_path, report, capsys):
-    got = render(tmp_path, report, MANIFEST[report])
-    want = (ROOT / report).read_text()
-    assert got == want, (f"{report} differs from what its results render; re-render it with "
-                         f"`poros report` as reports/manifest.yaml says")
+def test_comparison_sees_a_missing_results_file(tmp_path):
+    """Negative control: leaving out one results file of a multi-file page changes the Markdown."""
+    page = next(p for p in PAGES if len(p.results) > 1)
+    got = render(tmp_path, page, results_paths=page.rows_files(ROOT)[1:])
+    assert got != (ROOT / page.markdown).read_text()
 
 
-def test_comparison_sees_a_missing_results_file(tmp_path, capsys):
-    """Negative control: leaving out one results file of a multi-file report changes the Markdown."""
-    report, entry = next((r, e) for r, e in MANIFEST.items() if len(e["results"]) > 1)
-    got = render(tmp_path, report, {**entry, "results": entry["results"][1:]})
-    assert got != (ROOT / report).read_text()
+@pytest.mark.parametrize("name", sorted(BY_NAME), ids=lambda n: f"report={n}")
+def test_committed_report_tables_are_well_formed(name):
+    assert_tables_well_formed((ROOT / BY_NAME[name].markdown).read_text())
 
 
-@pytest.mark.parametrize("report", sorted(MANIFEST), ids=lambda r: f"report={Path(r).stem}")
-def test_committed_report_tables_are_well_formed(report):
-    assert_tables_well_formed((ROOT / report).read_text())
+def test_every_plot_a_page_links_is_committed_and_every_committed_plot_linked():
+    linked = set()
+    for page in PAGES:
+        pngs = PNG.findall((ROOT / page.markdown).read_text())
+        assert pngs or page.sweep, f"{page.markdown}: links no plot"  # a sweep page plots only the axes its rows vary
+        linked |= set(pngs)
+    assert sorted(p.name for p in (ROOT / "reports").glob("*.png")) == sorted(linked)
 
 
-def test_one_page_per_matrix_and_the_index_links_each():
-    matrices = {p.stem for p in MATRICES.glob("*.yaml")}
-    assert layout_problems(MANIFEST, matrices, REFERENCE_README.read_text(), INDEX.read_text()) == []
+def test_a_failing_page_says_so():
+    """`fails: true` marks exactly the pages that show a failed cell, so `poros report` exits 1 for them."""
+    from poros.harness.report import failures
+
+    for page in PAGES:
+        shows_failure = bool(failures(load_results(page.rows_files(ROOT)), sweep=page.sweep))
+        assert shows_failure == page.fails, page.name
+
+
+def test_one_page_per_matrix_each_with_its_folder():
+    assert layout_problems(ROOT, PAGES, MATRIX_NAMES) == []
+
+
+def test_the_index_is_rendered_from_the_layout():
+    assert (ROOT / INDEX).read_text() == render_index(ROOT, PAGES, MATRIX_NAMES), "run `poros docs`"
 
 
 def test_the_index_names_the_official_page():
-    official = [line for line in INDEX.read_text().splitlines() if "](h200.md)" in line]
+    official = [line for line in (ROOT / INDEX).read_text().splitlines() if "](h200.md)**" in line]
+    assert official_page(PAGES).name == "h200"
     assert official and "official" in official[0] and "matrices/h200.yaml" in official[0], official
 
 
-def test_layout_problems_are_found():
-    """Negative control: a matrix no page shows, one on two pages, a page of no matrix, a page the index leaves out;
-    the accepted neighbours: a matrix the reference figures' README names, a page naming its matrices."""
-    manifest = {"reports/a.md": {}, "reports/ab.md": {"matrices": ["a", "b"]}, "reports/ghost.md": {}}
-    index = "[a](a.md) [ab](ab.md)\n- not measured yet: `matrices/new.yaml`, `matrices/b.yaml`\n`matrices/c.yaml`"
-    got = layout_problems(manifest, {"a", "b", "c", "new", "ref"}, "`matrices/ref.yaml` reproduces these", index)
-    assert got == ["reports/ghost.md: no matrices/ghost.yaml", "reports/ghost.md: reports/README.md does not link it",
-                   "matrices/a.yaml: on 2 pages (reports/a.md, reports/ab.md)",
-                   "matrices/b.yaml: the index says it is not measured yet, and reports/ab.md shows it",
-                   "matrices/c.yaml: no page shows it"]
+def test_a_new_matrix_without_rows_is_listed_as_not_measured_yet():
+    before = unmeasured_matrices(ROOT, PAGES, MATRIX_NAMES)
+    assert unmeasured_matrices(ROOT, PAGES, MATRIX_NAMES | {"h200-new"}) == sorted([*before, "h200-new"])
+    assert "h200" not in before and "cpu" not in before  # matrices with rows are not listed
+    index = render_index(ROOT, PAGES, MATRIX_NAMES | {"h200-new"})
+    assert "Not measured yet (no rows, so no page): " in index and "`matrices/h200-new.yaml`." in index
 
 
-@pytest.mark.parametrize("report", sorted(MANIFEST), ids=lambda r: f"report={Path(r).stem}")
-def test_each_page_shows_rows_of_its_matrices(report):
-    rows = load_results([ROOT / r for r in MANIFEST[report]["results"]])
-    assert set(rows["matrix"]) & set(matrices_of(report, MANIFEST[report])), set(rows["matrix"])
+def _checkout(tmp_path: Path) -> Path:
+    """A checkout of one page `a` (matrix a, rows in results/a/) and one page `ab` of two runs of matrices ab and
+    its twin ab-2, each in a folder of its own."""
+    root = tmp_path / "checkout"
+    for name, matrix in (("a/results.jsonl", "a"), ("ab/one/results.jsonl", "ab"), ("ab/two/results.jsonl", "ab-2")):
+        path = root / "results" / name
+        path.parent.mkdir(parents=True)
+        write_jsonl(path, [cpu_row(model="tiny-qwen2", matrix=matrix)])
+    (root / "reports").mkdir()
+    for name in ("a", "ab"):
+        (root / "reports" / f"{name}.md").write_text("page\n")
+    (root / "reports" / "manifest.yaml").write_text(
+        "a:\n  shows: one\n  official: true\n  results: [results.jsonl]\n"
+        "ab:\n  shows: two\n  matrices: [ab, ab-2]\n  results: [one/results.jsonl, two/results.jsonl]\n")
+    return root
+
+
+def test_layout_problems_are_found(tmp_path):
+    """Negative control: each way to break the layout, in a checkout that is whole before it is broken."""
+    root = _checkout(tmp_path)
+    matrices = {"a", "ab", "ab-2"}
+    assert layout_problems(root, load_manifest(root), matrices) == []
+    shutil.copytree(root / "results" / "a", root / "results" / "orphan")  # a folder no page renders
+    (root / "reports" / "ghost.md").write_text("page\n")  # a page the manifest leaves out
+    write_jsonl(root / "results" / "ab" / "one" / "extra.jsonl", [cpu_row(matrix="ab")])  # rows no page reads
+    two = root / "results" / "ab" / "two" / "results.jsonl"
+    two.write_text(two.read_text().replace('"ab-2"', '"a"'))  # rows of another page's matrix
+    got = layout_problems(root, load_manifest(root), matrices - {"ab-2"} | {"unshown"})
+    assert got == ["reports/ab.md: no matrices/ab-2.yaml",
+                   "results/ab/two/results.jsonl: rows of a, not of reports/ab.md's ab, ab-2: they belong in results/a/",
+                   "results/orphan/: no page reports/orphan.md renders it (reports/manifest.yaml)",
+                   "reports/ghost.md: reports/manifest.yaml does not name it",
+                   "results/ab/one/extra.jsonl: rows that reports/ab.md does not read"], got
+
+
+def test_a_matrix_on_two_pages_and_a_missing_folder_are_found(tmp_path):
+    root = _checkout(tmp_path)
+    manifest = root / "reports" / "manifest.yaml"
+    manifest.write_text(manifest.read_text() + "b:\n  shows: three\n  matrices: [b, a]\n  results: [r.jsonl]\n")
+    (root / "reports" / "b.md").write_text("page\n")
+    got = layout_problems(root, load_manifest(root), {"a", "ab", "ab-2", "b"})
+    assert got == ["reports/b.md: no results/b/ holds its rows", "reports/b.md: results/b/r.jsonl does not exist",
+                   "matrices/a.yaml: on 2 pages (a, b)"], got
+
+
+@pytest.mark.parametrize("entry, named", [
+    ("a:\n  shows: one\n  results: [results.jsonl]\n", "one page marked `official: true`"),
+    ("a:\n  shows: one\n  official: true\n  results: [../b/results.jsonl]\n", "outside results/a/"),
+    ("a:\n  shows: one\n  official: true\n  matrices: [b, a]\n  results: [r.jsonl]\n", "starting with 'a'"),
+    ("a:\n  official: true\n  results: [r.jsonl]\n  colour: red\n", "unknown key(s) colour"),
+], ids=["no-official-page", "rows-outside-the-folder", "named-after-another-matrix", "unknown-key"])
+def test_a_malformed_manifest_is_refused_naming_the_entry(tmp_path, entry, named):
+    from poros.errors import ConfigError
+
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "manifest.yaml").write_text(entry)
+    with pytest.raises(ConfigError) as e:
+        load_manifest(tmp_path)
+    assert named in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME), ids=lambda n: f"report={n}")
+def test_each_page_shows_rows_of_its_matrices(name):
+    rows = load_results(BY_NAME[name].rows_files(ROOT))
+    assert set(rows["matrix"]) <= set(BY_NAME[name].matrices), set(rows["matrix"])
+
+
+def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path, capsys):
+    """`poros docs` renders every page, the index, README's table and docs/settings.md, and removes a plot no page
+    links; `--check` then passes, and fails naming a page edited by hand."""
+    root = _checkout(tmp_path)
+    (root / "matrices").mkdir()
+    for name in ("a", "ab", "ab-2"):  # the checkout's own matrices (only their names matter here)
+        (root / "matrices" / f"{name}.yaml").write_text("name: x\n")
+    (root / "README.md").write_text("# x\n\n<!-- headline: `poros docs` renders this table from the official page's "
+                                    "rows; edit nothing here -->\n<!-- /headline -->\n")
+    (root / "reports" / "gone.png").write_bytes(b"")
+    assert main(["docs", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "wrote reports/a.md" in out and "removed reports/gone.png" in out and "wrote docs/settings.md" in out, out
+    assert "| tiny-qwen2 | PASS |" in (root / "README.md").read_text()
+    assert main(["docs", "--root", str(root), "--check"]) == 0
+    (root / "reports" / "a.md").write_text((root / "reports" / "a.md").read_text().replace("PASS", "pass"))
+    assert main(["docs", "--root", str(root), "--check"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "stale: reports/a.md (run `poros docs`)"
+    (root / "results" / "new").mkdir()  # a matrix's rows before its page is in the manifest: nothing is written
+    assert main(["docs", "--root", str(root)]) == 1
+    assert capsys.readouterr().out == "layout: results/new/: no page reports/new.md renders it (reports/manifest.yaml)\n"
+    assert "pass" in (root / "reports" / "a.md").read_text()
+
+
+def test_docs_outside_a_checkout_is_refused_in_one_line(tmp_path, capsys):
+    from tests.fixtures import one_line_refusal
+
+    code = main(["docs", "--root", str(tmp_path)])
+    one_line_refusal(capsys, code, str(tmp_path), "not a Poros checkout", "reports/manifest.yaml")
+
+
+def test_rows_name_their_matrix():
+    """Every committed row names the matrix it measures: the layout's rule reads it."""
+    for page in PAGES:
+        for path in page.rows_files(ROOT):
+            for line in path.read_text().splitlines():
+                assert json.loads(line).get("matrix") in page.matrices, path

@@ -13,7 +13,17 @@ import pytest
 
 from poros.harness.results import ResultsFileError, ResultsWriter, keep_earlier
 
-ROW = {"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok", "steps": 2}
+def whole_row(**fields) -> dict:
+    """A results row with every key the schema requires (poros/harness/record_schema.py), `fields` over it."""
+    from poros.harness.record_schema import ROW_REQUIRED
+
+    row = {**dict.fromkeys(ROW_REQUIRED), "matrix": "t", "model": "a", "stack": "current", "stack_name": "current",
+           "method": "poros", "arch": "", "status": "ok", "steps": 2, "passes": 1, "warmup_passes": 1,
+           "reduced": False, "config": {}, "provenance": {}}
+    return {**row, **fields}
+
+
+ROW = whole_row()
 
 
 def _one_line(e: BaseException) -> str:
@@ -86,7 +96,7 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
     from poros.harness.results import ResultsWriter
 
     w = ResultsWriter(tmp_path / "results.jsonl")
-    w.append({"matrix": "t", "model": "a", "method": "poros", "status": "ok"})
+    w.append(whole_row(model="a"))
     before = w.path.read_bytes()
     real = os.write
 
@@ -96,7 +106,7 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
 
     monkeypatch.setattr(atomic.os, "write", full)
     with pytest.raises(WriteError) as e:
-        w.append({"matrix": "t", "model": "b", "method": "poros", "status": "ok"})
+        w.append(whole_row(model="b"))
     assert str(e.value).startswith(f"cannot write a row to {w.path} (No space left on device); free space; every "
                                    "complete row is kept") and "\n" not in str(e.value)
     assert w.path.read_bytes() == before
@@ -110,10 +120,10 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
 
     monkeypatch.setattr(atomic.os, "write", short_then_full)
     with pytest.raises(WriteError, match=r"\(File too large\); raise the file-size limit \(ulimit -f\)"):
-        w.append({"matrix": "t", "model": "c", "method": "poros", "status": "ok"})
+        w.append(whole_row(model="c"))
     assert w.path.read_bytes() == before
     monkeypatch.setattr(atomic.os, "write", lambda fd, data: real(fd, data[:3]))  # control: short writes that go on
-    w.append({"matrix": "t", "model": "d", "method": "poros", "status": "ok"})
+    w.append(whole_row(model="d"))
     assert [r["model"] for r in w.rows()] == ["a", "d"]
 
 
@@ -134,8 +144,41 @@ def test_listing_the_cells_leaves_an_earlier_run_where_it_is(tmp_path, listing, 
 
 def test_results_writer_appends_and_reports_done(tmp_path):
     w = ResultsWriter(tmp_path / "r.jsonl")
-    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "poros", "status": "ok"})
-    w.append({"matrix": "t", "model": "a", "stack_name": "current", "method": "resident", "status": "failed"})
-    w.append({"matrix": "u", "model": "a", "stack_name": "current", "method": "resident", "status": "ok"})
+    w.append(whole_row())
+    w.append(whole_row(method="resident", status="failed"))
+    w.append(whole_row(matrix="u", method="resident"))
     assert set(w.done("t")) == {("a", "current", "poros", None, "")}
     assert len(w.rows()) == 3
+
+
+def test_only_pass_indices_0_to_passes_minus_1_count_each_once(tmp_path):
+    """Pass records added by hand (an index beyond the passes, a second record of a pass, one after a gap) count for
+    nothing and are named; an index below 0 is refused by the schema. Negative control: the passes as written."""
+    from poros.harness.results import PassLog
+
+    log = PassLog(tmp_path / "passes.jsonl")
+    for i, s in ((0, 0.5), (1, 5.3)):
+        log.add("pass", "c", "f", index=i, seconds=s)
+    assert [r["seconds"] for r in log.passes("c", "f", 2)] == [0.5, 5.3] and log.ignored_passes("c", "f", 2) == []
+    log.add("pass", "c", "f", index=9, seconds=99.0)
+    log.add("pass", "c", "f", index=1, seconds=0.001)
+    assert [r["seconds"] for r in log.passes("c", "f", 2)] == [0.5, 5.3]
+    ignored = log.ignored_passes("c", "f", 2)
+    assert any("pass index 9 is beyond the cell's 2 passes" in x for x in ignored), ignored
+    assert any("pass 1 is recorded again (0.001 s); its first record counts" in x for x in ignored), ignored
+    gap = PassLog(tmp_path / "gap.jsonl")
+    for i in (0, 2):
+        gap.add("pass", "c", "f", index=i, seconds=1.0)
+    assert len(gap.passes("c", "f", 3)) == 1 and "pass 2 follows a pass never recorded (1)" in gap.ignored_passes("c", "f", 3)[0]
+    gap.add("pass", "c", "f", index=-1, seconds=1.0)
+    with pytest.raises(ResultsFileError, match=r"gap.jsonl:3: field index: expected an integer >= 0, got -1"):
+        gap.passes("c", "f", 3)
+
+
+def test_a_fresh_run_moves_the_old_gate_references_with_the_rest(tmp_path):
+    (tmp_path / "passes.jsonl").write_text("")
+    (tmp_path / "gate-references").mkdir()
+    (tmp_path / "gate-references" / "abc.json.gz").write_bytes(b"x")
+    kept, names = keep_earlier(tmp_path)
+    assert "gate-references" in names and (kept / "gate-references" / "abc.json.gz").exists()
+    assert not (tmp_path / "gate-references").exists()

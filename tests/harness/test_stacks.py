@@ -90,3 +90,42 @@ def test_stack_mismatch_names_the_tox_env():
             assert why is None, why
         else:
             assert why and f"tox -e {s.name}" in why, why
+
+
+@pytest.mark.parametrize("version, cuda, hip, build", [
+    ("2.10.0", "12.8", None, "cu128"),         # an index's CUDA build whose version states no build
+    ("2.10.0+cu128", "12.8", None, "cu128"),   # PyPI's default Linux wheel
+    ("2.12.0", "13.0", None, "cu130"),
+    ("2.13.0+cpu", None, None, "cpu"),
+    ("2.13.0", None, None, "cpu"),             # a build for no GPU
+    ("2.9.0+rocm6.4", None, "6.4.43484", "rocm6.4"),
+], ids=lambda v: str(v))
+def test_torch_build_is_read_from_torch_version_cuda(version, cuda, hip, build):
+    assert stacks.torch_build(version, cuda, hip) == build
+
+
+def _fake_torch(tmp_path, monkeypatch, version: str, cuda: str | None) -> None:
+    """An installed torch (as find_spec finds it) whose torch/version.py says `version` and `cuda`."""
+    import importlib.machinery
+
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    (folder / "version.py").write_text(f"from typing import Optional\n\n__all__ = ['__version__']\n"
+                                       f"__version__ = '{version}'\ndebug = False\n"
+                                       f"cuda: Optional[str] = {cuda and repr(cuda)}\nhip: Optional[str] = None\n")
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(folder)]
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(stacks.importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
+
+
+def test_a_cuda_build_without_a_suffix_runs_its_pinned_stack(tmp_path, monkeypatch):
+    """torch 2.10.0 as an index serves it, built for CUDA 12.8 with no `+cu128` in its version: the stack pinned as
+    2.10.0+cu128 runs here, and its label names the build; the control, the same version built for CUDA 12.6, is
+    refused, naming the build and the env."""
+    _fake_torch(tmp_path, monkeypatch, "2.10.0", "12.8")
+    assert stacks.installed_torch() == "2.10.0+cu128"
+    s = Stack("torch210", "2.10.0+cu128", stacks._version("transformers"), stacks._version("bitsandbytes"))
+    assert s.mismatch() is None and s.label().startswith("torch 2.10.0+cu128 / ")
+    other = Stack("torch210", "2.10.0+cu126", s.transformers, s.bitsandbytes)
+    assert "build cu126" in other.mismatch() and "tox -e torch210" in other.mismatch()

@@ -14,7 +14,7 @@ from poros.engine.planning.memory import DeviceMemory, gb
 from poros.engine.planning.plan import Plan
 from poros.engine.planning.search import PlanRequest, assert_valid, build_plan
 from poros.errors import BudgetError
-from poros.sizes import format_size
+from poros.sizes import format_size, is_auto
 
 
 def make_plan(geo: Geometry, cfg: TrainConfig, device: DeviceMemory | None = None, ranks: int | None = None,
@@ -78,7 +78,7 @@ def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Sea
     costs is layer forwards, and the planner ranks plans by bytes copied alone, with no model of compute time to
     weigh the two."""
     cfg = request.config
-    if cfg.regenerated_layers == "auto" and cfg.input_stride > 1 and request.regenerated is None:
+    if is_auto(cfg.regenerated_layers) and cfg.input_stride > 1 and request.regenerated is None:
         return _fewest_regenerated(geo, request)
     seen = Search()
     placed = cfg.offload_inputs or request.device_inputs is not None
@@ -124,7 +124,7 @@ def refusal(geo: Geometry, request: PlanRequest, seen: Search, at: str = "", sho
     m, smallest = seen.smallest.memory, seen.smallest
     beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
               m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
-    graphs = " or drop --cuda-graphs" if m.graph_pool else ""
+    graphs = " or --no-cuda-graphs" if m.graph_pool else ""
     held = seen.host_holds  # (layers whose inputs the host holds, of how many), where it holds fewer than all
     host = "" if held is None else (f"; host_budget {format_size(request.host_budget)} holds the saved inputs of "
                                     f"{held[0]} of {held[1]} layers beside the NF4 store ({gb(geo.store_bytes)}), the "

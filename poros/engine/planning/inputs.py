@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from poros.engine.planning.plan import BACKWARD, FETCH, FORWARD, HEAD, OFFLOAD, REGEN, Op
 from poros.store.layout import align
+from poros.sizes import is_auto
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def host_budget(setting, host: HostMemory | None, cuda: bool) -> int | None:
     device memory is the host's: offloading takes nothing more)."""
     from poros.store.host_memory import MEMORY_HEADROOM
 
-    if setting != "auto":
+    if not is_auto(setting):
         return setting
     if host is None or not cuda:
         return None

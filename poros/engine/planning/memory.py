@@ -11,7 +11,7 @@ from poros.config import TrainConfig
 from poros.engine.planning.geometry import Geometry
 
 # Device bytes beyond the weights, per unit, fitted to peaks measured with torch.cuda.max_memory_allocated
-# (results/h200-planner): a layer's recompute + backward holds about ACT_HIDDEN bytes per token per hidden
+# (results/h200-plans): a layer's recompute + backward holds about ACT_HIDDEN bytes per token per hidden
 # unit plus ACT_INTERMEDIATE per intermediate unit, and the dequantized bf16 copy of its largest weight;
 # the head holds the logits in bf16 and fp32 and their gradient.
 ACT_HIDDEN = 24  # bytes per token x hidden of one layer's recompute + backward
@@ -55,7 +55,7 @@ FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count i
 GRAPH_POOL_PER_LAYER = 115
 # Compiled layers (`compile`) captured in CUDA graphs hold more: at seq 512 on qwen2.5-72b the reserved peak of
 # the plan with every resident layer keeping its activations grew 0.55 GB once inductor generated the
-# dequantizations (results/h200-40gb-inductor-dequant, against experiments/h200-compile-40gb-double-quant), and the
+# dequantizations (results/h200-compile/40gb-inductor-dequant, against experiments/h200-compile-40gb-double-quant), and the
 # plans with 12 and 16 kept layers no longer fit the pool planned at GRAPH_POOL_PER_LAYER: their pools held
 # 1.9 GiB when they refused, 2.2 layers' transient bytes. Rounded up to 250.
 GRAPH_POOL_PER_LAYER_COMPILED = 250

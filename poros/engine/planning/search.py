@@ -53,6 +53,7 @@ from poros.engine.planning.plan import (
 from poros.engine.planning.rules import check
 from poros.errors import CapabilityError
 from poros.store.layout import align
+from poros.sizes import is_auto
 
 
 def _evenly(n: int, k: int) -> list[int]:
@@ -196,7 +197,7 @@ class PlanRequest:
             CapabilityError: `vram_budget: auto` without a device to measure.
         """
         budget = cfg.vram_budget
-        if budget == "auto":
+        if is_auto(budget):
             if device is None:
                 raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
             budget = auto_budget(device)

@@ -8,7 +8,6 @@ from poros.harness.report.pages import failures, render_markdown, render_sweep_m
 from poros.harness.report.plots import axis_figure, budget_figure, figure, plot, plot_title, sweep_figures
 from poros.harness.report.rows import (
     OFFICIAL_REFERENCE,
-    field_problems,
     latest,
     load_reference,
     load_results,
@@ -26,7 +25,7 @@ from poros.harness.report.tables import results_table, spread, timing_warning
 
 __all__ = [
     "ATTENTION_COLUMNS", "OFFICIAL_REFERENCE", "SCALING_COLUMNS", "SWEEP_COLUMNS", "axis_figure",
-    "budget_figure", "failures", "field_problems", "figure", "latest", "load_reference", "load_results", "on_cpu",
+    "budget_figure", "failures", "figure", "latest", "load_reference", "load_results", "on_cpu",
     "plot", "plot_title", "render_markdown", "render_sweep_markdown", "results_table", "schedule", "spread",
     "sweep_figures", "sweep_rows", "sweep_table", "timing_warning", "write_report",
 ]

@@ -3,9 +3,10 @@
 A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
 its own process measured it, poros/engine/link.py). Its compute floor is the fastest step of the same work with
 nothing streamed: resident QLoRA, resident_gc, or a plan that copies no bytes, of the same model, stack and
-computed settings (poros/settings.py), in the same run on the same GPU. That row may be written before or after
-the streamed one, so the floor is found here, when a page is rendered, not when a row is written.
-`floor_share` is the larger floor over the step's s/step: 100% is a step at its floor.
+computed settings (poros/settings.py), in the same run on the same GPU. A matrix runs a model's reference before
+its poros cells, so a streamed row carries its floors when it is written (`floor_fields`); a page finds them again
+among all its rows, for rows written before their reference. `floor_share` is the larger floor over the step's
+s/step (100%: a step at its floor), `host_s_per_step` what the step takes beyond it.
 """
 
 from __future__ import annotations
@@ -46,19 +47,26 @@ def compute_floors(rows: list[dict]) -> dict[tuple, float]:
     return out
 
 
+def floor_fields(row: dict, floors: dict[tuple, float]) -> dict:
+    """A row's `compute_floor_s` (None where no step of the same work streamed nothing in the same run and GPU),
+    `floor_share` and `host_s_per_step` (None where the row has no copy floor or no timing), given the compute
+    floors of its run (`compute_floors`). A streamed step takes the larger of its two floors plus what the host
+    adds: `host_s_per_step` is that remainder, its s/step less the larger floor."""
+    copy, s = num(row.get("copy_floor_s")), _timed(row)
+    floor = floors.get((run_of(row), computed_key(row))) if copy is not None else None
+    bound = None if copy is None or s is None else max(copy, floor or 0.0)
+    return {"compute_floor_s": floor, "floor_share": None if bound is None else bound / s,
+            "host_s_per_step": None if bound is None else s - bound}
+
+
 def with_floors(df: pd.DataFrame) -> pd.DataFrame:
-    """`df` with `compute_floor_s` (None where no step of the same work streamed nothing in the same run and GPU)
-    and `floor_share` (None where the row has no copy floor or no timing) for every row."""
+    """`df` with `floor_fields` for every row, the compute floors found among all of `df`'s rows (a row written
+    before its run's resident one carries none of its own)."""
     rows = df.to_dict("records")
     floors = compute_floors(rows)
-    compute, share = [], []
-    for r in rows:
-        copy, s = num(r.get("copy_floor_s")), _timed(r)
-        floor = floors.get((run_of(r), computed_key(r))) if copy is not None else None
-        compute.append(floor)
-        share.append(None if copy is None or s is None else max(copy, floor or 0.0) / s)
-    return df.assign(compute_floor_s=pd.Series(compute, index=df.index, dtype=object),
-                     floor_share=pd.Series(share, index=df.index, dtype=object))
+    fields = [floor_fields(r, floors) for r in rows]
+    return df.assign(**{k: pd.Series([f[k] for f in fields], index=df.index, dtype=object)
+                        for k in ("compute_floor_s", "floor_share", "host_s_per_step")})
 
 
 def probed(df: pd.DataFrame) -> bool:

@@ -9,6 +9,8 @@ import pandas as pd
 
 from poros.common.atomic import atomic_path, write_atomic
 from poros.harness.report.floor import FLOOR_NOTE, with_floors
+from poros.harness.report.across import across_sections
+from poros.harness.report.reference import reference_sections
 from poros.harness.report.plots import plot, plot_title, sweep_figures
 from poros.harness.report.rows import latest, load_reference, load_results, named_as_reference, on_cpu
 from poros.harness.report.sweep import (
@@ -25,8 +27,6 @@ from poros.harness.report.sweep import (
 from poros.harness.report.tables import (
     config_table,
     provenance_line,
-    reference_table,
-    hardware_table,
     memory_table,
     protocol_line,
     results_table,
@@ -63,11 +63,9 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
             memory = memory_table(g)
             if memory:
                 parts += ["## Tokens/s and the process's memory", memory]
+        parts += across_sections(g, reference)
         if reference is not None:
-            parts += ["## Beside the reference", hardware_table(g, reference)]
-            paired = reference_table(g, reference)
-            if any(line.count("—") < 4 for line in paired.splitlines()[2:] if line.startswith("|")):
-                parts += ["## Reference vs measured, same stack", paired]
+            parts += reference_sections(g, reference)
         parts.append(provenance_line(g))
     return "\n\n".join(parts) + "\n"
 

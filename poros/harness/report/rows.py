@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import io
 import json
-import math
 from pathlib import Path
 
 import pandas as pd
 
-from poros.engine.method_info import NAMES
 from poros.errors import PorosError
+from poros.harness.record_schema import one_line, row_problems
 from poros.harness.report.format import text_or_none
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SETTINGS, Setting
 
 KEY = ("matrix", "model", "stack", "method")
-REQUIRED = KEY + (
-    "arch", "status", "steps", "passes", "warmup_passes", "reduced", "s_per_step_median", "s_per_step_std",
-    "peak_vram_gb", "parity", "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share",
-    "tokens_per_s", "config", "provenance",
-)
-STATUSES = ("ok", "failed", "skipped")
 REFERENCE_COLUMNS = (
     "hardware", "model", "arch", "stack", "parity", "poros_s_step_median", "poros_s_step_std", "resident_s_step",
     "unsloth_s_step", "poros_vram_gb", "resident_vram_gb", "unsloth_vram_gb",
@@ -59,16 +52,9 @@ def load_results(paths) -> pd.DataFrame:
                 raise PorosError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise PorosError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in REQUIRED if k not in row]
-            if missing:
-                raise PorosError(f"{path}:{n}: missing key(s) {', '.join(missing)}")
-            if row["method"] not in NAMES or row["status"] not in STATUSES:
-                raise PorosError(f"{path}:{n}: method must be one of {', '.join(NAMES)} and status one of "
-                                 f"{', '.join(STATUSES)}, got {row['method']!r} / {row['status']!r}")
-            bad = field_problems(row)
+            bad = row_problems(row)
             if bad:
-                raise PorosError(f"{path}:{n}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") +
-                                 "; fix or remove that row (rows are written by poros bench)")
+                raise PorosError(f"{path}:{n}: {one_line(bad)}; fix or remove that row (rows are written by poros bench)")
             records.append({**row, "plan_name": row.get("plan_name"),
                             "sweep": row.get("sweep") if isinstance(row.get("sweep"), dict) else {}})
     if not records:
@@ -89,50 +75,6 @@ def frame(records: list[dict]) -> pd.DataFrame:
     return df
 
 
-NUMBERS = ("steps", "passes", "warmup_passes", "s_per_step_median", "s_per_step_std", "peak_vram_gb",
-           "parity_max_abs_diff", "bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s",
-           "link_h2d_gbps", "copy_floor_s")
-SECTIONS = ("config", "provenance")  # mappings every row holds
-TEXTS = ("matrix", "model", "stack", "arch")
-
-
-# measured times and rates: a ratio of them is a page's claim, so each is a positive finite number (JSON admits
-# NaN and Infinity; a NaN would read as "not run", a negative time as a speed-up)
-POSITIVE = ("s_per_step_median", "tokens_per_s", "copy_floor_s", "link_h2d_gbps", "copy_gbps")
-NOT_NEGATIVE = ("s_per_step_std", "peak_vram_gb", "bytes_h2d_per_step", "copy_hidden_share")  # finite, >= 0
-COUNTS = {"steps": 1, "passes": 1, "warmup_passes": 0}  # whole numbers a row's protocol is made of, and their least
-
-
-def field_problems(row: dict) -> list[str]:
-    """Fields of a row the report could not read as their kind: a number that is text, a time that is not a
-    positive finite number, a section that is null or not a mapping. Each names the field, what it holds and what
-    it should."""
-    out = []
-    for k in NUMBERS:
-        v = row.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            out.append(f"field {k}: expected a number or null, got {v!r}")
-        elif v is not None and k in POSITIVE and not (math.isfinite(v) and v > 0):
-            out.append(f"field {k}: expected a positive finite number or null, got {v!r}")
-        elif v is not None and k in NOT_NEGATIVE and not (math.isfinite(v) and v >= 0):
-            out.append(f"field {k}: expected a finite number >= 0 or null, got {v!r}")
-        elif v is not None and k in COUNTS and not (math.isfinite(v) and v == int(v) and v >= COUNTS[k]):
-            out.append(f"field {k}: expected an integer >= {COUNTS[k]}, got {v!r}")
-    passes = row.get("per_pass_s")
-    if passes is not None and not (isinstance(passes, list) and all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in passes)):
-        out.append(f"field per_pass_s: expected a list of positive finite seconds, got {passes!r}")
-    for k in SECTIONS:
-        if not isinstance(row.get(k), dict):
-            out.append(f"field {k}: expected a mapping, got {row.get(k)!r}")
-    for k in TEXTS:
-        if not isinstance(row.get(k), str):
-            out.append(f"field {k}: expected text, got {row.get(k)!r}")
-    if row.get("parity") not in (None, "PASS", "FAIL"):
-        out.append(f"field parity: expected PASS, FAIL or null, got {row['parity']!r}")
-    return out
-
-
 def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
     """Read reference figures in the format of `reports/reference/official.csv` (empty fields become NaN).
 
@@ -151,7 +93,8 @@ def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
     comments = []
     while lines and lines[0].startswith("#"):
         comments.append(lines.pop(0)[1:].strip())
-    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str})
+    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str,
+                                                  "bitsandbytes": str, "dataset": str, "precision": str})
     missing = [c for c in REFERENCE_COLUMNS if c not in ref.columns]
     if missing:
         raise PorosError(f"{path}: missing column(s) {', '.join(missing)}")
@@ -191,6 +134,16 @@ def on_cpu(df: pd.DataFrame) -> bool:
 def setting_shown(s: Setting, config: dict) -> str:
     """How a row's value of setting `s` reads in a report; a setting the row predates reads as its default."""
     return s.show(s.value(config[s.name])) if config.get(s.name) is not None else s.show(s.default)
+
+
+def budget_bytes(row: dict) -> int | None:
+    """A poros row's VRAM budget in bytes as its run resolved it: its configuration's, or, where that is `auto` (rows
+    record the resolved figure; earlier ones did not), its plan's. None: every layer streamed."""
+    budget = row["config"].get("vram_budget")
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+        return int(budget)
+    plan = row.get("plan") if isinstance(row.get("plan"), dict) else {}
+    return plan.get("vram_budget") if budget is not None else None
 
 
 def planned_shown(s: Setting, row: dict) -> str:

@@ -8,8 +8,7 @@ import pandas as pd
 from poros.engine.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, steps_by_passes, text_or_none, uniq
-from poros.harness.report.rows import named, on_cpu, planned_shown, row_gpus, setting_shown
-from poros.harness.stacks import same_stack
+from poros.harness.report.rows import budget_bytes, named, on_cpu, planned_shown, row_gpus, setting_shown
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
@@ -65,7 +64,7 @@ def timing_warning(df: pd.DataFrame) -> str | None:
             f"for figures to quote.")
 
 
-def _s_step(row, with_std: bool = False) -> str:
+def s_step_text(row, with_std: bool = False) -> str:
     if row is None or row["status"] == "skipped":
         return DASH
     if row["status"] == "failed":
@@ -77,11 +76,11 @@ def _s_step(row, with_std: bool = False) -> str:
     return (f"{med:.4f}±{std:.4f}" if with_std and std is not None else f"{med:.4f}") + mark
 
 
-def _ok(row, field: str) -> float | None:
+def ok_value(row, field: str) -> float | None:
     return num(row[field]) if row is not None and row["status"] == "ok" else None
 
 
-def _parity(row) -> str:
+def parity_text(row) -> str:
     if row is None or text_or_none(row["parity"]) is None:
         return DASH
     diff = num(row["parity_max_abs_diff"])
@@ -92,7 +91,7 @@ def _parity(row) -> str:
     return f"FAIL{against}" if diff is None else f"FAIL{against} (max |diff| {diff:.2e})"
 
 
-def _cells(df: pd.DataFrame) -> dict:
+def cells_of(df: pd.DataFrame) -> dict:
     """{(model, stack, point): {method: row, "plans": {plan: poros row}}} in order of first appearance
     (later rows win); the planned method's (poros's) entry is its first plan's row."""
     cells: dict = {}
@@ -106,10 +105,24 @@ def _cells(df: pd.DataFrame) -> dict:
     return cells
 
 
-APART = " †"
-APART_NOTE = ("† The two rows of this ratio ran on different GPUs (their UUIDs differ, or one row's passes ran on "
-              "more than one): it compares machines as well "
-              "as methods, and GPUs of one model differ in speed. Measure both methods on one GPU to compare them.")
+APART = "other GPU"  # where a ratio's two rows ran on different GPUs: no ratio is printed
+APART_NOTE = ("other GPU: the two rows of this ratio ran on different GPUs (their UUIDs differ, or one row's passes "
+              "ran on more than one), and GPUs of one model differ in speed, so no ratio is printed: measure both "
+              "methods on one GPU (one run) to compare them.")
+
+
+def one_gpu(a, b) -> bool:
+    """Whether rows `a` and `b` (either may be None) ran on one GPU, every pass of both: a ratio of theirs compares
+    methods, not machines."""
+    return a is None or b is None or len(row_gpus(a) | row_gpus(b)) == 1
+
+
+def _rows_ratio(a, b, field: str, fmt: str) -> str:
+    """`a`'s `field` over `b`'s as `fmt` prints it; — where either is missing, `APART` where they ran on two GPUs."""
+    x, y = ok_value(a, field), ok_value(b, field)
+    if x is None or not y:
+        return DASH
+    return fmt.format(x / y) if one_gpu(a, b) else APART
 
 
 def results_table(df: pd.DataFrame) -> str:
@@ -126,20 +139,18 @@ def results_table(df: pd.DataFrame) -> str:
                *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
                *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
     rows, marked = [], False
-    for (model, stack, point), c in _cells(df).items():
+    for (model, stack, point), c in cells_of(df).items():
         o = [c.get(m) for m in others]
         for plan, p in (c["plans"] or {None: None}).items():
-            ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
-            apart = ["" if x is None or p is None or len(row_gpus(p) | row_gpus(x)) == 1 else APART for x in o]
-            speed = [DASH if ps is None or _ok(x, "s_per_step_median") is None
-                     else f"{ps / _ok(x, 's_per_step_median'):.2f}×{a}" for x, a in zip(o, apart)]
-            cut = [DASH if pv is None or not _ok(x, "peak_vram_gb")
-                   else f"{(1 - pv / _ok(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
+            pv = ok_value(p, "peak_vram_gb")
+            speed = [_rows_ratio(p, x, "s_per_step_median", "{:.2f}×") for x in o]
+            cut = [DASH if pv is None or not ok_value(x, "peak_vram_gb")
+                   else f"{(1 - pv / ok_value(x, 'peak_vram_gb')) * 100:.1f}%" for x in o]
             rows.append([model, c["arch"], stack, *([point or DASH] if points else []),
-                         *([plan or DASH] if plans else []), _parity(p or o[0]), _s_step(p, True),
-                         *(_s_step(x, i == 0) for i, x in enumerate(o)), *speed, fmt_gb(pv),
-                         *(fmt_gb(_ok(x, "peak_vram_gb")) for x in o), *cut])
-            marked = marked or any(a and "×" in x for a, x in zip(apart, speed))
+                         *([plan or DASH] if plans else []), parity_text(p or o[0]), s_step_text(p, True),
+                         *(s_step_text(x, i == 0) for i, x in enumerate(o)), *speed, fmt_gb(pv),
+                         *(fmt_gb(ok_value(x, "peak_vram_gb")) for x in o), *cut])
+            marked = marked or APART in speed
     note = f"\n\n{APART_NOTE}" if marked else ""
     if on_cpu(df):
         vram = 1 + 2 * len(others)
@@ -147,14 +158,31 @@ def results_table(df: pd.DataFrame) -> str:
     return md_table(columns, rows) + note
 
 
+def headline_table(df: pd.DataFrame) -> str:
+    """README's headline: per model (poros's first plan) the gate, s/step of poros and of each other method, poros's
+    ratio to each, and the peak VRAM of each; the official page's results table without its stack and arch."""
+    present = set(df["method"])
+    others = [next((m for m in REFERENCES if m in present), REFERENCES[0]), *(m for m in UNGATED if m in present)]
+    columns = ["Model", "Bitwise parity", "poros s/step", *(f"{m} s/step" for m in others),
+               *(f"poros vs {m}" for m in others), "poros VRAM", *(f"{m} VRAM" for m in others)]
+    rows, marked = [], False
+    for (model, _stack, _point), c in cells_of(df).items():
+        p, o = c.get(PLANNED), [c.get(m) for m in others]
+        speed = [_rows_ratio(p, x, "s_per_step_median", "{:.2f}×") for x in o]
+        marked = marked or APART in speed
+        rows.append([model, parity_text(p).split(" (")[0], s_step_text(p), *(s_step_text(x) for x in o), *speed,
+                     fmt_gb(ok_value(p, "peak_vram_gb")), *(fmt_gb(ok_value(x, "peak_vram_gb")) for x in o)])
+    return md_table(columns, rows) + (f"\n\n{APART_NOTE}" if marked else "")
+
+
 def time_table(df: pd.DataFrame) -> str:
     """Where each poros row's time goes: bytes copied, the copy rate, the share hidden behind compute; where rows
     carry a link probe, the step's floors and how near it runs to them (`floor.with_floors` adds them to `df`)."""
     floors = probed(df)
     rows = []
-    for (model, stack, point), c in _cells(df).items():
+    for (model, stack, point), c in cells_of(df).items():
         for plan, p in c["plans"].items():
-            h2d, gbps, hidden, tps = (_ok(p, f) for f in
+            h2d, gbps, hidden, tps = (ok_value(p, f) for f in
                                       ("bytes_h2d_per_step", "copy_gbps", "copy_hidden_share", "tokens_per_s"))
             rows.append([named(model, point, plan), stack, DASH if h2d is None else f"{h2d / 1e9:.2f} GB",
                          DASH if gbps is None else f"{gbps:.1f} GB/s",
@@ -177,18 +205,17 @@ def memory_table(df: pd.DataFrame) -> str:
     records = [r for r in df.to_dict("records") if r["status"] == "ok"]
     if not any(num(r.get("peak_vram_nvml_gb")) for r in records):
         return ""
-    by_cell = _cells(df)
+    by_cell = cells_of(df)
     peer = next((m for m in UNGATED if m in set(df["method"])), UNGATED[0])  # the trainer poros is set beside
     rows = []
     for r in records:
         c = by_cell[(r["model"], r["stack"], r.get("point", ""))]
         tps, other = num(r.get("tokens_per_s")), c.get(peer)
-        theirs = None if other is None or not is_planned(r["method"]) else _ok(other, "tokens_per_s")
-        apart = "" if theirs is None or len(row_gpus(r) | row_gpus(other)) == 1 else APART
+        theirs = None if other is None or not is_planned(r["method"]) else ok_value(other, "tokens_per_s")
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
-        budget = num(r["config"].get("vram_budget")) if is_planned(r["method"]) else None
+        budget = budget_bytes(r) if is_planned(r["method"]) else None
         rows.append([named(r["model"], r.get("point"), r.get("plan_name")), r["method"], DASH if tps is None else f"{tps:.1f}",
-                     DASH if tps is None or not theirs else f"{tps / theirs:.3f}×{apart}",
+                     DASH if tps is None or not theirs else _rows_ratio(r, other, "tokens_per_s", "{:.3f}×"),
                      fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
                      DASH if not nvml or predicted is None else f"{(predicted / nvml - 1) * 100:+.1f}%",
                      DASH if budget is None else fmt_gb(budget / 1e9)])
@@ -273,91 +300,6 @@ def provenance_line(df: pd.DataFrame) -> str:
     return (f"Provenance: poros {ver('poros')} at commit {git}; torch {uniq(p.get('torch') for p in prov)}, "
             f"{cuda}transformers {ver('transformers')}, bitsandbytes {ver('bitsandbytes')}, peft {ver('peft')}; "
             f"{gpu}host {uniq(p.get('host') for p in prov)}; rows recorded {span}.")
-
-
-def reference_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
-    """Each reference row whose model was measured, beside the cells measured on the reference row's stack
-    (`same_stack`: torch's version and build and transformers' version); — where none was."""
-    cells, rows = _cells(df), []
-    baseline = REFERENCES[0]
-    for r in ref.to_dict("records"):
-        if not any(model.lower() == str(r["model"]).lower() for model, _, _ in cells):
-            continue
-        c = next((c for (m, s, _), c in cells.items()
-                  if m.lower() == str(r["model"]).lower() and same_stack(s, r["stack"])), {})
-        med, std = num(r["poros_s_step_median"]), num(r["poros_s_step_std"])
-        ref_poros = DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}")
-        ref_res = num(r["resident_s_step"])
-        rows.append([r["model"], text_or_none(r["hardware"]) or DASH, text_or_none(r["stack"]) or DASH,
-                     ref_poros, _s_step(c.get(PLANNED), True),
-                     DASH if ref_res is None else f"{ref_res:.4f}", _s_step(c.get(baseline), True),
-                     fmt_gb(num(r["poros_vram_gb"])), fmt_gb(_ok(c.get(PLANNED), "peak_vram_gb")),
-                     fmt_gb(num(r["resident_vram_gb"])), fmt_gb(_ok(c.get(baseline), "peak_vram_gb"))])
-    cols = ("Model", "Reference hardware", "Reference stack", "ref poros s/step", "measured poros s/step",
-            "ref resident s/step", "measured resident s/step", "ref poros VRAM", "measured poros VRAM",
-            "ref resident VRAM", "measured resident VRAM")
-    if not rows:
-        return "No model is present in both the reference and the results."
-    source = f"Reference figures: {ref.attrs['source']}. " if ref.attrs.get("source") else ""
-    measured = uniq(df["stack"], " and ")
-    return md_table(cols, rows) + (f"\n\n{source}Measured cells stand beside a reference row only where they ran "
-                                   f"on its stack (torch's version and CUDA build, and transformers' version); — "
-                                   f"where none did (measured here: {measured}).")
-
-
-def _ratio(a: float | None, b: float | None, *, cut: bool = False) -> str:
-    if a is None or not b:
-        return DASH
-    return f"{(1 - a / b) * 100:.1f}%" if cut else f"{a / b:.2f}×"
-
-
-def attention_text(rows: dict) -> str:
-    """The attention path each method ran, from its rows' settings: `all methods fast`, or per method."""
-    paths = {m: (r.get("config") or {}).get("attention") for m, r in rows.items() if r is not None}
-    if len(set(paths.values())) == 1:
-        return f"all methods {next(iter(paths.values()))}"
-    return "; ".join(f"{m} {a}" for m, a in paths.items())
-
-
-def hardware_table(df: pd.DataFrame, ref: pd.DataFrame) -> str:
-    """Per model, this page's figures beside every reference row of the model, each named with its hardware,
-    stack and attention paths: the ratios (poros against resident and Unsloth, VRAM cut) compare across
-    hardware where seconds do not. No row is paired with another: each stands for its own run."""
-    others = [REFERENCES[0], *UNGATED]
-    columns = ["Model", "Hardware", "Stack", "Attention", "poros s/step", *(f"{m} s/step" for m in others),
-               *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
-               *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
-    hw = uniq(df["hardware"]) if "hardware" in df else DASH
-    rows = []
-    for (model, stack, point), c in _cells(df).items():
-        if point:
-            continue
-        p = c.get(PLANNED)
-        o = [c.get(m) for m in others]
-        ps, pv = _ok(p, "s_per_step_median"), _ok(p, "peak_vram_gb")
-        os_, ov = [_ok(x, "s_per_step_median") for x in o], [_ok(x, "peak_vram_gb") for x in o]
-        rows.append([model, f"{hw} (this page)", stack, attention_text({m: c.get(m) for m in (PLANNED, *others)}),
-                     _s_step(p, True), *(_s_step(x) for x in o), *(_ratio(ps, s) for s in os_), fmt_gb(pv),
-                     *(fmt_gb(v) for v in ov), *(_ratio(pv, v, cut=True) for v in ov)])
-        for r in ref.to_dict("records"):
-            if str(r["model"]).lower() != str(model).lower():
-                continue
-            med, std = num(r["poros_s_step_median"]), num(r["poros_s_step_std"])
-            rs = [num(r.get(f"{m}_s_step")) for m in others]
-            rv = [num(r.get(f"{m}_vram_gb")) for m in others]
-            rpv = num(r["poros_vram_gb"])
-            rows.append([model, text_or_none(r["hardware"]) or DASH, text_or_none(r["stack"]) or DASH,
-                         text_or_none(r.get("attention_note")) or DASH,
-                         DASH if med is None else (f"{med:.4f}" if std is None else f"{med:.4f}±{std:.4f}"),
-                         *(DASH if s is None else f"{s:.4f}" for s in rs), *(_ratio(med, s) for s in rs),
-                         fmt_gb(rpv), *(fmt_gb(v) for v in rv), *(_ratio(rpv, v, cut=True) for v in rv)])
-    if not rows:
-        return "No model is present in both the reference and the results."
-    source = f"Reference figures: {ref.attrs['source']}. " if ref.attrs.get("source") else ""
-    return md_table(columns, rows) + (f"\n\n{source}Each row is one run on its own hardware and stack; compare the "
-                                      f"ratios and the VRAM across rows, not the seconds. The reference rows' ratios "
-                                      f"are computed from its published (rounded) figures: a last digit may differ "
-                                      f"from its own table's.")
 
 
 def protocol_line(df: pd.DataFrame) -> str:
