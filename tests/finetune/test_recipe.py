@@ -5,7 +5,6 @@ input is refused in one line. Each exactness check has a negative control."""
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import shlex
 import shutil
@@ -459,13 +458,14 @@ def test_eval_data_shorter_than_one_batch_is_refused(files, tmp_path, capsys):
 
 def test_a_non_finite_loss_stops_the_run(files, tmp_path, capsys, monkeypatch):
     import poros.engine.methods
+    from poros.engine.trainer import StepResult
 
     real = poros.engine.methods.make_trainer
 
     def diverging(method, store, cfg, world=None):
         trainer = real(method, store, cfg, world)
         step = trainer.step
-        trainer.step = lambda batches: dataclasses.replace(step(batches), loss=float("nan"))
+        trainer.step = lambda batches: StepResult(float("nan"), step(batches).seconds)
         return trainer
 
     monkeypatch.setattr(poros.finetune.recipe, "make_trainer", diverging)
@@ -821,7 +821,7 @@ def test_a_dry_run_for_cuda_shows_the_fast_path_it_would_take(files, tmp_path, c
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith("plan: poros on cuda; attention fast (deterministic); 5 layers: 5 resident, 0 streamed"), line
     assert "(budget auto: 97.2 GB)" in line and "; CUDA-graph layers; " in line  # 100 GB free less 2% of 141 GB
-    assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs, vram_budget (set one to change it)")
+    assert line.endswith("defaults for cuda: attention, deterministic, vram_budget, cuda_graphs (set one to change it)")
 
 
 # --- more data forms -------------------------------------------------------------------------------

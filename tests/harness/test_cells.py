@@ -68,10 +68,10 @@ def test_each_cells_console_label_tells_it_from_every_other():
                       "sweep": {"seq_len": [64, 128]}, "plans": {"streamed": {}, "kept": {"keep_activations": True}}})
     labels = [c.label for c in matrix_cells(m)]
     assert len(set(labels)) == len(labels), labels
-    assert labels[:4] == ["tiny-qwen2 seq_len=64 parity gate", "tiny-qwen2 seq_len=64 poros plan streamed",
-                          "tiny-qwen2 seq_len=64 poros plan kept", "tiny-qwen2 seq_len=64 resident"], labels
+    assert labels[:4] == ["tiny-qwen2 seq_len=64 parity gate", "tiny-qwen2 seq_len=64 resident",
+                          "tiny-qwen2 seq_len=64 poros plan streamed", "tiny-qwen2 seq_len=64 poros plan kept"], labels
     plain = [c.label for c in matrix_cells(load_matrix("cpu"))]
-    assert plain[:2] == ["tiny-qwen2 parity gate", "tiny-qwen2 poros"], plain
+    assert plain[:3] == ["tiny-qwen2 parity gate", "tiny-qwen2 resident", "tiny-qwen2 poros"], plain
 
 
 def test_labels_without_the_plan_would_repeat():

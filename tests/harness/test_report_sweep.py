@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from poros.cli import main
 from poros.harness.matrix import load_matrix
+from poros.harness.report.layout import load_manifest
 from poros.harness.report import (ATTENTION_COLUMNS, SCALING_COLUMNS, SWEEP_COLUMNS, budget_figure, load_results,
                                   schedule, sweep_rows, write_report)
 from tests.harness.test_report import assert_tables_well_formed, cells, fixture_row, write_jsonl
@@ -213,14 +213,13 @@ def test_schedule_in_words(config, words):
     assert schedule(config) == words
 
 
-MANIFEST = yaml.safe_load((ROOT / "reports" / "manifest.yaml").read_text())
+PAGES = load_manifest(ROOT)
 
 
-@pytest.mark.parametrize("report", sorted(r for r, e in MANIFEST.items() if e.get("sweep")),
-                         ids=lambda r: f"report={Path(r).stem}")
-def test_a_sweep_page_reads_schema_2_rows_of_a_matrix_that_measures_it_again(report):
-    for path in MANIFEST[report]["results"]:
-        df = load_results([ROOT / path])
+@pytest.mark.parametrize("page", [p for p in PAGES if p.sweep], ids=lambda p: f"report={p.name}")
+def test_a_sweep_page_reads_schema_2_rows_of_a_matrix_that_measures_it_again(page):
+    for path in page.rows_files(ROOT):
+        df = load_results([path])
         assert set(df["schema"]) == {2}, path
         for name in set(df["matrix"]):
             assert load_matrix(name).name == name, f"{path}: no matrices/{name}.yaml measures its rows again"
@@ -228,7 +227,7 @@ def test_a_sweep_page_reads_schema_2_rows_of_a_matrix_that_measures_it_again(rep
 
 def test_every_committed_plot_is_linked_by_a_page():
     pngs = {p.name for p in (ROOT / "reports").glob("*.png")}
-    used = {png for report in MANIFEST for png in linked((ROOT / report).read_text())}
+    used = {png for page in PAGES for png in linked((ROOT / page.markdown).read_text())}
     assert pngs == used, f"plots no page links: {sorted(pngs - used)}; links without a plot: {sorted(used - pngs)}"
 
 
