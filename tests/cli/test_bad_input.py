@@ -178,3 +178,19 @@ def test_a_matrix_path_that_is_a_fifo_or_a_device_says_so(capsys, tmp_path):
     assert "is a FIFO (named pipe), not a file" in out and "'/dev/null' is a character device" in out, out
     one_line_refusal(capsys, main(["bench", "matrix", str(tmp_path / "fifo"), "-o", str(tmp_path / "o")]),
                      "is a FIFO (named pipe), not a file")
+
+
+@pytest.mark.parametrize("size", ["1e400", "0.5", "0.4B"], ids=["overflows", "half-a-byte", "under-a-byte"])
+def test_a_vram_budget_that_is_no_whole_positive_byte_count_is_refused(capsys, size):
+    one_line_refusal(capsys, main(["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--vram-budget", size]),
+                     f"vram_budget: expected a finite size of at least 1 byte, got '{size}'")
+    assert main(["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--vram-budget", "1e9"]) == 0  # control
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.5], ids=["inf", "nan", "half"])
+def test_a_size_setting_from_yaml_that_is_not_finite_is_refused_by_field(value):
+    from poros.sizes import parse_size
+
+    with pytest.raises(ValueError, match=r"expected a finite size of at least 1 byte"):
+        parse_size(value)
+    assert parse_size(2.0e9) == 2_000_000_000  # control: a float YAML reads for 2e9
