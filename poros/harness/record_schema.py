@@ -9,6 +9,7 @@ it holds must be of its kind. Free of torch: `poros report` and `poros bench sta
 
 from __future__ import annotations
 
+import json
 import math
 
 from poros.engine.method_info import NAMES
@@ -29,6 +30,11 @@ def _number(v, *, finite: bool = False, least: float | None = None) -> bool:
 
 def number(v):
     return None if v is None or _number(v) else "a number or null"
+
+
+def difference(v):
+    """A largest difference a gate found: >= 0, infinity where a side held no finite value; NaN says nothing."""
+    return None if v is None or _number(v, least=0) and not math.isnan(v) else "a number >= 0 (or Infinity) or null"
 
 
 def seconds(v):
@@ -118,6 +124,39 @@ def phases(v):
     return None
 
 
+def config(v):
+    """A row's settings: a mapping whose every setting the settings table knows holds a value of that setting (the
+    report reads each through it); a key it does not know (a setting of an earlier harness) is left alone."""
+    if not isinstance(v, dict):
+        return "a mapping"
+    from poros.settings import SETTINGS
+
+    known = {s.name: s for s in SETTINGS}
+    for name, value in v.items():
+        if value is not None and name in known:
+            try:
+                known[name].value(value)
+            except (ValueError, TypeError) as e:
+                return f"a mapping of settings (its {name}: {e})"
+    return None
+
+
+PROVENANCE_PARTS = {"gpus": "a list of mappings", "versions": "a mapping", "git": "a mapping"}
+
+
+def provenance(v):
+    """Where a row ran: a mapping, whose parts the pages read (gpus, versions, git) of their kinds where present."""
+    if not isinstance(v, dict):
+        return "a mapping"
+    for name, want in PROVENANCE_PARTS.items():
+        part = v.get(name)
+        ok = part is None or (isinstance(part, dict) if want == "a mapping" else
+                              isinstance(part, list) and all(isinstance(g, dict) for g in part))
+        if not ok:
+            return f"a mapping (its {name}: expected {want}, got {_shown(part)})"
+    return None
+
+
 def process(v):
     """The process a record was written by: {host, pid, started}."""
     if v is None:
@@ -137,10 +176,10 @@ ROW_FIELDS = {
     "method": one_of(*NAMES), "status": one_of(*STATUSES),
     "steps": whole(1), "passes": whole(1), "warmup_passes": whole(0),
     "s_per_step_median": measure, "s_per_step_std": figure, "peak_vram_gb": figure,
-    "parity_max_abs_diff": number, "bytes_h2d_per_step": figure, "copy_gbps": measure, "copy_hidden_share": figure,
+    "parity_max_abs_diff": difference, "bytes_h2d_per_step": figure, "copy_gbps": measure, "copy_hidden_share": figure,
     "tokens_per_s": measure, "link_h2d_gbps": measure, "copy_floor_s": measure,
     "load_avg_max": figure, "cores": whole(1),
-    "config": mapping, "provenance": mapping,
+    "config": config, "provenance": provenance,
     "parity": one_of("PASS", "FAIL", None),
     "plan_name": text_or_null, "sweep": mapping_or_null, "timed": flag,
     "per_pass_s": list_of(lambda v: measure(v) if v is not None else "seconds", "positive finite seconds"),
@@ -216,6 +255,23 @@ def pass_problems(record) -> list[str]:
         return out
     fields, required = PASS_KIND_FIELDS[record["kind"]]
     return _problems(record, fields, required)
+
+
+def parse_line(line: str):
+    """One line of a JSON Lines record file as JSON.
+
+    Raises:
+        ValueError: `not valid JSON (why)`: malformed, nested past what Python's parser reaches, or a number too long
+            to read (a hand-edited or damaged line; never a traceback).
+    """
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested deeper than the reader reaches)") from None
+    except ValueError as e:  # an integer past sys.get_int_max_str_digits()
+        raise ValueError(f"not valid JSON ({str(e).split(';')[0]})") from None
 
 
 def one_line(problems: list[str]) -> str:

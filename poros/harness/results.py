@@ -15,7 +15,7 @@ from pathlib import Path
 
 from poros.common.atomic import append_line, write_atomic
 from poros.errors import PorosError
-from poros.harness.record_schema import one_line, pass_problems, row_problems
+from poros.harness.record_schema import one_line, parse_line, pass_problems, row_problems
 
 EARLIER = "earlier"
 # what one `poros bench matrix` run writes into its output folder (gate-references/: a gate's reference side kept as
@@ -250,7 +250,7 @@ class PassLog:
 
 def _row(line: str) -> dict | None:
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
+        row = parse_line(line)
+    except ValueError:
         return None
     return row if isinstance(row, dict) else None

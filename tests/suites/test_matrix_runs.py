@@ -149,22 +149,22 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
 
     env = plugin_env(
         tmp_path, "cut_off",
-        "import poros.engine.trainer as t\n"
-        "orig = t.ResidentTrainer.step\n"
+        "import poros.engine.executor as t\n"
+        "orig = t.PorosTrainer.step\n"
         "def step(self, batches=None):\n"
-        "    if self.steps_done == 3:  # inside the resident cell's first timed pass\n"
+        "    if self.steps_done == 3:  # inside the poros cell's first timed pass (after resident's cell)\n"
         "        raise KeyboardInterrupt\n"
         "    return orig(self, batches)\n"
-        "t.ResidentTrainer.step = step\n")
+        "t.PorosTrainer.step = step\n")
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "bench.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
     assert proc.returncode == 2, why(proc)  # interrupted
     assert "min() iterable argument is empty" not in proc.stdout + proc.stderr
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["poros"]
+    assert [r["method"] for r in rows] == ["resident"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
-    assert len(names) == 1 and "method:poros" in names[0]
+    assert len(names) == 1 and "method:resident" in names[0]
 
 
 @pytest.mark.slow  # the suites end to end in a subprocess

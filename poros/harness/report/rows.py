@@ -4,13 +4,12 @@ row facts every page uses (the latest row per cell, the hardware, whether it ran
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import pandas as pd
 
 from poros.errors import PorosError
-from poros.harness.record_schema import one_line, row_problems
+from poros.harness.record_schema import one_line, parse_line, row_problems
 from poros.harness.report.format import text_or_none
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SETTINGS, Setting
@@ -47,9 +46,9 @@ def load_results(paths) -> pd.DataFrame:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PorosError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                row = parse_line(line)
+            except ValueError as e:
+                raise PorosError(f"{path}:{n}: {e}") from None
             if not isinstance(row, dict):
                 raise PorosError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             bad = row_problems(row)
