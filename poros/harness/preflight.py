@@ -15,10 +15,12 @@ from poros.harness.matrix import resolve_matrix_path
 from poros.harness.protocol import reference_problems
 from poros.harness.results import passes_path
 from poros.harness.report import load_reference
+from poros.checkers import module_names
 from poros.models.checkpoint import resolve
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
     check_lora_rank,
+    check_lora_targets,
     check_seq_len,
     check_supported,
     decoder_layers,
@@ -81,9 +83,18 @@ def model_problems(models, seq_len: int, lora_rank: int | None = None, lora_targ
                 check_seq_len(src.config, seq_len, model)
             except ConfigError as e:
                 problems.extend(e.problems)
+            try:  # a flag's `q_proj,v_proj` as the setting reads it; a value that is no list the settings refuse
+                targets = module_names(lora_targets) if lora_targets is not None else None
+            except ValueError:
+                targets = None
+            if targets is not None:
+                try:
+                    check_lora_targets(src.config, targets, model)
+                except ConfigError as e:
+                    problems.extend(e.problems)
             if lora_rank is not None:
                 try:
-                    check_lora_rank(src.config, lora_rank, lora_targets or LORA_TARGETS, model)
+                    check_lora_rank(src.config, lora_rank, targets or LORA_TARGETS, model)
                 except ConfigError as e:
                     problems.extend(e.problems)
             if src.checkpoint is not None:  # registered shapes are known to be supported

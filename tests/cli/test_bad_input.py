@@ -194,3 +194,14 @@ def test_a_size_setting_from_yaml_that_is_not_finite_is_refused_by_field(value):
     with pytest.raises(ValueError, match=r"expected a finite size of at least 1 byte"):
         parse_size(value)
     assert parse_size(2.0e9) == 2_000_000_000  # control: a float YAML reads for 2e9
+
+
+def test_a_lora_target_no_decoder_linear_has_is_refused_naming_those_there_are(capsys):
+    """peft's own refusal came after the model was built, as a traceback; and a rank over the smallest adapted
+    dimension went unchecked where --lora-targets was given (the flag's text read as letters)."""
+    one_line_refusal(capsys, main(["parity", "--model", "tiny-qwen2", "--seq-len", "64", "--steps", "1",
+                                   "--lora-targets", "nosuch_proj,q_proj"]),
+                     "lora_targets: nosuch_proj is no linear of tiny-qwen2's decoder layers (they have down_proj")
+    one_line_refusal(capsys, main(["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--lora-targets", "q_proj,v_proj",
+                                   "--lora-rank", "100000"]), "lora_rank: 100000 exceeds tiny-qwen2's smallest")
+    assert main(["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--lora-targets", "q_proj,v_proj"]) == 0  # control
