@@ -38,7 +38,7 @@ def run(args) -> int:
     from poros.finetune.merge import generate
 
     if not 0 < args.max_new_tokens <= 1 << 20:
-        raise ConfigError([f"expected an integer > 0, got {args.max_new_tokens}"], "--max-new-tokens")
+        raise ConfigError([f"expected an integer from 1 to {1 << 20}, got {args.max_new_tokens}"], "--max-new-tokens")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     text = generate(args.model, args.adapter, args.prompt, max_new_tokens=args.max_new_tokens, device=device,
                     nf4=not args.bf16, chat=args.chat, say=lambda s: print(s, file=sys.stderr, flush=True))

@@ -205,3 +205,12 @@ def test_a_lora_target_no_decoder_linear_has_is_refused_naming_those_there_are(c
     one_line_refusal(capsys, main(["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--lora-targets", "q_proj,v_proj",
                                    "--lora-rank", "100000"]), "lora_rank: 100000 exceeds tiny-qwen2's smallest")
     assert main(["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--lora-targets", "q_proj,v_proj"]) == 0  # control
+
+
+@pytest.mark.parametrize("n", ["0", "100000000"])
+def test_a_token_count_out_of_range_names_the_range(capsys, tmp_path, n):
+    one_line_refusal(capsys, main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", n]),
+                     f"--max-new-tokens: expected an integer from 1 to 1048576, got {n}")
+    # control: a count in range passes this check, and the empty folder is refused as no checkpoint instead
+    code = main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "5"])
+    assert code == 2 and "--max-new-tokens" not in capsys.readouterr().err
