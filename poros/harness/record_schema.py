@@ -42,6 +42,16 @@ def seconds(v):
     return None if v is None or _number(v, finite=True, least=0) else "a finite number of seconds >= 0 or null"
 
 
+LAST_TIME = 253402300799  # 9999-12-31 23:59:59 UTC: the last moment a page can print as a date
+
+
+def epoch(v):
+    """A moment, in seconds since the epoch, that a page prints as a date: from 1970 to the year 9999."""
+    if v is None or _number(v, finite=True, least=0) and v <= LAST_TIME:
+        return None
+    return "seconds since the epoch (0 to 253402300799, the year 9999) or null"
+
+
 def pass_seconds(v):
     """A timed pass's seconds: always present, finite and >= 0."""
     return None if _number(v, finite=True, least=0) else "a finite number of seconds >= 0"
@@ -161,7 +171,7 @@ def process(v):
     """The process a record was written by: {host, pid, started}."""
     if v is None:
         return None
-    if not isinstance(v, dict) or text(v.get("host")) or index(v.get("pid")) or seconds(v.get("started")):
+    if not isinstance(v, dict) or text(v.get("host")) or index(v.get("pid")) or epoch(v.get("started")):
         return "a mapping of host (text), pid (an integer) and started (seconds since the epoch)"
     return None
 
@@ -197,10 +207,10 @@ PASS_KIND_FIELDS = {
              ("index", "seconds")),
     "gate": ({"result": lambda v: gate_result(v), "seconds": seconds}, ("result",)),
     "reference": ({"file": text, "seconds": seconds, "checksum": text_or_null}, ("file",)),
-    "part": ({"part_id": text_or_null, "started": seconds, "ended": seconds, "wall_s": seconds, "phases": phases,
+    "part": ({"part_id": text_or_null, "started": epoch, "ended": epoch, "wall_s": seconds, "phases": phases,
               "exit_status": lambda v: None if v is None or (isinstance(v, int) and not isinstance(v, bool))
               else "an integer or null", "stopped": flag, "gpu": list_of(text_or_null, "GPU UUIDs"),
-              "max_minutes": number, "steps": count, "passes": count},
+              "max_minutes": measure, "steps": whole(1), "passes": whole(1)},
              ()),
 }
 
