@@ -214,3 +214,26 @@ def test_a_token_count_out_of_range_names_the_range(capsys, tmp_path, n):
     # control: a count in range passes this check, and the empty folder is refused as no checkpoint instead
     code = main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "5"])
     assert code == 2 and "--max-new-tokens" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("column, value", [("poros_s_step_median", "abc"), ("resident_s_step", "-1"),
+                                           ("unsloth_vram_gb", "inf")])
+def test_a_reference_figure_that_is_no_positive_number_is_refused_by_line_and_column(capsys, tmp_path, column, value):
+    import csv
+    import io
+
+    from poros.harness.report.rows import OFFICIAL_REFERENCE
+
+    lines = OFFICIAL_REFERENCE.read_text().splitlines(keepends=True)
+    comments = [x for x in lines if x.startswith("#")]
+    rows = list(csv.reader(x for x in lines if not x.startswith("#")))
+    rows[1][rows[0].index(column)] = value
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(rows)
+    (tmp_path / "ref.csv").write_text("".join(comments) + out.getvalue())
+    results = tmp_path / "results.jsonl"
+    write_jsonl(results, [fixture_row(method="resident"), fixture_row()])
+    argv = ["report", str(results), "-o", str(tmp_path / "r.md"), "--reference"]
+    one_line_refusal(capsys, main(argv + [str(tmp_path / "ref.csv")]),
+                     f"ref.csv:{len(comments) + 2}: column {column}: expected a positive number or nothing, got ")
+    assert main(argv + [str(OFFICIAL_REFERENCE)]) == 0  # control: the figures as shipped
