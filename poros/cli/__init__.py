@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.metadata
 import logging
+import re
 import sys
 import warnings
 
@@ -154,6 +155,25 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"poros {args.command}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        why = out_of_memory(e)
+        if why is None:
+            raise
+        print(f"poros {args.command}: error: {why}", file=sys.stderr)
+        return 1
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """An allocation torch could not make (host or device), as one line naming what to lower; None for any other
+    error. By name and text: a command that never trained imports no torch."""
+    text = str(e)
+    host = "can't allocate memory" in text
+    if not host and type(e).__name__ != "OutOfMemoryError":
+        return None
+    asked = re.search(r"tried to allocate (\d+ bytes|[0-9.]+ ?[KMGT]?i?B)", text, re.IGNORECASE)
+    where = "host" if host else "device"
+    return (f"out of {where} memory" + (f" (an allocation of {asked.group(1)})" if asked else "") +
+            "; lower --batch-size, --seq-len or --grad-accum, or use a machine with more memory")
 
 
 if __name__ == "__main__":

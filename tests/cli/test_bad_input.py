@@ -237,3 +237,26 @@ def test_a_reference_figure_that_is_no_positive_number_is_refused_by_line_and_co
     one_line_refusal(capsys, main(argv + [str(tmp_path / "ref.csv")]),
                      f"ref.csv:{len(comments) + 2}: column {column}: expected a positive number or nothing, got ")
     assert main(argv + [str(OFFICIAL_REFERENCE)]) == 0  # control: the figures as shipped
+
+
+def test_an_allocation_torch_cannot_make_is_one_line_naming_what_to_lower(capsys, monkeypatch):
+    """`poros parity --batch-size 100000000` on the CPU: torch's allocator refuses 51 GB with a RuntimeError."""
+    import poros.cli.env as env
+
+    def refuse(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 51200000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(env, "run", refuse)
+    assert main(["env"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("poros env: error: out of host memory (an allocation of 51200000000 bytes); lower --batch-size, "
+                   "--seq-len or --grad-accum, or use a machine with more memory"), err
+    OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+    monkeypatch.setattr(env, "run", lambda args: (_ for _ in ()).throw(OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB")))
+    assert main(["env"]) == 1
+    assert "out of device memory (an allocation of 2.00 GiB)" in capsys.readouterr().err
+    monkeypatch.setattr(env, "run", lambda args: (_ for _ in ()).throw(RuntimeError("a kernel failed")))
+    with pytest.raises(RuntimeError, match="a kernel failed"):  # control: any other error is not dressed as memory
+        main(["env"])
