@@ -260,3 +260,18 @@ def test_an_allocation_torch_cannot_make_is_one_line_naming_what_to_lower(capsys
     monkeypatch.setattr(env, "run", lambda args: (_ for _ in ()).throw(RuntimeError("a kernel failed")))
     with pytest.raises(RuntimeError, match="a kernel failed"):  # control: any other error is not dressed as memory
         main(["env"])
+
+
+@pytest.mark.parametrize("name", ["", "../../etc", "a b", "-k"], ids=["empty", "path", "space", "dash-first"])
+def test_a_matrix_name_that_is_no_file_name_is_refused(capsys, tmp_path, name):
+    """A run's rows and `poros bench status` find a matrix again by its name (matrices/NAME.yaml)."""
+    import yaml
+
+    from tests.suite_runs import TINY
+
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "name": name, "methods": ["poros"], "models": ["tiny-qwen2"]}))
+    assert main(["validate", str(path)]) == 1
+    assert "name: expected a matrix name of letters, digits, '-', '_', '.' or '+'" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump({**TINY, "name": "cpu-v2.1+x", "methods": ["poros"], "models": ["tiny-qwen2"]}))
+    assert main(["validate", str(path)]) == 0  # control

@@ -399,7 +399,7 @@ def test_a_kept_reference_edited_by_hand_is_refused_and_recorded_again(tmp_path)
     log = tmp_path / "passes.jsonl"
     env = plugin_env(tmp_path, "slow_reference", SLOW_REFERENCE)
     first, results = run_suite(tmp_path, matrix, "-p", "slow_reference", "--max-minutes", "5", "-k", "gate", env=env)
-    assert first.returncode == 75, why(first)
+    assert first.returncode == 1, why(first)  # the reference's side kept; the gated side cannot fit in 5 minutes
     (kept,) = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "reference"]
     digests = tmp_path / "gate-references" / kept["file"]
     doc = json.loads(gzip.open(digests, "rt").read())
