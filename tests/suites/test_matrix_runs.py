@@ -446,14 +446,14 @@ def test_a_parity_fail_row_is_gated_again_on_resume(tmp_path):
 
 TERMINATED = """import os
 import signal
-import poros.engine.trainer as t
-orig = t.ResidentTrainer.step
+import poros.engine.executor as t
+orig = t.PorosTrainer.step
 def step(self, batches=None):
-    # the resident cell, inside its second timed pass: a scheduler's SIGTERM
+    # the poros cell (timed after resident's), inside its second timed pass: a scheduler's SIGTERM
     if self.steps_done == 5 and os.environ.get("TERMINATE"):
         os.kill(os.getpid(), signal.SIGTERM)
     return orig(self, batches)
-t.ResidentTrainer.step = step
+t.PorosTrainer.step = step
 """
 
 
@@ -471,7 +471,7 @@ def test_benchmark_json_holds_every_timed_cell_across_a_sigterm_and_names_gpu_en
     proc, results = run_suite(tmp_path, matrix, "-p", "terminated", env={**env, "TERMINATE": "1"})
     assert proc.returncode == 2, why(proc)  # interrupted, not killed (-15)
     data = json.loads(bench_json.read_text())
-    assert [b["param"] for b in data["benchmarks"]] == ["model:tiny-qwen2-stack:current-method:poros"]
+    assert [b["param"] for b in data["benchmarks"]] == ["model:tiny-qwen2-stack:current-method:resident"]
     again, _ = run_suite(tmp_path, matrix, "-p", "terminated", "--resume", env=env)
     assert again.returncode == 0, why(again)
     data = json.loads(bench_json.read_text())
@@ -481,8 +481,8 @@ def test_benchmark_json_holds_every_timed_cell_across_a_sigterm_and_names_gpu_en
     assert data["commit_info"]["id"] == git["commit"] and data["commit_info"]["source_tree"] == git["source_tree"]
     assert data["commit_info"]["project"] == "poros" and data["commit_info"]["dirty"] == git["dirty"]
     by = {b["param"].rpartition(":")[2]: b for b in data["benchmarks"]}
-    passes = by["resident"]["extra_info"]["passes"]
-    assert [p["index"] for p in passes] == [0, 1] and by["resident"]["stats"]["data"] == [p["seconds"] for p in passes]
+    passes = by["poros"]["extra_info"]["passes"]
+    assert [p["index"] for p in passes] == [0, 1] and by["poros"]["stats"]["data"] == [p["seconds"] for p in passes]
     assert passes[0]["process"] != passes[1]["process"], "pass 0 ran in the terminated part, pass 1 in the next"
     compare = subprocess.run([sys.executable, "-m", "pytest_benchmark", "compare", str(bench_json)],
                              capture_output=True, text=True, timeout=120)
