@@ -15,6 +15,7 @@ from pathlib import Path
 
 from poros.common.atomic import append_line, write_atomic
 from poros.errors import PorosError
+from poros.paths import unreadable
 from poros.harness.record_schema import one_line, parse_line, pass_problems, row_problems
 
 EARLIER = "earlier"
@@ -101,9 +102,24 @@ class ResultsWriter:
             rows.append(row)
         return rows, None
 
+    def _present(self) -> bool:
+        """Whether the file exists to be read (a missing one holds no rows).
+
+        Raises:
+            ResultsFileError: the path is a folder, a FIFO (reading one with no writer waits forever), a socket, a
+                device or a loop of symbolic links: never read as "no rows yet".
+        """
+        why = unreadable(self.path)
+        if why is None and self.path.is_dir():
+            why = "is a folder"
+        if why is not None:
+            raise ResultsFileError(f"{self.path} {why}, expected a results file (JSON Lines); remove it or pass "
+                                   f"another -o")
+        return self.path.is_file()
+
     def rows(self) -> list[dict]:
         """Every complete row (a torn last line is left out; `repair` sets it aside)."""
-        if not self.path.is_file():
+        if not self._present():
             return []
         return self._parse(self._text())[0]
 
@@ -114,7 +130,7 @@ class ResultsWriter:
         Raises:
             ResultsFileError: the file is not UTF-8 text or has a malformed line before the last.
         """
-        if not self.path.exists():
+        if not self._present():
             return None
         text = self._text()
         rows, torn = self._parse(text)

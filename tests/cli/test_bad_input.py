@@ -275,3 +275,23 @@ def test_a_matrix_name_that_is_no_file_name_is_refused(capsys, tmp_path, name):
     assert "name: expected a matrix name of letters, digits, '-', '_', '.' or '+'" in capsys.readouterr().out
     path.write_text(yaml.safe_dump({**TINY, "name": "cpu-v2.1+x", "methods": ["poros"], "models": ["tiny-qwen2"]}))
     assert main(["validate", str(path)]) == 0  # control
+
+
+@pytest.mark.parametrize("name", ["results.jsonl", "passes.jsonl"])
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_record_file_that_is_a_folder_or_fifo_is_refused_not_read_as_no_rows(capsys, tmp_path, name, kind):
+    """`poros bench status` read such a run as "not started"; `poros bench matrix --resume` waited forever on a
+    FIFO."""
+    import os
+
+    from poros.harness.results import ResultsFileError, ResultsWriter
+
+    path = tmp_path / name
+    path.mkdir() if kind == "folder" else os.mkfifo(path)
+    said = "is a folder" if kind == "folder" else "is a FIFO (named pipe)"
+    one_line_refusal(capsys, main(["bench", "status", "cpu", "-o", str(tmp_path)]), f"{path} {said}")
+    with pytest.raises(ResultsFileError, match="expected a results file"):
+        ResultsWriter(path).repair()
+    path.rmdir() if kind == "folder" else path.unlink()
+    path.write_text("")  # control: the file, empty, reads as no records
+    assert ResultsWriter(path).rows() == [] and main(["bench", "status", "cpu", "-o", str(tmp_path)]) == 0
