@@ -198,18 +198,18 @@ def test_a_matrix_of_one_method_runs(tmp_path):
 def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
     m = parse_matrix(SWEPT)
     ids = [c.id for c in matrix_cells(m)]
-    assert ids[:5] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",
+    assert ids[:5] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",  # the reference timed first
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:resident",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:streamed",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b1",
-                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b3",
-                       "model:tiny-qwen3-stack:current-grad_accum:1-method:resident"]
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b3"]
     assert len(ids) == 10
     proc, results = run_suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or plan:b3 or method:resident)")
     assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
     assert [(r["method"], r["plan_name"], r["sweep"]) for r in rows] == [
-        ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
-    assert rows[0]["config"]["block_size"] == 1 and rows[0]["config"]["grad_accum"] == 2
+        ("resident", None, {"grad_accum": 2}), ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2})]
+    assert rows[1]["config"]["block_size"] == 1 and rows[1]["config"]["grad_accum"] == 2
     assert all(r["parity"] == "PASS" and r["schema"] == 2 for r in rows)
     gates = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
     gates = [g for g in gates if g["kind"] == "gate"]
@@ -224,7 +224,7 @@ def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
     proc, results = run_suite(tmp_path, matrix, "--benchmark-disable")
     assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
-    assert [r["method"] for r in rows] == ["poros", "resident"]  # one row per cell, none failed
+    assert [r["method"] for r in rows] == ["resident", "poros"]  # one row per cell, none failed
     for r in rows:
         assert r["status"] == "ok" and r["timed"] is False and r["parity"] == "PASS"
         assert r["s_per_step_median"] is None and r["per_pass_s"] == []
