@@ -94,12 +94,8 @@ def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
     comments = []
     while lines and lines[0].startswith("#"):
         comments.append(lines.pop(0)[1:].strip())
-    try:
-        ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str,
-                                                              "parity": str, "bitsandbytes": str, "dataset": str,
-                                                              "precision": str})
-    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:
-        raise PorosError(f"{path}: not readable CSV ({str(e).strip().splitlines()[0]})") from None
+    ref = pd.read_csv(io.StringIO("".join(lines)), dtype={"hardware": str, "model": str, "stack": str, "parity": str,
+                                                  "bitsandbytes": str, "dataset": str, "precision": str})
     missing = [c for c in REFERENCE_COLUMNS if c not in ref.columns]
     if missing:
         raise PorosError(f"{path}: missing column(s) {', '.join(missing)}")
