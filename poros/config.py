@@ -72,6 +72,13 @@ class _Config:
         return cls(model=model, **{**values, **extra})
 
     @property
+    def backward_overlaps(self) -> bool:
+        """Whether a layer's recompute runs while the backward before it is in flight (a worker thread): as
+        `overlap_backward` says, except under CUDA-graph layer templates, which replay one layer's backward at a
+        time."""
+        return self.overlap_backward and not self.cuda_graphs
+
+    @property
     def schedule(self) -> dict:
         """The schedule settings: how poros runs the computation, never what it computes."""
         return {k: getattr(self, k) for k in SCHEDULE_NAMES}

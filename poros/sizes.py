@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 AUTO = "auto"  # a size left to be measured where the run is (a budget: what the device or host has free)
@@ -19,8 +20,8 @@ def parse_size(value) -> int | str:
     if isinstance(value, bool):
         raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"expected a size > 0, got {value!r}")
+        if not math.isfinite(value) or int(value) <= 0:  # YAML's .inf and .nan; 0.5 would be 0 bytes
+            raise ValueError(f"expected a finite size of at least 1 byte, got {value!r}")
         return int(value)
     text = str(value).strip().lower().replace(" ", "")
     if text == AUTO:
@@ -28,9 +29,10 @@ def parse_size(value) -> int | str:
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
     if not m or m.group(2) not in _UNITS:
         raise ValueError(f"expected a size such as 24GB, 40GiB, 300MB or auto, got {value!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if n <= 0:
-        raise ValueError(f"expected a size > 0, got {value!r}")
+    n = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(n) or int(n) <= 0:  # 1e400 overflows to infinity
+        raise ValueError(f"expected a finite size of at least 1 byte, got {value!r}")
+    n = int(n)
     return n
 
 

@@ -103,3 +103,17 @@ def test_a_schedule_variant_is_checked_and_coerced():
         schedule_variant("block_size=1,lr=1")  # lr is computed, not a schedule setting
     with pytest.raises(ValueError, match="block_size: expected"):
         schedule_variant("block_size=0")
+
+
+def test_a_problem_quoting_a_huge_value_shows_its_start_and_length():
+    from poros.harness.matrix import parse_matrix
+
+    with pytest.raises(ConfigError) as refused:
+        parse_matrix({"name": "x", "steps": 1, "passes": 1, "dataset": "synthetic", "methods": ["poros"],
+                      "models": ["m" * 1_000_000], "stacks": ["current"]})
+    problem = next(p for p in refused.value.problems if p.startswith("models:"))
+    assert len(problem) < 500 and problem.endswith("more characters)"), problem[:600]
+    with pytest.raises(ConfigError) as refused:  # negative control: a short value is quoted whole
+        parse_matrix({"name": "x", "steps": 1, "passes": 1, "dataset": "synthetic", "methods": ["poros"],
+                      "models": ["mmm"], "stacks": ["current"]})
+    assert "unknown model 'mmm' (not registered" in str(refused.value)

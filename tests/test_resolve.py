@@ -109,3 +109,12 @@ def test_a_cuda_matrix_runs_poros_on_the_device_defaults_unless_it_names_another
 def test_a_matrix_reads_its_references_first():
     m = parse_matrix({**MATRIX, "methods": ["poros", "resident"]})
     assert [c.method.value if c.method else "gate" for c in matrix_cells(m)][:3] == ["gate", "resident", "poros"]
+
+
+def test_the_backward_overlaps_as_one_property_says():
+    """The planner and the executor read one derived fact: a worker thread overlaps the recompute unless layer
+    templates replay the backward. Controls: each input alone turns it off."""
+    base = TrainConfig(model="tiny-qwen2")
+    assert base.backward_overlaps
+    assert not base.replace(overlap_backward=False).backward_overlaps
+    assert not base.replace(cuda_graphs=True, device="cuda").backward_overlaps

@@ -6,13 +6,16 @@ import argparse
 import importlib
 import importlib.metadata
 import logging
+import re
 import sys
 import warnings
 
 from poros.engine.parallel.launch import launched
-from poros.errors import PorosError
+from poros.cli.streams import console_streams
+from poros.errors import PorosError, WriteError
 from poros.harness import preflight as checks
 from poros.harness.matrix import load_matrix
+from poros.settings import check_values
 from poros.sizes import is_auto
 
 SUBCOMMANDS = ("env", "plan", "parity", "bench", "report", "validate", "build", "train", "export", "generate",
@@ -88,7 +91,10 @@ def preflight(args) -> None:
         checks.check_device(device, "--device")
     model, seq_len = getattr(args, "model", None), getattr(args, "seq_len", None)
     if model and isinstance(seq_len, int) and seq_len > 0:
-        problems = checks.model_problems([model], seq_len)
+        rank = getattr(args, "lora_rank", None)
+        if rank is not None and check_values({"lora_rank": rank})[1]:
+            rank = None  # not a rank at all: the settings' own check says so
+        problems = checks.model_problems([model], seq_len, rank, getattr(args, "lora_targets", None))
         if problems:
             raise PorosError("; ".join(problems))
 
@@ -110,7 +116,18 @@ RANKED = ("parity", "train")  # commands that run as one rank of several under t
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The command line: one subcommand, its status returned; standard output and error as `console_streams`
+    makes them."""
+    with console_streams():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except WriteError as e:  # --help or a usage line that standard output or error could not take
+        print(f"poros: error: {e}", file=sys.stderr)
+        return 2
     quiet()
     try:
 
@@ -123,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
             set_cublas_workspace()
         preflight(args)
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # the last of standard output, delivered or reported here
+        return code
     except PorosError as e:
         prefix = f"poros {args.command}: "  # a check that names the command itself
         print(f"{prefix}error: {str(e).removeprefix(prefix)}", file=sys.stderr)
@@ -136,6 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"poros {args.command}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        why = out_of_memory(e)
+        if why is None:
+            raise
+        print(f"poros {args.command}: error: {why}", file=sys.stderr)
+        return 1
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """An allocation torch could not make (host or device), as one line naming what to lower; None for any other
+    error. By name and text: a command that never trained imports no torch."""
+    text = str(e)
+    host = "can't allocate memory" in text
+    if not host and type(e).__name__ != "OutOfMemoryError":
+        return None
+    asked = re.search(r"tried to allocate (\d+ bytes|[0-9.]+ ?[KMGT]?i?B)", text, re.IGNORECASE)
+    where = "host" if host else "device"
+    return (f"out of {where} memory" + (f" (an allocation of {asked.group(1)})" if asked else "") +
+            "; lower --batch-size, --seq-len or --grad-accum, or use a machine with more memory")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,16 @@ import time
 from pathlib import Path
 
 from poros.cli.report import add_reference_argument, reference_path
+from poros.cli.streams import ConsoleStream
 from poros.common.folders import OutputLock, ensure_folder
 from poros.errors import PorosError
+from poros.paths import path_arg
 from poros.harness import preflight
 from poros.harness.compare import load_compare_source, parse_compare_fail, pass_length_problem
 from poros.harness.matrix import resolve_matrix_path
 from poros.harness.report import write_report
 from poros.harness.results import PassLog, ResultsWriter, keep_earlier, passes_path
-from poros.suites import OUT_OF_TIME  # the suites stopped by --max-minutes with cells left
+from poros.suites import OUT_OF_TIME, WRITE_FAILED  # stopped by --max-minutes with cells left; at a failed write
 
 EPILOG = """examples:
   poros bench matrix matrices/cpu.yaml -o out/
@@ -35,7 +37,8 @@ entry per timed cell, kept across --resume) and OUT/report.md (+ report.png); sh
 An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time owns
 OUT. --resume continues a cell after its last finished pass, and refuses rows measured with other
 settings. Exits 1 if any cell failed (parity FAIL included) or regressed past --benchmark-compare-fail,
-75 when --max-minutes stopped it with cells left (run the same command again).
+75 when --max-minutes stopped it with cells left (run the same command again), 74 when a record could
+not be written (a full disk, a file-size limit: make room, then --resume; nothing finished is lost).
 """
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"  # shipped in the package (poros/suites)
@@ -45,8 +48,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run benchmark matrices", epilog=EPILOG)
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     m = bsub.add_parser("matrix", help="run every cell of a matrix file", epilog=EPILOG)
-    m.add_argument("file", help="matrix file or name (cpu, h200, b300, a100)")
-    m.add_argument("-o", "--out", default="out", help="output folder (default: out/)")
+    m.add_argument("file", type=path_arg, help="matrix file or name (cpu, h200, b300, a100)")
+    m.add_argument("-o", "--out", default="out", type=path_arg, help="output folder (default: out/)")
     m.add_argument("--steps", type=int, help="steps per pass (default: the matrix's; fewer is a reduced run, flagged "
                                              "in the report)")
     m.add_argument("--passes", type=int, help="timed passes (default: the matrix's; fewer is a reduced run)")
@@ -59,7 +62,7 @@ def add_parser(sub) -> None:
                    help="stop between passes before MIN minutes have passed (exit 75; --resume continues): a pass is "
                         "judged by the last one timed; a cell's first warm-up, with no pass to judge it by, "
                         "starts whatever time is left")
-    m.add_argument("--benchmark-compare", metavar="PATH",
+    m.add_argument("--benchmark-compare", metavar="PATH", type=path_arg,
                    help="compare each timed cell with the same cell in PATH, an earlier run's benchmark.json "
                         "(the table is in OUT/bench.log)")
     m.add_argument("--benchmark-compare-fail", metavar="EXPR", nargs="+", action="extend",
@@ -70,8 +73,8 @@ def add_parser(sub) -> None:
     st = bsub.add_parser("status", help="where a run in parts stands: cells done, passes kept, what each part took",
                          epilog="examples:\n  poros bench status matrices/h200.yaml -o results/h200\n",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    st.add_argument("file", help="the run's matrix file or name")
-    st.add_argument("-o", "--out", required=True, help="the run's output folder")
+    st.add_argument("file", type=path_arg, help="the run's matrix file or name")
+    st.add_argument("-o", "--out", required=True, type=path_arg, help="the run's output folder")
     st.add_argument("--steps", type=int, help="the run's steps per pass (default: as its parts recorded them, else "
                                              "the matrix's)")
     st.add_argument("--passes", type=int, help="the run's timed passes (default: as its parts recorded them, else "
@@ -127,11 +130,15 @@ class RunLog:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        self.terminal = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
-        # Python's own streams too, wherever they pointed (pytest prints its usage errors there)
+        # the terminal as the command line's own standard error behaves: escapes, a reader gone is silence
+        self.terminal = ConsoleStream(os.fdopen(os.dup(self._saved[1]), "w", buffering=1, errors="backslashreplace"),
+                                      "to standard error")
+        # Python's own streams too, wherever they pointed (pytest prints its usage errors there); a log that cannot
+        # be written (a full disk, a file-size limit) is said once the run ends, and the run goes on
         self._streams = (sys.stdout, sys.stderr)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        self.logs = [ConsoleStream(open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"),
+                                   f"the log {self.path}", keep_going=True) for fd in (1, 2)]
+        sys.stdout, sys.stderr = self.logs
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,6 +150,11 @@ class RunLog:
         for fd in self._saved:
             os.close(fd)
         self.terminal.close()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the log stopped taking lines (None: it took them all)."""
+        return next((s.failure for s in self.logs if s.failure), None)
 
     def since_start(self) -> list[str]:
         with self.path.open("rb") as f:
@@ -158,10 +170,24 @@ class Tally:
         self.outcomes: dict[str, str] = {}
         self.regressions: list[str] = []
         self.compared = 0  # timed cells that had a cell to compare with
+        self.config = None
+
+    def pytest_configure(self, config) -> None:
+        self.config = config
 
     def pytest_unconfigure(self, config) -> None:
         self.regressions = list(getattr(config, "_poros_regressions", []))
         self.compared = getattr(config, "_poros_compared", 0)
+
+    @property
+    def no_progress(self) -> str | None:
+        """Why the run stopped at its time budget having recorded nothing (a part as short makes no progress)."""
+        return getattr(getattr(self.config, "_poros_session", None), "no_progress", None)
+
+    @property
+    def write_failed(self) -> str | None:
+        """The record the suites could not write, where they stopped at one (read once they have ended)."""
+        return getattr(getattr(self.config, "_poros_session", None), "write_failed", None)
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.failed or report.when == "call" or (report.when == "setup" and report.skipped):
@@ -274,6 +300,12 @@ def _run_locked(args, m, out: Path, lock) -> int:
         finally:
             set_status_writer(None)
         lines = log.since_start()
+    if log.failure:
+        say(f"poros bench: warning: {log.failure}; the log stops there")
+    if code == WRITE_FAILED or tally.write_failed:
+        say(f"poros bench: error: {tally.write_failed}. Every finished pass and row is kept in {out}; once there is "
+            f"room, continue with:\n  {command_line(args, resume=True)}")
+        return WRITE_FAILED
     if code == pytest.ExitCode.INTERRUPTED:
         raise KeyboardInterrupt
     if code == pytest.ExitCode.USAGE_ERROR:  # a session-start check refused: relay its line
@@ -294,6 +326,9 @@ def _run_locked(args, m, out: Path, lock) -> int:
             f"{len(tally.regressions) or 'no'} regression(s); the table is in {log.path}")
     for line in tally.regressions:
         say(f"poros bench: slower than {compare}: {line}")
+    if tally.no_progress:
+        say(f"poros bench: {tally.no_progress}")
+        return 1
     if code == OUT_OF_TIME:
         say(f"poros bench: stopped at the time budget (--max-minutes {args.max_minutes:g}) with cells left; finished "
             f"passes are kept in {out / 'passes.jsonl'}. Continue with:\n  {command_line(args, resume=True)}")

@@ -6,6 +6,7 @@ import json
 import sys
 
 from poros.errors import ConfigError
+from poros.paths import path_arg
 
 EPILOG = """examples:
   poros export --merge --model ./Qwen3-32B --adapter runs/qwen3/adapter --out ./Qwen3-32B-tuned
@@ -25,9 +26,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="merge a trained adapter into its base (bf16 checkpoint out)", epilog=EPILOG)
     p.add_argument("--merge", action="store_true", help="merge the adapter into the base weights (the one export "
                                                         "this command makes; required, so the call says what it does)")
-    p.add_argument("--model", required=True, help="the base checkpoint folder the run trained on")
-    p.add_argument("--adapter", required=True, help="the run's adapter folder (RUN/adapter)")
-    p.add_argument("-o", "--out", required=True, help="new (or empty) folder for the merged checkpoint")
+    p.add_argument("--model", required=True, type=path_arg, help="the base checkpoint folder the run trained on")
+    p.add_argument("--adapter", required=True, type=path_arg, help="the run's adapter folder (RUN/adapter)")
+    p.add_argument("-o", "--out", required=True, type=path_arg, help="new (or empty) folder for the merged checkpoint")
     p.set_defaults(run=run)
 
 

@@ -13,7 +13,7 @@ from poros.engine.planning.plan import describe
 from poros.engine.planning.search import PlanRequest
 from poros.errors import CapabilityError, ConfigError
 from poros.models.checkpoint import resolve
-from poros.models.skeleton import check_seq_len
+from poros.models.skeleton import check_lora_rank, check_seq_len
 from poros.cli.flags import add_arguments
 from poros.sizes import format_size, is_auto, parse_size
 from poros.store.host_memory import available_host_memory
@@ -128,6 +128,7 @@ def run(args) -> int:
     cfg = train_config(args)
     source = resolve(cfg.model)
     check_seq_len(source.config, cfg.seq_len)
+    check_lora_rank(source.config, cfg.lora_rank, cfg.lora_targets)
     geo = Geometry.of_config(cfg.model, source.config, cfg.lora_targets, cfg.double_quant)
     device = None
     if is_auto(cfg.vram_budget) and cfg.device.value == "cuda":

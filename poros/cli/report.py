@@ -6,6 +6,7 @@ import re
 import sys
 
 from poros.errors import PorosError
+from poros.paths import path_arg
 from poros.harness.preflight import check_reference, check_report_paths
 from poros.harness.report import (
     OFFICIAL_REFERENCE,
@@ -13,6 +14,7 @@ from poros.harness.report import (
     latest,
     load_results,
     results_table,
+    timing_warning,
     write_report,
 )
 from poros.harness.report.check import RATIO_BAND, check_against
@@ -45,7 +47,7 @@ resident outside --ratio-band (default 0.25: ±25%) of the committed one is prin
 
 def add_reference_argument(p) -> None:
     """`--reference [CSV]`, shared with `poros bench matrix`: alone, the official figures."""
-    p.add_argument("--reference", nargs="?", const=True, metavar="CSV",
+    p.add_argument("--reference", nargs="?", const=True, metavar="CSV", type=path_arg,
                    help="reference figures to set beside the measured ones; alone: the official B300 and A100 "
                         "figures (reports/reference/official.csv)")
 
@@ -60,8 +62,8 @@ def reference_path(value):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="render results (JSON Lines) into Markdown tables and a PNG", epilog=EPILOG)
-    p.add_argument("results", nargs="+", metavar="RESULTS.jsonl", help="results files written by `poros bench`")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.md", help="Markdown file to write")
+    p.add_argument("results", nargs="+", metavar="RESULTS.jsonl", type=path_arg, help="results files written by `poros bench`")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.md", type=path_arg, help="Markdown file to write")
     add_reference_argument(p)
     p.add_argument("--title", metavar="T", help="title prefix (default: 'Poros — Validation Results')")
     p.add_argument("--sweep", action="store_true",
@@ -77,6 +79,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     reference = reference_path(args.reference)
     check_report_paths(args.results, args.output, reference)  # never over its own input
+    if args.title is not None and ("\n" in args.title or "\r" in args.title or not args.title.strip()):
+        raise PorosError(f"--title: expected one line of text (the page's heading), got {args.title[:80]!r}")
     if reference and args.sweep:
         raise PorosError("--reference and --sweep: a sweep page has no reference table; leave one out")
     if reference:
@@ -94,7 +98,8 @@ def run(args) -> int:
     else:
         print(f"wrote {out} and {out.with_suffix('.png')}")
         for hw, g in latest(df).groupby("hardware", sort=False):
-            print(f"\nResults — {hw}\n{results_table(g)}")
+            warning = timing_warning(g)
+            print(f"\nResults — {hw}\n" + (f"{warning}\n\n" if warning else "") + results_table(g))
     failed = failures(df, sweep=args.sweep)
     if failed:
         print(f"poros report: {len(failed)} cell(s) FAIL: " + "; ".join(failed), file=sys.stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 from poros.engine.parallel.launch import launched
 from poros.engine.methods.registry import FINETUNE_METHODS
 from poros.errors import PorosError
+from poros.paths import path_arg
 from poros.finetune.config import RUN_FILE, override_words, parse_overrides, read_run_file, resolve
 from poros.harness import preflight as checks
 from poros.cli.flags import add_arguments, from_arguments
@@ -53,12 +54,12 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="settings by name (lr=1e-4, lora_targets=[q_proj,v_proj]); they override the run file and "
                         "the flags")
-    p.add_argument("--config", metavar="RUN_FILE", help="YAML run file: settings by name, as run.yaml in a run folder "
+    p.add_argument("--config", metavar="RUN_FILE", type=path_arg, help="YAML run file: settings by name, as run.yaml in a run folder "
                                                         "holds them (default: none)")
     p.add_argument("--model", help="checkpoint folder: bf16/fp16 safetensors or a bitsandbytes NF4 checkpoint, with "
                                    "its tokenizer files")
-    p.add_argument("--data", help="training data: JSON Lines, or a Parquet/Arrow file or folder (see below)")
-    p.add_argument("-o", "--out", help="run folder (new or empty, or the run to --resume)")
+    p.add_argument("--data", type=path_arg, help="training data: JSON Lines, or a Parquet/Arrow file or folder (see below)")
+    p.add_argument("-o", "--out", type=path_arg, help="run folder (new or empty, or the run to --resume)")
     p.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run continues to it)")
     p.add_argument("--method", choices=[m.value for m in FINETUNE_METHODS], default=None,
                    help="poros (NF4 weights streamed from host memory) or resident (ordinary QLoRA) "

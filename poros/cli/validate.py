@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from poros.config import Method
 from poros.errors import ConfigError
+from poros.paths import path_arg
 from poros.harness import preflight
 
 EPILOG = """examples:
@@ -23,7 +24,7 @@ The device is not checked here: a file may be meant for another machine.
 
 def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="validate matrix files", epilog=EPILOG)
-    p.add_argument("files", nargs="+", help="matrix files or names (cpu, h200, ...)")
+    p.add_argument("files", nargs="+", type=path_arg, help="matrix files or names (cpu, h200, ...)")
     p.set_defaults(run=run)
 
 

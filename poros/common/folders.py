@@ -155,7 +155,11 @@ def ensure_folder(folder, what: str = "output folder") -> Path:
     Raises:
         PorosError: it is a file, lies under a file, or cannot be created.
     """
+    from poros.paths import unreadable
+
     folder = Path(folder)
+    if unreadable(folder) == "is a loop of symbolic links":
+        raise PorosError(f"{what} {folder} is a loop of symbolic links; pass a folder")
     if folder.exists() and not folder.is_dir():
         raise PorosError(f"{what} {folder} is a file, expected a folder; pass a folder path")
     try:

@@ -43,10 +43,52 @@ def _mapping_once(loader: YamlLoader, node, deep: bool = False) -> dict:
 YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_once)
 
 
+# The most values a document may expand to through its aliases (`*name`): a matrix or a run's config holds a few
+# hundred; a chain of aliases each repeating the one before ("billion laughs") grows exponentially with its lines.
+MAX_VALUES = 100_000
+
+
+def _expanded(node, sizes: dict, open_: set) -> int:
+    """How many values `node` stands for once every alias in it is expanded (`sizes` memoizes by node: an alias
+    is the node it names)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise yaml.composer.ComposerError(None, None, "an alias refers to a node that contains it (a value holding "
+                                          "itself); write the value out", node.start_mark)
+    open_.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded(x, sizes, open_) for x in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded(k, sizes, open_) + _expanded(v, sizes, open_) for k, v in node.value)
+    else:
+        size = 1
+    open_.discard(key)
+    sizes[key] = size
+    if size > MAX_VALUES:
+        raise yaml.composer.ComposerError(None, None, f"its aliases (*name) expand it to more than {MAX_VALUES:,} "
+                                          f"values; a matrix or config holds a few hundred", node.start_mark)
+    return size
+
+
 def load_yaml(text: str):
-    """Parse YAML text with `YamlLoader`.
+    """Parse YAML text with `YamlLoader`; a document whose aliases would expand it past `MAX_VALUES` values (or
+    into a value that holds itself) is refused before anything is built from it, as is one nested deeper than
+    Python's recursion reaches.
 
     Raises:
         yaml.YAMLError: the text is not valid YAML (callers name their file in the message).
     """
-    return yaml.load(text, Loader=YamlLoader)
+    loader = YamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded(node, {}, set())
+        return loader.construct_document(node)
+    except RecursionError:  # PyYAML composes and constructs nested values recursively
+        raise yaml.YAMLError("its values are nested too deeply (thousands of levels of [ or {); a matrix or config "
+                             "nests a few") from None
+    finally:
+        loader.dispose()

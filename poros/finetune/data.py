@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from poros.common.atomic import NO_ROOM, write_failure
 from poros.engine.methods.data import Batch
 from poros.finetune.records import DataError, LineReader, RecordCounts, read_records, records  # noqa: F401
 from poros.finetune import tokenizing
@@ -105,7 +106,12 @@ def tokenize(path: str | Path, tok, *, data_sha256: str, tokenizer_id: str, cach
     except OSError as e:
         raise DataError(f"{root}: cannot write the token cache there ({e.strerror})") from None
     try:
-        _tokenize_into(tmp, path, reader, tok, say, split)
+        try:
+            _tokenize_into(tmp, path, reader, tok, say, split)
+        except OSError as e:
+            if e.errno not in NO_ROOM:  # reading the data failed, not writing the cache
+                raise
+            raise write_failure("the token cache", folder, e, "nothing of it is kept") from None
         try:
             os.rename(tmp, folder)
         except OSError:  # another rank or run made the same cache meanwhile: theirs is the same

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from poros.engine.parallel.distributed import any_rank
-from poros.errors import PorosError
+from safetensors import SafetensorError
+
+from poros.common.atomic import is_write_failure, written_why
+from poros.errors import PorosError, WriteError
 from poros.finetune.checkpoint import save_checkpoint, write_adapter
 from poros.finetune.runlog import StopRequest, plot_loss
 
@@ -143,9 +146,11 @@ def train_loop(fc, trainer, data, evals, start, log, base_model, bar, resume_com
                     plot_loss(log, out / "loss.png")
                 elif world.main:
                     log.append(row)
-            except OSError as e:  # a full disk, most often: one line, the last checkpoint intact
+            except (OSError, WriteError, SafetensorError) as e:  # a full disk: one line, the last checkpoint intact
+                if not (isinstance(e, WriteError) or is_write_failure(e)):  # a safetensors error of another kind
+                    raise
                 kept = f"the checkpoint of step {saved} is intact" if saved else "no checkpoint was written"
-                raise PorosError(f"step {done}: writing into {out} failed ({e.strerror or e}); {kept}; free space, "
+                raise PorosError(f"step {done}: writing into {out} failed ({written_why(e)}); {kept}; free space, "
                                  f"then resume with: {again}") from None
             if stopping and not last:
                 stop.settle()  # (the other ranks, which save nothing)
@@ -159,8 +164,10 @@ def train_loop(fc, trainer, data, evals, start, log, base_model, bar, resume_com
     if not summary.interrupted and world.main:
         try:
             summary.adapter = str(write_adapter(trainer, out / "adapter", base_model))
-        except OSError as e:
-            raise PorosError(f"writing {out / 'adapter'} failed ({e.strerror or e}); the same adapter is in "
+        except (OSError, SafetensorError) as e:
+            if not is_write_failure(e):
+                raise
+            raise PorosError(f"writing {out / 'adapter'} failed ({written_why(e)}); the same adapter is in "
                              f"{out / 'checkpoint' / 'adapter'} (step {saved})") from None
         bar.message(f"done: adapter in {summary.adapter} (PeftModel.from_pretrained(base_model, "
                     f"{summary.adapter!r}))")

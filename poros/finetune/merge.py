@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from poros.common.atomic import atomic_folder
 from poros.errors import CheckpointError, ConfigError
 from poros.finetune.adapter import check_base, check_shapes, read_adapter
 from poros.finetune.tokenizing import TOKENIZER_META
@@ -47,12 +48,13 @@ def base_checkpoint(model: Path):
 
 def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, say=lambda s: None) -> Path:
     """Write `model` (a bf16/fp16/fp32 safetensors checkpoint folder) with `adapter` merged into `out`
-    as a bf16 checkpoint: config, shards of the same names, index and tokenizer files. Written into
-    `out.partial` and renamed, so `out` is whole or absent.
+    as a bf16 checkpoint: config, shards of the same names, index and tokenizer files. Written into a temporary
+    folder beside it and renamed (`poros.common.atomic.atomic_folder`), so `out` is whole or absent.
 
     Raises:
         ConfigError: `out` exists and is not empty.
         CheckpointError: a quantized base, an adapter that names weights the base lacks.
+        WriteError: the merged checkpoint could not be written (a full disk, a file-size limit).
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -78,10 +80,7 @@ def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, say=l
                               f"{missing[0]}); pass the checkpoint the run trained on")
     check_base(found, model, say)
     adapter, scaling, pairs = found.folder, found.scaling, found.pairs
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out, "the merged checkpoint", "nothing of it is left behind") as tmp:
         for i, shard in enumerate(shards, 1):
             tensors = {}
             with safe_open(str(shard), framework="pt") as f:
@@ -104,12 +103,6 @@ def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, say=l
         for f in model.iterdir():
             if f.name in COPIED or f.name.endswith(".safetensors.index.json"):
                 shutil.copy(f, tmp / f.name)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -32,6 +32,7 @@ import torch
 
 from poros.engine.parallel.distributed import any_rank, barrier, init_world, share_store
 from poros.engine.methods.registry import make_trainer
+from poros.common.atomic import write_atomic
 from poros.errors import CheckpointError, ConfigError, PorosError
 from poros.finetune.checkpoint import load_checkpoint
 from poros.finetune.config import RUN_FILE, FinetuneConfig, dump_run_file
@@ -41,10 +42,10 @@ from poros.finetune.fingerprints import model_fingerprint, weights_fingerprint
 from poros.finetune.loop import RunSummary, sequences_per_step, train_loop
 from poros.finetune.runlog import Progress, RunLog, restore_signals, signals_held
 from poros.finetune.plan_line import dry_plan, plan_line
-from poros.finetune.run_folder import check_resume, own_run_folder, prepare_out, write_atomic
+from poros.finetune.run_folder import check_resume, own_run_folder, prepare_out
 from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
-from poros.models.skeleton import check_seq_len
+from poros.models.skeleton import check_lora_rank, check_seq_len
 from poros.paths import check_input
 from poros.provenance import provenance
 from poros.store.nf4_checkpoint import is_bnb_checkpoint
@@ -114,6 +115,7 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
     check_seq_len(src.config, cfg.seq_len)
     linears = layer_linear_names(src.config)
     cfg = cfg.replace(lora_targets=resolve_targets(linears, cfg.lora_targets))
+    check_lora_rank(src.config, cfg.lora_rank, cfg.lora_targets)
     fc = dataclasses.replace(fc, train=cfg)
     start = before["checkpoint"]["step"] if before is not None else 0
     bar = Progress(fc.steps, start, tty=progress) if world.main and not dry_run else _Quiet()
@@ -155,9 +157,9 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
         record["runs"] = [*(before or {}).get("runs", []), {"from_step": start, "method": fc.method.value,
                                                             "provenance": provenance()}]
         if world.main:
-            write_atomic(out / "config.json", json.dumps(record, indent=1, default=str))
+            write_atomic(out / "config.json", json.dumps(record, indent=1, default=str), "the run's record")
             write_atomic(out / RUN_FILE, dump_run_file(dataclasses.replace(given, train=given.train.replace(
-                gpus=cfg.gpus))))
+                gpus=cfg.gpus))), "the run's settings")
         bar.message(plan_line(fc, getattr(trainer, "plan", None), cuda_defaults))
         log = RunLog(out / "log.csv", start) if world.main else None
         batches = evals.in_order(cfg.batch_size) if evals is not None else None

@@ -2,7 +2,7 @@
 run (its config.json and checkpoint/) and refuses every change that would change what a step computes: a setting
 of `EXACT_FIELDS`, the eval split, or other model or data content than the run's fingerprints name, so the resumed
 run ends torch.equal to an uninterrupted one. A run holds the folder's lock while it runs (`own_run_folder`) and
-writes its records whole or not at all (`write_atomic`).
+writes its records whole or not at all (`poros.common.atomic.write_atomic`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -124,14 +123,3 @@ def own_run_folder(out: Path, world):
             lock.release()
             if created and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`path` holds the old text or the new, never a part (a full disk fails the write, not the file)."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise PorosError(f"{path}: cannot be written ({e.strerror or e}); free space or pass another --out") from None

@@ -4,11 +4,14 @@ the Ctrl-C request that stops it at a step boundary."""
 from __future__ import annotations
 
 import csv
+import io
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+
+from poros.common.atomic import append_line, atomic_path, write_atomic
 
 LOG_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "peak_memory_gb", "eval_loss")
 
@@ -22,14 +25,17 @@ class RunLog:
         if keep_through and path.is_file():
             with path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= keep_through]
-        with path.open("w", newline="") as f:
-            w = csv.DictWriter(f, LOG_COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, LOG_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+        write_atomic(path, text.getvalue(), "the run's log")
 
     def append(self, row: dict) -> None:
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, LOG_COLUMNS).writerow({k: "" if row.get(k) is None else row[k] for k in LOG_COLUMNS})
+        """One step's row, appended whole or not at all (a full disk: `WriteError`)."""
+        text = io.StringIO(newline="")
+        csv.DictWriter(text, LOG_COLUMNS).writerow({k: "" if row.get(k) is None else row[k] for k in LOG_COLUMNS})
+        append_line(self.path, text.getvalue().encode(), "a step's row to")
 
     def rows(self) -> list[dict]:
         with self.path.open(newline="") as f:
@@ -53,7 +59,8 @@ def plot_loss(log: RunLog, path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
+    with atomic_path(path, "the loss plot") as tmp:
+        fig.savefig(str(tmp), dpi=100)
 
 
 def _duration(s: float) -> str:

@@ -54,8 +54,10 @@ def generated_chats(n: int, seed: int = 0) -> list[list[dict]]:
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> Path:
+    from poros.common.atomic import write_atomic
+
     path = Path(path)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records), "the records")
     return path
 
 

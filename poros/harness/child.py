@@ -28,8 +28,10 @@ class ChildLines:
     the rest of the line JSON) queue as events, every other line goes to `log` (`show(line)` decides how it reads) and the
     last 30 are kept in `tail`."""
 
-    def __init__(self, proc, markers: dict[str, str], log=print, show=lambda line: line):
+    def __init__(self, proc, markers: dict[str, str], log=print, show=lambda line: line, budget=None,
+                 what: str = "the child process"):
         self.proc, self.markers, self.log, self.show = proc, markers, log, show
+        self.budget, self.what = budget, what  # a time budget (poros.harness.budget) the waits end at
         self.events: queue.Queue = queue.Queue()
         self.tail: list[str] = []
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -65,13 +67,18 @@ class ChildLines:
         self.log(self.show(line.rstrip()))
 
     def next(self) -> tuple[str, dict | None]:
-        """The next event, waiting for it (a Ctrl-C the bench caught still stops the wait): (kind, payload), or
-        (`EOF_EVENT`, None) once the child has closed its output."""
+        """The next event, waiting for it (a Ctrl-C the bench caught, or the time budget running out, still stops
+        the wait: KeyboardInterrupt, OutOfTime): (kind, payload), or (`EOF_EVENT`, None) once the child has closed
+        its output."""
         while True:
             try:
                 return self.events.get(timeout=0.2)
             except queue.Empty:
                 stop_if_interrupted()
+                if self.budget is not None and self.budget.expired():
+                    from poros.harness.budget import OutOfTime
+
+                    raise OutOfTime(f"{self.what} was stopped at the budget") from None
 
     def join(self) -> None:
         """Wait until every line the child printed has been read."""

@@ -114,6 +114,8 @@ _REQUIRED = ("name", "steps", "passes", "dataset", "methods", "models", "stacks"
 _OPTIONAL = ("hardware", "precision", "warmup_passes", "warmup_pass_steps", "device", "parity_steps", "model_overrides",
              "sweep", "plans", "method_settings", "reference")
 PLAN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+]*")  # readable in cell ids and selectable with -k
+# a matrix is found again by its name (`matrices/NAME.yaml`, rows' `matrix`, `poros bench status`): a file name
+MATRIX_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 _MATRIX_SETTINGS = tuple(s.name for s in SETTINGS if s.kind != RUN)  # settings a matrix may set
 # what `model_overrides` may set per model: how poros schedules its work, never what is computed
 
@@ -242,7 +244,10 @@ def _model_identity(name: str) -> str:
 
 
 def _known_model(name: str) -> bool:
-    return name in SHAPES or Path(name).expanduser().is_dir()
+    try:
+        return name in SHAPES or Path(name).expanduser().is_dir()
+    except OSError:  # a name too long for a path (ENAMETOOLONG) names no folder
+        return False
 
 
 def parse_matrix(data, source: str = "<matrix>") -> Matrix:
@@ -265,6 +270,9 @@ def parse_matrix(data, source: str = "<matrix>") -> Matrix:
     for k in ("name", "hardware", "precision", "dataset", "reference"):
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: expected a string, got {data[k]!r}")
+    if isinstance(data.get("name"), str) and not MATRIX_NAME.fullmatch(data["name"]):
+        problems.append(f"name: expected a matrix name of letters, digits, '-', '_', '.' or '+' (its file is "
+                        f"matrices/NAME.yaml), got {data['name']!r:.80}")
     if isinstance(data.get("dataset"), str) and data["dataset"] not in DATASETS:
         problems.append(f"dataset: expected one of {', '.join(DATASETS)}, got {data['dataset']!r}")
     if isinstance(data.get("precision"), str) and data["precision"].lower() not in PRECISIONS:
@@ -349,9 +357,14 @@ def resolve_matrix_path(name_or_path: str) -> Path:
     Raises:
         ConfigError: naming what was looked for and the matrices known by name.
     """
+    from poros.paths import unreadable
+
     p = Path(name_or_path)
     if p.is_file():
         return p
+    why = unreadable(p)
+    if why:
+        raise ConfigError([f"matrix {name_or_path!r} {why}; pass a matrix file (YAML) or a name"], "matrix")
     for candidate in (Path("matrices") / f"{name_or_path}.yaml", MATRICES / f"{name_or_path}.yaml"):
         if candidate.is_file():
             return candidate

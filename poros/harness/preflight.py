@@ -15,9 +15,12 @@ from poros.harness.matrix import resolve_matrix_path
 from poros.harness.protocol import reference_problems
 from poros.harness.results import passes_path
 from poros.harness.report import load_reference
+from poros.checkers import module_names
 from poros.models.checkpoint import resolve
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
+    check_lora_rank,
+    check_lora_targets,
     check_seq_len,
     check_supported,
     decoder_layers,
@@ -67,9 +70,10 @@ def check_device(device: str, where: str) -> None:
                           f"with a CUDA build of torch")
 
 
-def model_problems(models, seq_len: int) -> list[str]:
+def model_problems(models, seq_len: int, lora_rank: int | None = None, lora_targets=None) -> list[str]:
     """Problems knowable from each model's config alone: an unreadable checkpoint folder, layers
-    Poros cannot quantize, and `seq_len` beyond the model's max_position_embeddings."""
+    Poros cannot quantize, `seq_len` beyond the model's max_position_embeddings, and `lora_rank` beyond the
+    smallest dimension of a linear it adapts (`lora_targets`, default every target)."""
 
     problems = []
     for model in models:
@@ -79,6 +83,20 @@ def model_problems(models, seq_len: int) -> list[str]:
                 check_seq_len(src.config, seq_len, model)
             except ConfigError as e:
                 problems.extend(e.problems)
+            try:  # a flag's `q_proj,v_proj` as the setting reads it; a value that is no list the settings refuse
+                targets = module_names(lora_targets) if lora_targets is not None else None
+            except ValueError:
+                targets = None
+            if targets is not None:
+                try:
+                    check_lora_targets(src.config, targets, model)
+                except ConfigError as e:
+                    problems.extend(e.problems)
+            if lora_rank is not None:
+                try:
+                    check_lora_rank(src.config, lora_rank, targets or LORA_TARGETS, model)
+                except ConfigError as e:
+                    problems.extend(e.problems)
             if src.checkpoint is not None:  # registered shapes are known to be supported
                 list_name, layers = decoder_layers(skeleton(src.config))
                 check_supported(src.name, layers, list_name)
@@ -99,7 +117,9 @@ def check_matrix(m) -> None:
         ConfigError: listing every problem.
     """
     seq_len = max(p.get("seq_len", m.seq_len) for p in m.points())  # the longest the sweep asks for
-    problems = model_problems(m.models, seq_len) + reference_problems(m)
+    rank = max(m.settings_for(m.models[0], p, method).get("lora_rank", m.lora_rank) for p in m.points()
+               for method in m.methods)  # the largest any cell asks for
+    problems = model_problems(m.models, seq_len, rank, m.lora_targets) + reference_problems(m)
     problems += plan_problems(m) if not problems else []
     if problems:
         raise ConfigError(problems, m.source)
@@ -200,12 +220,15 @@ def check_report_paths(inputs, output, reference=None) -> None:
     Raises:
         PorosError: naming the output and why it cannot be written.
     """
+    from poros.paths import check_input, resolved
+
     out = Path(output)
     if out.is_dir():
         raise PorosError(f"-o {output} is a folder, expected a .md file name, e.g. -o {out / 'report.md'}")
-    written = {out.resolve(), out.with_suffix(".png").resolve()}
+    written = {resolved(out, "-o"), resolved(out.with_suffix(".png"), "-o")}
     for given in [*inputs, *([reference] if reference else [])]:
-        if Path(given).resolve() in written:
+        check_input(given, "results file" if given != reference else "--reference")
+        if resolved(given, "results file") in written:
             raise PorosError(f"-o {output} would write over the input {given}; a command never writes over its own "
                              f"input: pass another file, e.g. -o {out.with_name('report.md')}")
     if out.suffix.lower() != ".md":

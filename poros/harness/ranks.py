@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from poros.common.atomic import write_atomic
 from poros.config import Method, TrainConfig
 from poros.engine.parallel.distributed import (
     MULTICAST_OFF,
@@ -58,11 +59,12 @@ PASS = "POROS_RANKS_PASS "  # rank 0: a timed pass of a measured cell ended
 WARM = "POROS_RANKS_WARM "  # rank 0: a warm-up pass ended
 
 
-def run_ranks(spec: dict, ranks: int, log=print, benchmark=None) -> dict:
+def run_ranks(spec: dict, ranks: int, log=print, benchmark=None, budget=None) -> dict:
     """Run `spec` (kind "gate" or "measure", the config, the methods, steps) on `ranks` processes of this
     host; returns rank 0's report. Every line the ranks print goes to `log` as it comes. A measured cell's
     passes are rounds of the timed-pass loop every method runs (`timed_rounds`: with `benchmark`,
-    pytest-benchmark's), each closed as rank 0 reports the pass; the report's `per_pass_s` are those rounds.
+    pytest-benchmark's), each closed as rank 0 reports the pass; the report's `per_pass_s` are those rounds. The
+    ranks are stopped where `budget` (poros.harness.budget.TimeBudget) runs out while they run (OutOfTime).
 
     Raises:
         CapabilityError: the ranks failed, with the last lines they printed.
@@ -75,7 +77,8 @@ def run_ranks(spec: dict, ranks: int, log=print, benchmark=None) -> dict:
         cmd = torchrun(ranks) + ["-m", "poros.harness.ranks", json.dumps(spec), str(out)]
         proc = subprocess.Popen(cmd, env=launch_env(ranks), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            lines = ChildLines(proc, {PASS: "pass", WARM: "warm"}, log, show=lambda x: "  ranks| " + x)
+            lines = ChildLines(proc, {PASS: "pass", WARM: "warm"}, log, show=lambda x: "  ranks| " + x, budget=budget,
+                               what=f"the {ranks} data-parallel ranks")
 
             def failed() -> CapabilityError:
                 proc.wait()
@@ -99,9 +102,13 @@ def run_ranks(spec: dict, ranks: int, log=print, benchmark=None) -> dict:
                 raise failed()
             report = json.loads(out.read_text())
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if proc.poll() is None:  # torchrun passes SIGTERM on to its ranks; SIGKILL would leave them running
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         if rounds:
             report["measurement"]["per_pass_s"] = rounds
         return report
@@ -149,7 +156,7 @@ def main(argv: list[str]) -> int:
             report = {"measurement": asdict(meas), "plan": plan, "arch": store.config.model_type, "alone": alone}
             trainer.close()
         if world.main:
-            out.write_text(json.dumps(report, default=str))
+            write_atomic(out, json.dumps(report, default=str), "rank 0's report")
     finally:
         close_world()
     return 0

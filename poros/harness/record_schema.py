@@ -9,6 +9,7 @@ it holds must be of its kind. Free of torch: `poros report` and `poros bench sta
 
 from __future__ import annotations
 
+import json
 import math
 
 from poros.engine.methods.method_info import NAMES
@@ -31,9 +32,24 @@ def number(v):
     return None if v is None or _number(v) else "a number or null"
 
 
+def difference(v):
+    """A largest difference a gate found: >= 0, infinity where a side held no finite value; NaN says nothing."""
+    return None if v is None or _number(v, least=0) and not math.isnan(v) else "a number >= 0 (or Infinity) or null"
+
+
 def seconds(v):
     """A duration: finite and >= 0 (NaN, infinity or a negative time is no measurement)."""
     return None if v is None or _number(v, finite=True, least=0) else "a finite number of seconds >= 0 or null"
+
+
+LAST_TIME = 253402300799  # 9999-12-31 23:59:59 UTC: the last moment a page can print as a date
+
+
+def epoch(v):
+    """A moment, in seconds since the epoch, that a page prints as a date: from 1970 to the year 9999."""
+    if v is None or _number(v, finite=True, least=0) and v <= LAST_TIME:
+        return None
+    return "seconds since the epoch (0 to 253402300799, the year 9999) or null"
 
 
 def pass_seconds(v):
@@ -42,10 +58,27 @@ def pass_seconds(v):
 
 
 def figure(v):
-    """A measured figure that a page prints (a time, a rate, a size): finite and >= 0."""
+    """A measured figure that a page prints (a size, a spread, a share): finite and >= 0."""
     if v is None or _number(v, finite=True, least=0):
         return None
     return "a number or null" if not _number(v) else "a finite number >= 0 or null"
+
+
+def measure(v):
+    """A measured time or rate whose ratio is a page's claim: finite and > 0 (JSON admits NaN and Infinity; a NaN
+    would read as "not run", a zero or negative time as a speed-up)."""
+    if v is None or (_number(v, finite=True) and v > 0):
+        return None
+    return "a number or null" if not _number(v) else "a positive finite number or null"
+
+
+def whole(least: int):
+    """A count a row's protocol is made of (steps, passes, warm-up passes): an integer >= `least`."""
+    def check(v):
+        if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= least):
+            return None
+        return f"an integer >= {least} or null"
+    return check
 
 
 def count(v):
@@ -101,11 +134,44 @@ def phases(v):
     return None
 
 
+def config(v):
+    """A row's settings: a mapping whose every setting the settings table knows holds a value of that setting (the
+    report reads each through it); a key it does not know (a setting of an earlier harness) is left alone."""
+    if not isinstance(v, dict):
+        return "a mapping"
+    from poros.settings import SETTINGS
+
+    known = {s.name: s for s in SETTINGS}
+    for name, value in v.items():
+        if value is not None and name in known:
+            try:
+                known[name].value(value)
+            except (ValueError, TypeError) as e:
+                return f"a mapping of settings (its {name}: {e})"
+    return None
+
+
+PROVENANCE_PARTS = {"gpus": "a list of mappings", "versions": "a mapping", "git": "a mapping"}
+
+
+def provenance(v):
+    """Where a row ran: a mapping, whose parts the pages read (gpus, versions, git) of their kinds where present."""
+    if not isinstance(v, dict):
+        return "a mapping"
+    for name, want in PROVENANCE_PARTS.items():
+        part = v.get(name)
+        ok = part is None or (isinstance(part, dict) if want == "a mapping" else
+                              isinstance(part, list) and all(isinstance(g, dict) for g in part))
+        if not ok:
+            return f"a mapping (its {name}: expected {want}, got {_shown(part)})"
+    return None
+
+
 def process(v):
     """The process a record was written by: {host, pid, started}."""
     if v is None:
         return None
-    if not isinstance(v, dict) or text(v.get("host")) or index(v.get("pid")) or seconds(v.get("started")):
+    if not isinstance(v, dict) or text(v.get("host")) or index(v.get("pid")) or epoch(v.get("started")):
         return "a mapping of host (text), pid (an integer) and started (seconds since the epoch)"
     return None
 
@@ -118,14 +184,15 @@ ROW_REQUIRED = ("matrix", "model", "stack", "method", "arch", "status", "steps",
 ROW_FIELDS = {
     "matrix": text, "model": text, "stack": text, "arch": text,
     "method": one_of(*NAMES), "status": one_of(*STATUSES),
-    "steps": number, "passes": number, "warmup_passes": number,
-    "s_per_step_median": figure, "s_per_step_std": figure, "peak_vram_gb": figure,
-    "parity_max_abs_diff": number, "bytes_h2d_per_step": figure, "copy_gbps": figure, "copy_hidden_share": figure,
-    "tokens_per_s": figure, "link_h2d_gbps": figure, "copy_floor_s": figure,
-    "config": mapping, "provenance": mapping,
+    "steps": whole(1), "passes": whole(1), "warmup_passes": whole(0),
+    "s_per_step_median": measure, "s_per_step_std": figure, "peak_vram_gb": figure,
+    "parity_max_abs_diff": difference, "bytes_h2d_per_step": figure, "copy_gbps": measure, "copy_hidden_share": figure,
+    "tokens_per_s": measure, "link_h2d_gbps": measure, "copy_floor_s": measure,
+    "load_avg_max": figure, "cores": whole(1),
+    "config": config, "provenance": provenance,
     "parity": one_of("PASS", "FAIL", None),
     "plan_name": text_or_null, "sweep": mapping_or_null, "timed": flag,
-    "per_pass_s": list_of(pass_seconds, "seconds"),
+    "per_pass_s": list_of(lambda v: measure(v) if v is not None else "seconds", "positive finite seconds"),
     "pass_gpus": list_of(text_or_null, "GPU UUIDs or null"),
 }
 
@@ -135,15 +202,15 @@ PASS_FIELDS = {  # every kind of pass-log record
 PASS_KIND_FIELDS = {
     "pass": ({"index": index, "seconds": pass_seconds,
               "counters": list_of(mapping, "mappings"), "alloc_retries": count, "gpu": text_or_null,
-              "peak_vram_gb": figure, "peak_reserved_gb": figure, "peak_vram_nvml_gb": figure,
+              "peak_vram_gb": figure, "peak_reserved_gb": figure, "peak_vram_nvml_gb": figure, "load_avg": figure,
               "overhead_s": number, "child_overhead_s": number},
              ("index", "seconds")),
     "gate": ({"result": lambda v: gate_result(v), "seconds": seconds}, ("result",)),
     "reference": ({"file": text, "seconds": seconds, "checksum": text_or_null}, ("file",)),
-    "part": ({"part_id": text_or_null, "started": seconds, "ended": seconds, "wall_s": seconds, "phases": phases,
+    "part": ({"part_id": text_or_null, "started": epoch, "ended": epoch, "wall_s": seconds, "phases": phases,
               "exit_status": lambda v: None if v is None or (isinstance(v, int) and not isinstance(v, bool))
               else "an integer or null", "stopped": flag, "gpu": list_of(text_or_null, "GPU UUIDs"),
-              "max_minutes": number, "steps": count, "passes": count},
+              "max_minutes": measure, "steps": whole(1), "passes": whole(1)},
              ()),
 }
 
@@ -198,6 +265,23 @@ def pass_problems(record) -> list[str]:
         return out
     fields, required = PASS_KIND_FIELDS[record["kind"]]
     return _problems(record, fields, required)
+
+
+def parse_line(line: str):
+    """One line of a JSON Lines record file as JSON.
+
+    Raises:
+        ValueError: `not valid JSON (why)`: malformed, nested past what Python's parser reaches, or a number too long
+            to read (a hand-edited or damaged line; never a traceback).
+    """
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested deeper than the reader reaches)") from None
+    except ValueError as e:  # an integer past sys.get_int_max_str_digits()
+        raise ValueError(f"not valid JSON ({str(e).split(';')[0]})") from None
 
 
 def one_line(problems: list[str]) -> str:

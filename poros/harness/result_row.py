@@ -13,7 +13,7 @@ from poros.engine.methods.registry import gate_of
 from poros.harness.cells import Cell
 from poros.harness.matrix import Matrix
 from poros.harness.results import show_value
-from poros.harness.timing import PEAKS, Measurement, retries_per_step
+from poros.harness.timing import PEAKS, Measurement, retries_per_step, usable_cores
 from poros.provenance import provenance
 
 SCHEMA = 2  # results rows: 2 adds plan_name, sweep, timed, weight_bytes_h2d_per_step and pass-level resume
@@ -58,6 +58,10 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "per_pass_s": meas.per_pass_s if meas else [],
         "pass_gpus": meas.pass_gpus if meas else [],  # the GPU of each pass (a run in parts may change GPUs)
         "passes_of": meas.passes_of if meas else None,  # the cell that timed them, where not this one
+        # the host's busiest 1-minute load average as a timed pass ended, and the CPUs the process may use: a load
+        # above them means other work shared the CPUs while these passes were timed
+        "load_avg_max": max((x for x in meas.pass_load if x is not None), default=None) if meas else None,
+        "cores": usable_cores(),
         "world_size": cfg.gpus,  # data-parallel ranks; tokens/s counts every rank's tokens
         "tokens_per_s": step_tokens(cfg, cfg.gpus) / statistics.median(per_step) if per_step else None,
         "shard_stream": cfg.shard_stream,

@@ -2,19 +2,21 @@
 
 An output folder is owned by one run at a time (`poros.common.folders.OutputLock`); the files of an earlier run are
 moved into `OUT/earlier/N/` before a new run starts (`keep_earlier`), never overwritten; rows are
-appended one whole line per write and synced (`ResultsWriter`), and a line torn by a killed run is
-set aside, with a warning, before anything is appended after it (`ResultsWriter.repair`).
+appended one whole line per write and synced, or not at all (`ResultsWriter`, through
+`poros.common.atomic.append_line`), and a line torn by a killed run is set aside, with a warning, before anything is
+appended after it (`ResultsWriter.repair`).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
 
+from poros.common.atomic import append_line, write_atomic
 from poros.errors import PorosError
-from poros.harness.record_schema import one_line, pass_problems, row_problems
+from poros.paths import unreadable
+from poros.harness.record_schema import one_line, parse_line, pass_problems, row_problems
 
 EARLIER = "earlier"
 # what one `poros bench matrix` run writes into its output folder (gate-references/: a gate's reference side kept as
@@ -100,9 +102,24 @@ class ResultsWriter:
             rows.append(row)
         return rows, None
 
+    def _present(self) -> bool:
+        """Whether the file exists to be read (a missing one holds no rows).
+
+        Raises:
+            ResultsFileError: the path is a folder, a FIFO (reading one with no writer waits forever), a socket, a
+                device or a loop of symbolic links: never read as "no rows yet".
+        """
+        why = unreadable(self.path)
+        if why is None and self.path.is_dir():
+            why = "is a folder"
+        if why is not None:
+            raise ResultsFileError(f"{self.path} {why}, expected a results file (JSON Lines); remove it or pass "
+                                   f"another -o")
+        return self.path.is_file()
+
     def rows(self) -> list[dict]:
         """Every complete row (a torn last line is left out; `repair` sets it aside)."""
-        if not self.path.is_file():
+        if not self._present():
             return []
         return self._parse(self._text())[0]
 
@@ -113,7 +130,7 @@ class ResultsWriter:
         Raises:
             ResultsFileError: the file is not UTF-8 text or has a malformed line before the last.
         """
-        if not self.path.exists():
+        if not self._present():
             return None
         text = self._text()
         rows, torn = self._parse(text)
@@ -123,12 +140,9 @@ class ResultsWriter:
             return None
         lines = text.split("\n")
         side = self.path.with_name(self.path.name + ".torn")
-        with side.open("ab") as f:
-            f.write(lines[torn].encode() + b"\n")
+        append_line(side, lines[torn].encode() + b"\n", "the partial row aside to")
         kept = "\n".join(lines[:torn])
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_bytes((kept + "\n" if kept else "").encode())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, (kept + "\n" if kept else "").encode(), "the complete rows of")
         return (f"warning: {self.path}:{torn + 1} is a partial row (a run was cut off while writing it): kept "
                 f"the {len(rows)} complete rows and moved the partial line to {side}")
 
@@ -140,29 +154,12 @@ class ResultsWriter:
         return {k: r for k, r in latest.items() if finished(r) and (not timed or r.get("timed", True))}
 
     def _write_raw(self, data: bytes) -> None:
-        """Append `data` whole or not at all: a short or failed write (a full disk) is cut back off the
-        file, so every complete row stays as it was, and reported in one line.
+        """Append `data` whole or not at all (`append_line`): every complete row stays as it was.
 
         Raises:
-            ResultsFileError: naming the file and why the write failed.
+            WriteError: naming the file and why the write failed.
         """
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            try:
-                written = os.write(fd, data)
-                if written != len(data):
-                    raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes were written")
-                os.fsync(fd)
-            except OSError as e:
-                try:
-                    os.ftruncate(fd, size)
-                except OSError:
-                    pass
-                raise ResultsFileError(f"{self.path}: cannot append a row ({e.strerror or e}); every complete row "
-                                       f"is kept: free space (or pass another -o), then --resume") from None
-        finally:
-            os.close(fd)
+        append_line(self.path, data, "a row to", "every complete row is kept; --resume continues once there is room")
 
     def append(self, row: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +266,7 @@ class PassLog:
 
 def _row(line: str) -> dict | None:
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
+        row = parse_line(line)
+    except ValueError:
         return None
     return row if isinstance(row, dict) else None

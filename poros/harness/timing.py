@@ -6,6 +6,8 @@ pass's seconds, counters and allocator retries and the device's peaks (torch's a
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +15,7 @@ import torch
 
 from poros.config import TrainConfig
 from poros.engine.runtime.nvml import NvmlPeak, alloc_retries
+from poros.harness.budget import OutOfTime, TimeBudget  # noqa: F401 (OutOfTime: raised from here, caught by callers)
 from poros.harness.pytest_benchmark_adapter import add_earlier_rounds, last_round
 from poros.harness.console import add_phase_time, progress, status, stop_if_interrupted
 from poros.provenance import this_gpu_uuid
@@ -47,11 +50,25 @@ class Measurement:
     # the cell whose passes these are, where a cell ran as an earlier one did (a swept setting its method does
     # not take) and took its passes
     passes_of: str | None = None
+    # per timed pass, the host's 1-minute load average as it ended (None where not known): above the cores the
+    # process may use, other work shared them and the pass's time says less about poros than about the machine
+    pass_load: list[float | None] = field(default_factory=list)
 
 
-class OutOfTime(Exception):
-    """The next pass would end past the run's time budget (`--max-minutes`): the cell stops between passes,
-    its finished passes kept, and `--resume` continues it."""
+def host_load() -> float | None:
+    """The host's 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity where the platform says, else every CPU)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _peaks(device: str, nvml) -> dict:
@@ -115,17 +132,18 @@ def timed_rounds(benchmark, run, warmup: int, rounds: int, *, earlier: list[floa
 
 def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, label: str = "", *,
             warmup_steps: int | None = None, earlier: list[dict] = (), on_pass=None,
-            deadline: float | None = None, benchmark=None, on_warmup=None) -> Measurement:
+            budget: TimeBudget | None = None, benchmark=None, on_warmup=None) -> Measurement:
     """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes (of `warmup_steps`
     steps each, default `steps`), each pass one round of `timed_rounds` (pytest-benchmark's where `benchmark`
     is given).
 
     `earlier`: passes a killed or budgeted run already timed ({"seconds", "counters", peaks}); only the
     rest are run (after the warm-up, which every process runs). `on_pass(record)` gets each timed pass as
-    soon as it ends, `on_warmup(seconds)` each warm-up pass. `deadline` (time.monotonic()): a pass that would end past it is not started
+    soon as it ends, `on_warmup(seconds)` each warm-up pass. `budget`: a pass that would end past it is not started
     (`OutOfTime`), judged by the last timed pass (an earlier run's, before this process has timed one) or
-    the pace of the warm-up's second half (its first steps compile); and the warm-up itself is not
-    started when it and one pass would not fit, judged by an earlier run's pass.
+    the pace of the warm-up's second half (its first steps compile); the warm-up itself is not started when it
+    and one pass would not fit, judged by an earlier run's pass; and a pass or warm-up that its own steps show
+    cannot end within it is stopped (`TimeBudget.watch`).
 
     Raises:
         OutOfTime: the budget ran out between passes.
@@ -137,27 +155,35 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.counters.extend(rec.get("counters") or [])
         out.alloc_retries.append(rec.get("alloc_retries"))
         out.pass_gpus.append(rec.get("gpu"))
+        out.pass_load.append(rec.get("load_avg"))
     gpu = this_gpu_uuid() if device == "cuda" else None
     todo = passes - len(out.per_pass_s)
     wsteps = steps if warmup_steps is None else warmup_steps
     pace = {"s_per_step": earlier[-1]["seconds"] / steps if earlier else None}
     peaks = [{k: rec.get(k) for k in PEAKS} for rec in earlier]
-    if todo > 0 and deadline is not None and pace["s_per_step"] is not None and \
-            time.monotonic() + pace["s_per_step"] * (warmup * wsteps + steps) > deadline:
-        raise OutOfTime("the warm-up and the next pass would end past the time budget")
+    if todo > 0 and budget is not None and pace["s_per_step"] is not None:
+        budget.check(f"{label} warm-up and the next pass".strip(), pace["s_per_step"] * (warmup * wsteps + steps))
     kinds = [("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps) for w in range(warmup)]
     kinds += [(f"pass {i + 1}/{passes}", steps) for i in range(len(earlier), passes)]
     last: dict = {}
 
     def run(i: int) -> None:
         kind, n = kinds[i]
-        if deadline is not None and pace["s_per_step"] is not None and \
-                time.monotonic() + pace["s_per_step"] * n > deadline:
-            raise OutOfTime(f"{kind} would end past the time budget")
+        if budget is not None:
+            budget.check(f"{label} {kind}".strip(), None if pace["s_per_step"] is None else pace["s_per_step"] * n)
         retried = alloc_retries(device)
         t0 = time.perf_counter()
         results, ends = [], []
         timed = i >= warmup
+        with budget.watch(f"{label} {kind}".strip(), n) if budget is not None else contextlib.nullcontext():
+            steps_of(n, kind, timed, results, ends)
+        # a warm-up's pace is its second half's: its first steps compile and capture
+        half = n - n // 2
+        pace["s_per_step"] = (ends[-1] - t0) / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
+        last.update(results=results, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
+
+    def steps_of(n: int, kind: str, timed: bool, results: list, ends: list) -> None:
+        """The `n` steps of a round (`kind`): their results, and the times their ends were synchronized at."""
         for s in range(n):
             stop_if_interrupted()
             r = trainer.step()
@@ -168,10 +194,6 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             if s + 1 == n or (not timed and s + 1 == n // 2):
                 _sync(device)
                 ends.append(time.perf_counter())
-        # a warm-up's pace is its second half's: its first steps compile and capture
-        half = n - n // 2
-        pace["s_per_step"] = (ends[-1] - t0) / n if timed or len(ends) < 2 else (ends[-1] - ends[0]) / half
-        last.update(results=results, retried=None if retried is None else alloc_retries(device) - retried, t0=t0)
 
     def done(i: int, seconds: float | None) -> None:
         if seconds is None:
@@ -183,10 +205,12 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.counters.extend(counters)
         out.alloc_retries.append(last["retried"])
         out.pass_gpus.append(gpu)
+        out.pass_load.append(host_load())
         peaks.append(_peaks(device, nvml))
         progress(f"  time: {kinds[i][0]} {seconds:.1f} s")
         if on_pass is not None:
-            on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "counters": counters,
+            on_pass({"index": len(out.per_pass_s) - 1, "seconds": seconds, "load_avg": out.pass_load[-1],
+                     "counters": counters,
                      "alloc_retries": last["retried"], "gpu": gpu, **peaks[-1]})
 
     with NvmlPeak() as nvml:

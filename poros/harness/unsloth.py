@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from poros.common.atomic import is_write_failure, write_atomic, write_failure
 from poros.config import Method, TrainConfig
 from poros.engine.model.attention import sdpa_context
 from poros.engine.methods.data import synthetic_step
@@ -73,10 +74,19 @@ def store_fingerprint(store) -> str:
 def _export(store, root: Path, keep: bool, log) -> Path:
     """The checkpoint folder the child loads: written afresh in a temporary folder, or with `keep` the kept
     export of this store (made once; another store's kept export is removed first, as they are tens of GB)."""
+    def export(folder: Path) -> None:  # a folder cut short by a full disk is removed, and said in one line
+        try:
+            export_bnb4bit(store, folder)
+        except Exception as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            if is_write_failure(e):
+                raise write_failure("the NF4 checkpoint for Unsloth into", folder, e) from None
+            raise
+
     if not keep:
         folder = Path(tempfile.mkdtemp(prefix="poros-unsloth-", dir=root))
         t0 = time.perf_counter()
-        export_bnb4bit(store, folder)
+        export(folder)
         log(f"  unsloth: exported the NF4 checkpoint to {folder} in {time.perf_counter() - t0:.1f} s")
         return folder
     folder = root / (EXPORT_PREFIX + store_fingerprint(store))
@@ -86,8 +96,8 @@ def _export(store, root: Path, keep: bool, log) -> Path:
     for other in root.glob(EXPORT_PREFIX + "*"):
         shutil.rmtree(other, ignore_errors=True)
     t0 = time.perf_counter()
-    export_bnb4bit(store, folder)
-    (folder / "complete").write_text("")
+    export(folder)
+    write_atomic(folder / "complete", "", "the export's completion mark")
     log(f"  unsloth: exported the NF4 checkpoint to {folder} in {time.perf_counter() - t0:.1f} s (kept)")
     return folder
 
@@ -108,7 +118,7 @@ def offloaded_bytes(config, cfg) -> int:
 def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: str | None = None, log=print,
                     on_record=None, profile: Path | None = None, *, warmup_steps: int | None = None,
                     on_pass=None, keep_export: bool = False, benchmark=None, earlier: list[dict] = (),
-                    deadline: float | None = None, before_child=None) -> dict:
+                    budget=None, before_child=None) -> dict:
     """Export `store`, time Unsloth on it in a child process, remove the export; returns the child's record
     with `per_pass_s` as the parent timed them. `before_child()` runs once the export is written, before the
     child starts (the harness gives the store's host memory back there: the child loads the export).
@@ -117,9 +127,9 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
     `benchmark`, a pytest-benchmark round): a round ends when the child reports the pass (its `PASS` line), after
     `warmup` discarded passes of `warmup_steps` steps (default `steps`). `earlier`: passes an earlier child timed
     ({"seconds", ...}); only the rest are run. `on_pass(record)` gets each timed pass as it ends ({"seconds", the
-    child's own "child_seconds", "alloc_retries", peaks}). `deadline` (time.monotonic()): no round starts that
-    would end past it (`OutOfTime`; judged by the last pass, or the pace of the warm-up's second half), and the
-    child is stopped. `keep_export`: the export stays for the next call on the same store (`_export`).
+    child's own "child_seconds", "alloc_retries", peaks}). `budget` (poros.harness.budget.TimeBudget): no round
+    starts that would end past it (`OutOfTime`; judged by the last pass, or the pace of the warm-up's second half),
+    the wait for a round ends when it is spent, and the child is stopped. `keep_export`: the export stays for the next call on the same store (`_export`).
     `on_record(record)` runs as soon as the child has reported, before the export is removed (tens of
     GB: removing it takes seconds), so a run cut off during the clean-up keeps its result. With `profile`
     the child then profiles one more step and writes its summary there (JSON, poros/harness/profiling.py)
@@ -129,7 +139,7 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         OutOfTime: the time budget ran out between passes.
         CapabilityError: the child failed, with its last lines.
     """
-    from poros.harness.timing import OutOfTime, timed_rounds
+    from poros.harness.timing import timed_rounds
     from poros.harness.child import EOF_EVENT, ChildLines
 
     why = unavailable(cfg.device.value)
@@ -157,7 +167,8 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         # everything the child says goes to the log as it comes: a child cut off by a time budget (Unsloth may
         # compile for minutes) still leaves where it was
         lines = ChildLines(proc, {WARM: "warm", PASS: "pass", RESULT: "result"}, log,
-                           show=lambda x: x if x.startswith("  unsloth") else "  unsloth| " + x)
+                           show=lambda x: x if x.startswith("  unsloth") else "  unsloth| " + x, budget=budget,
+                           what="the Unsloth child")
         pace = {"s_per_step": earlier[-1]["seconds"] / steps if earlier else None}
         reported: dict = {}
         per_pass: list[float] = []
@@ -168,9 +179,8 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
             return CapabilityError(f"unsloth child failed (exit {proc.returncode}) {what}: " + " | ".join(lines.tail[-8:]))
 
         def run(i: int) -> None:
-            if i >= warmup and deadline is not None and pace["s_per_step"] is not None and \
-                    time.monotonic() + pace["s_per_step"] * steps > deadline:
-                raise OutOfTime("the child's next pass would end past the time budget")
+            if i >= warmup and budget is not None:
+                budget.check("the child's next pass", None if pace["s_per_step"] is None else pace["s_per_step"] * steps)
             kind, payload = lines.next()
             want = "warm" if i < warmup else "pass"
             if kind != want:
@@ -319,8 +329,9 @@ def write_profile(path: Path, step) -> None:
     _, prof = profiled(step, "cuda")
     summary = summarize(prof, time.perf_counter() - t0, top=40)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary) + "\n")
-    path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=60))
+    write_atomic(path, json.dumps(summary) + "\n", "the profile")
+    write_atomic(path.with_suffix(".txt"), prof.key_averages().table(sort_by="device_time_total", row_limit=60),
+                 "the profile's table")
     print(f"  unsloth: profiled one step ({summary['wall_s']:.2f} s) into {path}", flush=True)
 
 

@@ -114,6 +114,35 @@ def layer_linears(layer: nn.Module, prefix: str) -> list[tuple[str, tuple[int, i
     ]
 
 
+def smallest_adapted(config, targets) -> tuple[int, str] | None:
+    """The smallest dimension (in or out features) of a decoder linear named in `targets`, and that linear's name
+    (None where no linear is named): LoRA's rank beyond it adds no expressive power, only memory."""
+    list_name, layers = decoder_layers(skeleton(config))
+    widths = [(min(shape), name) for i, layer in enumerate(layers) for name, shape in layer_linears(layer, f"{list_name}.{i}")
+              if name.rsplit(".", 1)[-1] in set(targets)]
+    return min(widths) if widths else None
+
+
+def check_lora_rank(config, rank: int, targets, name: str = "the model") -> None:
+    """Raises: ConfigError when `rank` exceeds the smallest dimension of an adapted linear, naming both."""
+    found = smallest_adapted(config, targets)
+    if found is not None and rank > found[0]:
+        owner = f"{name}'s"
+        raise ConfigError([f"lora_rank: {rank} exceeds {owner} smallest adapted dimension, {found[0]} ({found[1]}); "
+                           f"use lora_rank <= {found[0]}"])
+
+
+def check_lora_targets(config, targets, name: str = "the model") -> None:
+    """Raises: ConfigError naming each of `targets` that is no linear of the decoder layers (peft would stop on it
+    later, with a traceback, after the model is built), and the linears there are."""
+    list_name, layers = decoder_layers(skeleton(config))
+    have = sorted({n.rsplit(".", 1)[-1] for i, layer in enumerate(layers) for n, _ in layer_linears(layer, f"{list_name}.{i}")})
+    missing = [t for t in targets if t not in have]
+    if missing:
+        raise ConfigError([f"lora_targets: {', '.join(missing)} is no linear of {name}'s decoder layers "
+                           f"(they have {', '.join(have)})"])
+
+
 def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
     """Raises: ConfigError when `seq_len` exceeds the model's max_position_embeddings."""
     limit = getattr(config, "max_position_embeddings", None)

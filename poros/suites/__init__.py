@@ -4,3 +4,4 @@ in `session.py`, its pytest-benchmark record in `benchmarks.py`). They ship in t
 matrix` runs them wherever Poros is installed."""
 
 OUT_OF_TIME = 75  # exit status of a run stopped by --max-minutes with cells left (EX_TEMPFAIL: run it again)
+WRITE_FAILED = 74  # exit status of a run stopped where a record could not be written (EX_IOERR: make room, --resume)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.utils import safe_dumps
 
+from poros.common.atomic import write_atomic
 from poros.errors import PorosError
 from poros.harness import pytest_benchmark_adapter as adapter
 from poros.harness.compare import current_name, load_compare_source, pass_length_problem
@@ -167,7 +168,11 @@ def update_json(config, output_json: dict) -> None:
 def checkpoint(config) -> None:
     """The JSON pytest-benchmark writes when the run ends, written as well after each timed cell, whole under a
     temporary name and renamed (its hooks merge the earlier parts' benchmarks): a run whose process or machine is
-    lost mid-run keeps every finished cell's benchmark. Machine and commit information are read once per run."""
+    lost mid-run keeps every finished cell's benchmark. Machine and commit information are read once per run.
+
+    Raises:
+        WriteError: the file could not be written (it stays as it was).
+    """
     path = json_path(config)
     benchmarks = adapter.timed_benchmarks(config)
     if path is None or config.getoption("benchmark_disable", False) or not benchmarks:
@@ -179,6 +184,5 @@ def checkpoint(config) -> None:
     data = hook.pytest_benchmark_generate_json(config=config, benchmarks=benchmarks, include_data=True,
                                                machine_info=machine, commit_info=commit)
     hook.pytest_benchmark_update_json(config=config, benchmarks=benchmarks, output_json=data)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(safe_dumps(data, ensure_ascii=True, indent=4))  # as pytest-benchmark writes it
-    tmp.replace(path)
+    write_atomic(path, safe_dumps(data, ensure_ascii=True, indent=4), "the benchmark record",  # as pytest-benchmark
+                 "the file stays as it was")

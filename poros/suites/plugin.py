@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.session import PerformanceRegression
 
+from poros.common.atomic import write_atomic
 from poros.common.folders import OutputLock, ensure_folder
 from poros.config import Method
-from poros.errors import PorosError
+from poros.errors import PorosError, WriteError
 from poros.harness import console, preflight
 from poros.harness.cells import Cell, matrix_cells, matrix_device
 from poros.harness.console import set_progress_writer
@@ -30,7 +31,7 @@ from poros.harness.results import RUN_FILES, PassLog, ResultsWriter, keep_earlie
 from poros.harness import pytest_benchmark_adapter as adapter
 from poros.suites.benchmarks import (check_compare, check_compared_cells, checkpoint, earlier_benchmarks, json_path,
                                      update_commit_info, update_json, update_machine_info)
-from poros.suites import OUT_OF_TIME
+from poros.suites import OUT_OF_TIME, WRITE_FAILED
 from poros.suites.session import matrix_of, session_of
 
 def pytest_addoption(parser):
@@ -149,7 +150,7 @@ def _preflight(config) -> None:
         preflight.check_resume(writer.rows(), m, results, PassLog(passes_path(results)).records())
     kept = results.parent / "matrix.yaml"  # the matrix the run's rows measure, as it read when the run began
     if Path(m.source).is_file() and not (config.getoption("--resume") and kept.is_file()):
-        kept.write_bytes(Path(m.source).read_bytes())
+        write_atomic(kept, Path(m.source).read_bytes(), "the run's matrix", "the run has not started")
     warning = PassLog(passes_path(results)).writer.repair()
     if warning:
         console.progress(warning)
@@ -303,8 +304,17 @@ def _outcome(item, report) -> str:
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = crash.message.splitlines()[0] if crash is not None and crash.message else "see the log"
+        message = message.removeprefix("Failed: ")  # pytest.fail's own word, beside ours
         return f"FAILED: {message[:200]}{took}"
     return f"done{took}"
+
+
+def _stop_at_write_failure(item, error: WriteError) -> None:
+    """A record that could not be written (a full disk, a file-size limit) ends the run after this cell: what is
+    recorded stays whole, and --resume continues from it once there is room (exit WRITE_FAILED)."""
+    state = session_of(item.config)
+    state.write_failed = state.write_failed or str(error)
+    item.session.shouldstop = f"stopped: {state.write_failed}"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -313,6 +323,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if _cell(item) is None:
         return
+    if call.excinfo is not None and call.excinfo.errisinstance(WriteError):
+        _stop_at_write_failure(item, call.excinfo.value)
     if (report.when == "call" or (report.when == "setup" and not report.passed)) and not getattr(
             item, "_poros_reported", False):
         item._poros_reported = True
@@ -321,14 +333,17 @@ def pytest_runtest_makereport(item, call):
     state = getattr(item.config, "_poros_session", None)
     if report.when != "teardown":
         return
-    if getattr(item, "_poros_ran", False) and state is not None and state.ran:
-        # the cell's benchmark is taken at its teardown: a lost machine keeps it, and the part's record so far
-        checkpoint(item.config)
-        state.record_part()
-    else:  # a skipped cell whose benchmark holds rounds: a finished cell's entry written from its row
-        bench = getattr(item, "funcargs", {}).get("benchmark")
-        if bench is not None and bench.stats is not None and not bench.has_error:
+    try:
+        if getattr(item, "_poros_ran", False) and state is not None and state.ran:
+            # the cell's benchmark is taken at its teardown: a lost machine keeps it, and the part's record so far
             checkpoint(item.config)
+            state.record_part()
+        else:  # a skipped cell whose benchmark holds rounds: a finished cell's entry written from its row
+            bench = getattr(item, "funcargs", {}).get("benchmark")
+            if bench is not None and bench.stats is not None and not bench.has_error:
+                checkpoint(item.config)
+    except WriteError as e:
+        _stop_at_write_failure(item, e)
 
 
 def pytest_keyboard_interrupt(excinfo):
@@ -340,9 +355,25 @@ def pytest_sessionfinish(session, exitstatus):
     state = getattr(session.config, "_poros_session", None)
     if state is not None and state.stopped and exitstatus == 0:
         session.exitstatus = OUT_OF_TIME
-    checkpoint(session.config)  # every timed cell's benchmark, the earlier parts' kept (the JSON's last write)
-    if state is not None and state.ran:
-        state.record_part(int(session.exitstatus))
+        if state.records_made() == state.records_at_start:  # the same part again would get no further: not 75
+            state.no_progress = (f"stopped at the time budget (--max-minutes {state.max_minutes:g}) before a pass, "
+                                 f"gate or row was recorded: a part this short makes no progress; raise --max-minutes")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            getattr(session.config, "_poros_say", console.progress)(state.no_progress)
+    try:
+        checkpoint(session.config)  # every timed cell's benchmark, the earlier parts' kept (the JSON's last write)
+    except WriteError as e:
+        if state is not None:
+            state.write_failed = state.write_failed or str(e)
+    if state is not None and (state.ran or state.stopped) and state.write_failed is None:
+        try:
+            state.record_part(int(session.exitstatus))
+        except WriteError as e:
+            state.write_failed = str(e)
+    if state is not None and state.write_failed is not None:
+        session.exitstatus = WRITE_FAILED
+        getattr(session.config, "_poros_say", console.progress)(f"{state.write_failed}; the run stopped there")
+    elif state is not None and state.ran:
         if state.keep_exports and not state.stopped:  # the run is complete: no later part needs them
             from poros.harness.unsloth import remove_kept_exports
 

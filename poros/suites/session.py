@@ -9,6 +9,7 @@ from pathlib import Path
 
 from poros.engine.methods.registry import METHODS, method_unavailable
 from poros.harness import console, preflight
+from poros.harness.budget import TimeBudget
 from poros.harness.cell_memory import StoreCache
 from poros.harness.cells import cell_fingerprint, matrix_cells, matrix_device, model_unavailable
 from poros.harness.results import PassLog, ResultsWriter, passes_path
@@ -54,12 +55,15 @@ class Session:
         self.index = 0
         self.gate_plans: list | None = None  # the plans the gate holds (None: every plan of the matrix)
         self.max_minutes = config.getoption("--max-minutes")
-        self.deadline = None if self.max_minutes is None else time.monotonic() + 60 * self.max_minutes
+        self.budget = None if self.max_minutes is None else TimeBudget(self.max_minutes)
         self.stopped = False  # a cell stopped at the time budget
         # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
         self.keep_exports = self.max_minutes is not None
         self.ran = False  # a cell got past its checks: the part is recorded from then on
         self.part_id = f"{self.started:.6f}-{os.getpid()}"  # the records of this part (one run) in the pass log
+        self.write_failed: str | None = None  # the first record this run could not write: it stops there
+        self.records_at_start = self.records_made()
+        self.no_progress: str | None = None  # why this part, stopped at the time budget, recorded nothing
 
     def record_part(self, exit_status: int | None = None) -> None:
         """What this run (a part, under --resume) spent where: wall time and seconds per phase (store
@@ -96,7 +100,11 @@ class Session:
         return getattr(self.config, "_poros_cells", None) or len(self.cells)
 
     def out_of_time(self) -> bool:
-        return self.stopped or (self.deadline is not None and time.monotonic() >= self.deadline)
+        return self.stopped or (self.budget is not None and self.budget.expired())
+
+    def records_made(self) -> int:
+        """Rows and pass, gate and reference records in the run's files (a part that adds none made no progress)."""
+        return len(self.writer.rows()) + sum(r.get("kind") != "part" for r in self.passlog.records())
 
     def unrunnable(self, cell) -> str | None:
         """Why `cell` cannot run on this machine (None when it can)."""

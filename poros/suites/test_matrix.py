@@ -17,12 +17,14 @@ Run: pytest suites/ --matrix=cpu   (or b300, a100, h200, a path; --steps/--passe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
 import pytest
 
 from poros.config import Method
+from poros.errors import WriteError
 from poros.harness import console
 from poros.engine.methods.registry import METHODS, config_for, gate_of, make_trainer
 from poros.harness.cell_memory import free_device_memory, kept_failure
@@ -84,7 +86,9 @@ def _run_gate(session, cell) -> dict:
             spec = {"kind": "gate", "config": cfg.as_dict(), "method": method.value, "reference": reference.value,
                     "steps": session.parity_steps, "sequential": sequential}
             try:
-                out[plan] = ParityResult(**run_ranks(spec, cfg.gpus, log=progress))
+                out[plan] = ParityResult(**run_ranks(spec, cfg.gpus, log=progress, budget=session.budget))
+            except OutOfTime:
+                raise
             except Exception as e:
                 out[plan] = kept_failure(e)
         return out
@@ -93,13 +97,15 @@ def _run_gate(session, cell) -> dict:
         try:
             out[plans[0]] = parity(cfgs[plans[0]], steps=session.parity_steps, store=store, method=method,
                                    reference=reference)
+        except OutOfTime:
+            raise
         except Exception as e:
             out[plans[0]] = kept_failure(e)
         return out
     # one reference for every plan: its states recorded in host memory once
     try:
         recorded = _reference(session, cell, store, reference, cfgs[plans[0]], len(plans))
-    except OutOfTime:
+    except (OutOfTime, WriteError):
         raise
     except Exception as e:
         return {plan: kept_failure(e) for plan in plans}
@@ -112,6 +118,8 @@ def _run_gate(session, cell) -> dict:
                 trainer.close()
                 del trainer
                 free_device_memory()
+        except OutOfTime:
+            raise
         except Exception as e:
             out[plan] = kept_failure(e)
     return out
@@ -142,9 +150,9 @@ def _reference(session, cell, store, reference: Method, cfg, plans: int):
         seconds = time.monotonic() - t0
         session.passlog.add("reference", name, fingerprint, file=path.name, seconds=round(seconds, 1),
                             checksum=checksum)
-    if session.deadline is not None and time.monotonic() + 1.2 * plans * seconds > session.deadline:
-        raise OutOfTime(f"{reference.value}'s side of the gate took {seconds:.0f} s and is kept; the other side "
-                        f"would end past it")
+    if session.budget is not None:
+        session.budget.check(f"the gated side of the gate ({reference.value}'s side took {seconds:.0f} s and is kept)",
+                             plans * seconds, margin=1.2, lower="parity_steps")
     return recorded
 
 
@@ -161,9 +169,11 @@ def _kept_gates(session, cell, plans: list) -> dict:
 def _gate_fits(session) -> None:
     """A gate to run must end within the time budget, judged by the longest gate this run recorded: one cut off
     by the caller's limit is lost."""
+    if session.budget is None:
+        return
     longest = max((r.get("seconds") or 0.0 for r in session.passlog.records() if r.get("kind") == "gate"), default=0.0)
-    if session.deadline is not None and time.monotonic() + 1.2 * longest > session.deadline:
-        raise OutOfTime(f"the longest gate recorded took {longest:.0f} s")
+    session.budget.check(f"a parity gate (the longest recorded took {longest:.0f} s)", longest or None, margin=1.2,
+                         lower="parity_steps")
 
 
 def _gate(session, cell, reference_only: bool = False) -> dict:
@@ -183,10 +193,18 @@ def _gate(session, cell, reference_only: bool = False) -> dict:
             session.gates[key] = {plan: ParityResult(**r) for plan, r in kept.items()}
             progress("  parity gate: outcome kept from the earlier run (--resume)")
         else:
-            _gate_fits(session)
-            t0 = time.monotonic()
-            with console.phase("parity gate"):
-                session.gates[key] = _run_gate(session, cell)
+            try:
+                _gate_fits(session)
+                t0 = time.monotonic()
+                # every optimizer step of the gate, the reference's once and each plan's, within the budget
+                watch = session.budget.watch("the parity gate", session.parity_steps * (1 + len(plans)),
+                                             "parity_steps") if session.budget is not None else contextlib.nullcontext()
+                with console.phase("parity gate"), watch:
+                    session.gates[key] = _run_gate(session, cell)
+            except OutOfTime as e:
+                if e.never:  # every cell of this gate is refused with it, without running it again
+                    session.gates[key] = {plan: e for plan in plans}
+                raise
             for plan, result in session.gates[key].items():
                 if isinstance(result, ParityResult):
                     session.passlog.add("gate", cell.id + f"/{plan}", _gate_fingerprint(session, cell, plan),
@@ -214,6 +232,15 @@ def gate_for(session, cell):
     return outcome
 
 
+def _out_of_time(session, e: OutOfTime, where: str = ""):
+    """A cell the time budget stopped: skipped, and the part stops there (`--resume` continues it); one that could
+    not end within a whole budget fails, naming what to change (a part as long would stop it again)."""
+    if e.never:
+        raise pytest.fail.Exception(str(e), pytrace=False) from None
+    session.stopped = True
+    pytest.skip(f"time budget reached{' ' + where if where else ''} ({e}); --resume continues")
+
+
 def test_parity(session, cell):
     _announce(session, cell)
     _skip_if_not_runnable(session, cell)
@@ -227,8 +254,7 @@ def test_parity(session, cell):
     try:
         outcomes = _gate(session, cell)
     except OutOfTime as e:
-        session.stopped = True
-        pytest.skip(f"time budget: {e}; --resume continues")
+        _out_of_time(session, e)
     failed = []
     for plan, result in outcomes.items():
         name = "" if plan is None else f" plan {plan}"
@@ -260,12 +286,11 @@ def test_step(session, cell, benchmark):
     cfg = config_for(cell.method, cell_config(m, cell))  # the row records what it ran with
     try:
         _measure_cell(session, cell, cfg, benchmark)
-    except AssertionError:  # a parity FAIL: its rows are written, saying FAIL
-        raise
+    except (AssertionError, WriteError):  # a parity FAIL: its rows are written, saying FAIL; a record that could not
+        raise  # be written stops the run (poros/suites/plugin.py)
     except OutOfTime as e:
-        session.stopped = True
         done = len(session.passes(cell))
-        pytest.skip(f"time budget reached after {done} of {m.passes} passes ({e}); --resume continues")
+        _out_of_time(session, e, f"after {done} of {m.passes} passes")
     except KeyboardInterrupt:  # cut off (a chunk's time budget sends SIGINT): pytest-benchmark would
         benchmark.has_error = True  # put the half-run benchmark into its JSON and crash on its empty stats
         raise
@@ -301,9 +326,9 @@ def _measure_cell(session, cell, cfg, benchmark):
         earlier = session.passes(cell) if session.resume else []
         if earlier:
             progress(f"  {cell.method.value}: {len(earlier)} of {m.passes} passes kept from the earlier run (--resume)")
-        if earlier and session.deadline is not None and len(earlier) < m.passes and \
-                time.monotonic() + (earlier[-1].get("overhead_s") or 0.0) + earlier[-1]["seconds"] > session.deadline:
-            raise OutOfTime("the trainer's set-up, warm-up and next pass would end past the time budget")
+        if earlier and session.budget is not None and len(earlier) < m.passes:
+            session.budget.check("the trainer's set-up, warm-up and next pass",
+                                 (earlier[-1].get("overhead_s") or 0.0) + earlier[-1]["seconds"])
         t_cell = time.monotonic()
         with console.phase("trainer set-up"):
             trainer = make_trainer(cell.method, store, cfg)
@@ -317,7 +342,7 @@ def _measure_cell(session, cell, cfg, benchmark):
 
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
-                           warmup_steps=m.warmup_pass_steps, earlier=earlier, deadline=session.deadline,
+                           warmup_steps=m.warmup_pass_steps, earlier=earlier, budget=session.budget,
                            on_pass=on_pass, benchmark=benchmark)
         finally:
             trainer.close()
@@ -361,10 +386,9 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
         write(_child_measurement(passes, passes_of=cell_id))
         return
     earlier = session.passes(cell) if session.resume else []
-    if len(earlier) < m.passes and session.deadline is not None and earlier:
-        need = (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"]
-        if time.monotonic() + need > session.deadline:
-            raise OutOfTime(f"a child's start and next pass (about {need:.0f} s) would end past the time budget")
+    if len(earlier) < m.passes and session.budget is not None and earlier:
+        session.budget.check("a child's start and next pass",
+                             (earlier[-1].get("child_overhead_s") or 0.0) + earlier[-1]["seconds"])
     if len(earlier) < m.passes:
         stop_if_interrupted()
         t0 = time.monotonic()
@@ -380,7 +404,7 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             with console.phase("unsloth child"):
                 measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress,
                                 warmup_steps=m.warmup_pass_steps, on_pass=on_pass, keep_export=session.keep_exports,
-                                benchmark=benchmark, earlier=earlier, deadline=session.deadline,
+                                benchmark=benchmark, earlier=earlier, budget=session.budget,
                                 before_child=_room_for_child(session, store, cfg))
         finally:  # the child's passes count as timed passes, the rest of its time as the child's
             console.add_phase_time("timed passes", sum(r["seconds"] for r in this))
@@ -449,6 +473,6 @@ def _measure_ranks(session, cell, cfg, gate, write, benchmark) -> None:
     m = session.matrix
     spec = {"kind": "measure", "config": cfg.as_dict(), "method": cell.method.value, "steps": m.steps,
             "passes": m.passes, "warmup": m.warmup_passes}
-    report = run_ranks(spec, cfg.gpus, log=progress, benchmark=benchmark)
+    report = run_ranks(spec, cfg.gpus, log=progress, benchmark=benchmark, budget=session.budget)
     alone = Measurement(**report["alone"]) if report.get("alone") else None
     write(Measurement(**report["measurement"]), report["plan"], report["arch"], alone)

@@ -54,7 +54,7 @@ def test_the_merged_checkpoint_is_peft_merge_and_loads_alone(run, capsys):
     assert main(["export", "--merge", "--model", str(run["ckpt"]), "--adapter", str(run["adapter"]),
                  "--out", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["merged"] == str(out)
-    assert not (run["root"] / "merged.partial").exists()
+    assert not list(run["root"].glob(".merged.*partial"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()
     assert not any("lora" in k for k in merged.state_dict())
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -93,7 +93,7 @@ def test_export_refuses_what_it_cannot_merge_in_one_line(run, tmp_path, capsys):
     capsys.readouterr()  # what writing it printed
     one_line_refusal(capsys, main(["export", "--merge", "--model", str(other), "--adapter", str(run["adapter"]),
                                    "--out", str(tmp_path / "o")]), "adapts", "the checkpoint the run trained on")
-    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*partial"))
     one_line_refusal(capsys, main(argv[:1] + argv[2:] + ["--out", str(tmp_path / "o")]), "give --merge")
 
 
@@ -155,7 +155,7 @@ def test_an_adapter_of_another_base_is_refused_by_export_and_generate(run, tmp_p
     out = tmp_path / "merged"
     one_line_refusal(capsys, main(["export", "--merge", "--model", str(other), "--adapter", str(run["adapter"]),
                                    "--out", str(out)]), "was trained on other weights than", str(run["ckpt"]))
-    assert not out.exists() and not out.with_name("merged.partial").exists()
+    assert not out.exists() and not list(out.parent.glob(".merged.*partial"))
     one_line_refusal(capsys, main(["generate", "--model", str(other), "--adapter", str(run["adapter"]),
                                    "--prompt", "The cat", "--device", "cpu", "--bf16"]), "was trained on other weights")
     same = shutil.copytree(run["ckpt"], tmp_path / "same")
@@ -221,7 +221,7 @@ def test_a_truncated_base_is_one_line_before_any_work(run, tmp_path, capsys):
     out = tmp_path / "m"
     one_line_refusal(capsys, main(["export", "--merge", "--model", str(base), "--adapter", str(run["adapter"]),
                                    "--out", str(out)]), f"{shard}: not a readable safetensors file")
-    assert not out.exists() and not out.with_name("m.partial").exists()
+    assert not out.exists() and not list(out.parent.glob(".m.*partial"))
     one_line_refusal(capsys, main(["generate", "--model", str(base), "--prompt", "The cat", "--device", "cpu"]),
                      f"{shard}: not a readable safetensors file")
 
@@ -276,3 +276,25 @@ def test_generate_caps_new_tokens_at_the_models_positions(run, tmp_path, capsys)
     assert main(["generate", "--model", str(short), "--prompt", "The cat", "--max-new-tokens", "10",
                  "--device", "cpu", "--bf16"]) == 0
     assert "capped" not in capsys.readouterr().err  # control: within the positions, nothing to say
+
+
+def test_a_merge_past_the_file_size_limit_is_one_line_and_leaves_no_folder(run):
+    """A real limit (RLIMIT_FSIZE in a process of its own): safetensors' own error about the shard it could not
+    write becomes one line, and neither the merged folder nor its temporary remain; the control merges."""
+    from tests.common.test_atomic import limited
+
+    out = run["root"] / "merged-limited"
+    code = f"""
+        import sys
+        from poros.cli import main
+        sys.exit(main(["export", "--merge", "--model", {str(run["ckpt"])!r}, "--adapter", {str(run["adapter"])!r},
+                       "--out", {str(out)!r}]))
+    """
+    done = limited(code, limit=16384)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"poros export: error: cannot write the merged checkpoint {out} (File too large); raise the file-size limit "
+        "(ulimit -f); nothing of it is left behind"), done.stderr
+    assert not out.exists() and not list(run["root"].glob(".merged-limited.*"))
+    control = limited(code, limit=None)
+    assert control.returncode == 0 and (out / "config.json").is_file(), control.stderr[-2000:]

@@ -14,6 +14,7 @@ import pytest
 import poros.harness.unsloth as um
 from poros.config import TrainConfig
 from poros.harness import console
+from poros.harness.budget import TimeBudget
 from poros.harness.timing import OutOfTime, measure
 
 
@@ -37,10 +38,10 @@ def test_no_warm_up_starts_where_an_earlier_pass_says_the_next_pass_would_not_fi
     trainer = SlowStart(0.01)
     earlier = [{"seconds": 4 * 0.5}]  # 0.5 s a step in the earlier part: warm-up + pass take 3 s
     with pytest.raises(OutOfTime, match="warm-up and the next pass"):
-        measure(trainer, CPU, 4, 2, 1, warmup_steps=2, earlier=earlier, deadline=time.monotonic() + 2.0)
+        measure(trainer, CPU, 4, 2, 1, warmup_steps=2, earlier=earlier, budget=TimeBudget.seconds_from_now(2.0))
     assert trainer.steps == 0, "the warm-up must not run"
     # negative control: with room for it, the warm-up and the remaining pass run
-    out = measure(trainer, CPU, 4, 2, 1, warmup_steps=2, earlier=earlier, deadline=time.monotonic() + 60)
+    out = measure(trainer, CPU, 4, 2, 1, warmup_steps=2, earlier=earlier, budget=TimeBudget.seconds_from_now(60))
     assert trainer.steps == 2 + 4 and len(out.per_pass_s) == 2
 
 
@@ -48,12 +49,12 @@ def test_a_warm_up_s_compiling_first_step_does_not_set_the_pace_of_the_pass():
     """4 warm-up steps, the first 0.6 s (compiling), then 0.01 s each: the pass of 10 steps fits in 0.5 s
     and runs; judged by the warm-up's mean (0.16 s a step) it would have been refused."""
     trainer = SlowStart(0.01, first_s=0.6)
-    out = measure(trainer, CPU, 10, 1, 1, warmup_steps=4, deadline=time.monotonic() + 0.6 + 0.04 + 0.5)
+    out = measure(trainer, CPU, 10, 1, 1, warmup_steps=4, budget=TimeBudget.seconds_from_now(0.6 + 0.04 + 0.5))
     assert len(out.per_pass_s) == 1
     # negative control: a pass that does not fit after its warm-up is refused
     trainer = SlowStart(0.05, first_s=0.6)
     with pytest.raises(OutOfTime):
-        measure(trainer, CPU, 10, 1, 1, warmup_steps=4, deadline=time.monotonic() + 0.6 + 0.2 + 0.3)
+        measure(trainer, CPU, 10, 1, 1, warmup_steps=4, budget=TimeBudget.seconds_from_now(0.6 + 0.2 + 0.3))
     assert trainer.steps == 4
 
 
@@ -150,12 +151,12 @@ def test_a_child_pass_that_would_end_past_the_budget_is_not_waited_for(child, tm
     seen = []
     with pytest.raises(OutOfTime):
         um.measure_unsloth("A", CUDA, 200, 2, 1, workdir=str(tmp_path), log=lambda x: None, on_pass=seen.append,
-                           deadline=time.monotonic() + 60)
+                           budget=TimeBudget.seconds_from_now(60))
     assert seen == []
     # negative control: the same child with time to spare runs its passes
     child.set([_warm(1.0), _pass(2.0), _pass(2.1), um.RESULT + json.dumps({"per_pass_s": [2.0, 2.1]})])
     um.measure_unsloth("A", CUDA, 200, 2, 1, workdir=str(tmp_path), log=lambda x: None, on_pass=seen.append,
-                       deadline=time.monotonic() + 1000)
+                       budget=TimeBudget.seconds_from_now(1000))
     assert len(seen) == 2
 
 
@@ -416,7 +417,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
             on_pass({"seconds": 1.0 + i, "peak_vram_gb": 2.0})
 
     monkeypatch.setattr(um, "measure_unsloth", fake_unsloth)
-    session = SimpleNamespace(matrix=m, passlog=PassLog(tmp_path / "passes.jsonl"), resume=False, deadline=None,
+    session = SimpleNamespace(matrix=m, passlog=PassLog(tmp_path / "passes.jsonl"), resume=False, budget=None,
                               keep_exports=False, cell_fingerprint=lambda cell: cell_fingerprint(m, cell))
     store = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8))
     written = {}

@@ -25,6 +25,10 @@ MATRIX = ROOT / "matrices" / "cpu.yaml"
     ({**PART, "wall_s": "12"}, "field wall_s: expected a finite number of seconds >= 0 or null, got '12'"),
     ({**PART, "phases": {"timed passes": "4"}}, "field phases: expected a mapping of phase name to seconds"),
     ({**PART, "gpu": "GPU-1"}, "field gpu: expected a list of GPU UUIDs"),
+    ({**PART, "started": 1e20}, "field started: expected seconds since the epoch (0 to 253402300799, the year 9999)"),
+    ({**PART, "steps": 0, "passes": 2}, "field steps: expected an integer >= 1 or null, got 0"),
+    ({**PART, "max_minutes": float("nan")}, "field max_minutes: expected a positive finite number or null, got nan"),
+    ({**PASS, "process": {"host": "h", "pid": 1, "started": -1}}, "field process: expected a mapping of host"),
     ({**PASS, "index": -1}, "field index: expected an integer >= 0, got -1"),
     ({**PASS, "index": True}, "field index: expected an integer >= 0, got True"),
     ({**PASS, "seconds": float("nan")}, "field seconds: expected a finite number of seconds >= 0, got nan"),
@@ -45,11 +49,22 @@ def test_a_damaged_pass_record_is_refused_naming_file_line_and_field(tmp_path, r
 
 
 @pytest.mark.parametrize("fields, field", [
-    ({"per_pass_s": ["1.0", 2.0]}, "field per_pass_s: expected a list of seconds"),
-    ({"s_per_step_median": float("nan")}, "field s_per_step_median: expected a finite number >= 0 or null, got nan"),
-    ({"s_per_step_median": -1}, "field s_per_step_median: expected a finite number >= 0 or null, got -1"),
-    ({"tokens_per_s": float("inf")}, "field tokens_per_s: expected a finite number >= 0 or null, got inf"),
+    ({"per_pass_s": ["1.0", 2.0]}, "field per_pass_s: expected a list of positive finite seconds"),
+    ({"per_pass_s": [1.0, 0.0]}, "field per_pass_s: expected a list of positive finite seconds"),
+    ({"s_per_step_median": float("nan")}, "field s_per_step_median: expected a positive finite number or null, got nan"),
+    ({"s_per_step_median": -1}, "field s_per_step_median: expected a positive finite number or null, got -1"),
+    ({"s_per_step_median": 0}, "field s_per_step_median: expected a positive finite number or null, got 0"),
+    ({"tokens_per_s": float("inf")}, "field tokens_per_s: expected a positive finite number or null, got inf"),
+    ({"s_per_step_std": -0.5}, "field s_per_step_std: expected a finite number >= 0 or null, got -0.5"),
+    ({"steps": 2.5}, "field steps: expected an integer >= 1 or null, got 2.5"),
+    ({"passes": 0}, "field passes: expected an integer >= 1 or null, got 0"),
+    ({"warmup_passes": -1}, "field warmup_passes: expected an integer >= 0 or null, got -1"),
     ({"parity": "pass"}, "field parity: expected PASS or FAIL or null, got 'pass'"),
+    ({"parity_max_abs_diff": float("nan")}, "field parity_max_abs_diff: expected a number >= 0 (or Infinity) or null"),
+    ({"provenance": {"gpus": "x"}}, "field provenance: expected a mapping (its gpus: expected a list of mappings"),
+    ({"provenance": {"versions": [1]}}, "field provenance: expected a mapping (its versions: expected a mapping"),
+    ({"config": {"seq_len": "x"}}, "field config: expected a mapping of settings (its seq_len: expected an integer"),
+    ({"config": {"lora_rank": [1]}}, "field config: expected a mapping of settings (its lora_rank:"),
     ({"sweep": [1]}, "field sweep: expected a mapping or null"),
 ])
 def test_a_damaged_results_row_is_refused_by_every_reader(tmp_path, fields, field):
@@ -91,3 +106,26 @@ def test_every_committed_record_reads():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
                 assert check(json.loads(line)) == [], f"{path}:{n}"
+
+
+@pytest.mark.parametrize("line, why", [
+    ("[" * 100_000, "not valid JSON (nested deeper than the reader reaches)"),
+    ('{"steps": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+    ("{'steps': 1}", "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+], ids=["nested-too-deep", "number-too-long", "python-dict"])
+def test_a_line_no_json_reader_can_take_is_one_line_naming_file_and_line(tmp_path, capsys, line, why):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(whole_row()) + "\n" + line + "\n")
+    assert main(["report", str(path), "-o", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{path}:2: {why}" in err, err
+    path.write_text(json.dumps(whole_row()) + "\n")  # negative control: the whole row alone reads
+    from poros.harness.report import load_results
+
+    assert len(load_results([path])) == 1
+
+
+def test_a_row_whose_settings_and_provenance_are_whole_reads():
+    """Negative control of the config and provenance kinds: the values a run writes pass."""
+    assert row_problems(whole_row(config={"seq_len": 64, "lora_rank": 4, "vram_budget": "auto", "unknown": [1]},
+                                  provenance={"gpus": [{"name": "cpu"}], "versions": {}, "git": None})) == []

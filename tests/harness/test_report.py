@@ -209,7 +209,34 @@ def test_a_cpu_cell_whose_passes_spread_is_flagged(tmp_path):
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
     (cells,) = table_rows(md, "qwen2.5-32b", 7)
     assert cells[4].endswith("†") and not cells[5].endswith("†")
-    assert "passes spread more than 10% of their median" in md
+    results = md.split("## Results")[1]
+    warning = results.index("> **These timings cannot be trusted:** the CPU was shared or busy while 1 of the cells "
+                            "below ran — qwen2.5-32b poros (its passes spread 45% of their median).")
+    assert warning < results.index("| Model |"), "above the table, not under it"
+
+
+def _cpu_rows(load, cores=2, spread=(1.0, 1.01, 1.02)):
+    rows = [{**r, "config": {**r["config"], "device": "cpu"}, "provenance": {**r["provenance"], "gpus": []},
+             "per_pass_s": list(spread), "load_avg_max": load, "cores": cores} for r in three_methods()[:2]]
+    return rows
+
+
+@pytest.mark.parametrize("load, cores, fires", [(5.3, 2, True), (1.9, 2, False), (5.3, 8, False), (None, 2, False)],
+                         ids=["load-5.3-on-2", "load-1.9-on-2", "load-5.3-on-8", "load-unknown"])
+def test_a_load_above_the_cpus_during_the_passes_is_said_above_the_table(tmp_path, load, cores, fires, capsys):
+    """The check fires where the load average as the passes ended exceeded the CPUs the process could use, and stays
+    silent where it did not, where the machine has CPUs to spare, and where the rows do not say (older rows)."""
+    path = write_jsonl(tmp_path / "r.jsonl", _cpu_rows(load, cores))
+    md = render_markdown(load_results(path))
+    assert ("These timings cannot be trusted" in md) is fires
+    if fires:
+        assert ("qwen2.5-32b poros (the load average reached 5.3 on 2 CPUs); qwen2.5-32b resident (the load average "
+                "reached 5.3 on 2 CPUs)") in md
+    assert main(["report", str(path), "-o", str(tmp_path / "r.md")]) == 0  # the table `poros report` prints too
+    printed = capsys.readouterr().out
+    assert ("These timings cannot be trusted" in printed.split("Results — CPU")[1]) is fires
+    gpu = [{**r, "load_avg_max": 9.0, "cores": 2} for r in three_methods()[:2]]  # a GPU's timing: not the CPU's
+    assert "cannot be trusted" not in render_markdown(load_results(write_jsonl(tmp_path / "g.jsonl", gpu)))
 
 
 @pytest.mark.parametrize("change, named", [

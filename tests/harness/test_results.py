@@ -91,8 +91,9 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
     import errno
     import os
 
-    import poros.harness.results as results_module
-    from poros.harness.results import ResultsFileError, ResultsWriter
+    import poros.common.atomic as atomic
+    from poros.errors import WriteError
+    from poros.harness.results import ResultsWriter
 
     w = ResultsWriter(tmp_path / "results.jsonl")
     w.append(whole_row(model="a"))
@@ -103,15 +104,27 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
         real(fd, data[:7])  # part of the line reaches the file, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(results_module.os, "write", full)
-    with pytest.raises(ResultsFileError) as e:
+    monkeypatch.setattr(atomic.os, "write", full)
+    with pytest.raises(WriteError) as e:
         w.append(whole_row(model="b"))
-    assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"cannot write a row to {w.path} (No space left on device); free space; every "
+                                   "complete row is kept") and "\n" not in str(e.value)
     assert w.path.read_bytes() == before
-    monkeypatch.setattr(results_module.os, "write", lambda fd, data: real(fd, data[:3]))  # a short write
-    with pytest.raises(ResultsFileError, match="only 3 of"):
+    calls = []
+
+    def short_then_full(fd, data):  # a short write: the rest then fails with the reason
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, data[:3])
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(atomic.os, "write", short_then_full)
+    with pytest.raises(WriteError, match=r"\(File too large\); raise the file-size limit \(ulimit -f\)"):
         w.append(whole_row(model="c"))
     assert w.path.read_bytes() == before
+    monkeypatch.setattr(atomic.os, "write", lambda fd, data: real(fd, data[:3]))  # control: short writes that go on
+    w.append(whole_row(model="d"))
+    assert [r["model"] for r in w.rows()] == ["a", "d"]
 
 
 @pytest.mark.parametrize("listing, kept", [(["--collect-only"], True), (["-k", "no-cell-has-this-name"], False)])

@@ -51,3 +51,24 @@ def test_each_pass_names_the_gpu_it_ran_on(monkeypatch):
     assert [r["gpu"] for r in seen] == ["GPU-this-part"] * 2
     cpu = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=1, warmup=0)
     assert cpu.pass_gpus == [None]
+
+
+def test_each_pass_records_the_host_load_as_it_ended(monkeypatch):
+    """A resumed cell keeps the load its earlier passes recorded and adds the host's 1-minute load average as each
+    pass of this process ends; the row carries the busiest and the CPUs the process may use (what a page compares
+    them with: poros/harness/report/tables.py `overloaded`)."""
+    from types import SimpleNamespace
+
+    from poros.harness import timing
+
+    real = timing.host_load()
+    assert isinstance(real, float) or real is None  # None where the platform has no load average
+    loads = iter([0.5, 7.25])
+    monkeypatch.setattr(timing, "host_load", lambda: next(loads))
+    monkeypatch.setattr(timing, "_peaks", lambda device, nvml: dict.fromkeys(timing.PEAKS))
+    trainer = SimpleNamespace(step=lambda: SimpleNamespace(counters={}, loss=0.0))
+    seen = []
+    meas = timing.measure(trainer, SimpleNamespace(device=SimpleNamespace(value="cpu")), steps=1, passes=3,
+                          warmup=0, earlier=[{"seconds": 1.0, "counters": [], "load_avg": 3.0}], on_pass=seen.append)
+    assert meas.pass_load == [3.0, 0.5, 7.25] and [r["load_avg"] for r in seen] == [0.5, 7.25]
+    assert timing.usable_cores() >= 1

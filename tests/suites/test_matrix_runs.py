@@ -57,9 +57,9 @@ def test_a_matrix_without_resident_is_gated_against_resident_gc(tmp_path, refere
     inputs in host memory beside poros with its own split between device and host: the gate compares them,
     and both rows say which reference it ran against; poros's row records where its saved inputs lived."""
     matrix = {**TINY, **schedule, "methods": ["poros", reference], "models": ["tiny-gemma3"]}
-    assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [
-        "model:tiny-gemma3-stack:current-gate:parity", "model:tiny-gemma3-stack:current-method:poros",
-        f"model:tiny-gemma3-stack:current-method:{reference}"]
+    assert [c.id for c in matrix_cells(parse_matrix(matrix))] == [  # the reference timed first
+        "model:tiny-gemma3-stack:current-gate:parity", f"model:tiny-gemma3-stack:current-method:{reference}",
+        "model:tiny-gemma3-stack:current-method:poros"]
     proc, results = run_suite(tmp_path, matrix)
     assert proc.returncode == 0, why(proc)
     assert f"parity PASS (poros vs {reference} (recorded): " in proc.stdout, why(proc)
@@ -149,22 +149,22 @@ def test_a_cut_off_cell_still_leaves_the_benchmark_json(tmp_path):
 
     env = plugin_env(
         tmp_path, "cut_off",
-        "import poros.engine.methods.trainer as t\n"
-        "orig = t.ResidentTrainer.step\n"
+        "import poros.engine.methods.executor as t\n"
+        "orig = t.PorosTrainer.step\n"
         "def step(self, batches=None):\n"
-        "    if self.steps_done == 3:  # inside the resident cell's first timed pass\n"
+        "    if self.steps_done == 3:  # inside the poros cell's first timed pass (after resident's cell)\n"
         "        raise KeyboardInterrupt\n"
         "    return orig(self, batches)\n"
-        "t.ResidentTrainer.step = step\n")
+        "t.PorosTrainer.step = step\n")
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "bench.json"
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_off", f"--benchmark-json={bench_json}", env=env)
     assert proc.returncode == 2, why(proc)  # interrupted
     assert "min() iterable argument is empty" not in proc.stdout + proc.stderr
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["poros"]
+    assert [r["method"] for r in rows] == ["resident"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
-    assert len(names) == 1 and "method:poros" in names[0]
+    assert len(names) == 1 and "method:resident" in names[0]
 
 
 @pytest.mark.slow  # the suites end to end in a subprocess
@@ -198,18 +198,18 @@ def test_a_matrix_of_one_method_runs(tmp_path):
 def test_sweep_and_plans_are_cells_gated_by_one_reference_per_point(tmp_path):
     m = parse_matrix(SWEPT)
     ids = [c.id for c in matrix_cells(m)]
-    assert ids[:5] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",
+    assert ids[:5] == ["model:tiny-qwen3-stack:current-grad_accum:1-gate:parity",  # the reference timed first
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:resident",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:streamed",
                        "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b1",
-                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b3",
-                       "model:tiny-qwen3-stack:current-grad_accum:1-method:resident"]
+                       "model:tiny-qwen3-stack:current-grad_accum:1-method:poros-plan:b3"]
     assert len(ids) == 10
     proc, results = run_suite(tmp_path, SWEPT, "-k", "grad_accum:2 and (gate or plan:b1 or plan:b3 or method:resident)")
     assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
     assert [(r["method"], r["plan_name"], r["sweep"]) for r in rows] == [
-        ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2}), ("resident", None, {"grad_accum": 2})]
-    assert rows[0]["config"]["block_size"] == 1 and rows[0]["config"]["grad_accum"] == 2
+        ("resident", None, {"grad_accum": 2}), ("poros", "b1", {"grad_accum": 2}), ("poros", "b3", {"grad_accum": 2})]
+    assert rows[1]["config"]["block_size"] == 1 and rows[1]["config"]["grad_accum"] == 2
     assert all(r["parity"] == "PASS" and r["schema"] == 2 for r in rows)
     gates = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
     gates = [g for g in gates if g["kind"] == "gate"]
@@ -224,21 +224,21 @@ def test_benchmark_disable_runs_the_gates_and_records_no_timing(tmp_path):
     proc, results = run_suite(tmp_path, matrix, "--benchmark-disable")
     assert proc.returncode == 0, why(proc)
     rows = result_rows(results)
-    assert [r["method"] for r in rows] == ["poros", "resident"]  # one row per cell, none failed
+    assert [r["method"] for r in rows] == ["resident", "poros"]  # one row per cell, none failed
     for r in rows:
         assert r["status"] == "ok" and r["timed"] is False and r["parity"] == "PASS"
         assert r["s_per_step_median"] is None and r["per_pass_s"] == []
 
 
 CUT_PASS = """import os
-import poros.engine.methods.trainer as t
-orig = t.ResidentTrainer.step
+import poros.engine.methods.executor as t
+orig = t.PorosTrainer.step
 def step(self, batches=None):
-    # the resident cell: warm-up (2 steps), pass 1 (2 steps), then cut off inside pass 2
+    # the poros cell (timed after resident's): warm-up (2 steps), pass 1 (2 steps), then cut off inside pass 2
     if self.steps_done == 5 and os.environ.get("CUT_OFF"):
         raise KeyboardInterrupt
     return orig(self, batches)
-t.ResidentTrainer.step = step
+t.PorosTrainer.step = step
 """
 
 
@@ -253,14 +253,14 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
     proc, results = run_suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}",
                            env={**env, "CUT_OFF": "1"})
     assert proc.returncode == 2, why(proc)
-    assert [r["method"] for r in result_rows(results)] == ["poros"]
+    assert [r["method"] for r in result_rows(results)] == ["resident"]
     kept = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
-    first = [k for k in kept if k["kind"] == "pass" and "method:resident" in k["cell"]]
+    first = [k for k in kept if k["kind"] == "pass" and "method:poros" in k["cell"]]
     assert [k["index"] for k in first] == [0]
     again, _ = run_suite(tmp_path, matrix, "-p", "cut_pass", f"--benchmark-json={bench_json}", "--resume", env=env)
     assert again.returncode == 0, again.stdout[-2000:]
-    resident = next(r for r in result_rows(results) if r["method"] == "resident")
-    assert len(resident["per_pass_s"]) == 2 and resident["per_pass_s"][0] == first[0]["seconds"]
+    poros = next(r for r in result_rows(results) if r["method"] == "poros")
+    assert len(poros["per_pass_s"]) == 2 and poros["per_pass_s"][0] == first[0]["seconds"]
     benches = sorted(json.loads(bench_json.read_text())["benchmarks"], key=lambda b: b["name"])
     assert len(benches) == 2 and "method:poros" in benches[0]["name"] and "method:resident" in benches[1]["name"]
     # pytest-benchmark timed each pass as one round, the earlier run's first: its statistics are the rows'
@@ -274,19 +274,21 @@ def test_a_cut_off_cell_resumes_after_its_last_finished_pass(tmp_path):
 def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
     matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
     proc, results = run_suite(tmp_path, matrix, "--max-minutes", "0.0001")
-    assert proc.returncode == 75, why(proc)  # stopped with cells left: run it again
-    assert "time budget reached" in proc.stdout
+    # stopped before anything was recorded: the same part again would get no further, so not 75 (run it again)
+    assert proc.returncode == 1, why(proc)
+    assert "time budget reached" in proc.stdout and "a part this short makes no progress" in proc.stdout
     assert not results.exists() or not result_rows(results)
     again, _ = run_suite(tmp_path, matrix, "--resume")
     assert again.returncode == 0, again.stdout[-2000:]
     assert {r["method"] for r in result_rows(results)} == {"poros", "resident"}
-    # each run that ran a cell records what it spent where: the stopped one ran none
+    # each run records what it spent where: the stopped one, its stop and no pass; the next, every phase
     from poros.harness.progress import parts as recorded_parts
 
-    parts = recorded_parts(tmp_path)  # each part as its last record
-    assert len(parts) == 1 and parts[0]["exit_status"] == 0 and not parts[0]["stopped"]
-    assert {"store build", "parity gate", "trainer set-up", "warm-up", "timed passes"} <= set(parts[0]["phases"])
-    assert sum(parts[0]["phases"].values()) <= parts[0]["wall_s"] + 1
+    stopped, part = recorded_parts(tmp_path)  # each part as its last record
+    assert stopped["stopped"] and stopped["exit_status"] == 1 and "timed passes" not in stopped["phases"]
+    assert part["exit_status"] == 0 and not part["stopped"]
+    assert {"store build", "parity gate", "trainer set-up", "warm-up", "timed passes"} <= set(part["phases"])
+    assert sum(part["phases"].values()) <= part["wall_s"] + 1
 
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
@@ -320,8 +322,10 @@ def test_a_resumed_part_reuses_the_gates_an_earlier_part_ran(tmp_path):
     assert rows["resident_gc_offload"]["parity"] == "PASS" and rows["resident_gc_offload"]["s_per_step_median"]
 
     refused, _ = run_suite(tmp_path, matrix, "--resume", "--max-minutes", "5", "-k", "plan:b")
-    assert refused.returncode == 75, why(refused)
-    assert "the longest gate recorded took 3600 s" in refused.stdout and len(gates()) == 1, why(refused)
+    # longer than the whole budget: a part of that budget would stop again, so it fails (1, not 75) naming the fix
+    assert refused.returncode == 1, why(refused)
+    assert "a parity gate (the longest recorded took 3600 s) cannot end within --max-minutes 5 (300 s)" in \
+        refused.stdout and len(gates()) == 1, why(refused)
     ran, _ = run_suite(tmp_path, matrix, "--resume", "-k", "plan:b")
     assert ran.returncode == 0, why(ran)
     assert [g["cell"].rsplit("/", 1)[1] for g in gates()] == ["a", "b"]
@@ -351,7 +355,7 @@ parity.RecordedReference = SlowReference
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_gate_longer_than_a_part_runs_its_two_sides_in_two_parts(tmp_path):
     """A reference recorded first (resident_gc_offload) is kept in the run's folder as digests: where its side took
-    so long that poros's would end past the time budget, the part stops after it, and the next (--resume) runs
+    so long that poros's could not end within the time budget, the part stops after it, and the next (--resume) runs
     only poros's side against the digests. Negative control: with the digests gone, the next part records the
     reference again."""
     matrix = {**TINY, "steps": 1, "passes": 1, "parity_steps": 1, "methods": ["poros", "resident_gc_offload"],
@@ -363,8 +367,10 @@ def test_a_gate_longer_than_a_part_runs_its_two_sides_in_two_parts(tmp_path):
 
     env = plugin_env(tmp_path, "slow_reference", SLOW_REFERENCE)
     first, results = run_suite(tmp_path, matrix, "-p", "slow_reference", "--max-minutes", "5", "-k", "gate", env=env)
-    assert first.returncode == 75, why(first)
-    assert re.search(r"resident_gc_offload's side of the gate took 36\d\d s and is kept", first.stdout), why(first)
+    # the gated side could not end within a whole part of this budget either: 1 (raise the budget), not 75
+    assert first.returncode == 1, why(first)
+    assert re.search(r"the gated side of the gate \(resident_gc_offload's side took 36\d\d s and is kept\) cannot end "
+                     r"within --max-minutes 5", first.stdout), why(first)
     (kept,) = records("reference")
     assert kept["seconds"] >= 3600 and not records("gate")
     digests = tmp_path / "gate-references" / kept["file"]
@@ -393,7 +399,7 @@ def test_a_kept_reference_edited_by_hand_is_refused_and_recorded_again(tmp_path)
     log = tmp_path / "passes.jsonl"
     env = plugin_env(tmp_path, "slow_reference", SLOW_REFERENCE)
     first, results = run_suite(tmp_path, matrix, "-p", "slow_reference", "--max-minutes", "5", "-k", "gate", env=env)
-    assert first.returncode == 75, why(first)
+    assert first.returncode == 1, why(first)  # the reference's side kept; the gated side cannot fit in 5 minutes
     (kept,) = [r for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "reference"]
     digests = tmp_path / "gate-references" / kept["file"]
     doc = json.loads(gzip.open(digests, "rt").read())
@@ -440,14 +446,14 @@ def test_a_parity_fail_row_is_gated_again_on_resume(tmp_path):
 
 TERMINATED = """import os
 import signal
-import poros.engine.methods.trainer as t
-orig = t.ResidentTrainer.step
+import poros.engine.methods.executor as t
+orig = t.PorosTrainer.step
 def step(self, batches=None):
-    # the resident cell, inside its second timed pass: a scheduler's SIGTERM
+    # the poros cell (timed after resident's), inside its second timed pass: a scheduler's SIGTERM
     if self.steps_done == 5 and os.environ.get("TERMINATE"):
         os.kill(os.getpid(), signal.SIGTERM)
     return orig(self, batches)
-t.ResidentTrainer.step = step
+t.PorosTrainer.step = step
 """
 
 
@@ -465,7 +471,7 @@ def test_benchmark_json_holds_every_timed_cell_across_a_sigterm_and_names_gpu_en
     proc, results = run_suite(tmp_path, matrix, "-p", "terminated", env={**env, "TERMINATE": "1"})
     assert proc.returncode == 2, why(proc)  # interrupted, not killed (-15)
     data = json.loads(bench_json.read_text())
-    assert [b["param"] for b in data["benchmarks"]] == ["model:tiny-qwen2-stack:current-method:poros"]
+    assert [b["param"] for b in data["benchmarks"]] == ["model:tiny-qwen2-stack:current-method:resident"]
     again, _ = run_suite(tmp_path, matrix, "-p", "terminated", "--resume", env=env)
     assert again.returncode == 0, why(again)
     data = json.loads(bench_json.read_text())
@@ -475,8 +481,8 @@ def test_benchmark_json_holds_every_timed_cell_across_a_sigterm_and_names_gpu_en
     assert data["commit_info"]["id"] == git["commit"] and data["commit_info"]["source_tree"] == git["source_tree"]
     assert data["commit_info"]["project"] == "poros" and data["commit_info"]["dirty"] == git["dirty"]
     by = {b["param"].rpartition(":")[2]: b for b in data["benchmarks"]}
-    passes = by["resident"]["extra_info"]["passes"]
-    assert [p["index"] for p in passes] == [0, 1] and by["resident"]["stats"]["data"] == [p["seconds"] for p in passes]
+    passes = by["poros"]["extra_info"]["passes"]
+    assert [p["index"] for p in passes] == [0, 1] and by["poros"]["stats"]["data"] == [p["seconds"] for p in passes]
     assert passes[0]["process"] != passes[1]["process"], "pass 0 ran in the terminated part, pass 1 in the next"
     compare = subprocess.run([sys.executable, "-m", "pytest_benchmark", "compare", str(bench_json)],
                              capture_output=True, text=True, timeout=120)

@@ -57,14 +57,15 @@ def test_a_matrix_with_no_cell_runnable_here_fails_in_one_line(tmp_path):
 
 
 LOST_MACHINE = """import os
-import poros.engine.methods.trainer as t
-orig = t.ResidentTrainer.step
+import poros.engine.methods.executor as t
+orig = t.PorosTrainer.step
 def step(self, batches=None):
-    # the resident cell, inside pass 2: the process ends at once, as on a machine taken away (no session end)
+    # the poros cell (timed after resident's), inside pass 2: the process ends at once, as on a machine taken
+    # away (no session end)
     if self.steps_done == 5 and os.environ.get("LOSE_IT"):
         os._exit(137)
     return orig(self, batches)
-t.ResidentTrainer.step = step
+t.PorosTrainer.step = step
 """
 
 
@@ -82,13 +83,13 @@ def test_a_lost_machine_keeps_its_finished_cells_benchmarks_and_its_part(tmp_pat
     proc, results = run_suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}",
                            env={**env, "LOSE_IT": "1"})
     assert proc.returncode == 137 and "passed" not in proc.stdout, why(proc)  # no session end ran
-    assert [r["method"] for r in result_rows(results)] == ["poros"]
+    assert [r["method"] for r in result_rows(results)] == ["resident"]
     names = [b["name"] for b in json.loads(bench_json.read_text())["benchmarks"]]
-    assert len(names) == 1 and "method:poros" in names[0]
+    assert len(names) == 1 and "method:resident" in names[0]
     (lost,) = parts(tmp_path)
     assert lost["exit_status"] is None and lost["gpu"] is not None and "timed passes" in lost["phases"]
     records = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
-    assert len([r for r in records if r["kind"] == "part"]) == 3  # at its start, after the gate, after poros
+    assert len([r for r in records if r["kind"] == "part"]) == 3  # at its start, after the gate, after resident
     again, _ = run_suite(tmp_path, matrix, "-p", "lost_machine", f"--benchmark-json={bench_json}", "--resume", env=env)
     assert again.returncode == 0, again.stdout[-2000:]
     first, second = parts(tmp_path)
@@ -103,8 +104,8 @@ LOST_BEFORE_ROW = """import os
 import poros.harness.results as r
 orig = r.ResultsWriter.append
 def append(self, row):
-    # resident's row: the process ends before it is written, after every pass of the cell is in the pass log
-    if row.get("method") == "resident" and os.environ.get("LOSE_IT"):
+    # poros's row: the process ends before it is written, after every pass of the cell is in the pass log
+    if row.get("method") == "poros" and os.environ.get("LOSE_IT"):
         os._exit(137)
     return orig(self, row)
 r.ResultsWriter.append = append
@@ -118,35 +119,35 @@ def test_a_finished_cells_lost_benchmark_is_written_from_its_row(tmp_path):
     rounds are the row's pass seconds, in pytest-benchmark's statistics, and the extra info the row's. A cell
     whose entry was kept is left as it was."""
     env = plugin_env(tmp_path, "lost_before_row", LOST_BEFORE_ROW)
-    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    matrix = {**TINY, "methods": ["resident", "poros"], "models": ["tiny-qwen2"]}
     bench_json = tmp_path / "benchmark.json"
     entries = lambda: {b["name"].partition("method:")[2].rstrip("]"): b  # noqa: E731
                        for b in json.loads(bench_json.read_text())["benchmarks"]}
     proc, results = run_suite(tmp_path, matrix, "-p", "lost_before_row", f"--benchmark-json={bench_json}",
                               env={**env, "LOSE_IT": "1"})
     assert proc.returncode == 137, why(proc)
-    assert [r["method"] for r in result_rows(results)] == ["poros"] and sorted(entries()) == ["poros"]
+    assert [r["method"] for r in result_rows(results)] == ["resident"] and sorted(entries()) == ["resident"]
     again, _ = run_suite(tmp_path, matrix, "-p", "lost_before_row", f"--benchmark-json={bench_json}", "--resume",
                          env=env)
     assert again.returncode == 0, again.stdout[-2000:]
     rows = {r["method"]: r for r in result_rows(results)}
-    resident = entries()["resident"]  # every pass timed by the lost part: no round ran in this one
-    assert resident["stats"]["data"] == rows["resident"]["per_pass_s"] and resident["stats"]["rounds"] == 2
-    assert resident["extra_info"]["s_per_step_median"] == rows["resident"]["s_per_step_median"]
-    assert resident["stats"]["median"] == sorted(rows["resident"]["per_pass_s"])[1] / 2 + \
-        sorted(rows["resident"]["per_pass_s"])[0] / 2
+    poros = entries()["poros"]  # every pass timed by the lost part: no round ran in this one
+    assert poros["stats"]["data"] == rows["poros"]["per_pass_s"] and poros["stats"]["rounds"] == 2
+    assert poros["extra_info"]["s_per_step_median"] == rows["poros"]["s_per_step_median"]
+    assert poros["stats"]["median"] == sorted(rows["poros"]["per_pass_s"])[1] / 2 + \
+        sorted(rows["poros"]["per_pass_s"])[0] / 2
 
-    # poros's entry as a harness that wrote the JSON only at its end would have lost it
+    # resident's entry as a harness that wrote the JSON only at its end would have lost it
     data = json.loads(bench_json.read_text())
-    kept = entries()["resident"]
-    data["benchmarks"] = [b for b in data["benchmarks"] if "method:poros" not in b["name"]]
+    kept = entries()["poros"]
+    data["benchmarks"] = [b for b in data["benchmarks"] if "method:resident" not in b["name"]]
     bench_json.write_text(json.dumps(data))
-    assert sorted(entries()) == ["resident"]  # control: the entry is gone before the next part
+    assert sorted(entries()) == ["poros"]  # control: the entry is gone before the next part
     third, _ = run_suite(tmp_path, matrix, f"--benchmark-json={bench_json}", "--resume")
     assert third.returncode == 0, third.stdout[-2000:]
-    said = {m: next(x for x in third.stdout.splitlines() if f"tiny-qwen2 {m}: skipped" in x) for m in ("poros", "resident")}
-    assert said["poros"].endswith("its benchmark entry written from the row") and "entry" not in said["resident"], said
-    poros = entries()["poros"]
-    assert poros["stats"]["data"] == rows["poros"]["per_pass_s"]
-    assert poros["extra_info"]["parity"] == "PASS" and poros["extra_info"]["steps"] == 2
-    assert entries()["resident"] == kept
+    said = {m: next(x for x in third.stdout.splitlines() if f"tiny-qwen2 {m}: skipped" in x) for m in ("resident", "poros")}
+    assert said["resident"].endswith("its benchmark entry written from the row") and "entry" not in said["poros"], said
+    resident = entries()["resident"]
+    assert resident["stats"]["data"] == rows["resident"]["per_pass_s"]
+    assert resident["extra_info"]["parity"] == "PASS" and resident["extra_info"]["steps"] == 2
+    assert entries()["poros"] == kept

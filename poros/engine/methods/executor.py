@@ -109,7 +109,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
                                      self.world if self.plan.shards > 1 else SINGLE, self._gathers)
         self._bind_weights(model)
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
-                        if self.cfg.overlap_backward and not self.cfg.cuda_graphs else None)
+                        if self.cfg.backward_overlaps else None)
         self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
         self.saved = SavedInputs(self.plan, self.device, pin=self.cfg.pin_memory)
         self.runners = self._runners(model.layers)
@@ -179,9 +179,6 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
     def _runners(self, layers) -> list[Runner]:
         """Each layer's runner: kept or recomputed, through layer templates when there are some."""
         t, worker, compiled = self.templates, self._worker, self.cfg.compile
-        if t is not None and self.plan.regenerated:
-            raise CapabilityError("input_stride: regenerated inputs run eager (or compiled) forwards, not layer "
-                                  "templates; drop cuda_graphs or input_stride")
         recompute = Recompute(layers, worker, self.saved, compiled, self.cfg.keep_attention,
                               frozenset(self.plan.regenerated),
                               eager_mlp=not (compiled and self.cfg.compile_mlp)) if t is None else TemplateRecompute(

@@ -101,6 +101,21 @@ def deterministic_kernels():
         raise refusal from None
 
 
+_after_step = None  # called after every optimizer step of every trainer in this process (`after_each_step`)
+
+
+@contextlib.contextmanager
+def after_each_step(hook):
+    """While inside, `hook()` runs after every optimizer step of every trainer in this process (a harness's time
+    budget: poros/harness/budget.py; it may raise to stop the run between steps)."""
+    global _after_step
+    previous, _after_step = _after_step, hook
+    try:
+        yield
+    finally:
+        _after_step = previous
+
+
 class StepResult:
     """One optimizer step's outcome. `loss`: the sum over micro-batches of the scaled loss, i.e. the mean loss of the
     step (over every rank's); `seconds`: what the step took the host to enqueue; `counters`: what it copied and
@@ -218,6 +233,8 @@ class Trainer(abc.ABC):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
+        if _after_step is not None:
+            _after_step()
 
     def counters(self, deferred: bool = False) -> dict:
         """What the last step did beside its arithmetic (bytes copied, and when); `deferred`: its device timings

@@ -224,7 +224,7 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
                                                                  c.offload_inputs)
     graphs = c.cuda_graphs
     n = geo.n_layers
-    overlap = c.overlap_backward and not graphs  # layer templates replay one layer's backward at a time
+    overlap = c.backward_overlaps
     resident_order = resident_set(n, resident_layers, c.placement)
     resident = frozenset(resident_order)
     streamed = n - resident_layers

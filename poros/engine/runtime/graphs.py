@@ -42,11 +42,30 @@ from torch import nn
 
 from poros.engine.model.compiling import compile_module
 from poros.engine.runtime.layer_call import LayerCall, hidden_of
+from poros.errors import PorosError
 
 # Eager runs on a side stream before each capture, as PyTorch's examples do. They leave activations
 # allocated for good (experiments/h200-cuda-graph-memory) and capture succeeds without them, so none by
 # default. The environment variable is for probes, not a setting.
-WARMUP = int(os.environ.get("POROS_GRAPH_WARMUP", "0"))
+WARMUP_ENV = "POROS_GRAPH_WARMUP"
+
+
+def graph_warmup() -> int:
+    """Eager calls before each capture: POROS_GRAPH_WARMUP, 0 where unset.
+
+    Raises:
+        PorosError: naming the variable, what it takes and what it holds.
+    """
+    text = os.environ.get(WARMUP_ENV, "").strip() or "0"
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise PorosError(f"{WARMUP_ENV}: expected a whole number >= 0 of eager calls before each CUDA graph capture, "
+                         f"got {text!r}; unset it for none")
+    return n
+
 COMPILED_WARMUP = 1  # compiled layers: calls before a capture, so that dynamo and inductor compile outside it
 IGNORED_ATTRS = {"layer_idx", "training"}  # per-layer attributes that do not change the kernels
 
@@ -313,7 +332,7 @@ class LayerTemplate:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(max(WARMUP, COMPILED_WARMUP if self.compiled else 0)):
+            for _ in range(max(graph_warmup(), COMPILED_WARMUP if self.compiled else 0)):
                 self._body()
                 self._clear_grads()
         torch.cuda.current_stream().wait_stream(side)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from poros.engine.verify.step_state import StepState
+from poros.common.atomic import atomic_path
 from poros.errors import PorosError
 
 FORMAT = 2  # 2: the gate's fingerprint and a checksum of the file's contents
@@ -89,11 +90,14 @@ class DigestReference:
             return cls(str(recorded.method), _digests(recorded.init, pool), states)
 
     def save(self, path: Path, fingerprint: str) -> str:
-        """Written whole under a temporary name, then renamed: a part killed mid-write leaves no half file.
-        `fingerprint`: the gate's (what it runs with), kept in the file.
+        """Written whole under a temporary name, then renamed (`poros.common.atomic`): a part killed mid-write leaves
+        no half file. `fingerprint`: the gate's (what it runs with), kept in the file.
 
         Returns:
-            The file's checksum (the pass log's `reference` record keeps it too)."""
+            The file's checksum (the pass log's `reference` record keeps it too).
+
+        Raises:
+            WriteError: the file could not be written (a full disk, a file-size limit)."""
         def hexes(d: dict) -> dict:
             return {n: None if v is None else v.hex for n, v in d.items()}
 
@@ -102,10 +106,9 @@ class DigestReference:
                            "weights": hexes(s.weights), "adamw": hexes(s.adamw)} for s in self.states]}
         doc["checksum"] = checksum(doc)
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(path.name + ".part")
-        with gzip.open(part, "wt") as f:
+        with atomic_path(path, "the gate reference's digests", "--resume records them again") as tmp, \
+                gzip.open(tmp, "wt") as f:
             json.dump(doc, f)
-        part.replace(path)
         return doc["checksum"]
 
     @classmethod

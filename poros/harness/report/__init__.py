@@ -21,11 +21,11 @@ from poros.harness.report.sweep import (
     sweep_rows,
     sweep_table,
 )
-from poros.harness.report.tables import results_table, spread
+from poros.harness.report.tables import results_table, spread, timing_warning
 
 __all__ = [
     "ATTENTION_COLUMNS", "OFFICIAL_REFERENCE", "SCALING_COLUMNS", "SWEEP_COLUMNS", "axis_figure",
     "budget_figure", "failures", "figure", "latest", "load_reference", "load_results", "on_cpu",
     "plot", "plot_title", "render_markdown", "render_sweep_markdown", "results_table", "schedule", "spread",
-    "sweep_figures", "sweep_rows", "sweep_table", "write_report",
+    "sweep_figures", "sweep_rows", "sweep_table", "timing_warning", "write_report",
 ]

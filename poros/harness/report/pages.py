@@ -7,32 +7,32 @@ from pathlib import Path
 
 import pandas as pd
 
+from poros.common.atomic import atomic_path, write_atomic
 from poros.harness.report.floor import FLOOR_NOTE, with_floors
 from poros.harness.report.across import across_sections
 from poros.harness.report.reference import reference_sections
 from poros.harness.report.plots import plot, plot_title, sweep_figures
 from poros.harness.report.rows import latest, load_reference, load_results, named_as_reference, on_cpu
 from poros.harness.report.sweep import (
-    SWEEP_INTRO,
     UNSLOTH_NOTE,
     attention_table,
     backends_table,
     floor_table,
     scaling_table,
+    sweep_intro,
     sweep_rows,
     sweep_table,
     unsloth_table,
 )
 from poros.harness.report.tables import (
-    SPREAD_NOTE,
     config_table,
     provenance_line,
     memory_table,
     protocol_line,
     results_table,
     runs_text,
-    spread,
     time_table,
+    timing_warning,
 )
 
 
@@ -57,9 +57,7 @@ def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, tit
         if len(reduced):
             parts.append(f"> **Reduced run: {runs_text(reduced)} (the matrix file asks for more) — "
                          "not comparable to full runs.**")
-        parts += [f"## Results — {hw}", *filter(None, [protocol_line(g)]), results_table(g)]
-        if any(spread(r) for r in g.to_dict("records") if r["status"] == "ok"):
-            parts.append(SPREAD_NOTE)
+        parts += [f"## Results — {hw}", *filter(None, [protocol_line(g), timing_warning(g)]), results_table(g)]
         if not on_cpu(g):  # no host→device copy to account for on the CPU
             parts += ["## Where the time goes (poros)", time_table(g)]
             memory = memory_table(g)
@@ -76,7 +74,7 @@ def render_sweep_markdown(df: pd.DataFrame, title: str | None = None, plots=()) 
     """The sweep page: every row, each streamed step against its floors, data-parallel scaling, math against the
     fast path, the attention backends, provenance, then the plots (heading, PNG name) it links."""
     rows = with_floors(sweep_rows(df))
-    parts = [f"# {title or 'Poros — plans measured'}", SWEEP_INTRO, sweep_table(rows)]
+    parts = [f"# {title or 'Poros — plans measured'}", sweep_intro(rows), sweep_table(rows)]
     sections = (("Against the floors", FLOOR_NOTE, floor_table), ("Beside Unsloth", UNSLOTH_NOTE, unsloth_table),
                 ("Data-parallel scaling", "Tokens/s under data parallelism against the same plan on one GPU of "
                  "the same machine; per-GPU efficiency is the speed-up divided by the number of GPUs.", scaling_table),
@@ -104,14 +102,15 @@ def write_report(results_paths, out_md, reference_csv=None, title: str | None = 
         links = []
         for suffix, heading, fig in sweep_figures(df):
             png = out_md.with_name(f"{out_md.stem}-{suffix}.png")
-            fig.savefig(png, dpi=120)
+            with atomic_path(png, "the plot") as tmp:
+                fig.savefig(tmp, dpi=120)
             links.append((heading, png.name))
-        out_md.write_text(render_sweep_markdown(df, title, links))
+        write_atomic(out_md, render_sweep_markdown(df, title, links), "the report")
         return out_md
     reference = load_reference(reference_csv) if reference_csv is not None else None
     out_md.parent.mkdir(parents=True, exist_ok=True)
     png = plot(named_as_reference(df, reference), out_md.with_suffix(".png"))
     text = render_markdown(df, reference, title)
     shows = plot_title(df)
-    out_md.write_text(text + f"\n## {shows}\n\n![{shows}]({png.name})\n")
+    write_atomic(out_md, text + f"\n## {shows}\n\n![{shows}]({png.name})\n", "the report")
     return out_md

@@ -85,8 +85,11 @@ def figure(df: pd.DataFrame):
 
 def plot(df: pd.DataFrame, png_path) -> Path:
     """Write `figure(df)` as a PNG."""
+    from poros.common.atomic import atomic_path
+
     png_path = Path(png_path)
-    figure(df).savefig(png_path, dpi=120)
+    with atomic_path(png_path, "the plot") as tmp:
+        figure(df).savefig(tmp, dpi=120)
     return png_path
 
 

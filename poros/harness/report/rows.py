@@ -4,13 +4,13 @@ row facts every page uses (the latest row per cell, the hardware, whether it ran
 from __future__ import annotations
 
 import io
-import json
+import math
 from pathlib import Path
 
 import pandas as pd
 
 from poros.errors import PorosError
-from poros.harness.record_schema import one_line, row_problems
+from poros.harness.record_schema import one_line, parse_line, row_problems
 from poros.harness.report.format import text_or_none
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SETTINGS, Setting
@@ -20,6 +20,7 @@ REFERENCE_COLUMNS = (
     "hardware", "model", "arch", "stack", "parity", "poros_s_step_median", "poros_s_step_std", "resident_s_step",
     "unsloth_s_step", "poros_vram_gb", "resident_vram_gb", "unsloth_vram_gb",
 )
+REFERENCE_FIGURES = REFERENCE_COLUMNS[5:]  # seconds and GB: a page divides by them
 # The official validation figures, shipped with the source tree (reports/reference/README.md).
 OFFICIAL_REFERENCE = Path(__file__).resolve().parent / "official.csv"  # shipped in the package (reports/reference/ links to it)
 
@@ -47,9 +48,9 @@ def load_results(paths) -> pd.DataFrame:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PorosError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                row = parse_line(line)
+            except ValueError as e:
+                raise PorosError(f"{path}:{n}: {e}") from None
             if not isinstance(row, dict):
                 raise PorosError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             bad = row_problems(row)
@@ -89,7 +90,7 @@ def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
         hint = (" (the official figures ship in a source checkout: install with pip install -e . or pass "
                 "--reference FILE.csv)" if path == OFFICIAL_REFERENCE else "")
         raise PorosError(f"{path}: no such reference file{hint}")
-    lines = path.read_text().splitlines(keepends=True)
+    lines = path.read_text().splitlines(keepends=True)  # UTF-8 text: the command line checks (`reference_path`)
     comments = []
     while lines and lines[0].startswith("#"):
         comments.append(lines.pop(0)[1:].strip())
@@ -98,6 +99,15 @@ def load_reference(csv_path=OFFICIAL_REFERENCE) -> pd.DataFrame:
     missing = [c for c in REFERENCE_COLUMNS if c not in ref.columns]
     if missing:
         raise PorosError(f"{path}: missing column(s) {', '.join(missing)}")
+    first = len(comments) + 2  # the file's line of the first figure row (after the comments and the header)
+    for column in REFERENCE_FIGURES:
+        values = pd.to_numeric(ref[column], errors="coerce")
+        bad = [(i, v) for i, (v, n) in enumerate(zip(ref[column], values))
+               if not pd.isna(v) and not (pd.notna(n) and math.isfinite(n) and n > 0)]
+        if bad:
+            i, v = bad[0]
+            raise PorosError(f"{path}:{first + i}: column {column}: expected a positive number or nothing, got {v!r}")
+        ref[column] = values
     source = [c.removeprefix("Source:").strip() for c in comments if c.startswith("Source:")]
     if source:
         ref.attrs["source"] = source[0]

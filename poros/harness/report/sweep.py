@@ -31,7 +31,7 @@ TASK = ("model", "stack", "seq_len", "grad_accum", "attention", "loss_chunk", "m
         "attention_chunk")
 SWEEP_INTRO = (
     "Each poros plan first passed the parity gate against the reference's states recorded in the same run "
-    "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed after discarded warm-up. "
+    "(torch.equal on every loss, LoRA gradient, weight and AdamW tensor), then was timed {warmup}. "
     "`vs resident` divides by the s/step of the reference (resident QLoRA, else resident_gc) of the same work "
     "(model, sequence length, attention, gradient accumulation, number of GPUs) in the same run on the same GPU; "
     "the GPU column names a run's (first) GPU by its UUID's first 8 hex digits. Unsloth is timed on the same store "
@@ -40,6 +40,12 @@ SWEEP_INTRO = (
     "private pools, reserved but not allocated; rows from before it was recorded show —), Predicted peak the "
     "planner's. Under data parallelism (GPUs > 1) every rank trains its own data: tokens/s counts every rank's "
     "tokens, the peak is the largest rank's.")
+
+
+def sweep_intro(rows: pd.DataFrame) -> str:
+    """`SWEEP_INTRO` as the rows were timed: after discarded warm-up, or with none where no row ran one."""
+    none = all(num(w) == 0 for w in rows["warmup_passes"])
+    return SWEEP_INTRO.format(warmup="with no warm-up pass" if none else "after discarded warm-up")
 
 
 def schedule(config: dict) -> str:
@@ -111,9 +117,20 @@ def _steps(n) -> str:
     return DASH if num(n) is None else f"{int(n)} step" if int(n) == 1 else f"{int(n)} steps"
 
 
+def _gate_words(r: dict) -> str:
+    """What a row's gate held it to: `N steps, vs resident`; the reference's own row took part as the reference
+    (rows from before `gate` was recorded: a reference method's row did)."""
+    gate = text_or_none(r.get("gate"))
+    reference = r["method"] == gate or (gate is None and r["method"] in REFERENCES)
+    parts = [_steps(r.get("parity_steps")) if num(r.get("parity_steps")) is not None else None,
+             "as the gate's reference" if reference else gate and f"vs {gate}",
+             f"gated under {int(r['alone_of'])} ranks" if num(r.get("alone_of")) else None]
+    return ", ".join(x for x in parts if x)
+
+
 def _sweep_parity(r: dict) -> str:
-    gate = f"vs {r['gate']}" + (f", gated under {int(r['alone_of'])} ranks" if num(r.get("alone_of")) else "")
-    verdict = None if text_or_none(r["parity"]) is None else f"{r['parity']} ({_steps(r.get('parity_steps'))}, {gate})"
+    words = _gate_words(r)
+    verdict = None if text_or_none(r["parity"]) is None else r["parity"] + (f" ({words})" if words else "")
     if r["status"] != "ok":
         reason = str(r.get("error") or r["status"]).split(":", 1)[-1].strip().replace("\n", " ")
         return f"{verdict}; not timed: {reason}" if verdict else f"not run: {reason}"

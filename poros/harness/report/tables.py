@@ -14,17 +14,54 @@ from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
 SPREAD = 0.10  # a timed CPU cell whose passes spread more than this share of their median is flagged
 SPREAD_MARK = "†"
-SPREAD_NOTE = (f"{SPREAD_MARK} passes spread more than {SPREAD:.0%} of their median (fastest to slowest): "
-               "the CPU was shared or busy; compare these timings with care.")
+
+
+def _spread_share(row) -> float | None:
+    """How far a timed CPU row's passes spread, fastest to slowest, as a share of their median (None: not a CPU
+    row, or fewer than two passes)."""
+    passes = [t for t in (row.get("per_pass_s") or []) if isinstance(t, (int, float))]
+    if len(passes) < 2 or (row.get("config") or {}).get("device", "cpu") != "cpu":
+        return None
+    med = sorted(passes)[len(passes) // 2] if len(passes) % 2 else sum(sorted(passes)[len(passes) // 2 - 1:][:2]) / 2
+    return (max(passes) - min(passes)) / med if med > 0 else None
 
 
 def spread(row) -> bool:
     """Whether a timed CPU row's passes spread more than `SPREAD` of their median."""
-    passes = [t for t in (row.get("per_pass_s") or []) if isinstance(t, (int, float))]
-    if len(passes) < 2 or (row.get("config") or {}).get("device", "cpu") != "cpu":
-        return False
-    med = sorted(passes)[len(passes) // 2] if len(passes) % 2 else sum(sorted(passes)[len(passes) // 2 - 1:][:2]) / 2
-    return med > 0 and (max(passes) - min(passes)) / med > SPREAD
+    share = _spread_share(row)
+    return share is not None and share > SPREAD
+
+
+def overloaded(row) -> bool:
+    """Whether a timed CPU row's passes ended with the host's load average above the CPUs its process could use:
+    other work shared them (rows from before the load was recorded: not known, so not flagged)."""
+    load, cores = num(row.get("load_avg_max")), num(row.get("cores"))
+    cpu = (row.get("config") or {}).get("device", "cpu") == "cpu"
+    return cpu and load is not None and cores is not None and load > cores
+
+
+def untrusted(row) -> str | None:
+    """Why a timed row's seconds say more about a busy machine than about the method (None: nothing says so)."""
+    why = []
+    if spread(row):
+        why.append(f"its passes spread {_spread_share(row):.0%} of their median")
+    if overloaded(row):
+        why.append(f"the load average reached {num(row['load_avg_max']):.1f} on {int(num(row['cores']))} CPUs")
+    return " and ".join(why) or None
+
+
+def timing_warning(df: pd.DataFrame) -> str | None:
+    """The line a results table stands under where any of its timed rows cannot be trusted (`untrusted`), naming
+    each and why, so a reader sees it before the figures; None where every row's timing holds."""
+    named_rows = [(r, untrusted(r)) for r in df.to_dict("records") if r["status"] == "ok"]
+    flagged = [f"{named(r['model'], r.get('point'), r.get('plan_name'))} {r['method']} ({why})"
+               for r, why in named_rows if why]
+    if not flagged:
+        return None
+    return (f"> **These timings cannot be trusted:** the CPU was shared or busy while {len(flagged)} of the cells "
+            f"below ran — {'; '.join(flagged)}. Their s/step and ratios say more about the machine than about the "
+            f"methods (marked {SPREAD_MARK} where the passes spread over {SPREAD:.0%}); rerun on an idle machine "
+            f"for figures to quote.")
 
 
 def s_step_text(row, with_std: bool = False) -> str:
@@ -191,6 +228,12 @@ def runs_text(df: pd.DataFrame) -> str:
     return uniq(steps_by_passes(s, p) for s, p in zip(df["steps"], df["passes"]))
 
 
+def warmup_text(df: pd.DataFrame) -> str:
+    """What came before the timed passes: `warm-up discarded`, or `no warm-up` where no row ran one."""
+    none = all(num(w) == 0 for w in df["warmup_passes"])
+    return "no warm-up" if none else "warm-up discarded"
+
+
 def _setting_rows(df: pd.DataFrame) -> list[tuple[str, str]]:
     """A row per training setting (poros/settings.py): what is computed over every row, how poros
     schedules it over the poros rows (distinct values joined by "; "); a setting a row predates reads
@@ -234,7 +277,7 @@ def config_table(df: pd.DataFrame, hw: str) -> str:
     rows = [
         ("Hardware", hw + ("" if mem == DASH else f" ({mem} GB VRAM)")),
         ("Precision", uniq(cfg("precision")).upper()),
-        ("Steps × passes", f"{runs_text(df)} (warm-up discarded; median ± std across passes)"),
+        ("Steps × passes", f"{runs_text(df)} ({warmup_text(df)}; median ± std across passes)"),
         *_setting_rows(df),
         ("Dataset", uniq(f"`{d}`" for d in cfg("dataset") if d)),
         ("Methods", ", ".join(by_value(m).label for m in methods)),
@@ -264,10 +307,14 @@ def protocol_line(df: pd.DataFrame) -> str:
     timed = df[df["status"] == "ok"].to_dict("records")
     if not timed:
         return ""
-    def measured(r: dict) -> str:  # a cell's timed passes and the warm-up discarded before them
+    def measured(r: dict) -> str:  # a cell's timed passes and the warm-up passes discarded before them
+        runs, passes = steps_by_passes(r["steps"], r["passes"]), num(r.get("warmup_passes"))
         warm = num(r.get("warmup_pass_steps", r.get("warmup_steps")))
-        return (f"{steps_by_passes(r['steps'], r['passes'])} after a discarded "
-                f"{'warm-up pass' if warm is None else f'{warm:g}-step warm-up'}")
+        if passes == 0:
+            return f"{runs} with no warm-up pass"
+        if passes is not None and passes > 1:
+            return f"{runs} after {passes:g} discarded warm-up passes" + ("" if warm is None else f" of {warm:g} steps")
+        return f"{runs} after a discarded {'warm-up pass' if warm is None else f'{warm:g}-step warm-up'}"
 
     protocols = uniq((measured(r) for r in timed), sep="; ")
     gated = [r for r in timed if text_or_none(r.get("parity")) is not None and is_planned(r["method"])]
