@@ -30,8 +30,8 @@ def layer_linear_names(config) -> list[str]:
     return names
 
 
-def resolve_targets(names: list[str], targets: tuple[str, ...]) -> tuple[str, ...]:
-    """The targets a run uses on a model whose layers hold linears `names` (see the module docstring).
+def resolve_targets(names: list[str], targets: tuple[str, ...], model: str = "the model") -> tuple[str, ...]:
+    """The targets a run uses on `model`, whose layers hold linears `names` (see the module docstring).
 
     Raises:
         ConfigError: an explicit target names no linear of the model, or leaves a fused linear whose
@@ -44,12 +44,12 @@ def resolve_targets(names: list[str], targets: tuple[str, ...]) -> tuple[str, ..
     problems = []
     missing = [t for t in targets if t not in names]
     if missing:
-        problems.append(f"no linear of the model's decoder layers is named {', '.join(missing)} (they hold "
-                        f"{', '.join(names)})")
+        problems.append(f"{', '.join(missing)} is no linear of {model}'s decoder layers "
+                        f"(they have {', '.join(sorted(names))})")
     for f, parts in FUSED.items():
         named = [p for p in parts if p in targets]
         if f in names and named and f not in targets:
-            problems.append(f"the model fuses {', '.join(parts)} into {f}: name {f} instead of {', '.join(named)}")
+            problems.append(f"{model} fuses {', '.join(parts)} into {f}: name {f} instead of {', '.join(named)}")
     if problems:
         raise ConfigError(problems, "lora_targets")
     return targets

@@ -16,11 +16,11 @@ from poros.harness.protocol import reference_problems
 from poros.harness.results import passes_path
 from poros.harness.report import load_reference
 from poros.checkers import module_names
+from poros.finetune.targets import layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
     check_lora_rank,
-    check_lora_targets,
     check_seq_len,
     check_supported,
     decoder_layers,
@@ -89,9 +89,9 @@ def model_problems(models, seq_len: int, lora_rank: int | None = None, lora_targ
                 targets = None
             if targets is not None:
                 try:
-                    check_lora_targets(src.config, targets, model)
+                    resolve_targets(layer_linear_names(src.config), targets, model)
                 except ConfigError as e:
-                    problems.extend(e.problems)
+                    problems.append(str(e))
             if lora_rank is not None:
                 try:
                     check_lora_rank(src.config, lora_rank, targets or LORA_TARGETS, model)

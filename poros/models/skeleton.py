@@ -132,17 +132,6 @@ def check_lora_rank(config, rank: int, targets, name: str = "the model") -> None
                            f"use lora_rank <= {found[0]}"])
 
 
-def check_lora_targets(config, targets, name: str = "the model") -> None:
-    """Raises: ConfigError naming each of `targets` that is no linear of the decoder layers (peft would stop on it
-    later, with a traceback, after the model is built), and the linears there are."""
-    list_name, layers = decoder_layers(skeleton(config))
-    have = sorted({n.rsplit(".", 1)[-1] for i, layer in enumerate(layers) for n, _ in layer_linears(layer, f"{list_name}.{i}")})
-    missing = [t for t in targets if t not in have]
-    if missing:
-        raise ConfigError([f"lora_targets: {', '.join(missing)} is no linear of {name}'s decoder layers "
-                           f"(they have {', '.join(have)})"])
-
-
 def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
     """Raises: ConfigError when `seq_len` exceeds the model's max_position_embeddings."""
     limit = getattr(config, "max_position_embeddings", None)
