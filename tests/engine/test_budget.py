@@ -385,19 +385,26 @@ def test_a_trainer_that_fails_while_being_built_releases_its_cap(stores, monkeyp
     assert released == [True, True]
 
 
-def test_a_step_past_the_cap_is_a_budget_error():
-    """An allocation the cap refuses ends in one line naming the budget, not a CUDA traceback; without a
-    cap (no budget) the allocator's own error stands."""
+def capped_trainer(cuda_graphs: bool = True) -> "X.PorosTrainer":
+    """A PorosTrainer shell whose allocator is held to a 24 GB budget: what `_within_budget` reads."""
     trainer = object.__new__(X.PorosTrainer)
     trainer.buffers = SimpleNamespace(reset_counters=lambda: None)
     trainer.saved = SimpleNamespace()
     trainer.plan = SimpleNamespace(budget=24 * GB, memory=SimpleNamespace(total=23 * GB))
     trainer.allocator_limit = SimpleNamespace(fraction=0.15)
     trainer.device = torch.device("cpu")
+    trainer.cfg = SimpleNamespace(cuda_graphs=cuda_graphs, keep_activations=False)
+    return trainer
 
-    def oom(self, batches=None):
-        raise torch.OutOfMemoryError("CUDA out of memory")
 
+def oom(self, *args):
+    raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_a_step_past_the_cap_is_a_budget_error():
+    """An allocation the cap refuses ends in one line naming the budget, not a CUDA traceback; without a
+    cap (no budget) the allocator's own error stands."""
+    trainer = capped_trainer()
     with pytest.MonkeyPatch.context() as m:
         m.setattr(X.Trainer, "step", oom)
         with pytest.raises(BudgetError, match="vram_budget 24 GB needed more device memory"):
@@ -405,6 +412,25 @@ def test_a_step_past_the_cap_is_a_budget_error():
         trainer.allocator_limit.fraction = None
         with pytest.raises(torch.OutOfMemoryError):
             trainer.step()
+
+
+@pytest.mark.parametrize("half", ["accumulate_step", "optimizer_step"])
+def test_a_gate_step_past_the_cap_is_a_budget_error_naming_flags_that_undo_what_is_on(half):
+    """The parity gate drives a step in two halves (`take_step`), not through `step`: an allocation the cap refuses
+    in either is the same one line, whose advice names --no-cuda-graphs only where graphs are on (the gate of qwen3-32b's 12 GB plan
+    with graphs once ended in the allocator's own error)."""
+    args = ([],) if half == "accumulate_step" else ()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(X.Trainer, half, oom)
+        with pytest.raises(BudgetError, match="vram_budget 24 GB needed more.*--vram-budget, or --no-cuda-graphs$"):
+            getattr(capped_trainer(), half)(*args)
+        with pytest.raises(BudgetError) as refused:
+            getattr(capped_trainer(cuda_graphs=False), half)(*args)
+        assert str(refused.value).endswith("give a larger --vram-budget")  # control: no flag for what is off
+        uncapped = capped_trainer()
+        uncapped.allocator_limit.fraction = None
+        with pytest.raises(torch.OutOfMemoryError):  # control: without a cap the allocator's error stands
+            getattr(uncapped, half)(*args)
 
 
 # --- poros plan -----------------------------------------------------------------------------------

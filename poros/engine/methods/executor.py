@@ -93,10 +93,12 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         except torch.OutOfMemoryError:
             if self.allocator_limit.fraction is None:
                 raise
+            undo = "".join(f", or {a}" for a, on in (("--no-cuda-graphs", self.cfg.cuda_graphs),
+                                                     ("drop --keep-activations", self.cfg.keep_activations)) if on)
             raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
                               f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB of it for the process; "
                               f"{held_text(self.device)}), and the allocator is held to the budget: give a larger "
-                              "--vram-budget, or --no-cuda-graphs, or drop --keep-activations") from None
+                              f"--vram-budget{undo}") from None
 
     def _make_within_limit(self) -> QLoRAModel:
         if self.cfg.keep_attention:
@@ -202,6 +204,16 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         self._regenerations = 0
         with self._within_budget():
             return super().step(batches)
+
+    # the parity gate drives a step in its two halves (poros/engine/verify/parity.py `take_step`): each is held to
+    # the budget as a whole step is
+    def accumulate_step(self, batches):
+        with self._within_budget():
+            return super().accumulate_step(batches)
+
+    def optimizer_step(self) -> None:
+        with self._within_budget():
+            super().optimizer_step()
 
     def counters(self, deferred: bool = False) -> dict:
         out = self.buffers.counters(deferred)
