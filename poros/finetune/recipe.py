@@ -43,7 +43,7 @@ from poros.finetune.loop import RunSummary, sequences_per_step, train_loop
 from poros.finetune.runlog import Progress, RunLog, restore_signals, signals_held
 from poros.finetune.plan_line import dry_plan, plan_line
 from poros.finetune.run_folder import check_resume, own_run_folder, prepare_out
-from poros.finetune.targets import describe_targets, layer_linear_names, resolve_targets
+from poros.models.targets import describe_targets, layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
 from poros.models.skeleton import check_lora_rank, check_seq_len
 from poros.paths import check_input

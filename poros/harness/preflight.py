@@ -16,7 +16,7 @@ from poros.harness.protocol import reference_problems
 from poros.harness.results import passes_path
 from poros.harness.report import load_reference
 from poros.checkers import module_names
-from poros.finetune.targets import layer_linear_names, resolve_targets
+from poros.models.targets import layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
