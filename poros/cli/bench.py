@@ -27,6 +27,8 @@ EPILOG = """examples:
   poros bench matrix matrices/h200.yaml -o out/h200 -k "method:poros and plan:24GB"
   poros bench matrix matrices/h200.yaml -o out/h200 --resume      # continue a killed run
   poros bench matrix matrices/h200.yaml -o out/h200 --resume --max-minutes 8   # in parts: repeat until exit 0
+  poros bench matrix matrices/h200.yaml -o out/h200 -k model:qwen2.5-72b --resume --passes-per-part 1
+      # a model whose cells outlast one machine: one pass of each cell a part, each part on one GPU
   poros bench matrix matrices/cpu.yaml -o out/now --benchmark-compare results/cpu/benchmark.json \\
       --benchmark-compare-fail mean:25%          # exit 1 if a cell's mean pass is 25 % slower than then
 
@@ -37,7 +39,8 @@ entry per timed cell, kept across --resume) and OUT/report.md (+ report.png); sh
 An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time owns
 OUT. --resume continues a cell after its last finished pass, and refuses rows measured with other
 settings. Exits 1 if any cell failed (parity FAIL included) or regressed past --benchmark-compare-fail,
-75 when --max-minutes stopped it with cells left (run the same command again), 74 when a record could
+75 when --max-minutes stopped it with cells left or --passes-per-part left passes (run the same command
+again), 74 when a record could
 not be written (a full disk, a file-size limit: make room, then --resume; nothing finished is lost).
 """
 
@@ -62,6 +65,10 @@ def add_parser(sub) -> None:
                    help="stop between passes before MIN minutes have passed (exit 75; --resume continues): a pass is "
                         "judged by the last one timed; a cell's first warm-up, with no pass to judge it by, "
                         "starts whatever time is left")
+    m.add_argument("--passes-per-part", type=int, metavar="N",
+                   help="time at most N passes of each single-GPU cell, then go on to the next (exit 75 where a cell "
+                        "has passes left; --resume continues): each part then times every cell on one GPU, so a "
+                        "page pairs two cells' passes GPU by GPU where a model's cells do not fit one machine's time")
     m.add_argument("--benchmark-compare", metavar="PATH", type=path_arg,
                    help="compare each timed cell with the same cell in PATH, an earlier run's benchmark.json "
                         "(the table is in OUT/bench.log)")
@@ -100,7 +107,7 @@ def command_line(args, resume: bool) -> str:
     """The command that runs this benchmark again (`--resume`: continuing it)."""
     prog = "poros" if Path(sys.argv[0]).name == "poros" else f"{shlex.quote(sys.executable)} -m poros"
     words = ["bench", "matrix", args.file, "-o", args.out]
-    for opt in ("steps", "passes", "parity_steps", "max_minutes"):
+    for opt in ("steps", "passes", "parity_steps", "max_minutes", "passes_per_part"):
         if getattr(args, opt, None) is not None:
             words += [f"--{opt.replace('_', '-')}", f"{getattr(args, opt):g}"]
     if args.keyword:
@@ -185,6 +192,11 @@ class Tally:
         return getattr(getattr(self.config, "_poros_session", None), "no_progress", None)
 
     @property
+    def stopped(self) -> bool:
+        """Whether the time budget stopped the run (else exit 75 came from cells with passes left to a later part)."""
+        return bool(getattr(getattr(self.config, "_poros_session", None), "stopped", False))
+
+    @property
     def write_failed(self) -> str | None:
         """The record the suites could not write, where they stopped at one (read once they have ended)."""
         return getattr(getattr(self.config, "_poros_session", None), "write_failed", None)
@@ -208,6 +220,8 @@ def _preflight(args):
     preflight.check_counts("poros bench", steps=args.steps, passes=args.passes, parity_steps=args.parity_steps)
     if args.max_minutes is not None and not args.max_minutes > 0:
         raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {args.max_minutes:g}")
+    if args.passes_per_part is not None and args.passes_per_part < 1:
+        raise PorosError(f"--passes-per-part: expected a number of passes >= 1, got {args.passes_per_part}")
     if m.device is not None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
@@ -279,7 +293,7 @@ def _run_locked(args, m, out: Path, lock) -> int:
     argv = [str(SUITES / "test_matrix.py"), "-p", "poros.suites.plugin", "-c", str(SUITES / "pytest.ini"),
             "--rootdir", str(SUITES.parent), f"--matrix={resolve_matrix_path(args.file)}", f"--results={results}",
             f"--benchmark-json={out / 'benchmark.json'}", "-p", "no:cacheprovider", "-q", "-rs"]
-    for opt in ("steps", "passes", "parity_steps", "max_minutes"):
+    for opt in ("steps", "passes", "parity_steps", "max_minutes", "passes_per_part"):
         if getattr(args, opt) is not None:
             argv.append(f"--{opt.replace('_', '-')}={getattr(args, opt)}")
     if args.keyword:
@@ -330,8 +344,10 @@ def _run_locked(args, m, out: Path, lock) -> int:
         say(f"poros bench: {tally.no_progress}")
         return 1
     if code == OUT_OF_TIME:
-        say(f"poros bench: stopped at the time budget (--max-minutes {args.max_minutes:g}) with cells left; finished "
-            f"passes are kept in {out / 'passes.jsonl'}. Continue with:\n  {command_line(args, resume=True)}")
+        why = (f"at the time budget (--max-minutes {args.max_minutes:g})" if tally.stopped or args.passes_per_part is None
+               else f"after {args.passes_per_part} pass(es) of each cell (--passes-per-part)")
+        say(f"poros bench: stopped {why} with cells left; finished passes are kept in {out / 'passes.jsonl'}. "
+            f"Continue with:\n  {command_line(args, resume=True)}")
     if not (results.exists() and ResultsWriter(results).rows()):
         if code == OUT_OF_TIME:
             return OUT_OF_TIME

@@ -219,7 +219,9 @@ def status_markdown(m: Matrix, out: Path) -> str:
     lines += [f"| {n} | {s} |" for n, s in states]
     if len(gpus) > 1:
         lines += ["", f"The timed cells ran on {len(gpus)} GPUs ({', '.join(_short(g) for g in sorted(gpus))}): a ratio "
-                      "between cells of different GPUs compares machines as well as methods (a page prints none: it says 'other GPU')."]
+                      "between cells of different GPUs compares machines as well as methods: a page prints one only "
+                      "where both cells timed passes on every GPU either ran on (`--passes-per-part`), GPU by GPU, "
+                      "and says 'other GPU' elsewhere."]
     if len(processes) > 1:
         lines += ["", f"Their passes ran in {len(processes)} processes."]
     if notes:

@@ -210,7 +210,7 @@ PASS_KIND_FIELDS = {
     "part": ({"part_id": text_or_null, "started": epoch, "ended": epoch, "wall_s": seconds, "phases": phases,
               "exit_status": lambda v: None if v is None or (isinstance(v, int) and not isinstance(v, bool))
               else "an integer or null", "stopped": flag, "gpu": list_of(text_or_null, "GPU UUIDs"),
-              "max_minutes": measure, "steps": whole(1), "passes": whole(1)},
+              "max_minutes": measure, "passes_per_part": whole(1), "steps": whole(1), "passes": whole(1)},
              ()),
 }
 

@@ -132,7 +132,8 @@ def timed_rounds(benchmark, run, warmup: int, rounds: int, *, earlier: list[floa
 
 def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, label: str = "", *,
             warmup_steps: int | None = None, earlier: list[dict] = (), on_pass=None,
-            budget: TimeBudget | None = None, benchmark=None, on_warmup=None) -> Measurement:
+            budget: TimeBudget | None = None, benchmark=None, on_warmup=None,
+            stop_after: int | None = None) -> Measurement:
     """Time `passes` passes of `steps` optimizer steps after `warmup` discarded passes (of `warmup_steps`
     steps each, default `steps`), each pass one round of `timed_rounds` (pytest-benchmark's where `benchmark`
     is given).
@@ -143,7 +144,8 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
     (`OutOfTime`), judged by the last timed pass (an earlier run's, before this process has timed one) or
     the pace of the warm-up's second half (its first steps compile); the warm-up itself is not started when it
     and one pass would not fit, judged by an earlier run's pass; and a pass or warm-up that its own steps show
-    cannot end within it is stopped (`TimeBudget.watch`).
+    cannot end within it is stopped (`TimeBudget.watch`). `stop_after`: this process times at most this many
+    passes, the rest left to a later one (`--passes-per-part`).
 
     Raises:
         OutOfTime: the budget ran out between passes.
@@ -158,13 +160,15 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
         out.pass_load.append(rec.get("load_avg"))
     gpu = this_gpu_uuid() if device == "cuda" else None
     todo = passes - len(out.per_pass_s)
+    if stop_after is not None:
+        todo = min(todo, stop_after)
     wsteps = steps if warmup_steps is None else warmup_steps
     pace = {"s_per_step": earlier[-1]["seconds"] / steps if earlier else None}
     peaks = [{k: rec.get(k) for k in PEAKS} for rec in earlier]
     if todo > 0 and budget is not None and pace["s_per_step"] is not None:
         budget.check(f"{label} warm-up and the next pass".strip(), pace["s_per_step"] * (warmup * wsteps + steps))
     kinds = [("warm-up" if warmup == 1 else f"warm-up {w + 1}/{warmup}", wsteps) for w in range(warmup)]
-    kinds += [(f"pass {i + 1}/{passes}", steps) for i in range(len(earlier), passes)]
+    kinds += [(f"pass {i + 1}/{passes}", steps) for i in range(len(earlier), len(earlier) + todo)]
     last: dict = {}
 
     def run(i: int) -> None:

@@ -45,6 +45,9 @@ def pytest_addoption(parser):
                     help="skip cells already recorded in --results and continue unfinished ones after their last pass")
     group.addoption("--max-minutes", type=float, default=None,
                     help="stop between passes before this many minutes have passed (exit 75; --resume continues)")
+    group.addoption("--passes-per-part", type=int, default=None,
+                    help="time at most this many passes of each cell, then go on to the next cell (exit 75 where "
+                         "one has passes left; --resume continues, on any GPU: a page pairs passes of one GPU)")
 
 
 def _register_markers(config) -> None:
@@ -157,6 +160,9 @@ def _preflight(config) -> None:
     minutes = config.getoption("--max-minutes")
     if minutes is not None and not minutes > 0:
         raise PorosError(f"--max-minutes: expected a number of minutes > 0, got {minutes!r}")
+    per_part = config.getoption("--passes-per-part")
+    if per_part is not None and per_part < 1:
+        raise PorosError(f"--passes-per-part: expected a number of passes >= 1, got {per_part}")
     console.reset_phases()
     if matrix_device(m) == "cuda":  # before any cell takes memory: the link as this process finds it
         from poros.harness.link import h2d_gbps
@@ -353,6 +359,8 @@ def pytest_keyboard_interrupt(excinfo):
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     state = getattr(session.config, "_poros_session", None)
+    if state is not None and state.unfinished and not state.stopped and exitstatus == 0:
+        session.exitstatus = OUT_OF_TIME  # cells with passes left for the next part (--passes-per-part)
     if state is not None and state.stopped and exitstatus == 0:
         session.exitstatus = OUT_OF_TIME
         if state.records_made() == state.records_at_start:  # the same part again would get no further: not 75

@@ -57,8 +57,10 @@ class Session:
         self.max_minutes = config.getoption("--max-minutes")
         self.budget = None if self.max_minutes is None else TimeBudget(self.max_minutes)
         self.stopped = False  # a cell stopped at the time budget
+        self.passes_per_part = config.getoption("--passes-per-part")
+        self.unfinished = False  # a cell timed the passes this part runs of it (--passes-per-part) and has more
         # a run in parts keeps Unsloth's export of the weights on disk for the next part (removed when complete)
-        self.keep_exports = self.max_minutes is not None
+        self.keep_exports = self.max_minutes is not None or self.passes_per_part is not None
         self.ran = False  # a cell got past its checks: the part is recorded from then on
         self.part_id = f"{self.started:.6f}-{os.getpid()}"  # the records of this part (one run) in the pass log
         self.write_failed: str | None = None  # the first record this run could not write: it stops there
@@ -80,7 +82,8 @@ class Session:
         self.passlog.add("part", "", "", part_id=self.part_id, started=self.started, ended=now,
                          wall_s=round(now - self.started, 1), phases=phases, exit_status=exit_status,
                          stopped=self.stopped, gpu=[g.get("uuid") for g in p.get("gpus") or []],
-                         max_minutes=self.max_minutes, steps=self.matrix.steps, passes=self.matrix.passes)
+                         max_minutes=self.max_minutes, passes_per_part=self.passes_per_part,
+                         steps=self.matrix.steps, passes=self.matrix.passes)
         if exit_status is not None:
             console.progress(f"this run: {now - self.started:.0f} s; " +
                              ", ".join(f"{k} {v:.0f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))

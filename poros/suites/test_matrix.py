@@ -343,14 +343,29 @@ def _measure_cell(session, cell, cfg, benchmark):
         try:
             meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
                            warmup_steps=m.warmup_pass_steps, earlier=earlier, budget=session.budget,
-                           on_pass=on_pass, benchmark=benchmark)
+                           on_pass=on_pass, benchmark=benchmark, stop_after=session.passes_per_part)
         finally:
             trainer.close()
             del trainer
             free_device_memory()
+        _unless_unfinished(session, len(meas.per_pass_s), benchmark)
         write(meas, plan)
     if gate is not None:
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"
+
+
+def _unless_unfinished(session, done: int, benchmark) -> None:
+    """A cell whose passes so far are those this part runs of it (`--passes-per-part`) and fewer than the matrix's:
+    skipped without a row (its passes are in the pass log, and no statistics of it in benchmark.json), the run goes
+    on to the next cell and ends with exit 75; `--resume` continues it, on any GPU."""
+    m = session.matrix
+    if done >= m.passes:
+        return
+    session.unfinished = True
+    if benchmark is not None:
+        benchmark.has_error = True  # pytest-benchmark keeps no statistics of a cell without its every pass
+    pytest.skip(f"{done} of {m.passes} passes timed (--passes-per-part {session.passes_per_part} a part); "
+                "--resume continues")
 
 
 def _room_for_child(session, store, cfg):
@@ -401,8 +416,10 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             session.passlog.add("pass", cell.id, fp, **rec)
 
         try:
+            passes = m.passes if session.passes_per_part is None else min(m.passes,
+                                                                          len(earlier) + session.passes_per_part)
             with console.phase("unsloth child"):
-                measure_unsloth(store, cfg, m.steps, m.passes, m.warmup_passes, log=progress,
+                measure_unsloth(store, cfg, m.steps, passes, m.warmup_passes, log=progress,
                                 warmup_steps=m.warmup_pass_steps, on_pass=on_pass, keep_export=session.keep_exports,
                                 benchmark=benchmark, earlier=earlier, budget=session.budget,
                                 before_child=_room_for_child(session, store, cfg))
@@ -410,7 +427,7 @@ def _measure_child(session, cell, cfg, store, write, benchmark) -> None:
             console.add_phase_time("timed passes", sum(r["seconds"] for r in this))
             console.add_phase_time("unsloth child", -sum(r["seconds"] for r in this))
         earlier = earlier + this
-
+    _unless_unfinished(session, len(earlier), benchmark)
     write(_child_measurement(earlier))
 
 

@@ -45,6 +45,17 @@ def test_no_warm_up_starts_where_an_earlier_pass_says_the_next_pass_would_not_fi
     assert trainer.steps == 2 + 4 and len(out.per_pass_s) == 2
 
 
+def test_stop_after_times_that_many_passes_after_the_earlier_ones():
+    """`stop_after` (--passes-per-part): a process times at most that many of the passes left, after its own warm-up;
+    the passes an earlier process timed come first. Control: without it every pass left is timed."""
+    trainer = SlowStart(0.001)
+    out = measure(trainer, CPU, 3, 3, 1, warmup_steps=2, earlier=[{"seconds": 0.5}], stop_after=1)
+    assert out.per_pass_s[0] == 0.5 and len(out.per_pass_s) == 2 and trainer.steps == 2 + 3
+    trainer = SlowStart(0.001)
+    assert len(measure(trainer, CPU, 3, 3, 1, warmup_steps=2, earlier=[{"seconds": 0.5}]).per_pass_s) == 3
+    assert trainer.steps == 2 + 2 * 3
+
+
 def test_a_warm_up_s_compiling_first_step_does_not_set_the_pace_of_the_pass():
     """4 warm-up steps, the first 0.6 s (compiling), then 0.01 s each: the pass of 10 steps fits in 0.5 s
     and runs; judged by the warm-up's mean (0.16 s a step) it would have been refused."""
@@ -418,7 +429,7 @@ def test_a_child_method_under_a_sweep_it_does_not_take_runs_once(monkeypatch, tm
 
     monkeypatch.setattr(um, "measure_unsloth", fake_unsloth)
     session = SimpleNamespace(matrix=m, passlog=PassLog(tmp_path / "passes.jsonl"), resume=False, budget=None,
-                              keep_exports=False, cell_fingerprint=lambda cell: cell_fingerprint(m, cell))
+                              passes_per_part=None, keep_exports=False, cell_fingerprint=lambda cell: cell_fingerprint(m, cell))
     store = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, hidden_size=8))
     written = {}
     for cell in cells:

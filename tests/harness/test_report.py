@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pytest
 
@@ -669,3 +670,34 @@ def test_a_row_whose_passes_ran_on_two_gpus_prints_no_ratio(tmp_path):
     rows[0]["pass_gpus"] = [uuid, uuid, uuid]
     same = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", rows)))
     assert "other GPU" not in same
+
+
+def _passes(row: dict, seconds: list[float], gpus: list[str]) -> None:
+    row["per_pass_s"], row["pass_gpus"] = seconds, gpus
+
+
+def test_a_ratio_between_rows_timed_on_the_same_gpus_is_read_gpu_by_gpu(tmp_path):
+    """A model whose cells ran a pass each on three GPUs (`--passes-per-part 1`): each ratio is the median of the
+    three GPUs' own ratios, marked with their number and explained; the ratio of the rows' medians would differ
+    (poros 15 s over resident 5 s: 3.00×, against 2, 2 and 3 GPU by GPU: 2.00×). Controls: a GPU where one row
+    timed no pass, and rows whose passes name no GPU, print no ratio."""
+    rows = three_methods()
+    p, r, u = rows
+    steps = p["steps"]
+    _passes(p, [10.0, 20.0, 15.0], ["GPU-a", "GPU-b", "GPU-c"])
+    _passes(r, [5.0, 10.0, 5.0], ["GPU-a", "GPU-b", "GPU-c"])
+    _passes(u, [20.0, 20.0, 10.0], ["GPU-c", "GPU-a", "GPU-b"])  # in another order: paired by GPU, not by index
+    for row in rows:
+        row["s_per_step_median"] = statistics.median(row["per_pass_s"]) / steps
+    md = render_markdown(load_results(write_jsonl(tmp_path / "a.jsonl", rows)))
+    (row,) = table_rows(md, "qwen2.5-32b", 14)
+    assert row[7] == "2.00× (3 GPUs)"  # 10/5, 20/10, 15/5
+    assert row[8] == "0.75× (3 GPUs)"  # a: 10/20, b: 20/10, c: 15/20 -> 0.5, 2.0, 0.75
+    assert "the median over those GPUs of the ratio on each GPU" in md and "other GPU" not in md
+    _passes(r, [5.0, 10.0, 5.0], ["GPU-a", "GPU-b", "GPU-d"])  # control: resident never ran on GPU-c
+    md = render_markdown(load_results(write_jsonl(tmp_path / "b.jsonl", rows)))
+    (row,) = table_rows(md, "qwen2.5-32b", 14)
+    assert row[7] == "other GPU" and row[8] == "0.75× (3 GPUs)"
+    _passes(r, [5.0, 10.0, 5.0], ["GPU-a", None, "GPU-c"])  # control: a pass that names no GPU pairs nothing
+    (row,) = table_rows(render_markdown(load_results(write_jsonl(tmp_path / "c.jsonl", rows))), "qwen2.5-32b", 14)
+    assert row[7] == "other GPU"

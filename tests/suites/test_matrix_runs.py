@@ -292,6 +292,31 @@ def test_a_time_budget_stops_between_passes_and_resume_finishes(tmp_path):
 
 
 @pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
+def test_passes_per_part_times_a_pass_of_every_cell_each_part_and_resume_finishes(tmp_path):
+    """`--passes-per-part 1` on a matrix of two passes: the first part times one pass of each cell, writes no row and
+    no benchmark statistics of them, and ends with 75; the second (--resume) times the other pass of each and
+    writes both rows of two passes. Control: without the option one part writes both rows."""
+    matrix = {**TINY, "methods": ["poros", "resident"], "models": ["tiny-qwen2"]}
+    assert matrix["passes"] == 2
+    first, results = run_suite(tmp_path, matrix, "--passes-per-part", "1", f"--benchmark-json={tmp_path / 'b.json'}")
+    assert first.returncode == 75, why(first)
+    assert "1 of 2 passes timed (--passes-per-part 1 a part); --resume continues" in first.stdout
+    assert not results.exists() or not result_rows(results)
+    log = [json.loads(x) for x in (tmp_path / "passes.jsonl").read_text().splitlines()]
+    timed = [r for r in log if r["kind"] == "pass"]
+    assert sorted(r["cell"].rsplit("method:", 1)[1] for r in timed) == ["poros", "resident"]
+    assert all(r["index"] == 0 for r in timed)
+    assert not json.loads((tmp_path / "b.json").read_text())["benchmarks"]
+    second, _ = run_suite(tmp_path, matrix, "--passes-per-part", "1", "--resume")
+    assert second.returncode == 0, why(second)
+    rows = result_rows(results)
+    assert {r["method"] for r in rows} == {"poros", "resident"} and all(len(r["per_pass_s"]) == 2 for r in rows)
+    (tmp_path / "whole").mkdir()
+    whole, whole_results = run_suite(tmp_path / "whole", matrix)
+    assert whole.returncode == 0 and len(result_rows(whole_results)) == 2, why(whole)
+
+
+@pytest.mark.slow  # end to end in subprocesses or ranks: the slow tier
 def test_a_resumed_part_reuses_the_gates_an_earlier_part_ran(tmp_path):
     """A run in parts (scripts/matrix_part.sh): a later part takes the gates an earlier one recorded, whatever its
     time budget (a kept gate takes no time), and its reference's cell, selected alone, takes the plans gated so

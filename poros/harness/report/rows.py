@@ -187,6 +187,20 @@ def row_gpus(row) -> set[str]:
     return passes or {gpu_uuid(row)}
 
 
+def passes_by_gpu(row) -> dict[str, list[float]] | None:
+    """A row's timed passes' seconds by the GPU (UUID) each ran on; None where a pass names no GPU or the row's
+    lists do not pair up (rows that predate pass GPUs)."""
+    secs, gpus = row.get("per_pass_s"), row.get("pass_gpus")
+    if not (isinstance(secs, list) and isinstance(gpus, list)) or not secs or len(secs) != len(gpus):
+        return None
+    out: dict[str, list[float]] = {}
+    for s, g in zip(secs, gpus):
+        if not isinstance(g, str) or not isinstance(s, (int, float)) or isinstance(s, bool) or not s > 0:
+            return None
+        out.setdefault(g, []).append(float(s))
+    return out
+
+
 def run_of(row) -> str:
     """A row's run: one matrix on one machine and GPU; rows that name their run (`run`) keep apart runs of one
     matrix."""

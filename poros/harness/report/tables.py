@@ -3,12 +3,16 @@ reference against measured figures, and the provenance line."""
 
 from __future__ import annotations
 
+import re
+import statistics
+
 import pandas as pd
 
 from poros.engine.methods.method_info import NAMES, PLANNED, REFERENCES, UNGATED, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, FLOOR_NOTE, floor_cells, probed
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, steps_by_passes, text_or_none, uniq
-from poros.harness.report.rows import budget_bytes, named, on_cpu, planned_shown, row_gpus, setting_shown
+from poros.harness.report.rows import (budget_bytes, named, on_cpu, passes_by_gpu, planned_shown, row_gpus,
+                                      setting_shown)
 from poros.provenance import is_hardware
 from poros.settings import COMPUTED, SCHEDULE, SETTINGS
 
@@ -109,6 +113,12 @@ APART = "other GPU"  # where a ratio's two rows ran on different GPUs: no ratio 
 APART_NOTE = ("other GPU: the two rows of this ratio ran on different GPUs (their UUIDs differ, or one row's passes "
               "ran on more than one), and GPUs of one model differ in speed, so no ratio is printed: measure both "
               "methods on one GPU (one run) to compare them.")
+PAIRED_NOTE = ("(N GPUs): the two rows' passes ran on N GPUs, each GPU timing passes of both (a run in parts, "
+               "`--passes-per-part`, where a model's cells outlast one machine); the ratio is the median over those "
+               "GPUs of the ratio on each GPU, so it too compares two methods on one GPU.")
+PAIRED = re.compile(r" \(\d+ GPUs\)$")
+# a ratio of per-pass times read GPU by GPU: s/step scales with a pass's seconds, tokens/s inversely
+PER_PASS_POWER = {"s_per_step_median": 1, "tokens_per_s": -1}
 
 
 def one_gpu(a, b) -> bool:
@@ -117,12 +127,35 @@ def one_gpu(a, b) -> bool:
     return a is None or b is None or len(row_gpus(a) | row_gpus(b)) == 1
 
 
+def gpu_paired_ratio(a, b, field: str) -> tuple[float, int] | None:
+    """`a`'s `field` over `b`'s GPU by GPU, where both rows timed passes on the same two or more GPUs: the median
+    over those GPUs of the ratio of their medians there, and how many GPUs; None where they did not (a GPU with
+    passes of one row only, a pass naming no GPU, or a field that is not read from pass times)."""
+    power = PER_PASS_POWER.get(field)
+    pa, pb = passes_by_gpu(a), passes_by_gpu(b)
+    if power is None or pa is None or pb is None or set(pa) != set(pb) or len(pa) < 2:
+        return None
+    ratios = [(statistics.median(pa[g]) / a["steps"]) / (statistics.median(pb[g]) / b["steps"]) for g in sorted(pa)]
+    return statistics.median(r ** power for r in ratios), len(ratios)
+
+
 def _rows_ratio(a, b, field: str, fmt: str) -> str:
-    """`a`'s `field` over `b`'s as `fmt` prints it; — where either is missing, `APART` where they ran on two GPUs."""
+    """`a`'s `field` over `b`'s as `fmt` prints it; — where either is missing; where they ran on several GPUs, the
+    ratio GPU by GPU with the number of GPUs (`gpu_paired_ratio`), else `APART`."""
     x, y = ok_value(a, field), ok_value(b, field)
     if x is None or not y:
         return DASH
-    return fmt.format(x / y) if one_gpu(a, b) else APART
+    if one_gpu(a, b):
+        return fmt.format(x / y)
+    paired = gpu_paired_ratio(a, b, field)
+    return APART if paired is None else fmt.format(paired[0]) + f" ({paired[1]} GPUs)"
+
+
+def ratio_notes(cells) -> str:
+    """The notes the ratios printed in `cells` need: why one is missing (`APART`), how a paired one was read."""
+    notes = [note for note, shown in ((APART_NOTE, any(c == APART for c in cells)),
+                                      (PAIRED_NOTE, any(PAIRED.search(c) for c in cells))) if shown]
+    return "".join(f"\n\n{n}" for n in notes)
 
 
 def results_table(df: pd.DataFrame) -> str:
@@ -138,7 +171,7 @@ def results_table(df: pd.DataFrame) -> str:
                                                                for m in others),
                *(f"{'Slowdown ' if i == 0 else ''}vs {m}" for i, m in enumerate(others)), "poros VRAM",
                *(f"{m} VRAM" for m in others), *(f"{'VRAM cut ' if i == 0 else ''}vs {m}" for i, m in enumerate(others))]
-    rows, marked = [], False
+    rows, ratios = [], []
     for (model, stack, point), c in cells_of(df).items():
         o = [c.get(m) for m in others]
         for plan, p in (c["plans"] or {None: None}).items():
@@ -150,8 +183,8 @@ def results_table(df: pd.DataFrame) -> str:
                          *([plan or DASH] if plans else []), parity_text(p or o[0]), s_step_text(p, True),
                          *(s_step_text(x, i == 0) for i, x in enumerate(o)), *speed, fmt_gb(pv),
                          *(fmt_gb(ok_value(x, "peak_vram_gb")) for x in o), *cut])
-            marked = marked or APART in speed
-    note = f"\n\n{APART_NOTE}" if marked else ""
+            ratios += speed
+    note = ratio_notes(ratios)
     if on_cpu(df):
         vram = 1 + 2 * len(others)
         return md_table(columns[:-vram], [r[:-vram] for r in rows]) + note
@@ -165,14 +198,14 @@ def headline_table(df: pd.DataFrame) -> str:
     others = [next((m for m in REFERENCES if m in present), REFERENCES[0]), *(m for m in UNGATED if m in present)]
     columns = ["Model", "Bitwise parity", "poros s/step", *(f"{m} s/step" for m in others),
                *(f"poros vs {m}" for m in others), "poros VRAM", *(f"{m} VRAM" for m in others)]
-    rows, marked = [], False
+    rows, ratios = [], []
     for (model, _stack, _point), c in cells_of(df).items():
         p, o = c.get(PLANNED), [c.get(m) for m in others]
         speed = [_rows_ratio(p, x, "s_per_step_median", "{:.2f}×") for x in o]
-        marked = marked or APART in speed
+        ratios += speed
         rows.append([model, parity_text(p).split(" (")[0], s_step_text(p), *(s_step_text(x) for x in o), *speed,
                      fmt_gb(ok_value(p, "peak_vram_gb")), *(fmt_gb(ok_value(x, "peak_vram_gb")) for x in o)])
-    return md_table(columns, rows) + (f"\n\n{APART_NOTE}" if marked else "")
+    return md_table(columns, rows) + ratio_notes(ratios)
 
 
 def time_table(df: pd.DataFrame) -> str:
