@@ -2,7 +2,8 @@
 to log.csv; every `save_every` steps, at the last step and at the step a Ctrl-C or SIGTERM arrives in, the LoRA
 weights and AdamW state are checked finite, the eval data is scored (`eval_loss`, on every rank) and rank 0 saves a
 checkpoint and redraws loss.png. A loss that is not finite stops the run at its step. A finished run writes
-`adapter/`; `RunSummary` is what a run returns.
+`adapter/`; `RunSummary` is what a run returns. A step's loss is read back once the next step is enqueued (a step
+that saves, before), so the device never waits for the host between steps.
 """
 
 from __future__ import annotations
@@ -104,54 +105,84 @@ def train_loop(fc, trainer, data, evals, start, log, base_model, bar, resume_com
     saved = start  # the step of the checkpoint on disk
     speeds = []
     memory_kind = "on cuda" if cfg.device.value == "cuda" else "host RSS (cpu)"
+    clock = [time.perf_counter()]  # when the last step reported was read back
+
+    def report(done: int, result) -> dict:
+        """Step `done`'s row, once its loss is read back (which waits for the step's last kernel)."""
+        loss = result.loss
+        now = time.perf_counter()
+        speeds.append(tokens / (now - clock[0]))
+        clock[0] = now
+        summary.step = done
+        if not math.isfinite(loss):
+            raise PorosError(f"step {done}: the loss is {loss}; lower --lr (now {cfg.lr}) and start a new run")
+        summary.losses.append(loss)
+        peak = _peak_memory_gb(cfg.device.value)
+        bar.update(done, loss, speeds[-1], f"peak {peak:.2f} GB {memory_kind}")
+        return {"step": done, "loss": f"{loss:.6f}", "lr": lrs.pop(done), "tokens_per_s": f"{speeds[-1]:.1f}",
+                "peak_memory_gb": f"{peak:.3f}"}
+
+    def write_failed(e: BaseException, done: int) -> BaseException:
+        """A write into the run's folder that failed at step `done`, as one line (a full disk); another error: itself."""
+        if not (isinstance(e, WriteError) or is_write_failure(e)):  # a safetensors error of another kind
+            return e
+        kept = f"the checkpoint of step {saved} is intact" if saved else "no checkpoint was written"
+        return PorosError(f"step {done}: writing into {out} failed ({written_why(e)}); {kept}; free space, "
+                          f"then resume with: {again}")
+
+    # Each step is enqueued before the last one's loss is read back, so the host prepares a step while the device
+    # runs the one before (one synchronization a step, never an idle device); a step that saves is read back
+    # before the next is enqueued, so its checkpoint holds that step's weights.
+    lrs, pending = {}, None
     with StopRequest(bar.message) as stop:
         for step in range(start, fc.steps):
-            t0 = time.perf_counter()
             batches = data.batches_at(step * per_step, cfg.batch_size, cfg.grad_accum * world.size)
             batches = [b.to(trainer.device) for b in world.share(batches)]
+            done = step + 1
             result = trainer.step(batches)
-            speeds.append(tokens / (time.perf_counter() - t0))
-            done = summary.step = step + 1
-            if not math.isfinite(result.loss):
-                raise PorosError(f"step {done}: the loss is {result.loss}; lower --lr (now {cfg.lr}) and start a new "
-                                 "run")
-            summary.losses.append(result.loss)
-            peak = _peak_memory_gb(cfg.device.value)
-            row = {"step": done, "loss": f"{result.loss:.6f}", "lr": trainer.optimizer.param_groups[0]["lr"],
-                   "tokens_per_s": f"{speeds[-1]:.1f}", "peak_memory_gb": f"{peak:.3f}"}
-            bar.update(done, result.loss, speeds[-1], f"peak {peak:.2f} GB {memory_kind}")
+            lrs[done] = trainer.optimizer.param_groups[0]["lr"]
             if on_step:
                 on_step(done)
             last = done == fc.steps
             stopping = any_rank(stop.requested, world)
             saving = last or stopping or (fc.save_every and done % fc.save_every == 0)
-            if saving:
-                bad = _non_finite(trainer)
-                if bad is not None:
-                    kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint was written"
-                    raise PorosError(f"step {done}: {bad} holds NaN/inf after the update, so it is not saved ({kept}); "
-                                     f"lower --lr (now {cfg.lr}) and start a new run")
-                if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
-                    summary.eval_loss = eval_loss(trainer, evals)
-                    row["eval_loss"] = f"{summary.eval_loss:.6f}"
-                    bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
+            if pending is not None:
+                row = report(*pending)
+                if world.main:
+                    try:
+                        log.append(row)
+                    except (OSError, WriteError) as e:
+                        failure = write_failed(e, pending[0])
+                        if failure is e:
+                            raise
+                        raise failure from None
+            pending = (done, result)
+            if not saving:
+                continue
+            row, pending = report(*pending), None
+            bad = _non_finite(trainer)
+            if bad is not None:
+                kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint was written"
+                raise PorosError(f"step {done}: {bad} holds NaN/inf after the update, so it is not saved ({kept}); "
+                                 f"lower --lr (now {cfg.lr}) and start a new run")
+            if evals is not None:  # every rank scores the whole eval set (its collectives run on all)
+                summary.eval_loss = eval_loss(trainer, evals)
+                row["eval_loss"] = f"{summary.eval_loss:.6f}"
+                bar.message(f"step {done}: eval loss {summary.eval_loss:.4f}")
             try:
-                if saving and world.main:
-                    save_checkpoint(trainer, out, {"step": done, "position": done * per_step, "loss": result.loss},
-                                    base_model)
+                if world.main:
+                    save_checkpoint(trainer, out, {"step": done, "position": done * per_step,
+                                                   "loss": summary.losses[-1]}, base_model)
                     saved = done
                     if stopping:
                         stop.settle()  # the checkpoint is saved: a second Ctrl-C has nothing left to abort
                     log.append(row)
                     plot_loss(log, out / "loss.png")
-                elif world.main:
-                    log.append(row)
             except (OSError, WriteError, SafetensorError) as e:  # a full disk: one line, the last checkpoint intact
-                if not (isinstance(e, WriteError) or is_write_failure(e)):  # a safetensors error of another kind
+                failure = write_failed(e, done)
+                if failure is e:
                     raise
-                kept = f"the checkpoint of step {saved} is intact" if saved else "no checkpoint was written"
-                raise PorosError(f"step {done}: writing into {out} failed ({written_why(e)}); {kept}; free space, "
-                                 f"then resume with: {again}") from None
+                raise failure from None
             if stopping and not last:
                 stop.settle()  # (the other ranks, which save nothing)
                 summary.interrupted, summary.signal = True, stop.signum

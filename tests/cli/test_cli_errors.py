@@ -293,10 +293,12 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     err = run.stderr.splitlines()
     assert err[0] == f"kept the earlier run's results.jsonl, report.md in {out / 'earlier' / '1'}/", err
     cells = [line for line in err if line.startswith("[cell ")]
-    assert [c.split(":")[0] for c in cells] == ["[cell 1/3] tiny-qwen2 parity gate", "[cell 2/3] tiny-qwen2 poros",
-                                                "[cell 3/3] tiny-qwen2 resident"], err
+    assert [c.split(":")[0] for c in cells] == ["[cell 1/3] tiny-qwen2 parity gate", "[cell 2/3] tiny-qwen2 resident",
+                                                "[cell 3/3] tiny-qwen2 poros"], err
     assert "parity PASS" in cells[0] and "2 steps" in cells[0] and "s/step" in cells[1] and "s/step" in cells[2]
-    assert len(err) <= 7, err  # kept, 3 cells, summary, wrote: no per-step losses, warnings or tables
+    # kept, the settings each method runs (a heading, a line a method), 3 cells, summary, wrote: no per-step losses,
+    # warnings or tables
+    assert err[1].startswith("settings (") and len(err) <= 9, err
     both = run.stdout + run.stderr
     for noise in ("loss", "Warning", "kernels-community", "Name (time in", "passed, "):
         assert noise not in both, noise
@@ -307,11 +309,11 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     assert (out / "earlier" / "1" / "report.md").read_text() == "an earlier report\n"
     assert not (out / LOCK_NAME).exists()
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["poros", "resident"]
+    assert [r["method"] for r in rows] == ["resident", "poros"]  # the reference first: poros's floor reads its step
     assert all(r["parity_steps"] == 2 and r["parity"] == "PASS" for r in rows)  # --parity-steps 2 over the matrix's 1
 
-    # killed while writing the resident row: its lock file is left behind, its last line torn; resume
-    # takes the folder over, keeps the poros row and sets the partial line aside
+    # killed while writing the poros row: its lock file is left behind, its last line torn; resume
+    # takes the folder over, keeps the resident row and sets the partial line aside
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (out / LOCK_NAME).write_text(json.dumps({"pid": int(gone.stdout), "host": os.uname().nodename,
                                              "started": "2026-01-01T00:00:00+00:00", "command": "poros bench"}))
@@ -321,13 +323,13 @@ def test_bench_is_quiet_keeps_earlier_results_and_resumes_past_a_torn_line(tmp_p
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"was left by pid {gone.stdout.strip()} on host" in again.stderr, again.stderr
     assert f"{out / 'results.jsonl'}:2 is a partial row" in again.stderr, again.stderr
-    assert "tiny-qwen2 poros: skipped: already in results (--resume)" in again.stderr, again.stderr
+    assert "tiny-qwen2 resident: skipped: already in results (--resume)" in again.stderr, again.stderr
     assert "nothing recorded" not in again.stderr, again.stderr
     assert (out / "results.jsonl.torn").read_text() == torn + "\n"
     resumed = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert resumed[0] == rows[0] and [r["method"] for r in resumed] == ["poros", "resident"]
+    assert resumed[0] == rows[0] and [r["method"] for r in resumed] == ["resident", "poros"]
     names = sorted(b["name"] for b in json.loads((out / "benchmark.json").read_text())["benchmarks"])
-    # the first run's poros benchmark kept beside the resumed run's resident one (it was overwritten before)
+    # the first run's resident benchmark kept beside the resumed run's poros one (it was overwritten before)
     assert len(names) == 2 and "method:poros" in names[0] and "method:resident" in names[1], names
     assert (out / "bench.log").read_text().startswith(log)  # the log goes on
 
@@ -350,7 +352,7 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and stdout == ""
-    assert "tiny-qwen2 poros: interrupted" in stderr, stderr
+    assert "tiny-qwen2 resident: interrupted" in stderr, stderr
     command = stderr.strip().splitlines()[-1].strip()
     words = shlex.split(command)
     assert words[words.index("poros") - 1 :] == ["-m", "poros", "bench", "matrix", m, "-o", str(out), "--resume"]
