@@ -118,8 +118,9 @@ def test_the_matrix_page_shows_link_floors_and_share(tmp_path):
     md = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
     assert_tables_well_formed(md)
     (r,) = time_rows(md)
-    assert [r[c] for c in FLOOR_COLUMNS] == ["50.0 GB/s", "0.7900 s", "0.3456 s", f"{COPY / POROS_S * 100:.0f}%"]
-    assert r["Floor share"] == "64%"
+    assert [r[c] for c in FLOOR_COLUMNS] == ["50.0 GB/s", "0.7900 s", "0.3456 s", f"{COPY / POROS_S * 100:.0f}%",
+                                             f"{POROS_S - COPY:+.4f} s"]
+    assert r["Floor share"] == "64%" and r["Beyond the floor"] == "+0.4445 s"  # 1.2345 s less the copy floor
     assert "Floor share: the larger of a step's two floors over its s/step" in md
 
 
@@ -129,7 +130,7 @@ def test_a_plan_without_a_probe_beside_one_with_it_reads_dashes(tmp_path):
     assert_tables_well_formed(md)
     by_plan = {r["Model"]: r for r in time_rows(md)}
     assert by_plan["qwen2.5-32b (plan streamed)"]["Floor share"] == "64%"
-    assert [by_plan["qwen2.5-32b (plan 24GB)"][c] for c in FLOOR_COLUMNS] == ["—"] * 4
+    assert [by_plan["qwen2.5-32b (plan 24GB)"][c] for c in FLOOR_COLUMNS] == ["—"] * 5
 
 
 FLOOR_TABLE = ("Model", "GPUs", "GPU", "Seq", "Method / plan", "Schedule", "s/step", *FLOOR_COLUMNS)

@@ -21,7 +21,8 @@ FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (1
               "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
               "the row's process; the compute floor the fastest step of the same model and computed settings with "
               "nothing streamed (resident QLoRA, or a plan that copies nothing) in the same run on the same GPU (— "
-              "where none ran: the share is then the copy floor's).")
+              "where none ran: the share is then the copy floor's). Beyond the floor: the step's s/step less the "
+              "larger floor, the time the host adds (`host_s_per_step`).")
 
 
 def streams_nothing(row: dict) -> bool:
@@ -75,11 +76,14 @@ def probed(df: pd.DataFrame) -> bool:
 
 
 def floor_cells(row: dict) -> list[str]:
-    """Link, copy floor, compute floor and floor share as a page shows them, — for what a row lacks."""
+    """Link, copy floor, compute floor, floor share and the host's time beyond the floor as a page shows them, — for
+    what a row lacks."""
     link, copy = num(row.get("link_h2d_gbps")), num(row.get("copy_floor_s"))
     compute, share = num(row.get("compute_floor_s")), num(row.get("floor_share"))
+    host = num(row.get("host_s_per_step"))
     return [DASH if link is None else f"{link:.1f} GB/s", DASH if copy is None else f"{copy:.4f} s",
-            DASH if compute is None else f"{compute:.4f} s", DASH if share is None else f"{share * 100:.0f}%"]
+            DASH if compute is None else f"{compute:.4f} s", DASH if share is None else f"{share * 100:.0f}%",
+            DASH if host is None else f"{host:+.4f} s"]
 
 
-FLOOR_COLUMNS = ("Link (probe)", "Copy floor", "Compute floor", "Floor share")
+FLOOR_COLUMNS = ("Link (probe)", "Copy floor", "Compute floor", "Floor share", "Beyond the floor")
