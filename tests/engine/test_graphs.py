@@ -195,6 +195,48 @@ def test_the_capture_path_keeps_parity_with_stand_in_graphs(stores, monkeypatch)
         assert sum(t.graph.replays for t in templates) == 2 * n * 2 * 2  # fwd+bwd, layers, micro-batches, steps
 
 
+def test_every_capture_warms_up_on_one_side_stream(stores, monkeypatch):
+    """What a warm-up frees stays cached for its stream alone: every template of a trainer runs its calls before
+    capture on the one side stream its shared tensors hold, so each warm-up reuses the last one's memory. Control:
+    templates of another set of shared tensors (another trainer) warm up on another stream."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import poros.engine.runtime.graphs as g
+
+    stand_in_graphs(monkeypatch)
+    made, used = [], []
+
+    class _Stream:
+        def __init__(self):
+            made.append(self)
+
+        def wait_stream(self, other):
+            pass
+
+    def on(stream):
+        used.append(stream)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(g.torch.cuda, "Stream", _Stream)
+    main = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(g.torch.cuda, "current_stream", lambda *a: main)
+    monkeypatch.setattr(g.torch.cuda, "stream", on)
+    monkeypatch.setattr(g, "graph_warmup", lambda: 1)  # a warm-up call before each capture
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2)
+    streams = []
+    for _ in range(2):
+        poros = PorosTrainer(store, cfg)
+        poros.use_layer_templates(capture=True)
+        poros.step()
+        templates = poros.templates.templates.values()
+        assert len(templates) > 1 and all(t.captured for t in templates)
+        streams.append(set(map(id, used)))
+        used.clear()
+    assert len(streams[0]) == len(streams[1]) == 1 and streams[0] != streams[1] and len(made) == 2
+
+
 def test_templates_share_one_set_of_static_tensors(stores):
     """Every template of one shape reads and writes the same static memory (a leaf of its own over it):
     what a template keeps does not grow with the number of templates."""

@@ -150,6 +150,17 @@ class Statics:
 
     def __init__(self):
         self.tensors: dict[tuple, torch.Tensor] = {}
+        self._warmup_stream = None
+
+    @property
+    def warmup_stream(self) -> "torch.cuda.Stream":
+        """The side stream every template's calls before its capture run on, one for all of them. The caching
+        allocator keeps what a stream frees for that stream alone: on a stream of its own, each capture's warm-up
+        (a layer's recompute and backward, compiled or not) would leave its bytes reserved where no later
+        allocation reads them; on one, each warm-up reuses the last one's."""
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream()
+        return self._warmup_stream
 
     def get(self, role, like: torch.Tensor) -> torch.Tensor:
         key = (role, tuple(like.shape), like.dtype, like.device)
@@ -329,7 +340,7 @@ class LayerTemplate:
                 p.grad = None
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
+        side = self.statics.warmup_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(max(graph_warmup(), COMPILED_WARMUP if self.compiled else 0)):
