@@ -2,11 +2,14 @@
 at the peak of its last step (a GPU probe, not a test).
 
     python3 experiments/h200-cuda-graph-memory/memtrace.py qwen3-32b --variants overlap,graphs [--steps 3] [--top 15]
+    python3 experiments/h200-cuda-graph-memory/memtrace.py qwen3-32b --variants graphs --compile --attention fast \
+        --deterministic --lora-compute bf16      # the settings `poros train` takes on CUDA, compiled as a matrix runs
 
 Recording starts before the trainer is made, so everything the trainer allocates is attributed to
 the Python line that allocated it (the store itself lives in host memory). Per variant, one JSON
 line: the peak of the last step, the live total at its start, and the top allocation sites at the
-peak with their sizes; also how much of the allocated memory sits in CUDA-graph pools.
+peak with their sizes; also how much of the allocated memory sits in CUDA-graph pools; and the peak of the whole
+run (its first steps capture the templates and compile) with its sites, beside the plan's predicted parts.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--attention", default="math")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--lora-compute", default="fp32")
     args = p.parse_args()
     store, _ = build_store(args.model, device="cuda", progress=None)
     for v in args.variants.split(","):
@@ -108,11 +114,16 @@ def main() -> None:
         before = torch.cuda.memory_allocated()
         torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
         cfg = TrainConfig(model=args.model, seq_len=512, device="cuda", attention=args.attention,
-                          overlap_backward=v == "overlap", cuda_graphs=v == "graphs")
+                          overlap_backward=v == "overlap", cuda_graphs=v == "graphs", compile=args.compile,
+                          deterministic=args.deterministic, lora_compute=args.lora_compute)
         trainer = PorosTrainer(store, cfg)
         for _ in range(args.steps - 1):
             trainer.step()
         torch.cuda.synchronize()
+        whole = {"whole_run_max_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
+                 "whole_run_max_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 3),
+                 "predicted": {k: round(b / 1e9, 3) for k, b in trainer.plan.memory.parts().items()},
+                 "whole_run": analyse(torch.cuda.memory._snapshot()["device_traces"][0], 0, args.top)}
         mark = len(torch.cuda.memory._snapshot()["device_traces"][0])
         torch.cuda.reset_peak_memory_stats()
         trainer.step()
@@ -124,7 +135,7 @@ def main() -> None:
                "last_step_max_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
                "allocated_after_gb": round(torch.cuda.memory_allocated() / 1e9, 3),
                "trace_entries": len(trace), "trace_full": len(trace) >= MAX_ENTRIES,
-               **pools(snap), **analyse(trace, mark, args.top), "live_after": live_blocks(snap, args.top)}
+               **pools(snap), **analyse(trace, mark, args.top), "live_after": live_blocks(snap, args.top), **whole}
         counters = trainer.counters()
         row["templates"] = {k: counters[k] for k in ("layer_templates", "forward_templates", "graphs_captured",
                                                      "capture_errors") if k in counters}
