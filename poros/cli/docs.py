@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
+from poros.common.atomic import write_atomic
 from poros.errors import PorosError
 
 PNG = re.compile(r"!\[[^\]]*\]\(([^)]+\.png)\)")  # the plots a page links
+# said after a write that failed: each file is written whole or left as it was, so a second run finishes the rest
+AGAIN = "every file is whole (written or as it was); run `poros docs` again once there is room"
 
 EPILOG = """examples:
   poros docs                  # in a checkout: render every page, the index, README's table, docs/settings.md
@@ -24,8 +26,9 @@ Renders, each from its source and only where it changed:
   docs/settings.md              from the settings table, poros/settings.py
 First it checks the layout (one page per matrix, matrices/NAME.yaml -> results/NAME/ -> reports/NAME.md) and
 stops, naming each problem, where it is broken. --check compares the Markdown only: a page's PNGs depend on
-the matplotlib version. Exit 0 when everything is (or now is) up to date, 1 when --check found a stale file
-or the layout is broken.
+the matplotlib version. Each file is written under a temporary name and renamed over the old one, so a run
+stopped or out of space leaves every file whole. Exit 0 when everything is (or now is) up to date, 1 when
+--check found a stale file or the layout is broken, 2 naming the file that could not be written.
 """
 
 
@@ -55,6 +58,14 @@ def _texts(root: Path, pages, matrices: set[str]) -> dict[Path, str]:
         raise PorosError(str(e)) from None
     return {INDEX: render_index(root, pages, matrices), README: readme,
             Path("docs/settings.md"): settings_markdown()}
+
+
+def _what(target: Path) -> str:
+    """A file `poros docs` writes, in the words of a line that says it could not write it."""
+    from poros.harness.report.layout import INDEX, README
+
+    return {INDEX: "the index", README: "README's headline table into", Path("docs/settings.md"): "the settings page"
+            }.get(target, "the plot" if target.suffix == ".png" else "the page")
 
 
 def _pages(root: Path, pages, tmp: Path) -> dict[Path, Path]:
@@ -90,8 +101,8 @@ def run(args) -> int:
             if not (root / target).is_file() or (root / target).read_text() != md.read_text():
                 stale.append(target)
                 if not args.check:
-                    for f in md.parent.iterdir():  # the Markdown and its PNG(s): STEM.png, STEM-axis.png
-                        shutil.copyfile(f, root / target.parent / f.name)
+                    for f in sorted(md.parent.iterdir()):  # the Markdown and its PNG(s): STEM.png, STEM-axis.png
+                        write_atomic(root / target.parent / f.name, f.read_bytes(), _what(Path(f.name)), AGAIN)
     for png in sorted((root / "reports").glob("*.png")):  # a plot no page links any more
         if png.name not in linked:
             stale.append(png.relative_to(root))
@@ -103,7 +114,7 @@ def run(args) -> int:
             stale.append(target)
             if not args.check:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
+                write_atomic(path, text, _what(target), AGAIN)
     if args.check:
         for target in stale:
             print(f"stale: {target} (run `poros docs`)")

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from poros.common.atomic import is_write_failure, write_atomic, write_failure
+from poros.common.atomic import write_atomic
 from poros.config import Method, TrainConfig
 from poros.engine.model.attention import sdpa_context
 from poros.engine.methods.data import synthetic_step
@@ -74,13 +74,11 @@ def store_fingerprint(store) -> str:
 def _export(store, root: Path, keep: bool, log) -> Path:
     """The checkpoint folder the child loads: written afresh in a temporary folder, or with `keep` the kept
     export of this store (made once; another store's kept export is removed first, as they are tens of GB)."""
-    def export(folder: Path) -> None:  # a folder cut short by a full disk is removed, and said in one line
+    def export(folder: Path) -> None:  # written whole or not at all (a full disk: one line); an empty folder goes
         try:
             export_bnb4bit(store, folder)
-        except Exception as e:
+        except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
-            if is_write_failure(e):
-                raise write_failure("the NF4 checkpoint for Unsloth into", folder, e) from None
             raise
 
     if not keep:

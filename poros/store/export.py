@@ -4,7 +4,9 @@ The folder (config.json with a bitsandbytes quantization_config, one safetensors
 layer plus one for the dense weights, an index, and a small word-level tokenizer) loads with
 `from_pretrained(..., load_in_4bit=True)` into exactly the store's NF4 bytes (double-quantized where the
 store is). Written layer by
-layer, at NF4 size: a quarter of the bf16 checkpoint, which for a large model may not fit the disk.
+layer, at NF4 size: a quarter of the bf16 checkpoint, which for a large model may not fit the disk; into a temporary
+folder beside the target, renamed once whole (`poros.common.atomic.atomic_folder`), so a full disk or a kill leaves
+no folder that looks like a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from poros.common.atomic import atomic_folder
+from poros.errors import PorosError
 from poros.store.arena import NF4Store, slot_tensors
 from poros.store.quantize import quant_state
 
@@ -44,11 +48,24 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def export_bnb4bit(store: NF4Store, folder: str | Path, *, progress=None) -> Path:
-    """Write `store` to `folder` as a bitsandbytes NF4 checkpoint; returns the folder."""
+    """Write `store` to `folder` (absent or empty) as a bitsandbytes NF4 checkpoint; returns the folder.
+
+    Raises:
+        PorosError: `folder` holds files.
+        WriteError: a file could not be written (a full disk, a file-size limit): `folder` is as it was.
+    """
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise PorosError(f"{folder} exists and is not an empty folder; the NF4 checkpoint is written into a new one")
+    with atomic_folder(folder, "the NF4 checkpoint", "nothing of it is left behind") as tmp:
+        _write(store, tmp, progress)
+    return folder
+
+
+def _write(store: NF4Store, folder: Path, progress) -> None:
+    """The checkpoint's files, written into `folder`."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(store.config)
     config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
     config.use_cache = False
@@ -86,4 +103,3 @@ def export_bnb4bit(store: NF4Store, folder: str | Path, *, progress=None) -> Pat
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=1))
     _write_tokenizer(folder, config.vocab_size)
-    return folder

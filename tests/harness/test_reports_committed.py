@@ -164,12 +164,7 @@ def test_each_page_shows_rows_of_its_matrices(name):
 def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path, capsys):
     """`poros docs` renders every page, the index, README's table and docs/settings.md, and removes a plot no page
     links; `--check` then passes, and fails naming a page edited by hand."""
-    root = _checkout(tmp_path)
-    (root / "matrices").mkdir()
-    for name in ("a", "ab", "ab-2"):  # the checkout's own matrices (only their names matter here)
-        (root / "matrices" / f"{name}.yaml").write_text("name: x\n")
-    (root / "README.md").write_text("# x\n\n<!-- headline: `poros docs` renders this table from the official page's "
-                                    "rows; edit nothing here -->\n<!-- /headline -->\n")
+    root = _docs_checkout(tmp_path)
     (root / "reports" / "gone.png").write_bytes(b"")
     assert main(["docs", "--root", str(root)]) == 0
     out = capsys.readouterr().out
@@ -183,6 +178,70 @@ def test_docs_renders_a_checkout_whole_then_finds_a_page_edited_by_hand(tmp_path
     assert main(["docs", "--root", str(root)]) == 1
     assert capsys.readouterr().out == "layout: results/new/: no page reports/new.md renders it (reports/manifest.yaml)\n"
     assert "pass" in (root / "reports" / "a.md").read_text()
+
+
+def _docs_checkout(tmp_path: Path) -> Path:
+    """`_checkout` with the checkout's own matrices and a README whose headline block is empty: every file stale."""
+    root = _checkout(tmp_path)
+    (root / "matrices").mkdir()
+    for name in ("a", "ab", "ab-2"):  # the checkout's own matrices (only their names matter here)
+        (root / "matrices" / f"{name}.yaml").write_text("name: x\n")
+    (root / "README.md").write_text("# x\n\n<!-- headline: `poros docs` renders this table from the official page's "
+                                    "rows; edit nothing here -->\n<!-- /headline -->\n")
+    return root
+
+
+@pytest.mark.parametrize("victim, what", [("reports/a.md", "the page"), ("README.md", "README's headline table into"),
+                                          ("docs/settings.md", "the settings page")],
+                         ids=["page", "readme", "settings"])
+def test_docs_out_of_space_leaves_each_file_whole_and_says_so_in_one_line(tmp_path, capsys, monkeypatch, victim, what):
+    """The disk fills while `poros docs` writes a file: half of it reaches the disk, then ENOSPC. The file keeps
+    its old bytes, no temporary is left beside it, and the command ends in one line naming the file (exit 2, as
+    every command but `poros bench` ends at a failed write); run again with room, it writes the file."""
+    import builtins
+    import errno
+
+    import poros.common.atomic as atomic
+    from tests.fixtures import one_line_refusal
+
+    root = _docs_checkout(tmp_path)
+    target = root / victim
+    if victim == "docs/settings.md":
+        target.parent.mkdir()
+        target.write_text("the old settings page\n")
+    before = target.read_bytes()
+
+    class Filling:  # a file the disk fills under: half of each write lands, then ENOSPC
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def filling_open(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        beside = Path(path).parent == target.parent and Path(path).name.startswith(f".{target.stem}.")
+        return Filling(f) if beside else f
+
+    monkeypatch.setattr(atomic, "open", filling_open, raising=False)
+    code = main(["docs", "--root", str(root)])
+    line = one_line_refusal(capsys, code, f"poros docs: error: cannot write {what} {target} (No space left on device); "
+                                          "free space; every file is whole")
+    assert "run `poros docs` again once there is room" in line, line
+    assert target.read_bytes() == before, f"{victim} was changed by a write that failed"
+    left = [str(p.relative_to(root)) for p in root.rglob("*") if "partial" in p.name]
+    assert left == [], f"temporaries left behind: {left}"
+    monkeypatch.undo()  # control: with room, the same command writes it
+    assert main(["docs", "--root", str(root)]) == 0
+    assert target.read_bytes() != before and f"wrote {victim}" in capsys.readouterr().out
 
 
 def test_docs_outside_a_checkout_is_refused_in_one_line(tmp_path, capsys):
