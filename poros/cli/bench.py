@@ -38,7 +38,8 @@ and gate outcome as it ends), OUT/bench.log (the full log), OUT/benchmark.json (
 entry per timed cell, kept across --resume) and OUT/report.md (+ report.png); shows one line per cell.
 An earlier run's files in OUT are moved to OUT/earlier/N/, never overwritten; one run at a time owns
 OUT. --resume continues a cell after its last finished pass, and refuses rows measured with other
-settings. Exits 1 if any cell failed (parity FAIL included) or regressed past --benchmark-compare-fail,
+settings. Exits 1 if any cell failed (parity FAIL included) or regressed past --benchmark-compare-fail, or
+-k selects no cell (said before OUT is touched),
 75 when --max-minutes stopped it with cells left or --passes-per-part left passes (run the same command
 again), 74 when a record could
 not be written (a full disk, a file-size limit: make room, then --resume; nothing finished is lost).
@@ -249,6 +250,11 @@ def run(args) -> int:
     from poros.harness.console import interrupt_on_sigint, interrupted_by
 
     m = _preflight(args)
+    if args.keyword and not preflight.selected_cells(m, args.keyword):  # before OUT is touched: nothing there moves
+        example = next(iter(preflight.selected_cells(m, None)), None)
+        print(f"poros bench: no cell matched -k {args.keyword!r}" +
+              (f" (cell ids read like {example.id})" if example else ""), file=sys.stderr)
+        return 1
     out = ensure_folder(args.out)
     with OutputLock(out, command=command_line(args, resume=False)) as lock, interrupt_on_sigint():
         try:

@@ -61,6 +61,18 @@ class Cell:
         return " ".join(parts)
 
 
+# What pytest's -k matches a cell's item against besides its own name (`_pytest.mark.KeywordMatcher.from_item`): the
+# module the suites' items sit in (poros/suites/test_matrix.py; the package above it is the collection's root, left
+# out) and the module's mark. `poros bench` selects cells by them before it runs pytest.
+SUITE_KEYWORDS = ("test_matrix.py", "bench")
+
+
+def keyword_names(cell: Cell) -> tuple[str, ...]:
+    """The names a `-k` expression is matched against for `cell`: its item, `test_parity[ID]` or `test_step[ID]`,
+    then the suites' own (`SUITE_KEYWORDS`)."""
+    return (f"{'test_parity' if cell.method is None else 'test_step'}[{cell.id}]", *SUITE_KEYWORDS)
+
+
 def matrix_cells(m: Matrix) -> list[Cell]:
     """Model by model, point by point: the parity gate, then each method (poros once per plan), so one
     store build serves them all; a reference method (resident QLoRA) before the others, so that a streamed row

@@ -194,24 +194,60 @@ def load_matrix(name_or_path: str):
     return load(name_or_path)
 
 
+def _keyword_expression(expr: str):
+    """`expr` compiled as pytest compiles a `-k` expression (None where pytest moved its parser: the run complains).
+
+    Raises:
+        ConfigError: naming the expression and pytest's complaint.
+    """
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:
+        return None
+    try:
+        return Expression.compile(expr.lstrip())  # pytest strips leading space as it reads -k
+    except Exception as e:  # SyntaxError in pytest 8.4+, ParseError before
+        why = getattr(e, "msg", None) or getattr(e, "message", None) or str(e)
+        raise ConfigError([f"-k {expr!r}: not a valid selection ({why}); e.g. -k 'qwen3 and poros'"],
+                          "poros bench") from None
+
+
 def check_keyword(expr: str | None) -> None:
     """A `-k` expression must parse (pytest would report it only inside the run's log).
 
     Raises:
         ConfigError: naming the expression and pytest's complaint.
     """
-    if not expr:
-        return
-    try:
-        from _pytest.mark.expression import Expression
-    except ImportError:  # pytest moved it: the run itself will complain
-        return
-    try:
-        Expression.compile(expr)
-    except Exception as e:  # SyntaxError in pytest 8.4+, ParseError before
-        why = getattr(e, "msg", None) or getattr(e, "message", None) or str(e)
-        raise ConfigError([f"-k {expr!r}: not a valid selection ({why}); e.g. -k 'qwen3 and poros'"],
-                          "poros bench") from None
+    if expr:
+        _keyword_expression(expr)
+
+
+def selected_cells(m, expr: str | None) -> list:
+    """The cells of `m` a `-k` expression selects, as pytest selects their items (`_pytest.mark.KeywordMatcher`: a
+    word matches when it is part of one of the item's names, whatever its case; `cells.keyword_names`), known
+    before any run starts; all of them without `expr`.
+
+    Raises:
+        ConfigError: an expression that does not parse, or that calls a word (`-k 'poros(x=1)'`).
+    """
+    from poros.harness.cells import keyword_names, matrix_cells
+
+    cells = matrix_cells(m)
+    expression = _keyword_expression(expr) if expr else None
+    if expression is None:
+        return cells
+
+    def matcher(names: tuple[str, ...]):
+        lowered = [n.lower() for n in names]
+
+        def matches(word: str, **call) -> bool:
+            if call:
+                raise ConfigError([f"-k {expr!r}: a selection's words take no arguments, got {word}(...)"],
+                                  "poros bench")
+            return any(word.lower() in n for n in lowered)
+        return matches
+
+    return [c for c in cells if expression.evaluate(matcher(keyword_names(c)))]
 
 
 def check_report_paths(inputs, output, reference=None) -> None:

@@ -265,6 +265,38 @@ def test_a_selected_model_that_does_not_fit_is_refused_by_the_suites_in_one_line
     assert not (out / "results.jsonl").exists() and not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.parametrize("keyword", ["nosuchcell", "tiny-qwen2 and not (poros or resident or parity)"],
+                         ids=["no-such-word", "all-excluded"])
+def test_a_selection_of_no_cell_changes_nothing_in_out(capfd, tmp_path, keyword):
+    """`-k` that matches no cell is refused before OUT is touched: an earlier run's files stay where and as they are
+    (not moved to earlier/N/), no bench.log, no lock; a folder that did not exist is not made."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_bytes(b'{"an earlier run": "rows"}\n')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    m = _matrix(tmp_path)
+    for folder in (out, tmp_path / "new"):
+        code = main(["bench", "matrix", m, "-o", str(folder), "-k", keyword])
+        stdout, stderr = capfd.readouterr()
+        assert code == 1 and stdout == "" and stderr == (
+            f"poros bench: no cell matched -k {keyword!r} (cell ids read like "
+            "model:tiny-qwen2-stack:current-gate:parity)\n"), stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not (tmp_path / "new").exists()
+
+
+def test_a_selection_that_matches_runs_and_keeps_the_earlier_run(capfd, tmp_path):
+    """Control: the same folder with a -k that matches a cell runs it: the earlier run moves to earlier/1/, the log
+    and the new rows are written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_bytes(b'{"an earlier run": "rows"}\n')
+    code = main(["bench", "matrix", _matrix(tmp_path), "-o", str(out), "-k", "method:resident"])
+    _, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
+    assert (out / "earlier" / "1" / "results.jsonl").read_bytes() == b'{"an earlier run": "rows"}\n'
+    assert (out / "bench.log").is_file() and '"method": "resident"' in (out / "results.jsonl").read_text()
+
+
 # --- the bench end to end (subprocesses: it redirects file descriptors) -----------------------------
 
 
@@ -277,7 +309,7 @@ def _bench(*argv, cwd=REPO, **kw) -> subprocess.CompletedProcess:
 def test_resume_into_a_folder_with_nothing_recorded_says_it_starts_afresh(tmp_path):
     """The first part of a run in parts, or a mistyped -o: announced in one line, not a silent fresh run."""
     out = tmp_path / "typo"
-    run = _bench(_matrix(tmp_path), "-o", str(out), "--resume", "-k", "no-such-cell")
+    run = _bench(_matrix(tmp_path), "-o", str(out), "--resume", "-k", "method:resident")
     assert f"--resume: nothing recorded in {out} yet; the run starts at its first cell" in run.stderr, run.stderr
 
 

@@ -80,3 +80,49 @@ def test_labels_without_the_plan_would_repeat():
                       "plans": {"streamed": {}, "kept": {"keep_activations": True}}})
     bare = [f"{c.model} {c.method.value}" for c in matrix_cells(m) if c.method]
     assert len(set(bare)) < len(bare)
+
+
+# -k expressions as a user writes them: by model, method, plan, sweep value, gate, the test's name, the suites' own
+# names (which every cell carries, the collection's root folder apart), another case, `not`, and one that matches nothing
+SELECTIONS = ("tiny-qwen3", "method:poros and not plan:b1", "plan:b3 or gate:parity", "grad_accum:2",
+              "RESIDENT", "test_parity", "test_step and grad_accum:1", "not suites", "bench and matrix",
+              "(poros or resident) and not b3", "nosuchcell")
+
+
+def test_a_selection_is_known_before_the_run_as_pytest_makes_it(tmp_path, monkeypatch):
+    """`preflight.selected_cells` (what `poros bench` reads before it touches OUT) selects exactly the cells pytest's
+    own -k selects (`deselect_by_keyword`: its matcher over each collected item) when the suites run, for every form
+    of expression; the comparison sees a keyword left out."""
+    import pytest
+    import yaml
+    from _pytest.mark import KeywordMatcher
+    from _pytest.mark.expression import Expression
+
+    from poros.cli.bench import SUITES
+    from poros.harness import cells as cells_module
+    from poros.harness.preflight import selected_cells
+    from tests.suite_runs import SWEPT
+
+    path = tmp_path / "swept.yaml"
+    path.write_text(yaml.safe_dump({**SWEPT, "models": ["tiny-qwen2", "tiny-qwen3"]}))
+
+    class Seen:  # the items the suites collect, each matched as pytest's -k matches it
+        def pytest_collection_finish(self, session):
+            self.by_pytest = {expr: [item.callspec.id for item in session.items
+                                     if Expression.compile(expr).evaluate(KeywordMatcher.from_item(item))]
+                              for expr in SELECTIONS}
+
+    seen = Seen()
+    code = pytest.main([str(SUITES / "test_matrix.py"), "-p", "poros.suites.plugin", "-c", str(SUITES / "pytest.ini"),
+                        "--rootdir", str(SUITES.parent), f"--matrix={path}", f"--results={tmp_path / 'results.jsonl'}",
+                        "-p", "no:cacheprovider", "--collect-only", "-q", "-s"], plugins=[seen])
+    assert code == 0
+    by_pytest = seen.by_pytest
+    m = load_matrix(str(path))
+    for expr in SELECTIONS:
+        assert [c.id for c in selected_cells(m, expr)] == by_pytest[expr], expr
+    assert by_pytest["nosuchcell"] == [] and len(by_pytest["not suites"]) == len(matrix_cells(m))
+    assert len(by_pytest["RESIDENT"]) == 4 and len(by_pytest["bench and matrix"]) == len(matrix_cells(m))
+    # negative control: without the suites' own names, `bench and matrix` would select nothing
+    monkeypatch.setattr(cells_module, "SUITE_KEYWORDS", ())
+    assert selected_cells(m, "bench and matrix") == [] != by_pytest["bench and matrix"]
