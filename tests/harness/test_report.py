@@ -701,3 +701,29 @@ def test_a_ratio_between_rows_timed_on_the_same_gpus_is_read_gpu_by_gpu(tmp_path
     _passes(r, [5.0, 10.0, 5.0], ["GPU-a", None, "GPU-c"])  # control: a pass that names no GPU pairs nothing
     (row,) = table_rows(render_markdown(load_results(write_jsonl(tmp_path / "c.jsonl", rows))), "qwen2.5-32b", 14)
     assert row[7] == "other GPU"
+
+
+def test_names_that_are_markdown_keep_every_table_whole(tmp_path, monkeypatch):
+    """A checkpoint folder named `a|b<c>`, a plan and a stack with a newline, a backtick or `>`: every table of
+    the matrix page and of the sweep page keeps its columns, and the names read as they are (`md_cell`). Negative
+    control: the same rows through a table that escapes nothing break a table."""
+    import poros.harness.report.format as fmt
+    from tests.harness.test_report_sweep import row as sweep_row
+
+    folder = tmp_path / "a|b<c>"
+    folder.mkdir()
+    rows = [fixture_row(model=str(folder), method=m, stack="torch 2.11 `dev\n<nightly>") for m in ("poros", "resident")]
+    page = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert_tables_well_formed(page)
+    assert f"| {str(tmp_path).replace('|', chr(92) + '|')}/a\\|b&lt;c&gt; |" in page and "<c>" not in page.split(
+        "## Results")[1], page
+    assert "| torch 2.11 \\`dev &lt;nightly&gt; |" in page, page
+    plans = [sweep_row(plan="24GB|<b>\nx`y"), sweep_row(method="resident")]
+    sweep = write_report([write_jsonl(tmp_path / "s.jsonl", plans)], tmp_path / "plans.md", sweep=True).read_text()
+    assert_tables_well_formed(sweep)
+    assert "24GB\\|&lt;b&gt; x\\`y" in sweep, sweep
+    assert fmt.md_cell("`cpu`, `cpu-torch210` a<b") == "`cpu`, `cpu-torch210` a&lt;b", "a code span is kept"
+    monkeypatch.setattr(fmt, "md_cell", lambda c: c)  # negative control: nothing escaped
+    broken = render_markdown(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    with pytest.raises(AssertionError, match="cells for"):
+        assert_tables_well_formed(broken)

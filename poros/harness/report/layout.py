@@ -15,6 +15,7 @@ from pathlib import Path
 
 from poros.common.yamlfile import load_yaml
 from poros.errors import ConfigError
+from poros.harness.report.format import md_table
 
 MANIFEST = Path("reports/manifest.yaml")
 README = Path("README.md")
@@ -182,13 +183,13 @@ def render_index(root: Path, pages: list[Page], matrices: set[str]) -> str:
         "Every other page measures one question, often in a reduced run (fewer steps or passes than its matrix asks for;",
         "the page says so): compare ratios within a page, not seconds across pages.",
         "",
-        "| page | matrices | what it shows | rows |",
-        "|---|---|---|---|",
     ]
+    table = []
     for p in pages:
         readme = root / p.folder / "README.md"
         rows = f"[{p.folder}/](../{p.folder}/README.md)" if readme.is_file() else f"`{p.folder}/`"
-        lines.append(f"| [{p.name}.md]({p.name}.md) | {', '.join(f'`{m}`' for m in p.matrices)} | {p.shows} | {rows} |")
+        table.append((f"[{p.name}.md]({p.name}.md)", ", ".join(f"`{m}`" for m in p.matrices), p.shows, rows))
+    lines.append(md_table(("page", "matrices", "what it shows", "rows"), table))
     unmeasured = unmeasured_matrices(root, pages, matrices)
     if unmeasured:
         lines += ["", "Not measured yet (no rows, so no page): " + ", ".join(f"`matrices/{m}.yaml`" for m in unmeasured)
