@@ -18,7 +18,9 @@ names it) must run that reference's whole protocol: steps, passes, warm-up (warm
 warmup_pass_steps), seq_len, batch_size, grad_accum, lora_rank, lora_alpha, block_size, dataset,
 precision, the stacks its rows state, and each method on the attention path its attention_note gives
 it; each difference is one line.
-The device is not checked here: a file may be meant for another machine.
+The device is not checked here (a file may be meant for another machine), but for a matrix that runs on
+the CPU its rank count (gpus, sweep.gpus) is: its ranks are processes of this host, refused as `poros
+bench` refuses them.
 """
 
 

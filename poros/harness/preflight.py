@@ -110,8 +110,9 @@ def model_problems(models, seq_len: int, lora_rank: int | None = None, lora_targ
 
 
 def check_matrix(m) -> None:
-    """A loaded matrix, against its models' configs and, where it names a reference, the reference's attention
-    paths (what `poros validate` adds to the file checks).
+    """A loaded matrix, against its models' configs, where it names a reference the reference's attention paths,
+    and on the CPU its rank count against this host's cores (`cpu_rank_problems`): what `poros validate` adds to the
+    file checks, and what `poros bench` checks first.
 
     Raises:
         ConfigError: listing every problem.
@@ -120,6 +121,7 @@ def check_matrix(m) -> None:
     rank = max(m.settings_for(m.models[0], p, method).get("lora_rank", m.lora_rank) for p in m.points()
                for method in m.methods)  # the largest any cell asks for
     problems = model_problems(m.models, seq_len, rank, m.lora_targets) + reference_problems(m)
+    problems += cpu_rank_problems(m)
     problems += plan_problems(m) if not problems else []
     if problems:
         raise ConfigError(problems, m.source)
@@ -428,10 +430,33 @@ def check_runnable(m, device: str) -> None:
     check_matrix_ranks(m, device)
 
 
-def check_matrix_ranks(m, device: str) -> None:
-    """`check_ranks` for the most ranks a cell of matrix `m` runs on, naming where the count comes from."""
+def rank_problems(m, device: str) -> list[str]:
+    """The most ranks a cell of matrix `m` runs on against what `device` gives on this host (`ranks_problem`), named
+    where the count comes from (`gpus`, `sweep.gpus`)."""
     swept = any(k == "gpus" for k, _ in m.sweep)
-    check_ranks(m.most_ranks(), device, f"{m.source}: {'sweep.gpus' if swept else 'gpus'}")
+    problem = ranks_problem(m.most_ranks(), device)
+    return [f"{'sweep.gpus' if swept else 'gpus'}: {problem}"] if problem else []
+
+
+def cpu_rank_problems(m) -> list[str]:
+    """`rank_problems` of a matrix that runs on the CPU (its `device`, else this host's): its ranks are processes of
+    the host that reads the file, so `poros validate` says what `poros bench` would. A CUDA matrix's GPUs are counted
+    where it runs (`check_matrix_ranks`): a file may be meant for another machine."""
+    from poros.harness.cells import matrix_device
+
+    device = matrix_device(m)
+    return rank_problems(m, device) if device == "cpu" else []
+
+
+def check_matrix_ranks(m, device: str) -> None:
+    """`rank_problems` as an error, where the run starts: `gpus` CUDA devices on this host, or cores for CPU ranks.
+
+    Raises:
+        CapabilityError: naming the matrix, the count asked, what the host has and the most it takes.
+    """
+    problems = rank_problems(m, device)
+    if problems:
+        raise CapabilityError(f"{m.source}: {problems[0]}")
 
 
 # Data-parallel ranks on the CPU are processes of this host, each a Python process with its own trainers and
@@ -449,26 +474,33 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def check_ranks(gpus: int, device: str, where: str) -> None:
-    """`gpus` data-parallel ranks need as many CUDA devices on this host; on the CPU, where they are processes,
-    at most CPU_RANKS_PER_CORE a usable core.
-
-    Raises:
-        CapabilityError: naming the count asked, what the host has and the most it takes.
-    """
+def ranks_problem(gpus: int, device: str) -> str | None:
+    """Why `gpus` data-parallel ranks cannot run here (None: they can): on CUDA they need as many devices on this
+    host; on the CPU, where they are processes, at most CPU_RANKS_PER_CORE a usable core."""
     if gpus <= 1:
-        return
+        return None
     if device.startswith("cuda"):
         import torch
 
         if gpus > torch.cuda.device_count():
-            raise CapabilityError(f"{where}: {gpus} data-parallel ranks need {gpus} CUDA GPUs; this host has "
-                                  f"{torch.cuda.device_count()}: set gpus to {max(torch.cuda.device_count(), 1)} "
-                                  "or less")
-        return
+            return (f"{gpus} data-parallel ranks need {gpus} CUDA GPUs; this host has {torch.cuda.device_count()}: "
+                    f"set gpus to {max(torch.cuda.device_count(), 1)} or less")
+        return None
     cores = usable_cores()
     most = CPU_RANKS_PER_CORE * cores
     if gpus > most:
-        raise CapabilityError(f"{where}: {gpus} data-parallel ranks on the CPU are {gpus} processes; this host gives "
-                              f"this process {cores} CPU core(s), and a CPU run takes at most {CPU_RANKS_PER_CORE} "
-                              f"ranks a core: set gpus to {most} or less")
+        return (f"{gpus} data-parallel ranks on the CPU are {gpus} processes; this host gives this process {cores} "
+                f"CPU core(s), and a CPU run takes at most {CPU_RANKS_PER_CORE} ranks a core: set gpus to {most} or "
+                "less")
+    return None
+
+
+def check_ranks(gpus: int, device: str, where: str) -> None:
+    """`ranks_problem` as an error.
+
+    Raises:
+        CapabilityError: `where`, then the count asked, what the host has and the most it takes.
+    """
+    problem = ranks_problem(gpus, device)
+    if problem:
+        raise CapabilityError(f"{where}: {problem}")

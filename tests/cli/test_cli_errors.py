@@ -297,6 +297,36 @@ def test_a_selection_that_matches_runs_and_keeps_the_earlier_run(capfd, tmp_path
     assert (out / "bench.log").is_file() and '"method": "resident"' in (out / "results.jsonl").read_text()
 
 
+@pytest.mark.parametrize("changes, where", [({"gpus": 64}, "gpus"), ({"sweep": {"gpus": [1, 64]}}, "sweep.gpus")],
+                         ids=["gpus=64", "sweep.gpus=64"])
+def test_validate_and_bench_refuse_more_cpu_ranks_than_the_host_takes_in_the_same_words(capsys, tmp_path, monkeypatch,
+                                                                                         changes, where):
+    """One rule (`preflight.cpu_rank_problems`, read by `check_matrix`): `poros validate` fails the file naming the
+    same problem `poros bench` refuses it with, before any rank starts or anything is written."""
+    from poros.harness import preflight
+
+    monkeypatch.setattr(preflight, "usable_cores", lambda: 2)
+    problem = (f"{where}: 64 data-parallel ranks on the CPU are 64 processes; this host gives this process 2 CPU "
+               f"core(s), and a CPU run takes at most {preflight.CPU_RANKS_PER_CORE} ranks a core: set gpus to "
+               f"{2 * preflight.CPU_RANKS_PER_CORE} or less")
+    m = _matrix(tmp_path, **changes)
+    assert main(["validate", m]) == 1
+    assert capsys.readouterr().out == f"FAIL {m}:\n  - {problem}\n"
+    out = tmp_path / "out"
+    _refused(capsys, ["bench", "matrix", m, "-o", str(out)], f"poros bench: error: {m}: {problem}")
+    assert not out.exists()
+
+
+def test_validate_passes_a_cpu_matrix_of_two_ranks(capsys, tmp_path, monkeypatch):
+    """Control: two ranks on two cores are within the rule."""
+    from poros.harness import preflight
+
+    monkeypatch.setattr(preflight, "usable_cores", lambda: 2)
+    m = _matrix(tmp_path, gpus=2)
+    assert main(["validate", m]) == 0, capsys.readouterr().out
+    assert capsys.readouterr().out.startswith(f"ok   {m}: ")
+
+
 # --- the bench end to end (subprocesses: it redirects file descriptors) -----------------------------
 
 
