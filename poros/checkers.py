@@ -35,6 +35,17 @@ def positive_int(v):
     return v
 
 
+MAX_STREAM_BUFFERS = 8  # rotating buffers a plan may stream through: past a few, each adds a block's memory for no copy
+
+
+@returns(int)
+def stream_buffer_count(v):
+    """Rotating buffers of streamed blocks: at least two (one filling while the compute reads the other)."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= MAX_STREAM_BUFFERS:
+        raise ValueError(f"expected an integer from 2 to {MAX_STREAM_BUFFERS}, got {_short(v)}")
+    return v
+
+
 @returns(int)
 def sequence_length(v):
     """Tokens per sequence: at least two, since the loss of a sequence predicts each token from those before it."""

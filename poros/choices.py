@@ -5,10 +5,12 @@ that takes each set."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class Attention(str, enum.Enum):
-    """SDPA backend applied to every method alike (`default` lets torch choose)."""
+    """SDPA backend applied to every method alike (`default` lets torch choose), or `fa4`: FlashAttention-4's
+    kernels where they serve a call, the `fast` list for every other call."""
 
     DEFAULT = "default"
     MATH = "math"
@@ -16,6 +18,7 @@ class Attention(str, enum.Enum):
     EFFICIENT = "efficient"
     FLASH = "flash"
     FAST = "fast"  # flash, else memory-efficient, else math: per call, by shape (poros/engine/model/attention.py)
+    FA4 = "fa4"  # FlashAttention-4 where it serves a call (causal or unmasked, bf16/fp16), else as fast
 
 
 class LoRACompute(str, enum.Enum):
@@ -52,3 +55,25 @@ class LRSchedule(str, enum.Enum):
     CONSTANT = "constant"
     LINEAR = "linear"  # linearly to 0 at decay_steps
     COSINE = "cosine"  # half a cosine to 0 at decay_steps
+
+
+@dataclass(frozen=True)
+class KernelNeeds:
+    """What an attention value needs of the machine, declared here and checked before any work: the device
+    (a rule of poros/resolve.py, wherever a config is made), and where a run starts on this machine
+    (poros/harness/preflight.py `attention_problem`) the GPU's compute capability and the package's module."""
+
+    device: Device
+    majors: tuple[int, ...]  # compute capability majors whose kernels the package has
+    least: str  # how the message words them
+    module: str  # importable where the value runs
+    package: str  # what provides the module
+    instead: Attention  # the value to use where these needs are not met
+
+
+ATTENTION_NEEDS: dict[Attention, KernelNeeds] = {
+    # FlashAttention-4's SM90 (Hopper) and SM100/SM110 (Blackwell data-center) kernels; SM120 has no
+    # deterministic backward, SM8x no FA4 backward at all (poros/engine/model/fa4.py names the version checked)
+    Attention.FA4: KernelNeeds(Device.CUDA, (9, 10, 11), "compute capability 9.x (Hopper), 10.x or 11.x (Blackwell "
+                               "data-center)", "flash_attn.cute", "flash-attn-4==4.0.0b40", Attention.FAST),
+}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from poros.choices import Attention, Device, LRSchedule
+from poros.choices import ATTENTION_NEEDS, Attention, Device, LRSchedule
 from poros.settings import BY_NAME, SETTINGS, check_values
 from poros.sizes import AUTO
 
@@ -31,6 +31,14 @@ DEVICE_DEFAULTS: dict[Device, dict[str, object]] = {
 def off(name: str) -> str:
     """How a user turns flag setting `name` off: its --no- flag and its matrix/run-file key."""
     return f"{BY_NAME[name].flag.replace('--', '--no-', 1)} ({name}: false)"
+
+
+def attention_device_problem(attention: Attention, device: Device) -> str:
+    """Why `attention` cannot run on `device` (its KernelNeeds, poros/choices.py), naming what to use instead."""
+    needs = ATTENTION_NEEDS[attention]
+    return (f"attention: {attention.value} runs the kernels of {needs.package}, which need device "
+            f"{needs.device.value} and a GPU of {needs.least}; got device {device.value!r}: use attention "
+            f"{needs.instead.value} (--attention {needs.instead.value}) here")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,13 @@ RULES: tuple[Rule, ...] = (
                    f"whole); give {off('cuda_graphs')} or drop compile_mlp off"),
     Rule(("cuda_graphs", "device"), lambda c: c.cuda_graphs and c.device is not Device.CUDA,
          lambda c: f"cuda_graphs: needs device cuda, got {c.device.value!r}"),
+    Rule(("attention", "device"),
+         lambda c: c.attention in ATTENTION_NEEDS and c.device is not ATTENTION_NEEDS[c.attention].device,
+         lambda c: attention_device_problem(c.attention, c.device)),
+    Rule(("keep_attention", "attention"), lambda c: c.keep_attention and c.attention in ATTENTION_NEEDS,
+         lambda c: f"keep_attention: keeps what SDPA's fused kernels return, and attention {c.attention.value} runs "
+                   f"other kernels; give {off('keep_attention')} or attention "
+                   f"{ATTENTION_NEEDS[c.attention].instead.value}"),
     Rule(("shard_stream", "gpus"), lambda c: c.shard_stream and c.gpus < 2,
          lambda c: f"shard_stream: shares each streamed copy among data-parallel ranks, so it needs gpus > 1; got "
                    f"gpus={c.gpus}"),

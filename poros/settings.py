@@ -37,6 +37,7 @@ from poros.checkers import (
     positive_number,
     seed_int,
     sequence_length,
+    stream_buffer_count,
 )
 from poros.choices import Accumulation, Attention, Device, LoRACompute, LRSchedule, Placement
 from poros.sizes import AUTO, format_size
@@ -129,7 +130,10 @@ SETTINGS: tuple[Setting, ...] = (
             report_default=False),
     Setting("attention", Attention.DEFAULT, COMPUTED, one_of(Attention),
             "SDPA backend for every method: default, math, cudnn, efficient, flash, or fast (flash where a call's "
-            "shape allows, else memory-efficient, else math)", "Attention"),
+            "shape allows, else memory-efficient, else math); or fa4: FlashAttention-4's kernels (flash-attn-4 on a CUDA "
+            "GPU of compute capability 9.x to 11.x; their deterministic backward under deterministic) where they serve "
+            "a call (causal or unmasked, bf16 or fp16, no dropout), fast for every other call (Unsloth keeps its own "
+            "attention)", "Attention"),
     Setting("deterministic", False, COMPUTED, flag,
             "strict torch.use_deterministic_algorithms for every method (repeatable attention backward; an op "
             "without a deterministic kernel is an error)", "Deterministic algorithms"),
@@ -172,6 +176,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Double quantization"),
     # how poros schedules it
     Setting("block_size", 4, SCHEDULE, positive_int, "poros: decoder layers per streamed block", "Block size"),
+    Setting("stream_buffers", 2, SCHEDULE, stream_buffer_count,
+            "poros: device buffers the streamed blocks rotate through (2 to 8); each one more holds another block "
+            "at the turn from forward to backward and at the step's end, so fewer copies and less time the link "
+            "waits, for one block's memory", "Stream buffers", metavar="N", report_default=False),
     Setting("vram_budget", None, SCHEDULE, optional_size,
             "poros: device memory the process may use as nvidia-smi counts it (24GB, 40GiB, 300MB, or auto: "
             "what the card has free); layers that fit stay resident, the rest stream", "VRAM budget", metavar="SIZE",

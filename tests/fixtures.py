@@ -20,3 +20,18 @@ def one_line_refusal(capsys, code: int, *named: str) -> str:
         assert part in lines[0], f"{part!r} not in {lines[0]!r}"
     assert out == ""
     return lines[0]
+
+
+# a CPU matrix of one tiny model, poros against resident, one step of one pass: what tests of matrix files change
+TINY_MATRIX = dict(name="tiny", steps=1, passes=1, warmup_passes=0, seq_len=64, batch_size=1, grad_accum=1,
+                   lora_rank=4, lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"],
+                   parity_steps=1, methods=["poros", "resident"], models=["tiny-qwen2"])
+
+
+def tiny_matrix(tmp_path, **changes) -> str:
+    """A matrix file in `tmp_path`: TINY_MATRIX with `changes`, under a name no earlier call there took."""
+    import yaml
+
+    path = tmp_path / f"m{len(list(tmp_path.glob('m*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump({**TINY_MATRIX, **changes}))
+    return str(path)

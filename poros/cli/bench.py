@@ -239,6 +239,7 @@ def _preflight(args):
             raise PorosError(f"--benchmark-compare {args.benchmark_compare}: {problem}")
     device = matrix_device(m)
     preflight.check_runnable(m, device)
+    preflight.check_matrix_attention(m, device)
     if not args.keyword:  # with -k the suites check the models it selects, after collecting them
         preflight.check_host_memory([x for x in m.models if model_unavailable(x, device) is None], device)
     if not (SUITES / "test_matrix.py").is_file():

@@ -10,6 +10,7 @@ from poros import resolve
 from poros.config import Method, TrainConfig
 from poros.engine.methods.registry import METHODS
 from poros.errors import ConfigError
+from poros.harness import preflight
 from poros.cli.flags import add_arguments, from_arguments
 from poros.settings import COMPUTED, RUN, SCHEDULE
 
@@ -82,6 +83,7 @@ def run(args) -> int:
 
 
     cfg = train_config(args)
+    preflight.check_attention(cfg.attention, cfg.device.value, "attention")
     world = init_world(cfg.device.value)
     try:
         result = parity(cfg, steps=args.steps, progress=sys.stderr.isatty() and world.main, control=args.control,

@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     device = fc.train.device.value
     if not args.dry_run:  # a dry run shows a GPU's plan on any machine
         checks.check_device(device, "device")
+        checks.check_attention(fc.train.attention, device, "attention")
     if fc.train.deterministic:
         set_cublas_workspace()  # before anything touches CUDA: cuBLAS reads it once per process
     if fc.train.gpus > 1 and not launched() and not args.dry_run:

@@ -109,17 +109,40 @@ def write_atomic(path, data: str | bytes, what: str = "file", then: str = "") ->
         f.write(blob)
 
 
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (one of another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _abandoned(folder: Path) -> list[Path]:
+    """The temporary folders beside `folder` that no running process fills: those of writers killed before they could
+    remove them (SIGKILL, a lost machine), a whole checkpoint's size each, and this process's own."""
+    pattern = re.compile(rf"\.{re.escape(folder.name)}\.(\d+)\.partial")
+    if not folder.parent.is_dir():
+        return []
+    return [p for p in folder.parent.iterdir()
+            if (m := pattern.fullmatch(p.name)) and p.is_dir()
+            and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1))))]
+
+
 @contextlib.contextmanager
 def atomic_folder(folder, what: str = "folder", then: str = ""):
     """Yield a temporary folder beside `folder` to fill; once filled, it is renamed to `folder` (which must be
-    absent or empty). A failure removes the temporary folder.
+    absent or empty). A failure removes the temporary folder; one that a killed writer left is removed first.
 
     Raises:
         WriteError: a write into it or the rename failed.
     """
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in _abandoned(folder):
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         yield tmp

@@ -1,6 +1,6 @@
 """What matrix cells hold between one another, and what they let go: the NF4 store of the model in hand, built
 once for all its cells (`StoreCache`, host memory); the device memory a cell leaves cached
-(`free_device_memory`); and a failure kept for every cell that needs it, without the frames (and device
+(`free_device_memory`) and what earlier cells left allocated as the next one starts (`held_before`); and a failure kept for every cell that needs it, without the frames (and device
 tensors) its tracebacks hold (`kept_failure`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from poros.harness.console import phase
+from poros.harness.console import phase, progress
 from poros.store.build import build_store
 
 
@@ -43,6 +43,23 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+HELD_NOTED_GB = 0.05  # less than this left allocated by earlier cells goes unremarked (the store's stray scalars)
+
+
+def held_before(device: str) -> float | None:
+    """A cell's start on `device`: the peaks reset, and the GB of device memory this process's allocator still holds
+    from earlier cells (None off CUDA). Every peak the cell records includes them and no plan predicts them, so
+    more than HELD_NOTED_GB is said on the console."""
+    if device != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated() / 1e9
+    if held >= HELD_NOTED_GB:
+        progress(f"  {held:.2f} GB of device memory is still allocated from earlier cells: what follows holds it "
+                 "beside its plan (its peaks include it)")
+    return held
 
 
 def kept_failure(error: BaseException) -> BaseException:

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from poros.choices import ATTENTION_NEEDS, Attention, Device
 from poros.config import LORA_TARGETS, Method
 from poros.engine.methods.registry import config_for
 from poros.errors import CapabilityError, ConfigError, PorosError
@@ -18,6 +19,7 @@ from poros.harness.report import load_reference
 from poros.checkers import module_names
 from poros.models.targets import layer_linear_names, resolve_targets
 from poros.models.checkpoint import resolve
+from poros.resolve import attention_device_problem
 from poros.settings import COMPUTED_NAMES, SCHEDULE_NAMES
 from poros.models.skeleton import (
     check_lora_rank,
@@ -68,6 +70,82 @@ def check_device(device: str, where: str) -> None:
         return
     raise CapabilityError(f"{where}: {device} requested, but {why}; use device cpu here, or run on a GPU machine "
                           f"with a CUDA build of torch")
+
+
+def attention_problem(attention, device: str) -> str | None:
+    """Why attention setting `attention` cannot run on `device` on this machine (None: it can), by its KernelNeeds
+    (poros/choices.py): the device, then on this machine's GPU its compute capability, then the package's module,
+    imported (the first call would import it: an install missing a dependency fails here, not mid-run). Values
+    without needs (the SDPA lists) run wherever the device does."""
+    attention = Attention(getattr(attention, "value", attention))
+    needs = ATTENTION_NEEDS.get(attention)
+    if needs is None:
+        return None
+    kind, _, index = str(getattr(device, "value", device)).partition(":")
+    if kind != needs.device.value:
+        return attention_device_problem(attention, Device(kind))
+    instead = f"use attention {needs.instead.value} (--attention {needs.instead.value})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"attention: {attention.value} needs a CUDA GPU and torch finds none here; {instead}"
+    gpu = int(index) if index else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(gpu)
+    if major not in needs.majors:
+        return (f"attention: {attention.value} needs a GPU of {needs.least}; {torch.cuda.get_device_name(gpu)} is "
+                f"{major}.{minor}: {instead}")
+    import importlib
+
+    try:
+        importlib.import_module(needs.module)
+    except Exception as e:  # missing, or a dependency missing or broken: what the first call would meet
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        return (f"attention: {attention.value} needs {needs.package} (import {needs.module} failed: "
+                f"{type(e).__name__}: {why}); install it (an offline GPU machine: scripts/stage_fa4.sh beside the "
+                f"checkout, scripts/device_fa4.sh there) or {instead}")
+    return None
+
+
+def check_attention(attention, device: str, where: str) -> None:
+    """`attention_problem` as an error, before any work.
+
+    Raises:
+        CapabilityError: `where`, then what the setting needs, what this machine has and the value to use instead.
+    """
+    problem = attention_problem(attention, device)
+    if problem:
+        raise CapabilityError(f"{where}: {problem}")
+
+
+def matrix_attention(m, device: str) -> set:
+    """The attention settings the cells of matrix `m` run with on `device` (top level, sweep, per method)."""
+    from poros.harness.cells import matrix_cells
+
+    found = {m.settings_for(c.model, dict(c.point), c.method, c.plan, device).get("attention", m.attention)
+             for c in matrix_cells(m) if c.method is not Method.UNSLOTH}
+    return {Attention(getattr(a, "value", a)) for a in found}
+
+
+def matrix_attention_problems(m) -> list[str]:
+    """Attention settings of matrix `m` its device (`device`, else this host's) cannot run (their KernelNeeds'
+    device), one line each: what `poros validate` and `poros bench` refuse before any work. What a CUDA machine
+    must have besides is checked where the run starts (`check_matrix_attention`): a file may be meant for another
+    machine."""
+    from poros.harness.cells import matrix_device
+
+    device = Device(matrix_device(m))
+    return [attention_device_problem(a, device) for a in sorted(matrix_attention(m, device.value), key=str)
+            if a in ATTENTION_NEEDS and ATTENTION_NEEDS[a].device is not device]
+
+
+def check_matrix_attention(m, device: str) -> None:
+    """Every attention setting of matrix `m` must run on this machine's `device` (`attention_problem`).
+
+    Raises:
+        CapabilityError: naming the matrix and the first setting that cannot.
+    """
+    for attention in sorted(matrix_attention(m, device), key=str):
+        check_attention(attention, device, m.source)
 
 
 def model_problems(models, seq_len: int, lora_rank: int | None = None, lora_targets=None) -> list[str]:
@@ -121,7 +199,7 @@ def check_matrix(m) -> None:
     rank = max(m.settings_for(m.models[0], p, method).get("lora_rank", m.lora_rank) for p in m.points()
                for method in m.methods)  # the largest any cell asks for
     problems = model_problems(m.models, seq_len, rank, m.lora_targets) + reference_problems(m)
-    problems += cpu_rank_problems(m)
+    problems += cpu_rank_problems(m) + matrix_attention_problems(m)
     problems += plan_problems(m) if not problems else []
     if problems:
         raise ConfigError(problems, m.source)

@@ -188,7 +188,7 @@ ROW_FIELDS = {
     "s_per_step_median": measure, "s_per_step_std": figure, "peak_vram_gb": figure,
     "parity_max_abs_diff": difference, "bytes_h2d_per_step": figure, "copy_gbps": measure, "copy_hidden_share": figure,
     "tokens_per_s": measure, "link_h2d_gbps": measure, "copy_floor_s": measure,
-    "load_avg_max": figure, "cores": whole(1),
+    "load_avg_max": figure, "cores": whole(1), "held_before_gb": figure,
     "config": config, "provenance": provenance,
     "parity": one_of("PASS", "FAIL", None),
     "plan_name": text_or_null, "sweep": mapping_or_null, "timed": flag,

@@ -67,6 +67,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "shard_stream": cfg.shard_stream,
         **{k: getattr(meas, k) if meas else None for k in PEAKS},
         "peak_vram_nvml_source": meas.peak_vram_nvml_source if meas else None,
+        "held_before_gb": meas.held_before_gb if meas else None,
         "alloc_retries_per_step": retries_per_step(meas, steps),
         "attention_backends": meas.attention_backends if meas else None,
         "parity": None if not gate_applies or parity is None else parity.parity,

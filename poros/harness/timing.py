@@ -53,6 +53,9 @@ class Measurement:
     # per timed pass, the host's 1-minute load average as it ended (None where not known): above the cores the
     # process may use, other work shared them and the pass's time says less about poros than about the machine
     pass_load: list[float | None] = field(default_factory=list)
+    # device memory this process's allocator held as the cell's trainer was made (what earlier cells left
+    # allocated, None off CUDA): the peaks above include it, a plan's prediction does not
+    held_before_gb: float | None = None
 
 
 def host_load() -> float | None:

@@ -135,6 +135,7 @@ def _preflight(config) -> None:
         preflight.check_device(m.device.value, f"{m.source}: device")
     preflight.check_matrix(m)
     preflight.check_matrix_ranks(m, matrix_device(m))
+    preflight.check_matrix_attention(m, matrix_device(m))
     results = Path(config.getoption("--results"))
     lock = OutputLock(results.parent).acquire()
     config.add_cleanup(lock.release)

@@ -27,7 +27,7 @@ from poros.config import Method
 from poros.errors import WriteError
 from poros.harness import console
 from poros.engine.methods.registry import METHODS, config_for, gate_of, make_trainer
-from poros.harness.cell_memory import free_device_memory, kept_failure
+from poros.harness.cell_memory import free_device_memory, held_before, kept_failure
 from poros.harness.cells import cell_config, computed_of, gate_config, gate_fingerprint, reference_fingerprint
 from poros.harness.report.floor import compute_floors, floor_fields
 from poros.harness.result_row import record
@@ -111,6 +111,7 @@ def _run_gate(session, cell) -> dict:
         return {plan: kept_failure(e) for plan in plans}
     for plan, cfg in cfgs.items():
         try:
+            held_before(cfg.device.value)  # said where earlier cells or gates left device memory allocated
             trainer = make_trainer(method, store, cfg)
             try:
                 out[plan] = run_gate_recorded(recorded, trainer)
@@ -318,10 +319,7 @@ def _measure_cell(session, cell, cfg, benchmark):
         _measure_child(session, cell, cfg, store, write, benchmark)
     else:
         free_device_memory()
-        if cfg.device.value == "cuda":
-            import torch
-
-            torch.cuda.reset_peak_memory_stats()
+        held = held_before(cfg.device.value)
         fp = session.cell_fingerprint(cell)
         earlier = session.passes(cell) if session.resume else []
         if earlier:
@@ -349,6 +347,7 @@ def _measure_cell(session, cell, cfg, benchmark):
             del trainer
             free_device_memory()
         _unless_unfinished(session, len(meas.per_pass_s), benchmark)
+        meas.held_before_gb = held
         write(meas, plan)
     if gate is not None:
         assert gate.ok, f"parity FAIL for {cell.model}: {gate.first_mismatch}"

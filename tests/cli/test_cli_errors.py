@@ -15,23 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from poros.cli import main
 from poros.common.folders import LOCK_NAME
-from tests.fixtures import one_line_refusal
+from tests.fixtures import TINY_MATRIX, one_line_refusal, tiny_matrix
 from tests.harness.test_report import fixture_row, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = dict(name="tiny", steps=1, passes=1, warmup_passes=0, seq_len=64, batch_size=1, grad_accum=1, lora_rank=4,
-            lora_alpha=8, block_size=2, dataset="synthetic", device="cpu", stacks=["current"], parity_steps=1,
-            methods=["poros", "resident"], models=["tiny-qwen2"])
-
-
-def _matrix(tmp_path, **changes) -> str:
-    path = tmp_path / f"m{len(list(tmp_path.glob('m*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump({**TINY, **changes}))
-    return str(path)
+TINY, _matrix = TINY_MATRIX, tiny_matrix
 
 
 def _refused(capsys, argv, *named) -> str:

@@ -134,3 +134,28 @@ def test_poros_report_past_the_size_limit_is_one_line_and_leaves_no_page(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]
     control = limited(code, limit=None)
     assert control.returncode == 0 and (tmp_path / "page.md").is_file() and (tmp_path / "page.png").is_file()
+
+
+def test_a_folder_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
+    """An export killed mid-write (SIGKILL) leaves its hidden temporary folder, a checkpoint's size; the next
+    write of that folder removes it. One that a running writer fills is left alone (the control)."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has ended
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        abandoned = tmp_path / f".merged.{dead_pid}.partial"
+        filling = tmp_path / f".merged.{running.pid}.partial"
+        other = tmp_path / f".other.{dead_pid}.partial"  # another target's: not this write's to remove
+        for d in (abandoned, filling, other):
+            d.mkdir()
+            (d / "model-00001.safetensors").write_bytes(b"shard")
+        with atomic_folder(tmp_path / "merged") as tmp:
+            (tmp / "config.json").write_text("{}")
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted(["merged", filling.name, other.name]), names
+    finally:
+        running.kill()
+        running.wait()

@@ -45,29 +45,29 @@ PLAN_SPACE = dict(
     order=st.sampled_from(["layer", "micro"]), resident=st.integers(0, 6), head=st.sampled_from([None, True]),
     overlap=st.booleans(), seq=st.sampled_from([64, 96]), offload=st.booleans(), on_device=st.integers(0, 6),
     keep=st.booleans(),
-    kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]))
+    kept=st.sampled_from([None, 1]), placement=st.sampled_from(["tail", "spread"]), buffers=st.integers(2, 4))
 HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @settings(max_examples=4, **HYPOTHESIS)
 @given(**PLAN_SPACE)
 def test_any_plan_keeps_parity(family, layers, block, accum, order, resident, head, overlap, seq, offload, on_device,
-                               keep, kept, placement):
+                               keep, kept, placement, buffers):
     """Hypothesis over families, depth, block size, accumulation and its order, resident layer count
-    (0, some, all) and placement, the lm_head's place, saved inputs' place (how many layers' on the device) and
-    kept activations: every plan trains bitwise like resident QLoRA."""
+    (0, some, all) and placement, the lm_head's place, saved inputs' place (how many layers' on the device), kept
+    activations and the rotating buffers: every plan trains bitwise like resident QLoRA."""
     config = get_shape(family).config()
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = (config.layer_types * layers)[:layers]
     store, _ = build_store(Source(family, config), seed=layers, device="cpu", progress=False)
     cfg = TrainConfig(model=family, seq_len=seq, block_size=block, grad_accum=accum, accumulation=order, lr=1e-2,
-                      overlap_backward=overlap)
+                      overlap_backward=overlap, stream_buffers=buffers)
     plan = plan_for(store, cfg, resident_layers=min(resident, layers), head_resident=head, offload_inputs=offload,
                     keep_activations=keep, kept_layers=kept if keep else None, placement=Placement(placement),
                     device_inputs=on_device if offload else None)
     result, _ = gate(store, cfg, plan)
-    assert result.ok, (f"{family} L={layers} K={block} G={accum}/{order} resident={resident}/{placement} "
+    assert result.ok, (f"{family} L={layers} K={block}x{buffers} G={accum}/{order} resident={resident}/{placement} "
                        f"head={head} overlap={overlap} offload={offload}/{on_device} keep={keep}/{kept}: "
                        f"{result.first_mismatch}")
 
@@ -279,3 +279,44 @@ def test_the_host_embedding_lookup_gives_the_modules_own_bytes(stores, monkeypat
     bad = ids.clone()
     bad[0, 0] = (bad[0, 0] + 1) % emb.num_embeddings
     assert not torch.equal(type(emb).forward(emb, bad), got)  # negative control: another token, other bytes
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
+@pytest.mark.parametrize("buffers,accum,head,layers,head_buffer", [
+    (3, 1, None, 5, 0), (4, 3, None, 5, 3), (3, 1, None, 6, 1), (3, 2, True, 5, None)],
+    ids=["K=3", "K=4,G=3", "K=3,lm_head in the middle buffer", "K=3,G=2,lm_head resident"])
+def test_more_stream_buffers_keep_parity(stores, model, buffers, accum, head, layers, head_buffer):
+    """Blocks of one layer streamed through 3 and 4 rotating buffers (prefetches 2 and 3 groups ahead; the lm_head in
+    the buffer of the group before the last: the first, the last or one between, its pad beside it; or resident):
+    bitwise resident QLoRA. The buffers and the lm_head's region never overlap one another's bytes; the negative
+    control refills a buffer before the backward that reads it: refused, and run anyway it FAILs."""
+    cfg = TrainConfig(model=model, seq_len=64, block_size=1, grad_accum=accum, lr=1e-2, stream_buffers=buffers)
+    if layers == 5:
+        store = stores(model)
+    else:
+        config = get_shape(model).config()
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = (config.layer_types * layers)[:layers]
+        store, _ = build_store(Source(model, config), seed=layers, device="cpu", progress=False)
+    plan = plan_for(store, cfg, head_resident=head)
+    assert plan.n_layers == layers and plan.head_buffer == head_buffer
+    assert sum(not b.resident for b in plan.buffers) == buffers
+    trainer = PorosTrainer(store, cfg, plan=plan)
+    b = trainer.buffers
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel(), k) for k, v in b.views.items())
+    assert all(hi <= lo for (_, hi, _), (lo, _, _) in zip(spans, spans[1:])), spans
+    if plan.head_buffer is not None:
+        head_lo = b.head_region.data_ptr()
+        head_hi = head_lo + b.head_region.numel()
+        for lo, hi, k in spans:
+            assert k == plan.head_buffer or hi <= head_lo or lo >= head_hi, f"the lm_head overlaps buffer {k}"
+    trainer.close()
+    result, _ = gate(store, cfg, plan)
+    assert result.ok, result.first_mismatch
+    if accum == 1:
+        bad = refill_before_backward(plan)
+        with pytest.raises(CapabilityError, match="refusing an unsafe plan"):
+            PorosTrainer(store, cfg, plan=bad)
+        broken, _ = gate(store, cfg, plan=bad, check_plan=False, steps=1)
+        assert broken.parity == "FAIL", "a buffer refilled before its backward must fail the gate"

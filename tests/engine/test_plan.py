@@ -279,6 +279,24 @@ def test_fused_attention_backward_workspace(q72):
     assert q72.q_width == 8192 and q72.heads == 64
 
 
+def test_fa4_backward_workspace(q72):
+    """FlashAttention-4's backward, strict or not: one float32 dQ accumulator, float32 dK and dV accumulators for
+    grouped key/value heads, two float32 rows per token and head; a model some of whose calls FA4 leaves to `fast`
+    (gemma3's sliding-window layers, masked) counts fast's workspace where it is the larger."""
+    tokens = 16384
+    fa4 = [fused_backward_bytes(q72, tokens, 1, Attention.FA4, d) for d in (True, False)]
+    assert fa4[0] == fa4[1] == tokens * (q72.q_width * 4 + 2 * q72.kv_width * 4 + 2 * 4 * q72.heads)
+    assert q72.kv_width == 1024 and not q72.other_attention
+    assert fa4[0] < fused_backward_bytes(q72, tokens, 1, Attention.FAST, False)
+    gemma = Geometry.of_config("gemma3-27b", resolve("gemma3-27b").config, LORA_TARGETS)
+    assert gemma.other_attention
+    assert fused_backward_bytes(gemma, tokens, 1, Attention.FA4, True) == \
+        fused_backward_bytes(gemma, tokens, 1, Attention.FAST, True)
+    # the control: the same model with every call on FA4 would count FA4's alone
+    assert fused_backward_bytes(replace(gemma, other_attention=False), tokens, 1, Attention.FA4, True) < \
+        fused_backward_bytes(gemma, tokens, 1, Attention.FAST, True)
+
+
 def test_a_graph_plan_names_its_pool(q72):
     """Under CUDA graphs the templates' intermediates sit in the graphs' pool, reserved beside the allocated
     peak: the plan counts it in the process's total and says how much; an eager plan has none."""
@@ -289,3 +307,37 @@ def test_a_graph_plan_names_its_pool(q72):
     assert graphs.graph_pool == -(-layer * GRAPH_POOL_PER_LAYER // 100) > layer > 10**10 and eager.graph_pool == 0
     assert graphs.memory.total == graphs.memory.allocated + graphs.graph_pool  # no process costs asked for
     assert "graph_pool" in P.describe(graphs) and "graph_pool" not in P.describe(eager)
+
+
+@pytest.mark.parametrize("model, loads", [("qwen3-32b", (29, 27, 25)), ("qwen2.5-72b", (37, 35, 33))])
+def test_each_stream_buffer_beyond_two_keeps_a_block_at_the_turn_and_at_the_step_end(model, loads):
+    """Every layer streamed through 2, 3 and 4 rotating buffers: each buffer more keeps one more block where the
+    forward turns into the backward and where a step ends in the next one's first blocks, so two loads a step fewer;
+    the buffers hold a block each, the lm_head borrows the buffer of the group before the last and every rule holds.
+    Prefetches run `stream_buffers - 1` groups ahead."""
+    geo = geometry(model)
+    plans = [build_plan(geo, plan_request(stream_buffers=k)) for k in (2, 3, 4)]
+    assert tuple(p.loads_per_step for p in plans) == loads
+    for k, p in zip((2, 3, 4), plans):
+        assert check(p) == []
+        stream = [b for b in p.buffers if not b.resident]
+        assert len(stream) == k and len({b.nbytes for b in stream}) == 1
+        streamed = [g for g in p.groups if not g.resident]
+        assert p.head_buffer == streamed[-2].buffer and {g.buffer for g in streamed} == set(range(k))
+        assert p.memory.weight_buffers == k * stream[0].nbytes + p.head_pad
+        first = [op for op in p.step if op.kind == P.LOAD][0]  # the forward's first load: the group k groups in
+        assert first.group == streamed[k].index
+    # the step's first loads are enqueued before the compute reaches the group before them: k - 1 groups ahead
+    p = plans[1]
+    ops = [str(op) for op in p.step]
+    assert ops.index("load:g4:b1") < ops.index("forward:g2:L8:m0"), ops[:20]
+
+
+@pytest.mark.parametrize("buffers", [1, 9, "3", True, 2.5])
+def test_a_stream_buffer_count_out_of_range_is_refused_in_one_line(buffers):
+    from poros.config import TrainConfig
+    from poros.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stream_buffers.*expected an integer from 2 to 8"):
+        TrainConfig(model="tiny-qwen2", stream_buffers=buffers)
+    assert TrainConfig(model="tiny-qwen2", stream_buffers=8).stream_buffers == 8  # control: the range's top holds

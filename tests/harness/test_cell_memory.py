@@ -37,3 +37,30 @@ def test_a_kept_gate_failure_holds_none_of_its_frames_locals():
     assert kept_failure(held) is held and str(held) == "out of memory" and str(held.__cause__) == "inner"
     gc.collect()
     assert refs[0]() is None
+
+
+def test_a_cell_records_what_earlier_cells_left_allocated(monkeypatch, capsys):
+    """A cell's peaks include what earlier cells of the process left on the device; the row says how much
+    (`held_before_gb`) and the console names it, so a peak above its plan's prediction is not read as the plan's."""
+    import torch
+
+    from poros.harness import cell_memory
+
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 4_290_000_000)
+    assert cell_memory.held_before("cuda") == 4.29
+    assert resets == [1]
+    assert "4.29 GB of device memory is still allocated from earlier cells" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1_000_000)  # control: a stray MB goes unsaid
+    assert cell_memory.held_before("cuda") == 0.001
+    assert "still allocated" not in capsys.readouterr().err
+    assert cell_memory.held_before("cpu") is None and len(resets) == 2  # off CUDA: nothing measured, nothing reset
+
+
+def test_a_row_refuses_a_held_figure_that_is_not_one():
+    from poros.harness.record_schema import ROW_FIELDS
+
+    check = ROW_FIELDS["held_before_gb"]
+    assert check(4.29) is None and check(None) is None
+    assert check("4.29 GB") is not None and check(float("nan")) is not None

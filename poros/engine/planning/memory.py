@@ -48,6 +48,10 @@ LAYER_TRANSIENT_EAGER_MLP = 81
 # the softmax's row sums (float32 per token x head). It matters at long context only
 # (tests/engine/test_plan.py holds it to the peaks in experiments/h200-reserved-memory).
 FUSED_BWD_SMS = 132  # streaming multiprocessors the deterministic split count is planned for (H100, H200)
+# FlashAttention-4's backward (`attention: fa4`, flash_attn/cute/interface.py `_flash_attn_bwd`) allocates one
+# float32 dQ accumulator whether deterministic or not (its deterministic mode orders the adds with semaphores
+# instead of splitting), float32 dK and dV accumulators where query heads share key/value heads, and two float32
+# rows per token and head (dPsum, the log-sum-exp in base 2).
 # The CUDA graphs' private pool holds one layer's recompute and backward intermediates as captured, plus what
 # the captures do not share (each graph's own outputs, blocks freed on one capture's stream), in percent of
 # one layer's transient bytes: fitted to the pools' reserved bytes in experiments/h200-reserved-memory, rounded up
@@ -194,6 +198,13 @@ def fused_backward_bytes(geo: Geometry, seq_len: int, batch: int, attention: Att
     """What fused attention's backward allocates beyond its gradients (none on the math path)."""
     if attention is Attention.MATH:
         return 0
+    if attention is Attention.FA4:
+        kv_width = geo.kv_width or geo.q_width
+        grouped = 2 * kv_width * 4 if kv_width < geo.q_width else 0
+        own = seq_len * batch * (geo.q_width * 4 + grouped + 2 * 4 * geo.heads)
+        # a model some of whose calls FA4 leaves to `fast` (masked, wide heads) may hold either backward's
+        return max(own, fused_backward_bytes(geo, seq_len, batch, Attention.FAST, deterministic)) \
+            if geo.other_attention else own
     splits = -(-FUSED_BWD_SMS // (batch * geo.heads)) if deterministic else 1
     return seq_len * batch * (geo.q_width * (4 * splits + 2 * 2) + 4 * geo.heads)
 

@@ -298,7 +298,8 @@ def describe(plan: Plan) -> str:
     lines = [
         f"plan for {plan.model}: {plan.n_layers} layers, block size {plan.block_size}, grad_accum {plan.grad_accum}"
         + (f" ({plan.accumulation.value}-major)" if plan.grad_accum > 1 else ""),
-        f"  streamed layers:  {span(st)}",
+        f"  streamed layers:  {span(st)}" + (f" through {rotating} rotating buffers" if (
+            rotating := sum(not b.resident for b in plan.buffers)) > 2 else ""),
         f"  resident layers:  {span(res)}" + (
             "" if not plan.kept_layers else " (activations kept: no recompute)" if len(plan.kept_layers) == len(res)
             else f" (activations kept, no recompute: {span(list(plan.kept_layers))})"),

@@ -107,11 +107,13 @@ def _place(groups: list[Group], n_stream: int) -> list[Group]:
 
 
 def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_buffer: int | None,
-              head_resident: bool, holds: dict[int, int], shards: int = 1) -> tuple[list[Op], dict[int, int]]:
+              head_resident: bool, holds: dict[int, int], shards: int = 1,
+              n_stream: int = 2) -> tuple[list[Op], dict[int, int]]:
     """One optimizer step from buffer state `holds` (buffer -> group or HEAD_SLOT); returns the ops and
-    the state they leave. A streamed group's load is enqueued when the streamed group before it in the
-    pass starts (right after the release of the buffer's previous contents), so the copy runs while the
-    compute stream works on that group and on any resident layers between the two. With `shards` ranks each
+    the state they leave. A streamed group's load is enqueued when the streamed group `n_stream - 1` before it
+    in the pass starts (each of the `n_stream` rotating buffers was released by then: its previous contents were
+    read by an earlier group), so the copy runs while the compute stream works on the groups between and on
+    any resident layers among them. With `shards` ranks each
     load of a streamed group (or of the lm_head) is this rank's share, its gather follows at once: the gather
     runs behind the copy on a stream of its own, the compute stream waits for the gather."""
     holds = dict(holds)
@@ -134,13 +136,13 @@ def _step_ops(groups: list[Group], grad_accum: int, order: Accumulation, head_bu
     def passes(micros, forward: bool) -> None:
         seq = groups if forward else groups[::-1]
         streamed = [g for g in seq if not g.resident]
-        after = {g.index: nxt for g, nxt in zip(streamed, streamed[1:])}
+        ahead = {g.index: streamed[k + 1: k + n_stream] for k, g in enumerate(streamed)}
         for g in seq:
             if not g.resident:
                 load(g)  # already there when prefetched, or left by the previous pass
-                nxt = after.get(g.index)
-                if nxt is not None and nxt.buffer != g.buffer:
-                    load(nxt)  # prefetch into the other buffer, released by the streamed group before this one
+                for nxt in ahead[g.index]:
+                    if nxt.buffer != g.buffer:
+                        load(nxt)  # prefetch into another buffer, released by a streamed group before this one
             if forward and head_buffer is not None and not head_resident and g is stream[-1]:
                 load_head()  # the buffer of the streamed group before the last
             layers = g.layers if forward else reversed(g.layers)
@@ -211,7 +213,7 @@ class PlanRequest:
 def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Plan:
     """The plan keeping `resident_layers` layers (the last ones, or with `placement` spread, all but evenly
     spread streamed ones) and, with `head_resident`, the lm_head on the device for good and streaming the
-    rest in groups of `block_size` through two rotating buffers; with `keep_activations` the resident
+    rest in groups of `block_size` through `stream_buffers` rotating buffers; with `keep_activations` the resident
     layers (at most `kept_layers` of them, spread evenly) keep their activations instead of recomputing them;
     the saved inputs of all but the last `device_inputs` recomputed layers go through host memory.
 
@@ -231,24 +233,25 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
     block = max(1, min(block_size, streamed)) if streamed else block_size
     groups = _groups(geo, resident, block)
     n_groups = sum(not g.resident for g in groups)  # streamed groups
-    n_stream = min(2, n_groups)
+    n_stream = min(c.stream_buffers, n_groups)
     groups = _place(groups, n_stream)
     shards = r.shards
     stream_size = align(max((gathered_size(g.nbytes, shards) for g in groups if not g.resident), default=0))
-    # the lm_head borrows the idle buffer during the head when two rotate; else it is resident
+    # the lm_head borrows the buffer of the streamed group before the last (idle during the head) where two or
+    # more rotate; else it is resident
     if head_resident is None:
         head_resident = n_stream < 2
     head_buffer = None
-    if not head_resident and n_stream == 2:
-        head_buffer = (n_groups - 2) % 2
+    if not head_resident and n_stream >= 2:
+        head_buffer = (n_groups - 2) % n_stream
     elif not head_resident:
         head_resident = True  # a region of its own would be held all step: keep the lm_head there
     head_pad = align(max(0, gathered_size(geo.head_bytes, shards) - stream_size)) if head_buffer is not None else 0
     buffers = [Buffer(b, stream_size, False) for b in range(n_stream)]
     buffers += [Buffer(g.buffer, align(g.nbytes), True) for g in groups if g.resident]
     # steady state: run one step from empty buffers, then plan every step from where it ends
-    _, end = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, {}, shards)
-    step, after = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, end, shards)
+    _, end = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, {}, shards, n_stream)
+    step, after = _step_ops(groups, grad_accum, accumulation, head_buffer, head_resident, end, shards, n_stream)
     setup = [Op(LOAD, group=g.index, buffer=g.buffer) for g in groups if g.resident]
     for b, grp in sorted(end.items()):
         if grp != HEAD_SLOT and not groups[grp].resident:
@@ -289,9 +292,10 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
         lora=lora_bytes(geo, c.lora_rank), dense=geo.dense_device_bytes, saved_inputs=saved,
         transient=max(head_t, compiled_transient(layer_t + grads_in_flight, c.compile, c.compile_mlp)),
         # streamed layers share 2 x block_size templates (their LoRA copies within the measured peaks the
-        # model is fitted to); every resident layer has its own weights' addresses, so its own templates
-        # a kept layer has a template of its own per micro-batch kept at once, with its own input
-        templates=((resident_layers - len(kept)) * template_bytes(geo, c.lora_rank)
+        # model is fitted to), and block_size more per rotating buffer beyond two; every resident layer has its
+        # own weights' addresses, so its own templates; a kept layer has a template of its own per micro-batch
+        # kept at once, with its own input
+        templates=((resident_layers - len(kept) + max(0, n_stream - 2) * block) * template_bytes(geo, c.lora_rank)
                    + len(kept) * live * (template_bytes(geo, c.lora_rank) + one_input)
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention, c.mlp_chunk,

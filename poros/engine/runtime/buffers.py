@@ -38,18 +38,20 @@ class DeviceBuffers:
         self.cuda = device.type == "cuda"
         stream = [b for b in plan.buffers if not b.resident]
         size = stream[0].nbytes if stream else 0
-        pad = plan.head_pad
-        lead = pad if plan.head_buffer == 0 else 0
-        self.region = torch.empty(lead + len(stream) * size + (pad - lead), dtype=torch.uint8, device=device)
-        self.views: dict[int, torch.Tensor] = {b.index: self.region[lead + b.index * size: lead + (b.index + 1) * size]
+        pad, h = plan.head_pad, plan.head_buffer
+        # the rotating buffers in one region, the lm_head's pad (what it needs beyond a buffer) beside the buffer it
+        # borrows: before the first, else right after its own
+        offset = {b.index: b.index * size + (pad if h == 0 or (h is not None and b.index > h) else 0) for b in stream}
+        self.region = torch.empty(len(stream) * size + pad, dtype=torch.uint8, device=device)
+        self.views: dict[int, torch.Tensor] = {b.index: self.region[offset[b.index]: offset[b.index] + size]
                                                for b in stream}
         for b in plan.buffers:
             if b.resident:
                 self.views[b.index] = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
         self.head_host = head_host
         nbytes = head_host.numel() * head_host.element_size()
-        if plan.head_buffer is not None:
-            o = 0 if plan.head_buffer == 0 else size
+        if h is not None:
+            o = 0 if h == 0 else offset[h]
             self.head_region = self.region[o: o + plan.gathered_size(nbytes)]  # the shares' padding included
         else:
             self.head_region = torch.empty(nbytes, dtype=torch.uint8, device=device)
