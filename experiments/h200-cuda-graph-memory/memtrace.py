@@ -4,6 +4,11 @@ at the peak of its last step (a GPU probe, not a test).
     python3 experiments/h200-cuda-graph-memory/memtrace.py qwen3-32b --variants overlap,graphs [--steps 3] [--top 15]
     python3 experiments/h200-cuda-graph-memory/memtrace.py qwen3-32b --variants graphs --compile --attention fast \
         --deterministic --lora-compute bf16      # the settings `poros train` takes on CUDA, compiled as a matrix runs
+    python3 experiments/h200-cuda-graph-memory/memtrace.py qwen3-32b --plans none,12GB --compile --lora-compute bf16
+        # each VRAM budget on the settings `poros train` resolves on CUDA (poros/resolve.py), one trainer after another
+
+With --plans, each line also holds the process's NVML peak over the trainer's life (what a budget counts), the
+allocator's reserved peaks, and, where the trainer fails (a budget's cap), the error and what was allocated then.
 
 Recording starts before the trainer is made, so everything the trainer allocates is attributed to
 the Python line that allocated it (the store itself lives in host memory). Per variant, one JSON
@@ -25,6 +30,9 @@ import torch
 from poros.store.build import build_store
 from poros.config import TrainConfig
 from poros.engine.methods.executor import PorosTrainer
+from poros.engine.runtime.nvml import NvmlPeak
+from poros.resolve import with_defaults
+from poros.sizes import parse_size
 
 MAX_ENTRIES = 2_000_000
 
@@ -105,8 +113,14 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--lora-compute", default="fp32")
+    p.add_argument("--plans", default=None, help="VRAM budgets (none: every layer streamed), comma-separated")
+    p.add_argument("--stream-buffers", type=int, default=2)
     args = p.parse_args()
     store, _ = build_store(args.model, device="cuda", progress=None)
+    if args.plans:
+        for budget in args.plans.split(","):
+            trace_plan(store, args, budget)
+        return
     for v in args.variants.split(","):
         gc.collect()
         torch.cuda.empty_cache()
@@ -144,6 +158,60 @@ def main() -> None:
         del trainer, snap, trace
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def trace_plan(store, args, budget: str) -> None:
+    """One trainer on the CUDA defaults within `budget`: its peaks (NVML, reserved, allocated), the predicted parts
+    and the sites live at the last step's peak; on failure the error and the pools then."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    given = {"device": "cuda", "compile": args.compile, "lora_compute": args.lora_compute,
+             "vram_budget": None if budget == "none" else parse_size(budget), "stream_buffers": args.stream_buffers}
+    values, chosen = with_defaults(given)
+    cfg = TrainConfig(model=args.model, seq_len=512, **values)
+    row = {"model": args.model, "plan": budget, "device_defaults": list(chosen), "before_trainer_gb": round(before / 1e9, 3),
+           "settings": {k: str(v) for k, v in cfg.schedule.items()}}
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
+    trainer = None
+    with NvmlPeak() as nvml:
+        try:
+            trainer = PorosTrainer(store, cfg)
+            row["predicted"] = {k: round(b / 1e9, 3) for k, b in trainer.plan.memory.parts().items()}
+            row["predicted_process_gb"] = round(trainer.plan.memory.total / 1e9, 3)
+            for n in range(args.steps):
+                if n == args.steps - 1:
+                    torch.cuda.synchronize()
+                    row["max_allocated_before_last_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+                    row["max_reserved_before_last_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 3)
+                    mark = len(torch.cuda.memory._snapshot()["device_traces"][0])
+                    torch.cuda.reset_peak_memory_stats()
+                trainer.step()
+                torch.cuda.synchronize()
+            row["last_step_max_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+            row["last_step_max_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 3)
+            snap = torch.cuda.memory._snapshot()
+            row.update(pools(snap), **analyse(snap["device_traces"][0], mark, args.top))
+            row["live_after"] = live_blocks(snap, args.top)
+            row["counters"] = {k: v for k, v in trainer.counters().items() if isinstance(v, (int, float))}
+        except Exception as e:  # a budget's cap: what was held when it refused
+            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            snap = torch.cuda.memory._snapshot()
+            row.update(pools(snap))
+            row["live_at_error"] = live_blocks(snap, args.top)
+            row["allocated_at_error_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
+            row["reserved_at_error_gb"] = round(torch.cuda.memory_reserved() / 1e9, 3)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    row["nvml_peak_gb"] = None if nvml.peak is None else round(nvml.peak / 1e9, 3)
+    row["nvml_source"] = nvml.source
+    print(json.dumps(row), flush=True)
+    if trainer is not None:
+        trainer.close()
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
