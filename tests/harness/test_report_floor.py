@@ -73,6 +73,45 @@ def test_the_fastest_step_streaming_nothing_is_the_floor_and_unsloth_is_none(tmp
     assert ("poros", RESIDENT_S) in got
 
 
+GC_S = 0.4321  # resident_gc's made-up s/step: resident's and a forward of every layer again
+
+
+def resident_gc(**kw) -> dict:
+    return {**fixture_row(method="resident"), "method": "resident_gc", "s_per_step_median": GC_S, **kw}
+
+
+def test_the_recompute_counts_a_plan_recomputing_every_layer_is_held_to_resident_gc(tmp_path):
+    """poros recomputes every streamed layer's forward in its backward, as resident_gc does and resident QLoRA does
+    not: where the run has both, the streamed row's compute floor is resident_gc's step, slower than resident's."""
+    got = dict((m, (c, s)) for m, c, s in floors_of(tmp_path, [probed(copy_floor_s=0.1), resident(), resident_gc()]))
+    assert got["poros"] == (GC_S, GC_S / POROS_S) and GC_S > RESIDENT_S
+    # negative control: without resident_gc the floor is resident's, the recompute left beyond it
+    got = dict((m, (c, s)) for m, c, s in floors_of(tmp_path, [probed(copy_floor_s=0.1), resident()]))
+    assert got["poros"] == (RESIDENT_S, RESIDENT_S / POROS_S)
+
+
+def test_a_plan_keeping_activations_is_floored_in_proportion_to_the_layers_it_recomputes(tmp_path):
+    """16 of 64 layers resident and keeping their activations: the floor is resident's step plus three quarters of
+    what recomputing every layer adds; keeping 4 of them (`kept_layers`) recomputes 60 of 64."""
+    plan = {"resident_layers": list(range(48, 64)), "streamed_layers": list(range(48))}
+    kept = with_config(probed(copy_floor_s=0.1, plan=plan), keep_activations=True)
+    (poros,) = [c for m, c, _ in floors_of(tmp_path, [kept, resident(), resident_gc()]) if m == "poros"]
+    assert poros == pytest.approx(RESIDENT_S + 0.75 * (GC_S - RESIDENT_S))
+    four = with_config(kept, kept_layers=4)
+    (poros,) = [c for m, c, _ in floors_of(tmp_path, [four, resident(), resident_gc()]) if m == "poros"]
+    assert poros == pytest.approx(RESIDENT_S + 60 / 64 * (GC_S - RESIDENT_S))
+    # negative control: the same plan without keep_activations recomputes every layer
+    (poros,) = [c for m, c, _ in floors_of(tmp_path, [probed(copy_floor_s=0.1, plan=plan), resident(), resident_gc()])
+                if m == "poros"]
+    assert poros == GC_S
+
+
+def test_only_a_recomputing_reference_is_the_floor_of_every_plan(tmp_path):
+    """A run with resident_gc alone: its step is the floor (the one there is)."""
+    got = dict((m, c) for m, c, _ in floors_of(tmp_path, [probed(copy_floor_s=0.1), resident_gc()]))
+    assert got["poros"] == GC_S
+
+
 @pytest.mark.parametrize("other", [
     lambda r: on_gpu(r, "GPU-other-uuid"),
     lambda r: {**r, "provenance": {**r["provenance"], "host": "other-host"}},

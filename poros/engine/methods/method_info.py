@@ -22,6 +22,9 @@ class MethodInfo:
     in_process: bool = True  # a Trainer in this process (False: measured in a child process)
     finetune: bool = False  # `poros train` can train with it
     planned: bool = False  # its cells run a plan (schedule settings, a matrix's `plans:`, host→device copies)
+    # its backward runs every layer's forward again from the layer's saved input (gradient checkpointing); a
+    # planned method's plan says which layers it recomputes (all but the resident layers that keep activations)
+    recomputes: bool = False
 
 
 INFO: dict[Method, MethodInfo] = {i.method: i for i in (
@@ -29,11 +32,11 @@ INFO: dict[Method, MethodInfo] = {i.method: i for i in (
     MethodInfo(Method.RESIDENT, "resident (full QLoRA)", "resident QLoRA", gated=True, reference=True, finetune=True),
     # bitwise equal to resident (tests/engine/test_resident_gc.py): the reference where resident does not fit
     MethodInfo(Method.RESIDENT_GC, "resident + gradient checkpointing", "resident_gc", gated=True, reference=True,
-               recorded=True),
+               recorded=True, recomputes=True),
     # resident_gc, every checkpointed layer's input in host memory (tests/engine/test_resident_gc.py: bitwise
     # resident_gc's): the reference where even resident_gc's saved inputs do not fit the device
     MethodInfo(Method.RESIDENT_GC_OFFLOAD, "resident + gradient checkpointing, inputs in host memory",
-               "resident_gc_offload", gated=True, reference=True, recorded=True),
+               "resident_gc_offload", gated=True, reference=True, recorded=True, recomputes=True),
     MethodInfo(Method.UNSLOTH, "unsloth", "unsloth", gated=False, in_process=False),
 )}
 NAMES: tuple[str, ...] = tuple(m.value for m in INFO)  # every method as rows and matrices name it, in table order

@@ -2,27 +2,35 @@
 
 A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
 its own process measured it, poros/harness/link.py). Its compute floor is the fastest step of the same work with
-nothing streamed: resident QLoRA, resident_gc, or a plan that copies no bytes, of the same model, stack and
-computed settings (poros/settings.py), in the same run on the same GPU. A matrix runs a model's reference before
-its poros cells, so a streamed row carries its floors when it is written (`floor_fields`); a page finds them again
-among all its rows, for rows written before their reference. `floor_share` is the larger floor over the step's
-s/step (100%: a step at its floor), `host_s_per_step` what the step takes beyond it.
+nothing streamed, of the same model, stack and computed settings (poros/settings.py), in the same run on the same
+GPU. The same work counts the recompute: a poros plan runs the forward of every layer again in its backward from
+the layer's saved input (all but resident layers that keep their activations), which resident QLoRA does not and
+resident_gc does. So the floor is the fastest step that recomputes every layer (resident_gc, its offloading form,
+or a plan that copies no bytes and keeps no activations) for the share of layers the row recomputes, and the
+fastest that recomputes none (resident QLoRA) for the rest, in proportion; where the run has only one of the two,
+that one (resident's alone leaves the recompute out, and the time beyond the floor then holds it). A matrix runs a
+model's references before its poros cells, so a streamed row carries its floors when it is written
+(`floor_fields`); a page finds them again among all its rows, for rows written before their reference.
+`floor_share` is the larger floor over the step's s/step (100%: a step at its floor), `host_s_per_step` what the
+step takes beyond it.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from poros.engine.methods.method_info import REFERENCES, is_planned
+from poros.engine.methods.method_info import REFERENCES, by_value, is_planned
 from poros.harness.report.format import DASH, num
 from poros.harness.report.rows import computed_key, run_of
 
 FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
               "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
               "the row's process; the compute floor the fastest step of the same model and computed settings with "
-              "nothing streamed (resident QLoRA, or a plan that copies nothing) in the same run on the same GPU (— "
-              "where none ran: the share is then the copy floor's). Beyond the floor: the step's s/step less the "
-              "larger floor, the time the host adds (`host_s_per_step`).")
+              "nothing streamed in the same run on the same GPU, recompute counted: resident_gc's step (every "
+              "layer's forward again in backward, as poros recomputes its streamed layers) for the layers the plan "
+              "recomputes and resident QLoRA's for the rest, or the one of the two the run has (— where neither "
+              "ran: the share is then the copy floor's). Beyond the floor: the step's s/step less the larger floor, "
+              "the time the host adds (`host_s_per_step`).")
 
 
 def streams_nothing(row: dict) -> bool:
@@ -37,24 +45,53 @@ def _timed(row: dict) -> float | None:
     return s if row["status"] == "ok" and row.get("control") is not True and s and s > 0 else None
 
 
-def compute_floors(rows: list[dict]) -> dict[tuple, float]:
-    """The fastest s/step with nothing streamed per (run, computed settings) among `rows`."""
-    out: dict[tuple, float] = {}
+def recomputed_share(row: dict) -> float:
+    """The share of a row's layers whose forward its backward runs again from their saved input: every layer of a
+    method that recomputes (resident_gc), none of resident QLoRA's, and of a poros plan's all but the resident
+    layers that keep their activations (`keep_activations`, `kept_layers` of them; poros/engine/planning/search.py
+    `kept_set`)."""
+    if not is_planned(row["method"]):
+        info = by_value(row["method"])
+        return 1.0 if info is not None and info.recomputes else 0.0
+    plan, config = row.get("plan"), row.get("config") or {}
+    resident = len(plan.get("resident_layers") or []) if isinstance(plan, dict) else 0
+    layers = resident + len(plan.get("streamed_layers") or []) if isinstance(plan, dict) else 0
+    if not config.get("keep_activations") or not layers:
+        return 1.0
+    kept = resident if config.get("kept_layers") is None else min(int(config["kept_layers"]), resident)
+    return 1.0 - kept / layers
+
+
+def compute_floors(rows: list[dict]) -> dict[tuple, dict[float, float]]:
+    """The fastest s/step with nothing streamed per (run, computed settings) among `rows`, apart for the steps that
+    recompute every layer (1.0) and those that recompute none (0.0)."""
+    out: dict[tuple, dict[float, float]] = {}
     for r in rows:
         s = _timed(r)
-        if s is not None and streams_nothing(r):
-            key = (run_of(r), computed_key(r))
-            out[key] = min(s, out.get(key, s))
+        share = recomputed_share(r) if s is not None and streams_nothing(r) else None
+        if share in (0.0, 1.0):
+            floors = out.setdefault((run_of(r), computed_key(r)), {})
+            floors[share] = min(s, floors.get(share, s))
     return out
 
 
-def floor_fields(row: dict, floors: dict[tuple, float]) -> dict:
+def _compute_floor(floors: dict[float, float], share: float) -> float | None:
+    """The compute floor of a step that recomputes `share` of its layers: in proportion between the fastest step
+    recomputing none and the fastest recomputing all, or the one of them there is (None: neither)."""
+    none, every = floors.get(0.0), floors.get(1.0)
+    if none is not None and every is not None:
+        return none + share * (every - none)
+    return every if none is None else none
+
+
+def floor_fields(row: dict, floors: dict[tuple, dict[float, float]]) -> dict:
     """A row's `compute_floor_s` (None where no step of the same work streamed nothing in the same run and GPU),
     `floor_share` and `host_s_per_step` (None where the row has no copy floor or no timing), given the compute
     floors of its run (`compute_floors`). A streamed step takes the larger of its two floors plus what the host
     adds: `host_s_per_step` is that remainder, its s/step less the larger floor."""
     copy, s = num(row.get("copy_floor_s")), _timed(row)
-    floor = floors.get((run_of(row), computed_key(row))) if copy is not None else None
+    found = floors.get((run_of(row), computed_key(row))) if copy is not None else None
+    floor = None if not found else _compute_floor(found, recomputed_share(row))
     bound = None if copy is None or s is None else max(copy, floor or 0.0)
     return {"compute_floor_s": floor, "floor_share": None if bound is None else bound / s,
             "host_s_per_step": None if bound is None else s - bound}
