@@ -137,7 +137,7 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
         OutOfTime: the time budget ran out between passes.
         CapabilityError: the child failed, with its last lines.
     """
-    from poros.harness.timing import timed_rounds
+    from poros.harness.timing import host_load, timed_rounds
     from poros.harness.child import EOF_EVENT, ChildLines
 
     why = unavailable(cfg.device.value)
@@ -192,7 +192,7 @@ def measure_unsloth(store, cfg, steps: int, passes: int, warmup: int, workdir: s
                 return
             per_pass.append(seconds)
             if on_pass is not None:
-                on_pass({**reported, "seconds": seconds, "child_seconds": reported["seconds"]})
+                on_pass({**reported, "seconds": seconds, "child_seconds": reported["seconds"], "load_avg": host_load()})
 
         timed_rounds(benchmark, run, warmup, todo, earlier=[r["seconds"] for r in earlier], done=done)
         kind, record = lines.next()

@@ -71,6 +71,18 @@ def test_result_is_handed_over_before_the_export_is_removed(fake, monkeypatch, t
     assert any(line.startswith("  unsloth result: ") for line in logged)
 
 
+def test_each_unsloth_pass_record_carries_the_host_load(fake, tmp_path, monkeypatch):
+    """As every in-process pass does (poros/harness/timing.py `host_load`): a pass of a host-bound method timed on a
+    busy host says so. Control: the load is the one read as the pass ended, not a constant."""
+    fake(["Unsloth: banner", WARM, *PASSES, um.RESULT + json.dumps(RECORD)])
+    loads = iter([3.5, 0.25])
+    monkeypatch.setattr("poros.harness.timing.host_load", lambda: next(loads))
+    seen = []
+    um.measure_unsloth(None, TrainConfig(model="tiny-qwen3", device="cuda"), 5, 2, 1, workdir=str(tmp_path),
+                       log=lambda line: None, on_pass=seen.append)
+    assert [r["load_avg"] for r in seen] == [3.5, 0.25]
+
+
 def test_a_failing_child_raises_with_its_last_words(fake, tmp_path):
     fake(["Traceback (most recent call last):", "RuntimeError: Gemma 4 requires transformers >= 5.5.0"], code=1)
     seen = []
