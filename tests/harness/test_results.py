@@ -127,17 +127,25 @@ def test_a_full_disk_during_a_row_write_keeps_every_complete_row(tmp_path, monke
     assert [r["model"] for r in w.rows()] == ["a", "d"]
 
 
-@pytest.mark.parametrize("listing, kept", [(["--collect-only"], True), (["-k", "no-cell-has-this-name"], False)])
-def test_listing_the_cells_leaves_an_earlier_run_where_it_is(tmp_path, listing, kept):
-    """`pytest suites/ --collect-only` runs nothing, so it moves no earlier run aside; the control, a run that
-    selects no cell, still starts a run and keeps the earlier one under earlier/1/."""
+@pytest.mark.parametrize("listing, kept", [(["--collect-only"], True), (["-k", "no-cell-has-this-name"], True),
+                                           (["-k", "tiny-qwen2 and parity", "--max-minutes", "0.0001"], False)],
+                         ids=["collect-only", "k-selects-no-cell", "control-a-run"])
+def test_a_run_that_runs_nothing_leaves_an_earlier_run_where_it_is(tmp_path, listing, kept):
+    """`pytest suites/ --collect-only` runs nothing, and a `-k` that selects no cell is refused in one line (as `poros
+    bench` refuses it), so neither moves an earlier run aside; the control, a run that starts (one cell, stopped by
+    its time budget at once), keeps the earlier one under earlier/1/."""
     repo = Path(__file__).resolve().parents[2]
     (tmp_path / "results.jsonl").write_text(json.dumps(ROW) + "\n")
     env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run([sys.executable, "-m", "pytest", str(repo / "suites"), "--matrix=cpu", "-q", "-p",
                            "no:cacheprovider", f"--results={tmp_path / 'results.jsonl'}", *listing],
                           cwd=repo, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode in (0, 5), done.stdout[-2000:] + done.stderr[-2000:]  # 5: no test selected
+    out = done.stdout[-2000:] + done.stderr[-2000:]
+    if listing[:2] == ["-k", "no-cell-has-this-name"]:
+        assert done.returncode == 4 and "-k 'no-cell-has-this-name' selects no cell of matrices/cpu.yaml" in out, out
+    else:
+        # 5: no test selected; 1: a part stopped by its time budget before it recorded anything
+        assert done.returncode in (0, 1, 5), out
     assert (tmp_path / "results.jsonl").exists() is kept
     assert (tmp_path / "earlier" / "1" / "results.jsonl").exists() is not kept
 
