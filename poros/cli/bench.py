@@ -251,10 +251,9 @@ def run(args) -> int:
     from poros.harness.console import interrupt_on_sigint, interrupted_by
 
     m = _preflight(args)
-    if args.keyword and not preflight.selected_cells(m, args.keyword):  # before OUT is touched: nothing there moves
-        example = next(iter(preflight.selected_cells(m, None)), None)
-        print(f"poros bench: no cell matched -k {args.keyword!r}" +
-              (f" (cell ids read like {example.id})" if example else ""), file=sys.stderr)
+    unselected = preflight.no_cell_selected(m, args.keyword)  # before OUT is touched: nothing there moves
+    if unselected:
+        print(f"poros bench: {unselected}", file=sys.stderr)
         return 1
     out = ensure_folder(args.out)
     with OutputLock(out, command=command_line(args, resume=False)) as lock, interrupt_on_sigint():

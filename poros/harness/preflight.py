@@ -330,6 +330,15 @@ def selected_cells(m, expr: str | None) -> list:
     return [c for c in cells if expression.evaluate(matcher(keyword_names(c)))]
 
 
+def no_cell_selected(m, expr: str | None) -> str | None:
+    """Why a `-k` expression selects no cell of `m` (None where it selects one, or where none is given): said before
+    a run's output folder is touched, so that nothing there moves."""
+    if not expr or selected_cells(m, expr):
+        return None
+    example = next(iter(selected_cells(m, None)), None)
+    return f"no cell matched -k {expr!r}" + (f" (cell ids read like {example.id})" if example else "")
+
+
 def check_report_paths(inputs, output, reference=None) -> None:
     """A report goes to a .md file that is none of its inputs (nor their PNG), in a writable folder.
 

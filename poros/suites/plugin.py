@@ -137,12 +137,9 @@ def _preflight(config) -> None:
     preflight.check_matrix_ranks(m, matrix_device(m))
     preflight.check_matrix_attention(m, matrix_device(m))
     results = Path(config.getoption("--results"))
-    keyword = config.getoption("keyword") or None
-    if keyword and not preflight.selected_cells(m, keyword):  # before the folder is touched: nothing there moves
-        example = next(iter(matrix_cells(m)), None)
-        raise PorosError(f"-k {keyword!r} selects no cell of {m.source}"
-                         + (f" (cell ids read like {example.id})" if example else "")
-                         + f": {results.parent}/ is left as it was")
+    unselected = preflight.no_cell_selected(m, config.getoption("keyword") or None)
+    if unselected:  # before the folder is touched: nothing there moves
+        raise PorosError(f"{m.source}: {unselected}; {results.parent}/ is left as it was")
     lock = OutputLock(results.parent).acquire()
     config.add_cleanup(lock.release)
     warning = lock.stale_warning()

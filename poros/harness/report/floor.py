@@ -20,6 +20,7 @@ from __future__ import annotations
 import pandas as pd
 
 from poros.engine.methods.method_info import REFERENCES, by_value, is_planned
+from poros.engine.planning.search import kept_set
 from poros.harness.report.format import DASH, num
 from poros.harness.report.rows import computed_key, run_of
 
@@ -48,18 +49,16 @@ def _timed(row: dict) -> float | None:
 def recomputed_share(row: dict) -> float:
     """The share of a row's layers whose forward its backward runs again from their saved input: every layer of a
     method that recomputes (resident_gc), none of resident QLoRA's, and of a poros plan's all but the resident
-    layers that keep their activations (`keep_activations`, `kept_layers` of them; poros/engine/planning/search.py
-    `kept_set`)."""
+    layers that keep their activations (`keep_activations`: `kept_set` of its plan's resident layers)."""
     if not is_planned(row["method"]):
         info = by_value(row["method"])
         return 1.0 if info is not None and info.recomputes else 0.0
     plan, config = row.get("plan"), row.get("config") or {}
-    resident = len(plan.get("resident_layers") or []) if isinstance(plan, dict) else 0
-    layers = resident + len(plan.get("streamed_layers") or []) if isinstance(plan, dict) else 0
+    resident = tuple(plan.get("resident_layers") or ()) if isinstance(plan, dict) else ()
+    layers = len(resident) + len(plan.get("streamed_layers") or []) if isinstance(plan, dict) else 0
     if not config.get("keep_activations") or not layers:
         return 1.0
-    kept = resident if config.get("kept_layers") is None else min(int(config["kept_layers"]), resident)
-    return 1.0 - kept / layers
+    return 1.0 - len(kept_set(resident, config.get("kept_layers"))) / layers
 
 
 def compute_floors(rows: list[dict]) -> dict[tuple, dict[float, float]]:
