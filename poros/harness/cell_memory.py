@@ -40,8 +40,17 @@ class StoreCache:
 
 
 def free_device_memory() -> None:
+    """Between cells, once the last one's trainers are gone: their tensors collected, cuBLAS's workspaces dropped
+    and the allocator's cache given back. cuBLAS keeps a workspace (CUBLAS_WORKSPACE_CONFIG's, 32 MiB at :4096:8)
+    per stream that ever ran a matmul, from torch's allocator, for the life of the process: every trainer's new
+    copy and backward streams left two more, and a matrix's later cells started with them allocated beside their
+    plan. Only where no CUDA graph of an earlier cell lives: a graph captured over a workspace writes into it
+    on every replay."""
     gc.collect()
     if torch.cuda.is_available():
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # absent from CPU builds
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
 
 
@@ -50,8 +59,8 @@ HELD_NOTED_GB = 0.05  # less than this left allocated by earlier cells goes unre
 
 def held_before(device: str) -> float | None:
     """A cell's start on `device`: the peaks reset, and the GB of device memory this process's allocator still holds
-    from earlier cells (None off CUDA). Every peak the cell records includes them and no plan predicts them, so
-    more than HELD_NOTED_GB is said on the console."""
+    from earlier cells (None off CUDA). Every peak the cell records includes them (a poros plan counts them in
+    its budget and prediction: DeviceMemory.allocated), so more than HELD_NOTED_GB is said on the console."""
     if device != "cuda":
         return None
     torch.cuda.reset_peak_memory_stats()

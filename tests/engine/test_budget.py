@@ -256,6 +256,30 @@ def test_auto_is_what_the_card_has_free_less_a_headroom(q72):
         make_plan(q72, cfg, small)
 
 
+def test_a_plan_counts_the_tensors_its_process_already_holds(q72):
+    """Tensors the process holds before the run (a matrix's earlier cells, a caller's own, cuBLAS's workspaces)
+    count against the budget as nvidia-smi and the allocator's cap count them: the plan adds them to its total and
+    keeps fewer layers resident where they would not fit beside it, so a plan the search accepts still runs."""
+    cfg = TrainConfig(model="qwen2.5-72b", device="cuda", vram_budget="24GB", attention="fast",
+                      deterministic=True, cuda_graphs=True)
+    fresh = DeviceMemory(total=80 * GB, free=79 * GB)
+    busy = dataclasses.replace(fresh, allocated=2 * GB)
+    assert PlanRequest.of_config(cfg, busy).process.held == 2 * GB
+    alone, beside = make_plan(q72, cfg, fresh), make_plan(q72, cfg, busy)
+    assert beside.memory.held == 2 * GB and beside.memory.parts()["held"] == 2 * GB
+    assert "held" not in alone.memory.parts()  # a fresh process's plan records nothing held
+    assert beside.memory.total <= 24 * GB and beside.memory.allocated == beside.memory.planned + 2 * GB
+    assert len(beside.resident_layers) < len(alone.resident_layers)
+    # negative control: the fresh process's plan, run beside those tensors, would hold more than its budget
+    assert alone.memory.total + 2 * GB > 24 * GB
+    # the same plan's own tensors and reserve are the same whatever the process held (no slack on held bytes)
+    one, other = (build_plan(q72, request(cuda_graphs=True, resident_layers=10, process=p))
+                  for p in (CUDA, ProcessCosts.cuda(held=2 * GB)))
+    assert other.memory.total == one.memory.total + 2 * GB
+    with pytest.raises(BudgetError, match=r"0\.60 GB of tensors this process held before the run"):
+        make_plan(q72, dataclasses.replace(cfg, vram_budget="9GB"), dataclasses.replace(fresh, allocated=6 * 10**8))
+
+
 class FakeNvml:
     """pynvml's calls the module makes, over one device with the given processes."""
 
@@ -300,11 +324,12 @@ def test_device_memory_measures_the_context(monkeypatch):
     monkeypatch.setattr(N.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="aaa"))
     monkeypatch.setattr(N.torch.cuda, "mem_get_info", lambda d=None: (100 * GB, 150 * GB))
     monkeypatch.setattr(N.torch.cuda, "memory_reserved", lambda d=None: GB // 2)
+    monkeypatch.setattr(N.torch.cuda, "memory_allocated", lambda d=None: GB // 4)
     d = N.device_memory(torch.device("cuda", 0))
-    assert d == DeviceMemory(total=150 * GB, free=100 * GB, process=2 * GB, context=3 * GB // 2)
+    assert d == DeviceMemory(total=150 * GB, free=100 * GB, process=2 * GB, context=3 * GB // 2, allocated=GB // 4)
     assert auto_budget(d) == 99 * GB and nvml.shut == 1
     nvml.procs = {}
-    assert N.device_memory(torch.device("cuda", 0)) == DeviceMemory(total=150 * GB, free=100 * GB)
+    assert N.device_memory(torch.device("cuda", 0)) == DeviceMemory(total=150 * GB, free=100 * GB, allocated=GB // 4)
 
 
 # --- the allocator held within the budget ---------------------------------------------------------

@@ -64,3 +64,23 @@ def test_a_row_refuses_a_held_figure_that_is_not_one():
     check = ROW_FIELDS["held_before_gb"]
     assert check(4.29) is None and check(None) is None
     assert check("4.29 GB") is not None and check(float("nan")) is not None
+
+
+def test_between_cells_cublas_workspaces_are_given_back(monkeypatch):
+    """cuBLAS's per-stream workspaces come from torch's allocator and outlive the trainer whose streams made them:
+    freeing device memory between cells drops them before the cache is emptied, so the next cell's plan starts
+    with none of them allocated."""
+    import torch
+
+    from poros.harness import cell_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("cublas"), raising=False)
+    cell_memory.free_device_memory()
+    assert calls == ["cublas", "empty_cache"]  # dropped first: emptying the cache then returns their pages
+    monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces")  # a build without it: the cache alone
+    calls.clear()
+    cell_memory.free_device_memory()
+    assert calls == ["empty_cache"]

@@ -123,14 +123,15 @@ def refusal(geo: Geometry, request: PlanRequest, seen: Search, at: str = "", sho
         return host_refusal(seen.over_host, f"the plan for vram_budget {format_size(budget)}{at}")
     m, smallest = seen.smallest.memory, seen.smallest
     beside = [f"{gb(v)} {name}" for name, v in (("CUDA-graph pool", m.graph_pool), ("allocator reserve",
-              m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl)) if v]
+              m.allocator_reserve), ("CUDA context", m.context), ("NCCL buffers", m.nccl),
+              ("of tensors this process held before the run", m.held)) if v]
     graphs = " or --no-cuda-graphs" if m.graph_pool else ""
     held = seen.host_holds  # (layers whose inputs the host holds, of how many), where it holds fewer than all
     host = "" if held is None else (f"; host_budget {format_size(request.host_budget)} holds the saved inputs of "
                                     f"{held[0]} of {held[1]} layers beside the NF4 store ({gb(geo.store_bytes)}), the "
                                     "device the rest")
     return (f"vram_budget {format_size(budget)} is below the smallest plan for {geo.name}{at} "
-            f"({gb(m.total)} for the process: {gb(m.allocated)} of tensors with block size {smallest.block_size}, "
+            f"({gb(m.total)} for the process: {gb(m.planned)} of tensors with block size {smallest.block_size}, "
             f"every layer streamed, saved inputs in host memory where the host has room"
             + "".join(f", {b}" for b in beside)
             + f"); use --vram-budget {size_at_least(m.total)} or more, or {shorter}{graphs}{host}")

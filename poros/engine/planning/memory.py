@@ -99,12 +99,14 @@ class ProcessCosts:
     nccl: int = 0  # NCCL's buffers (data-parallel ranks)
     slack: float = 0.0  # the allocator's reserve, a share of its planned bytes
     transient_slack: float = 0.0  # and a share of the transient bytes (holes among a backward's intermediates)
+    held: int = 0  # tensors torch's allocator holds for this process before the run (`DeviceMemory.allocated`)
 
     @classmethod
-    def cuda(cls, ranks: int = 1, measured_context: int | None = None) -> "ProcessCosts":
-        """A CUDA process's: the context as measured where that is larger than CUDA_CONTEXT."""
+    def cuda(cls, ranks: int = 1, measured_context: int | None = None, held: int = 0) -> "ProcessCosts":
+        """A CUDA process's: the context as measured where that is larger than CUDA_CONTEXT; `held`, the tensors
+        the process holds already."""
         return cls(context=max(CUDA_CONTEXT, measured_context or 0), nccl=NCCL_BUFFERS if ranks > 1 else 0,
-                   slack=ALLOCATOR_SLACK, transient_slack=TRANSIENT_SLACK)
+                   slack=ALLOCATOR_SLACK, transient_slack=TRANSIENT_SLACK, held=held)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class DeviceMemory:
     free: int  # what no process holds
     process: int = 0  # what this process holds already (NVML; 0 where NVML does not list it)
     context: int | None = None  # of which not torch's allocator's: the context so far (None: not measured)
+    # the live tensors torch's allocator holds for this process already (earlier work in it: a matrix's earlier
+    # cells, a caller's own tensors, cuBLAS's workspaces), which the allocator's cap and the budget count too
+    allocated: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,12 +144,18 @@ class Memory:
     allocator_reserve: int = 0
     context: int = 0  # CUDA context, kernel modules, library handles (CUDA_CONTEXT or as measured)
     nccl: int = 0  # NCCL's buffers, outside torch's allocator (NCCL_BUFFERS)
+    held: int = 0  # tensors the process held before the run (ProcessCosts.held): live beside the plan's own
+
+    @property
+    def planned(self) -> int:
+        """The peak of the plan's own live tensors."""
+        return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
+                + self.transient + self.templates + self.kept_activations)
 
     @property
     def allocated(self) -> int:
-        """The allocator's peak of live tensors."""
-        return (self.weight_buffers + self.resident_weights + self.lora + self.dense + self.saved_inputs
-                + self.transient + self.templates + self.kept_activations)
+        """The allocator's peak of live tensors: the plan's and what the process held before it."""
+        return self.planned + self.held
 
     @property
     def allocator(self) -> int:
@@ -167,13 +178,14 @@ class Memory:
                 "dense": self.dense, "saved_inputs": self.saved_inputs, "transient": self.transient,
                 "templates": self.templates, "kept_activations": self.kept_activations,
                 "graph_pool": self.graph_pool, "allocator_reserve": self.allocator_reserve,
-                "context": self.context, "nccl": self.nccl}
+                "context": self.context, "nccl": self.nccl, **({"held": self.held} if self.held else {})}
 
     def with_costs(self, costs: ProcessCosts) -> "Memory":
-        """These tensors and pool in a process with `costs`."""
-        reserve = (-(-int(costs.slack * 1000) * (self.allocated + self.graph_pool) // 1000)
+        """These tensors and pool in a process with `costs`. The reserve is a share of the plan's own bytes:
+        what the process held before is already laid out in the allocator's blocks."""
+        reserve = (-(-int(costs.slack * 1000) * (self.planned + self.graph_pool) // 1000)
                    + -(-int(costs.transient_slack * 1000) * self.transient // 1000))
-        return replace(self, allocator_reserve=reserve, context=costs.context, nccl=costs.nccl)
+        return replace(self, allocator_reserve=reserve, context=costs.context, nccl=costs.nccl, held=costs.held)
 
 
 def lora_bytes(geo: Geometry, rank: int) -> int:

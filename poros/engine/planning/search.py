@@ -204,8 +204,8 @@ class PlanRequest:
                 raise CapabilityError("vram_budget auto needs a CUDA device to measure its free memory; give a size")
             budget = auto_budget(device)
         ranks = ranks or cfg.gpus
-        process = (ProcessCosts.cuda(ranks, device.context if device else None) if cfg.device is Device.CUDA
-                   else ProcessCosts())
+        process = (ProcessCosts.cuda(ranks, device.context if device else None, device.allocated if device else 0)
+                   if cfg.device is Device.CUDA else ProcessCosts())
         return cls(cfg, budget=budget, process=process, shards=ranks if cfg.shard_stream else 1,
                    host_budget=host_budget(cfg.host_budget, host, cfg.device is Device.CUDA))
 

@@ -67,18 +67,19 @@ def device_memory(device: torch.device) -> DeviceMemory:
     initialises CUDA), what this process holds (NVML) and of that what is not torch's allocator's, the
     context so far; the last two are 0 and None where NVML cannot tell this process apart."""
     free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
     nvml = _nvml()
     if nvml is None:
-        return DeviceMemory(total=total, free=free)
+        return DeviceMemory(total=total, free=free, allocated=allocated)
     try:
         index = device.index if device.index is not None else torch.cuda.current_device()
         held, source = used(nvml, handle(nvml, index))
     finally:
         nvml.nvmlShutdown()
     if source != PROCESS:
-        return DeviceMemory(total=total, free=free)
+        return DeviceMemory(total=total, free=free, allocated=allocated)
     return DeviceMemory(total=total, free=free, process=held,
-                        context=max(0, held - torch.cuda.memory_reserved(device)))
+                        context=max(0, held - torch.cuda.memory_reserved(device)), allocated=allocated)
 
 
 class NvmlPeak:
