@@ -27,10 +27,11 @@ from poros.harness.report.rows import computed_key, run_of
 FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
               "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
               "the row's process; the compute floor the fastest step of the same model and computed settings with "
-              "nothing streamed in the same run on the same GPU, recompute counted: resident_gc's step (every "
-              "layer's forward again in backward, as poros recomputes its streamed layers) for the layers the plan "
-              "recomputes and resident QLoRA's for the rest, or the one of the two the run has (— where neither "
-              "ran: the share is then the copy floor's). Beyond the floor: the step's s/step less the larger floor, "
+              "nothing streamed in the same run on the same GPU, recompute counted: for the layers the plan "
+              "recomputes, the fastest step that runs every layer's forward again in backward as poros recomputes "
+              "its streamed layers (a poros plan that copies nothing, or resident_gc), for the rest resident "
+              "QLoRA's, or the one of the two the run has (— where neither ran: the share is then the copy "
+              "floor's). Beyond the floor: the step's s/step less the larger floor, "
               "the time the host adds (`host_s_per_step`).")
 
 
