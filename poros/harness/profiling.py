@@ -31,6 +31,37 @@ def _gaps_us(ranges: list[tuple[float, float]]) -> list[float]:
     return sorted(gaps, reverse=True)
 
 
+def _merged(ranges: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def link_idle(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Where no host->device copy runs within the step's span on the device (its first kernel or copy to its last),
+    each interval with the compute kernels' busy time inside it: (interval length, compute within it), longest
+    first (microseconds). A copy-bound step takes its copies' time plus these intervals; compute within them is
+    work no copy overlaps (the blocks the buffers already hold, the head, the optimizer), the rest the host's."""
+    spans = copies + kernels
+    if not spans:
+        return []
+    start, end = min(a for a, _ in spans), max(b for _, b in spans)
+    idle, at = [], start
+    for a, b in _merged(copies):
+        if a > at:
+            idle.append((at, a))
+        at = max(at, b)
+    if end > at:
+        idle.append((at, end))
+    busy = _merged(kernels)
+    within = [(b - a, sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)) for a, b in idle]
+    return sorted(within, reverse=True)
+
+
 # Kinds of device kernels, by name (first match wins): where a long-context step's time goes.
 KINDS = (
     ("attention_backward", ("flash_bwd", "bwd_kernel", "attention_backward", "fmha_cutlassB")),
@@ -47,13 +78,15 @@ def kind_of(name: str) -> str:
 
 
 def summarize(prof, wall_s: float, top: int) -> dict:
-    kernels, copies = [], []
+    kernels, copies, h2d = [], [], []
     by_kind: dict[str, float] = {}
     launches = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             rng = (e.time_range.start, e.time_range.end)
             (copies if "memcpy" in e.name.lower() else kernels).append(rng)
+            if "htod" in e.name.lower():
+                h2d.append(rng)
             kind = kind_of(e.name)
             by_kind[kind] = by_kind.get(kind, 0.0) + (rng[1] - rng[0])
         elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
@@ -61,6 +94,7 @@ def summarize(prof, wall_s: float, top: int) -> dict:
     wall_us = wall_s * 1e6
     by_device = sorted(prof.key_averages(), key=lambda a: getattr(a, "device_time_total", 0.0), reverse=True)
     gaps = _gaps_us(kernels)
+    idle = link_idle(h2d, kernels) if h2d else []
     return {
         "wall_s": round(wall_s, 4),
         "gpu_compute_busy": round(_union_us(kernels) / wall_us, 3) if kernels else None,
@@ -68,6 +102,11 @@ def summarize(prof, wall_s: float, top: int) -> dict:
         "compute_idle_s": round(sum(gaps) / 1e6, 4),
         "compute_idle_longest_ms": [round(g / 1e3, 2) for g in gaps[:8]],
         "gpu_copy_busy": round(_union_us(copies) / wall_us, 3) if copies else None,
+        # where the host->device link idles within the step (nothing copied in): in all, the compute kernels' share
+        # of that time, and the longest such intervals as [ms, ms of compute within]
+        "link_idle_s": round(sum(g for g, _ in idle) / 1e6, 4) if h2d else None,
+        "link_idle_compute_s": round(sum(c for _, c in idle) / 1e6, 4) if h2d else None,
+        "link_idle_longest_ms": [[round(g / 1e3, 2), round(c / 1e3, 2)] for g, c in idle[:8]],
         "kernel_launches": launches,
         "device_s_by_kind": {k: round(v / 1e6, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_device_ops": [

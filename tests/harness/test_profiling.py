@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from poros.harness.profiling import _gaps_us, _union_us, kind_of, profiled, summarize
+from poros.harness.profiling import _gaps_us, _union_us, kind_of, link_idle, profiled, summarize
 
 
 def test_kernels_are_sorted_into_kinds_by_name():
@@ -27,11 +27,24 @@ def test_idle_gaps_lie_between_busy_intervals_longest_first():
     assert _gaps_us([(0, 10), (2, 3)]) == []  # one nested in another: no gap
 
 
+def test_the_link_idles_between_copies_with_the_compute_inside_counted():
+    """Copies (0-10), (12-30), (30-40) within a step whose kernels run 5-20 and 38-50: the link idles 10-12 (the
+    kernels busy all of it) and 40-50 (busy all of it); copies back to back leave no interval between them."""
+    idle = link_idle([(0, 10), (12, 30), (30, 40)], [(5, 20), (38, 50)])
+    assert idle == [(10, 10), (2, 2)]
+    # a gap the kernels leave idle too: the host's time, none of it compute
+    assert link_idle([(0, 10), (20, 30)], [(0, 5), (25, 30)]) == [(10, 0)]
+    # the step's span starts at its first kernel: a kernel before the first copy is link idle, with its compute
+    assert link_idle([(10, 20)], [(0, 4)]) == [(10, 4)]
+    assert link_idle([], []) == []
+
+
 def test_a_profiled_step_is_summarized_with_its_operators():
     a = torch.randn(64, 64)
     result, prof = profiled(lambda: a @ a, "cpu")
     assert result.shape == (64, 64)
     summary = summarize(prof, wall_s=0.5, top=5)
     assert summary["wall_s"] == 0.5 and summary["gpu_compute_busy"] is None  # no device kernels on the CPU
+    assert summary["link_idle_s"] is None and summary["link_idle_longest_ms"] == []  # nor copies
     assert len(summary["top_device_ops"]) <= 5
     assert any("mm" in op["name"] for op in summary["top_device_ops"])
