@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from poros.harness.profiling import _gaps_us, _union_us, kind_of, link_idle, profiled, summarize
+from poros.harness.profiling import (
+    _gaps_us,
+    _union_us,
+    host_within,
+    kind_of,
+    link_idle,
+    link_idle_intervals,
+    profiled,
+    summarize,
+)
 
 
 def test_kernels_are_sorted_into_kinds_by_name():
@@ -37,6 +46,17 @@ def test_the_link_idles_between_copies_with_the_compute_inside_counted():
     # the step's span starts at its first kernel: a kernel before the first copy is link idle, with its compute
     assert link_idle([(10, 20)], [(0, 4)]) == [(10, 4)]
     assert link_idle([], []) == []
+    assert link_idle_intervals([(0, 10), (12, 30), (30, 40)], [(5, 20), (38, 50)]) == [(10, 12), (40, 50)]
+
+
+def test_what_the_host_ran_while_the_link_idled():
+    """The CPU operators overlapping an interval, by their time within it: one that ran 2 of its 5 ms inside counts
+    2; one wholly outside does not appear."""
+    cpu = [("Optimizer.step", 0, 5000), ("aten::copy_", 3000, 4000), ("aten::copy_", 4500, 9000),
+           ("cudaEventSynchronize", 20000, 30000)]
+    assert host_within((3000, 6000), cpu) == [["aten::copy_", 2.5], ["Optimizer.step", 2.0]]
+    assert host_within((3000, 6000), cpu, top=1) == [["aten::copy_", 2.5]]
+    assert host_within((10000, 12000), cpu) == []  # nothing ran on the host then
 
 
 def test_a_profiled_step_is_summarized_with_its_operators():
