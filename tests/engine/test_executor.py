@@ -281,6 +281,31 @@ def test_the_host_embedding_lookup_gives_the_modules_own_bytes(stores, monkeypat
     assert not torch.equal(type(emb).forward(emb, bad), got)  # negative control: another token, other bytes
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"])
+def test_the_host_lookup_reads_the_batch_s_host_ids(stores, model):
+    """A batch moved to a CUDA device keeps the host's token ids (`Batch.host_input_ids`), and the embedding's host
+    lookup reads those rather than copying the device's back (a copy that waits for every kernel queued before it).
+    Here the ids handed to the model differ from the batch's host ids: the lookup follows the host ids while a pass
+    carries them, the ids it was handed otherwise, or where the shapes differ."""
+    import torch
+
+    from poros.engine.methods.data import Batch
+
+    trainer = PorosTrainer(stores(model), TrainConfig(model=model, seq_len=64))
+    emb = trainer.qlora.hf.get_input_embeddings()
+    host, handed = (torch.randint(0, emb.num_embeddings, (1, 64), generator=torch.Generator().manual_seed(s))
+                    for s in (1, 2))
+    own = type(emb).forward
+    trainer._host_ids = host
+    assert torch.equal(emb(handed), own(emb, host))
+    assert torch.equal(emb(handed[:, :32]), own(emb, handed[:, :32]))  # another shape: not this batch's ids
+    trainer._host_ids = None  # control: without them the handed ids are looked up
+    assert torch.equal(emb(handed), own(emb, handed)) and not torch.equal(own(emb, handed), own(emb, host))
+    trainer.close()
+    on_cpu = Batch(host, host.clone()).to("cpu")
+    assert on_cpu.host_input_ids is None and torch.equal(on_cpu.input_ids, host)
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-gemma3"], ids=lambda m: f"model={m}")
 @pytest.mark.parametrize("buffers,accum,head,layers,head_buffer", [
     (3, 1, None, 5, 0), (4, 3, None, 5, 3), (3, 1, None, 6, 1), (3, 2, True, 5, None)],

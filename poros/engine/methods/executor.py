@@ -59,7 +59,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         # process-wide settings held while this trainer lives: keep_attention's kernels, compiled backwards that
         # keep their saved tensors for kept layers' templates
         self._held = contextlib.ExitStack()
-        self._pass, self._step, self._gathers = ModelPass.PLAIN, None, None
+        self._pass, self._step, self._gathers, self._host_ids = ModelPass.PLAIN, None, None, None
         self._regenerations = 0  # regenerate operations run this step (input_stride)
         super().__init__(store, cfg, world)
 

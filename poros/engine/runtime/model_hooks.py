@@ -39,7 +39,8 @@ class ModelPass(enum.Enum):
 
 class ModelHooks:
     """The executor's part that patches the model and runs its forward as a pass (a mixin of `PorosTrainer`:
-    it reads the trainer's `cfg`, `device`, `store`, `buffers`, `model`, `_pass` and the step state `_step`)."""
+    it reads the trainer's `cfg`, `device`, `store`, `buffers`, `model`, `_pass`, `_host_ids` and the step state
+    `_step`)."""
 
     def _patch(self, model: QLoRAModel) -> None:
         """Layers record their arguments (prologue) or hand on their input (head); the embedding looks
@@ -59,7 +60,8 @@ class ModelHooks:
         def embed(input_ids, *a, **k):
             if self._pass is ModelPass.HEAD:  # only its shape and dtype matter: every layer hands on its input
                 return torch.empty(*input_ids.shape, hidden, dtype=torch.bfloat16, device=device)
-            ids = input_ids.to("cpu")
+            host = self._host_ids
+            ids = host if host is not None and host.shape == input_ids.shape else input_ids.to("cpu")
             if not (plain and not a and not k):
                 return emb_forward(ids, *a, **k).to(device)
             rows = torch.empty(*ids.shape, emb.embedding_dim, dtype=emb.weight.dtype, pin_memory=device.type == "cuda")
@@ -97,6 +99,7 @@ class ModelHooks:
 
     def _run_model(self, what: ModelPass, batch):
         self._pass = what
+        self._host_ids = getattr(batch, "host_input_ids", None)  # the embedding's lookup reads these (Batch.to)
         try:
             # compiled layers only record or hand on here: eagerly (their compiled code is the runners')
             with torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext():
@@ -104,4 +107,4 @@ class ModelHooks:
         except _Captured:
             return None
         finally:
-            self._pass = ModelPass.PLAIN
+            self._pass, self._host_ids = ModelPass.PLAIN, None
