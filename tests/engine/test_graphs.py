@@ -8,7 +8,7 @@ import pytest
 from poros.store.build import build_store
 from poros.config import TrainConfig
 from poros.errors import ConfigError
-from poros.engine.runtime.graphs import LayerTemplate, layer_key
+from poros.engine.runtime.graphs import LayerTemplate, copy_groups, layer_key
 from poros.engine.verify.parity import run_gate
 from poros.engine.methods.executor import PorosTrainer
 from poros.engine.methods.trainer import ResidentTrainer
@@ -79,6 +79,37 @@ def test_a_template_that_keeps_another_layers_lora_fails_the_gate(stores):
         LayerTemplate._load = original
     assert result.parity == "FAIL"
     assert ".grad:" in result.first_mismatch or ".weight:" in result.first_mismatch, result.first_mismatch
+
+
+def test_a_template_s_tensors_are_copied_in_one_group_per_dtype(stores):
+    """torch's foreach copy takes its one-launch path only over tensors of one dtype: a template copies its
+    tensors in (LoRA weights, norms, the input, the call's arguments) as one group per dtype, every tensor in
+    exactly one. Negative control: a template that skips a group (here its bf16 one: the input, the activations
+    and the norms) computes on stale tensors and the gate FAILs."""
+    import torch
+
+    t = [torch.zeros(2, dtype=d) for d in (torch.float32, torch.bfloat16, torch.float32, torch.int64, torch.bfloat16)]
+    assert copy_groups(t) == [[0, 2], [1, 4], [3]]
+    assert copy_groups([]) == []
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=1, lr=1e-2)
+    result, poros = _gate(store, cfg)
+    assert result.ok
+    some = next(iter(poros.templates.templates.values()))
+    kinds = [{some._dst[i].dtype for i in g} for g in some._groups]
+    assert all(len(k) == 1 for k in kinds) and sorted(i for g in some._groups for i in g) == list(range(len(some._dst)))
+    original = LayerTemplate._load
+
+    def load_skipping_bf16(self, layer, x, tensors, grad):
+        original(self, layer, x, tensors, grad)
+        self._groups = [g for g in self._groups if self._dst[g[0]].dtype != torch.bfloat16] or self._groups
+
+    try:
+        LayerTemplate._load = load_skipping_bf16
+        failed, _ = _gate(store, cfg)
+    finally:
+        LayerTemplate._load = original
+    assert failed.parity == "FAIL"
 
 
 def test_cuda_graphs_is_declared_cuda_only():

@@ -173,6 +173,17 @@ class Statics:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+
+def copy_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of `tensors` grouped by dtype, in first-seen order. torch's foreach copy takes its one-launch
+    path on CUDA only over tensors of one dtype and copies one tensor at a time otherwise: a layer template's
+    tensors (fp32 LoRA weights, bf16 activations, the call's other arguments) copied as one list cost a copy and
+    its host-side dispatch per tensor at every replay, as groups one launch per dtype. The same bytes either way."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
 class LayerTemplate:
     """A private copy of one layer sharing only its NF4 weights. With `backward`, runs (or replays)
     the layer's recompute + backward; without, its forward without autograd."""
@@ -207,6 +218,7 @@ class LayerTemplate:
         self.usable = True
         self.error: str | None = None  # why capture failed, if it did
         self._dst = None
+        self._groups: list[list[int]] = []  # `_dst`'s indices by dtype (`copy_groups`)
         self.replays = 0
 
     # --- one call -----------------------------------------------------------------------------
@@ -301,9 +313,11 @@ class LayerTemplate:
         if self._dst is None:
             self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()]
             self._dst += ([self.static_grad] if grad is not None else []) + self.static_args
+            self._groups = copy_groups(self._dst)
         src = layer.state + [x.detach()] + ([grad] if grad is not None else []) + tensors
         with torch.no_grad():
-            torch._foreach_copy_(self._dst, src)
+            for group in self._groups:
+                torch._foreach_copy_([self._dst[i] for i in group], [src[i] for i in group])
 
     def _call(self):
         return self.call(self.module, self.static_x)
