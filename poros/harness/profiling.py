@@ -11,27 +11,8 @@ def activities(device: str) -> list:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
 
 
-def _union_us(ranges: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(ranges):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def _gaps_us(ranges: list[tuple[float, float]]) -> list[float]:
-    """The idle intervals between the first and the last of `ranges` (microseconds), longest first."""
-    gaps, end = [], None
-    for a, b in sorted(ranges):
-        if end is not None and a > end:
-            gaps.append(a - end)
-        end = b if end is None else max(end, b)
-    return sorted(gaps, reverse=True)
-
-
 def _merged(ranges: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`ranges` as disjoint busy intervals in time order (overlapping or touching ones joined)."""
     out: list[list[float]] = []
     for a, b in sorted(ranges):
         if out and a <= out[-1][1]:
@@ -41,34 +22,35 @@ def _merged(ranges: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def link_idle_intervals(copies: list[tuple[float, float]],
-                        kernels: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _union_us(ranges: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in _merged(ranges))
+
+
+def _gaps_us(ranges: list[tuple[float, float]]) -> list[float]:
+    """The idle intervals between the first and the last of `ranges` (microseconds), longest first."""
+    busy = _merged(ranges)
+    return sorted((c - b for (_, b), (c, _) in zip(busy, busy[1:])), reverse=True)
+
+
+def link_idle(copies: list[tuple[float, float]],
+              kernels: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
     """Where no host->device copy runs within the step's span on the device (its first kernel or copy to its last),
-    in time order."""
+    in time order, each as (start, end, the compute kernels' busy time within it), microseconds. A copy-bound step
+    takes its copies' time plus these intervals; compute within them is work no copy overlaps (the blocks the
+    buffers already hold, the head, the optimizer), the rest the host's."""
     spans = copies + kernels
     if not spans:
         return []
-    start, end = min(a for a, _ in spans), max(b for _, b in spans)
-    idle, at = [], start
+    at, end = min(a for a, _ in spans), max(b for _, b in spans)
+    idle = []
     for a, b in _merged(copies):
         if a > at:
             idle.append((at, a))
         at = max(at, b)
     if end > at:
         idle.append((at, end))
-    return idle
-
-
-def _overlap(busy: list[tuple[float, float]], a: float, b: float) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
-
-
-def link_idle(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """`link_idle_intervals`, each as (its length, the compute kernels' busy time inside it), longest first
-    (microseconds). A copy-bound step takes its copies' time plus these intervals; compute within them is work no
-    copy overlaps (the blocks the buffers already hold, the head, the optimizer), the rest the host's."""
     busy = _merged(kernels)
-    return sorted(((b - a, _overlap(busy, a, b)) for a, b in link_idle_intervals(copies, kernels)), reverse=True)
+    return [(a, b, sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)) for a, b in idle]
 
 
 def host_within(interval: tuple[float, float], cpu: list[tuple[str, float, float]], top: int = 6) -> list:
@@ -117,8 +99,9 @@ def summarize(prof, wall_s: float, top: int) -> dict:
     wall_us = wall_s * 1e6
     by_device = sorted(prof.key_averages(), key=lambda a: getattr(a, "device_time_total", 0.0), reverse=True)
     gaps = _gaps_us(kernels)
-    idle = link_idle(h2d, kernels) if h2d else []
-    longest = sorted(link_idle_intervals(h2d, kernels), key=lambda r: r[1] - r[0], reverse=True)[:4] if h2d else []
+    idle = link_idle(h2d, kernels)  # none without copies
+    longest = sorted(idle, key=lambda r: r[1] - r[0], reverse=True)
+    start = min(a for a, _ in h2d + kernels) if h2d else 0.0
     return {
         "wall_s": round(wall_s, 4),
         "gpu_compute_busy": round(_union_us(kernels) / wall_us, 3) if kernels else None,
@@ -128,13 +111,12 @@ def summarize(prof, wall_s: float, top: int) -> dict:
         "gpu_copy_busy": round(_union_us(copies) / wall_us, 3) if copies else None,
         # where the host->device link idles within the step (nothing copied in): in all, the compute kernels' share
         # of that time, and the longest such intervals as [ms, ms of compute within]
-        "link_idle_s": round(sum(g for g, _ in idle) / 1e6, 4) if h2d else None,
-        "link_idle_compute_s": round(sum(c for _, c in idle) / 1e6, 4) if h2d else None,
-        "link_idle_longest_ms": [[round(g / 1e3, 2), round(c / 1e3, 2)] for g, c in idle[:8]],
+        "link_idle_s": round(sum(b - a for a, b, _ in idle) / 1e6, 4) if h2d else None,
+        "link_idle_compute_s": round(sum(c for _, _, c in idle) / 1e6, 4) if h2d else None,
+        "link_idle_longest_ms": [[round((b - a) / 1e3, 2), round(c / 1e3, 2)] for a, b, c in longest[:8]],
         # the four longest, in time order from the step's start: where each lies and what the host ran meanwhile
-        "link_idle_host": [{"at_ms": round((a - min(x for x, _ in h2d + kernels)) / 1e3, 2),
-                            "ms": round((b - a) / 1e3, 2), "host": host_within((a, b), cpu)}
-                           for a, b in sorted(longest)],
+        "link_idle_host": [{"at_ms": round((a - start) / 1e3, 2), "ms": round((b - a) / 1e3, 2),
+                            "host": host_within((a, b), cpu)} for a, b, _ in sorted(longest[:4])],
         "kernel_launches": launches,
         "device_s_by_kind": {k: round(v / 1e6, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_device_ops": [

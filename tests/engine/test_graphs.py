@@ -102,7 +102,9 @@ def test_a_template_s_tensors_are_copied_in_one_group_per_dtype(stores):
 
     def load_skipping_bf16(self, layer, x, tensors, grad):
         original(self, layer, x, tensors, grad)
-        self._groups = [g for g in self._groups if self._dst[g[0]].dtype != torch.bfloat16] or self._groups
+        kept = [k for k, g in enumerate(self._groups) if self._dst[g[0]].dtype != torch.bfloat16]
+        if kept:
+            self._groups, self._dst_groups = [self._groups[k] for k in kept], [self._dst_groups[k] for k in kept]
 
     try:
         LayerTemplate._load = load_skipping_bf16

@@ -11,7 +11,6 @@ from poros.harness.profiling import (
     host_within,
     kind_of,
     link_idle,
-    link_idle_intervals,
     profiled,
     summarize,
 )
@@ -39,14 +38,12 @@ def test_idle_gaps_lie_between_busy_intervals_longest_first():
 def test_the_link_idles_between_copies_with_the_compute_inside_counted():
     """Copies (0-10), (12-30), (30-40) within a step whose kernels run 5-20 and 38-50: the link idles 10-12 (the
     kernels busy all of it) and 40-50 (busy all of it); copies back to back leave no interval between them."""
-    idle = link_idle([(0, 10), (12, 30), (30, 40)], [(5, 20), (38, 50)])
-    assert idle == [(10, 10), (2, 2)]
+    assert link_idle([(0, 10), (12, 30), (30, 40)], [(5, 20), (38, 50)]) == [(10, 12, 2), (40, 50, 10)]
     # a gap the kernels leave idle too: the host's time, none of it compute
-    assert link_idle([(0, 10), (20, 30)], [(0, 5), (25, 30)]) == [(10, 0)]
+    assert link_idle([(0, 10), (20, 30)], [(0, 5), (25, 30)]) == [(10, 20, 0)]
     # the step's span starts at its first kernel: a kernel before the first copy is link idle, with its compute
-    assert link_idle([(10, 20)], [(0, 4)]) == [(10, 4)]
+    assert link_idle([(10, 20)], [(0, 4)]) == [(0, 10, 4)]
     assert link_idle([], []) == []
-    assert link_idle_intervals([(0, 10), (12, 30), (30, 40)], [(5, 20), (38, 50)]) == [(10, 12), (40, 50)]
 
 
 def test_what_the_host_ran_while_the_link_idled():

@@ -173,7 +173,6 @@ class Statics:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-
 def copy_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
     """The indices of `tensors` grouped by dtype, in first-seen order. torch's foreach copy takes its one-launch
     path on CUDA only over tensors of one dtype and copies one tensor at a time otherwise: a layer template's
@@ -183,6 +182,7 @@ def copy_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     return list(groups.values())
+
 
 class LayerTemplate:
     """A private copy of one layer sharing only its NF4 weights. With `backward`, runs (or replays)
@@ -219,6 +219,7 @@ class LayerTemplate:
         self.error: str | None = None  # why capture failed, if it did
         self._dst = None
         self._groups: list[list[int]] = []  # `_dst`'s indices by dtype (`copy_groups`)
+        self._dst_groups: list[list[torch.Tensor]] = []  # and their tensors
         self.replays = 0
 
     # --- one call -----------------------------------------------------------------------------
@@ -314,10 +315,11 @@ class LayerTemplate:
             self._dst = [p.detach() for p in self.params] + self.buffers + [self.static_x.detach()]
             self._dst += ([self.static_grad] if grad is not None else []) + self.static_args
             self._groups = copy_groups(self._dst)
+            self._dst_groups = [[self._dst[i] for i in g] for g in self._groups]
         src = layer.state + [x.detach()] + ([grad] if grad is not None else []) + tensors
         with torch.no_grad():
-            for group in self._groups:
-                torch._foreach_copy_([self._dst[i] for i in group], [src[i] for i in group])
+            for group, dst in zip(self._groups, self._dst_groups):
+                torch._foreach_copy_(dst, [src[i] for i in group])
 
     def _call(self):
         return self.call(self.module, self.static_x)
