@@ -5,6 +5,7 @@ tensors) its tracebacks hold (`kept_failure`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import traceback
 
@@ -87,3 +88,15 @@ def kept_failure(error: BaseException) -> BaseException:
         traceback.clear_frames(e.__traceback__)
         stack += [e.__cause__, e.__context__]
     return error
+
+
+@contextlib.contextmanager
+def frames_released():
+    """Work whose failure (raised on) keeps none of its frames' locals: pytest keeps the last failure's traceback
+    for post-mortem debugging, and a trainer's set-up or step that ran out of memory has views of its device
+    buffers among them, which every later cell of the process would then find allocated beside its plan."""
+    try:
+        yield
+    except BaseException as e:
+        kept_failure(e)
+        raise

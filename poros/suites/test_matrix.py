@@ -27,7 +27,7 @@ from poros.config import Method
 from poros.errors import WriteError
 from poros.harness import console
 from poros.engine.methods.registry import METHODS, config_for, gate_of, make_trainer
-from poros.harness.cell_memory import free_device_memory, held_before, kept_failure
+from poros.harness.cell_memory import free_device_memory, frames_released, held_before, kept_failure
 from poros.harness.cells import cell_config, computed_of, gate_config, gate_fingerprint, reference_fingerprint
 from poros.harness.report.floor import compute_floors, floor_fields
 from poros.harness.result_row import record
@@ -328,7 +328,7 @@ def _measure_cell(session, cell, cfg, benchmark):
             session.budget.check("the trainer's set-up, warm-up and next pass",
                                  (earlier[-1].get("overhead_s") or 0.0) + earlier[-1]["seconds"])
         t_cell = time.monotonic()
-        with console.phase("trainer set-up"):
+        with console.phase("trainer set-up"), frames_released():
             trainer = make_trainer(cell.method, store, cfg)
         plan = None if trainer.plan is None else trainer.plan.summary()
         timed_s = []
@@ -339,9 +339,10 @@ def _measure_cell(session, cell, cfg, benchmark):
             session.passlog.add("pass", cell.id, fp, **rec)
 
         try:
-            meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
-                           warmup_steps=m.warmup_pass_steps, earlier=earlier, budget=session.budget,
-                           on_pass=on_pass, benchmark=benchmark, stop_after=session.passes_per_part)
+            with frames_released():
+                meas = measure(trainer, cfg, m.steps, m.passes, m.warmup_passes, label=cell.method.value,
+                               warmup_steps=m.warmup_pass_steps, earlier=earlier, budget=session.budget,
+                               on_pass=on_pass, benchmark=benchmark, stop_after=session.passes_per_part)
         finally:
             trainer.close()
             del trainer

@@ -226,6 +226,17 @@ def graph_pool_bytes(layer_transient: int, compiled: bool) -> int:
     return -(-layer_transient * (GRAPH_POOL_PER_LAYER_COMPILED if compiled else GRAPH_POOL_PER_LAYER) // 100)
 
 
+def counted_attention(attention: Attention, compiled: bool) -> Attention:
+    """The attention whose backward a plan's layer transient counts: `attention`, but the fast path's for compiled
+    layers on FlashAttention-4. FA4's backward allocates less than the fast path's deterministic one (one dQ
+    accumulator, not one per split), yet qwen2.5-72b cut to four layers, compiled whole, at 32,768 tokens held the
+    same bytes beyond what persists on either: 11.78 GB on FA4 (experiments/h100-long-context-fa4-32k/memory-probe)
+    and 11.77 on the fast path (experiments/h200-memory-probe), to which LAYER_TRANSIENT_COMPILED is fitted; the
+    compiled layer's peak lies where neither workspace is live. Layers compiled with their MLP eager count it the
+    same way (unmeasured on FA4: the larger of the two)."""
+    return Attention.FAST if compiled and attention is Attention.FA4 else attention
+
+
 def compiled_transient(layer: int, compiled: bool, compile_mlp: bool = True) -> int:
     """A layer's recompute + backward bytes (`transient_bytes`'s second) as compiled layers hold them, whole or
     with their MLP eager (`compile_mlp` off)."""

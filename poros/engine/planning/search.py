@@ -25,6 +25,7 @@ from poros.engine.planning.memory import (
     attention_parts,
     auto_budget,
     compiled_transient,
+    counted_attention,
     counted_attention_chunk,
     graph_pool_bytes,
     layer_activation_bytes,
@@ -268,7 +269,8 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
     # copy moves 2 x hidden bytes (with kept attention about twice that), tens of times shorter on any GPU that
     # streams weights.
     window = block * live
-    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, attention, overlap, c.loss_chunk, c.deterministic,
+    head_t, layer_t = transient_bytes(geo, seq_len, batch_size, counted_attention(attention, c.compile), overlap,
+                                      c.loss_chunk, c.deterministic,
                                       c.mlp_chunk, counted_attention_chunk(c.compile, c.compile_mlp, c.attention_chunk))
     kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
     device_inputs = r.device_inputs if r.device_inputs is not None else (
