@@ -470,8 +470,11 @@ def _write(session, cell, cfg, benchmark, gate, meas, plan, arch: str, alone=Non
         benchmark.skipped = True
     benchmark.extra_info.update(row_info(row))
     shown = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
-    floor = "" if row["floor_share"] is None else (f", floor share {row['floor_share']:.0%}, host "
+    floor = "" if row["floor_share"] is None else (f", floor share {row['floor_share']:.0%}, beyond the floor "
                                                    f"{row['host_s_per_step']:+.4f} s/step")
+    if row.get("schedule_floor_s") is not None:
+        floor += (f", schedule floor {row['schedule_floor_s']:.4f} s (the host beyond it "
+                  f"{row['beyond_schedule_s']:+.4f} s)")
     progress(f"  {cell.method.value}: {shown(row['s_per_step_median'], '{:.4f}')} s/step, peak "
              f"{shown(row['peak_vram_gb'], '{:.2f}')} GB{floor}")
     if row.get("capture_errors"):

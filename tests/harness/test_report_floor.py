@@ -158,7 +158,7 @@ def test_the_matrix_page_shows_link_floors_and_share(tmp_path):
     assert_tables_well_formed(md)
     (r,) = time_rows(md)
     assert [r[c] for c in FLOOR_COLUMNS] == ["50.0 GB/s", "0.7900 s", "0.3456 s", f"{COPY / POROS_S * 100:.0f}%",
-                                             f"{POROS_S - COPY:+.4f} s"]
+                                             f"{POROS_S - COPY:+.4f} s", "—", "—"]  # resident's floor: no schedule
     assert r["Floor share"] == "64%" and r["Beyond the floor"] == "+0.4445 s"  # 1.2345 s less the copy floor
     assert "Floor share: the larger of a step's two floors over its s/step" in md
 
@@ -169,7 +169,7 @@ def test_a_plan_without_a_probe_beside_one_with_it_reads_dashes(tmp_path):
     assert_tables_well_formed(md)
     by_plan = {r["Model"]: r for r in time_rows(md)}
     assert by_plan["qwen2.5-32b (plan streamed)"]["Floor share"] == "64%"
-    assert [by_plan["qwen2.5-32b (plan 24GB)"][c] for c in FLOOR_COLUMNS] == ["—"] * 5
+    assert [by_plan["qwen2.5-32b (plan 24GB)"][c] for c in FLOOR_COLUMNS] == ["—"] * len(FLOOR_COLUMNS)
 
 
 FLOOR_TABLE = ("Model", "GPUs", "GPU", "Seq", "Method / plan", "Schedule", "s/step", *FLOOR_COLUMNS)
@@ -196,3 +196,30 @@ def test_a_probe_that_is_not_a_number_is_a_one_line_error(tmp_path, capsys):
     assert main(["report", path, "-o", str(tmp_path / "r.md")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{path}:1: field link_h2d_gbps: expected a number or null" in err, err
+
+
+def test_a_streamed_row_shows_its_schedule_floor_where_its_plan_is_the_one_it_ran(tmp_path):
+    """The committed qwen3-32b run (results/h100-fastest/qwen3-32b-run2): each streamed row's schedule floor lies
+    between its larger floor and its step, and what lies beyond it is the step less it. Negative controls: a row whose
+    recorded plan is not the one its settings make now (a resident layer more) shows none, and neither does a run
+    whose compute floor recomputes nothing (resident QLoRA's alone: the recompute's share is not extrapolated)."""
+    import json
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[2] / "results/h100-fastest/qwen3-32b-run2/results.jsonl"
+    rows = [json.loads(line) for line in run.read_text().splitlines()]
+    df = with_floors(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    streamed = df[df["floor_share"].notna()].to_dict("records")
+    assert len(streamed) == 4
+    for r in streamed:
+        bound = max(r["copy_floor_s"], r["compute_floor_s"])
+        assert bound < r["schedule_floor_s"] < r["s_per_step_median"], r["plan_name"]
+        assert r["beyond_schedule_s"] == pytest.approx(r["s_per_step_median"] - r["schedule_floor_s"])
+    moved = [{**r, "plan": {**r["plan"], "resident_layers": [0, *r["plan"]["resident_layers"]]}}
+             if r.get("plan_name") == "half" else r for r in rows]
+    df = with_floors(load_results(write_jsonl(tmp_path / "moved.jsonl", moved)))
+    half = df[df["plan_name"] == "half"].iloc[0]
+    assert half["floor_share"] is not None and half["schedule_floor_s"] is None
+    without = [r for r in rows if r.get("plan_name") != "unstreamed"]  # resident's step the only compute floor
+    df = with_floors(load_results(write_jsonl(tmp_path / "without.jsonl", without)))
+    assert df["floor_share"].notna().sum() == 4 and df["schedule_floor_s"].isna().all()

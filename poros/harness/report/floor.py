@@ -23,6 +23,7 @@ from poros.engine.methods.method_info import REFERENCES, by_value, is_planned
 from poros.engine.planning.search import kept_set
 from poros.harness.report.format import DASH, num
 from poros.harness.report.rows import computed_key, run_of
+from poros.harness.report.schedule import schedule_floor
 
 FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
               "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
@@ -31,8 +32,12 @@ FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (1
               "recomputes, the fastest step that runs every layer's forward again in backward as poros recomputes "
               "its streamed layers (a poros plan that copies nothing, or resident_gc), for the rest resident "
               "QLoRA's, or the one of the two the run has (— where neither ran: the share is then the copy "
-              "floor's). Beyond the floor: the step's s/step less the larger floor, "
-              "the time the host adds (`host_s_per_step`).")
+              "floor's). Beyond the floor: the step's s/step less the larger floor (`host_s_per_step`). Schedule floor: "
+              "the step the plan's order of loads and layers allows on a host that launches at no cost, at the "
+              "row's link and compute floor (each layer's and the head's share of the compute floor in proportion "
+              "to their FLOPs): above the larger floor where the plan holds the link idle (blocks reused across "
+              "the step's ends, resident layers with nothing left to load) or the compute waits for a load. "
+              "Beyond the schedule: the step's s/step less it, the time the host adds.")
 
 
 def streams_nothing(row: dict) -> bool:
@@ -84,17 +89,25 @@ def _compute_floor(floors: dict[float, float], share: float) -> float | None:
     return every if none is None else none
 
 
+FLOOR_FIELDS = ("compute_floor_s", "floor_share", "host_s_per_step", "schedule_floor_s", "beyond_schedule_s")
+
+
 def floor_fields(row: dict, floors: dict[tuple, dict[float, float]]) -> dict:
     """A row's `compute_floor_s` (None where no step of the same work streamed nothing in the same run and GPU),
     `floor_share` and `host_s_per_step` (None where the row has no copy floor or no timing), given the compute
-    floors of its run (`compute_floors`). A streamed step takes the larger of its two floors plus what the host
-    adds: `host_s_per_step` is that remainder, its s/step less the larger floor."""
+    floors of its run (`compute_floors`). A streamed step takes the larger of its two floors plus what its plan's
+    order and the host add: `host_s_per_step` is that remainder, its s/step less the larger floor;
+    `schedule_floor_s` the step the plan's order allows on an ideal host (poros/harness/report/schedule.py, None
+    where it cannot be modelled) and `beyond_schedule_s` what the step takes beyond it, the host's share alone."""
     copy, s = num(row.get("copy_floor_s")), _timed(row)
     found = floors.get((run_of(row), computed_key(row))) if copy is not None else None
     floor = None if not found else _compute_floor(found, recomputed_share(row))
     bound = None if copy is None or s is None else max(copy, floor or 0.0)
+    # only at a compute floor that recomputes (the recompute's share of resident's step is not extrapolated)
+    schedule = None if bound is None or 1.0 not in (found or {}) else schedule_floor(row, floor)
     return {"compute_floor_s": floor, "floor_share": None if bound is None else bound / s,
-            "host_s_per_step": None if bound is None else s - bound}
+            "host_s_per_step": None if bound is None else s - bound, "schedule_floor_s": schedule,
+            "beyond_schedule_s": None if schedule is None else s - schedule}
 
 
 def with_floors(df: pd.DataFrame) -> pd.DataFrame:
@@ -103,8 +116,7 @@ def with_floors(df: pd.DataFrame) -> pd.DataFrame:
     rows = df.to_dict("records")
     floors = compute_floors(rows)
     fields = [floor_fields(r, floors) for r in rows]
-    return df.assign(**{k: pd.Series([f[k] for f in fields], index=df.index, dtype=object)
-                        for k in ("compute_floor_s", "floor_share", "host_s_per_step")})
+    return df.assign(**{k: pd.Series([f[k] for f in fields], index=df.index, dtype=object) for k in FLOOR_FIELDS})
 
 
 def probed(df: pd.DataFrame) -> bool:
@@ -113,14 +125,17 @@ def probed(df: pd.DataFrame) -> bool:
 
 
 def floor_cells(row: dict) -> list[str]:
-    """Link, copy floor, compute floor, floor share and the host's time beyond the floor as a page shows them, — for
-    what a row lacks."""
+    """Link, copy floor, compute floor, floor share, the time beyond the floor, the schedule floor and the time beyond
+    it as a page shows them, — for what a row lacks."""
     link, copy = num(row.get("link_h2d_gbps")), num(row.get("copy_floor_s"))
     compute, share = num(row.get("compute_floor_s")), num(row.get("floor_share"))
-    host = num(row.get("host_s_per_step"))
+    host, schedule = num(row.get("host_s_per_step")), num(row.get("schedule_floor_s"))
+    beyond = num(row.get("beyond_schedule_s"))
     return [DASH if link is None else f"{link:.1f} GB/s", DASH if copy is None else f"{copy:.4f} s",
             DASH if compute is None else f"{compute:.4f} s", DASH if share is None else f"{share * 100:.0f}%",
-            DASH if host is None else f"{host:+.4f} s"]
+            DASH if host is None else f"{host:+.4f} s", DASH if schedule is None else f"{schedule:.4f} s",
+            DASH if beyond is None else f"{beyond:+.4f} s"]
 
 
-FLOOR_COLUMNS = ("Link (probe)", "Copy floor", "Compute floor", "Floor share", "Beyond the floor")
+FLOOR_COLUMNS = ("Link (probe)", "Copy floor", "Compute floor", "Floor share", "Beyond the floor", "Schedule floor",
+                 "Beyond the schedule")

@@ -1,0 +1,62 @@
+"""A streamed row's schedule floor: the step its plan's order allows the device on an ideal host
+(poros/engine/planning/timeline.py), at the link its process probed and the compute floor of its run. It lies
+between the larger of the two floors and the measured step: above the floors by the time the plan holds the link
+idle (blocks reused across the step's ends, resident layers computing with nothing left to load) or the compute
+waiting for a load; below the step by what the host adds.
+
+The plan is built again from the row's settings and kept only where it is the one the row ran (its resident layers,
+block size, lm_head, host-held inputs and bytes a step, as the row records them): a plan made against a device's
+memory (`vram_budget: auto`, what the process held) may not come out the same on another machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+from poros.config import TrainConfig
+from poros.engine.methods.method_info import is_planned
+from poros.harness.report.format import num
+
+MATCHED = ("resident_layers", "block_size", "head_resident", "host_inputs", "h2d_bytes_per_step")  # what must agree
+_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@functools.lru_cache(maxsize=256)
+def _rebuilt(config: str, recorded: str):
+    """(plan, geometry, settings) of a row's where the plan built again is the one recorded, else None."""
+    from poros.engine.planning.budget import make_plan
+    from poros.engine.planning.geometry import Geometry
+    from poros.models.checkpoint import resolve
+
+    try:
+        cfg = TrainConfig(**{k: v for k, v in json.loads(config).items() if k in _FIELDS})
+        geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
+        plan = make_plan(geo, cfg)
+    except (ValueError, KeyError, TypeError, OSError):  # settings or a model this checkout cannot plan
+        return None
+    summary, ran = plan.summary(), json.loads(recorded)
+    if any(k in ran and summary.get(k) != ran[k] for k in MATCHED):
+        return None
+    return plan, geo, cfg
+
+
+def schedule_floor(row: dict, compute_floor_s: float | None) -> float | None:
+    """The row's schedule floor in seconds (None where it has no plan, link probe or compute floor, shares its copies
+    among ranks, or its plan cannot be built again as it ran). `compute_floor_s` must count the recompute the plan
+    runs (a step that recomputes, not resident QLoRA's alone: the recompute's share of it is not extrapolated)."""
+    link, plan = num(row.get("link_h2d_gbps")), row.get("plan")
+    config = row.get("config")
+    if not is_planned(row["method"]) or not isinstance(plan, dict) or not isinstance(config, dict):
+        return None
+    if link is None or link <= 0 or not compute_floor_s or (plan.get("shards") or 1) > 1:
+        return None
+    rebuilt = _rebuilt(json.dumps(config, sort_keys=True, default=str),
+                       json.dumps({k: plan[k] for k in MATCHED if k in plan}, sort_keys=True))
+    if rebuilt is None:
+        return None
+    from poros.engine.planning.timeline import CostModel, simulate
+
+    built, geo, cfg = rebuilt
+    costs = CostModel.of(built, geo, cfg.seq_len * cfg.batch_size, cfg.seq_len, compute_floor_s, link * 1e9)
+    return simulate(built, costs).step_s
