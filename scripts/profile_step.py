@@ -5,8 +5,9 @@
         --seq-len 32768 --loss-chunk 4096 --mlp-chunk 4096 --variant offload_inputs=true,vram_budget=40GB
     python3 scripts/profile_step.py qwen2.5-72b --methods poros,unsloth ... --compile --lora-compute bf16
 
-Builds the model once; per method runs one warm-up step and one timed step, then profiles one step and prints one
-JSON line: wall time, the share of it the GPU spent in compute kernels and in host->device copies
+Builds the model once; per method runs one warm-up step and one timed step (`s_per_step_timed`: to the device's
+end of it), then profiles `--steps` consecutive steps (default 1; several show the steady state, where the host
+enqueues a step while the device runs the one before) and prints one JSON line, its figures per step: wall time, the share of it the GPU spent in compute kernels and in host->device copies
 (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
 kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
 kernels by total device time. --compile and --lora-compute apply to every gated method (Unsloth runs as its
@@ -18,9 +19,11 @@ profiles its step there. On CPU only the wall time and the operator table mean a
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -74,8 +77,13 @@ def main() -> None:
     p.add_argument("--variant", default="", help="schedule settings for poros, KEY=VALUE,... (e.g. cuda_graphs=true,vram_budget=24GB)")
     p.add_argument("--layers", type=int, help="the model cut to its first N decoder layers (ModelShape.cut): one "
                    "layer's time at a long sequence in seconds a step")
+    p.add_argument("--steps", type=int, default=1,
+                   help="consecutive steps profiled, no synchronization between them (the steady state; figures "
+                        "per step)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps: expected at least 1, got {args.steps}")
     if args.deterministic:
         enable_determinism()
     variant = parse_variant(args.variant)
@@ -106,9 +114,10 @@ def main() -> None:
             cfg = cfg.replace(**variant)
         trainer = make_trainer(Method(method), store, cfg)
         trainer.step()  # warm-up: allocator, cuBLAS handles, lazy init
-        timed = trainer.step().seconds  # without the profiler's overhead
-        result, prof = profiled(trainer.step, args.device)
-        row = {**head, **summarize(prof, result.seconds, args.top), "s_per_step_timed": round(timed, 4),
+        timed = synced(trainer.step, args.device)[1]  # a step without the profiler's overhead, to the device's end
+        steps = functools.partial(consecutive, trainer, args.steps)
+        (result, wall), prof = profiled(functools.partial(synced, steps, args.device), args.device)
+        row = {**head, **summarize(prof, wall, args.top, steps=args.steps), "s_per_step_timed": round(timed, 4),
                "counters": result.counters,
                "provenance": provenance()}
         print(json.dumps(row), flush=True)
@@ -121,6 +130,22 @@ def main() -> None:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def consecutive(trainer, n: int):
+    """`n` steps of `trainer` one after another; the last one's result."""
+    for _ in range(n):
+        result = trainer.step()
+    return result
+
+
+def synced(run, device: str):
+    """(`run()`'s result, the seconds from its start to the device's end of the work it enqueued)."""
+    t0 = time.perf_counter()
+    result = run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - t0
 
 
 def profile_unsloth(store, cfg: TrainConfig, out: Path | None) -> dict:

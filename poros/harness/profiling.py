@@ -80,7 +80,13 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def summarize(prof, wall_s: float, top: int) -> dict:
+def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
+    """The profile of `steps` consecutive steps (`wall_s` their time, from the first's start to the device's end of
+    the last), its times per step: several steps profiled without a synchronization between them show the steady
+    state, where the host enqueues a step while the device still runs the one before; a single step starts after a
+    synchronization, with the device idle until its first kernels arrive."""
+    if steps < 1:
+        raise ValueError(f"steps: expected at least 1, got {steps}")
     kernels, copies, h2d, cpu = [], [], [], []
     by_kind: dict[str, float] = {}
     launches = 0
@@ -97,30 +103,33 @@ def summarize(prof, wall_s: float, top: int) -> dict:
         elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
             launches += 1
     wall_us = wall_s * 1e6
+    per = 1e6 * steps  # microseconds of the whole profile to seconds a step
     by_device = sorted(prof.key_averages(), key=lambda a: getattr(a, "device_time_total", 0.0), reverse=True)
     gaps = _gaps_us(kernels)
     idle = link_idle(h2d, kernels)  # none without copies
     longest = sorted(idle, key=lambda r: r[1] - r[0], reverse=True)
     start = min(a for a, _ in h2d + kernels) if h2d else 0.0
     return {
-        "wall_s": round(wall_s, 4),
+        "profiled_steps": steps,
+        "wall_s": round(wall_s / steps, 4),
         "gpu_compute_busy": round(_union_us(kernels) / wall_us, 3) if kernels else None,
         # where compute kernels leave the device idle within the step: in all, and the longest gaps
-        "compute_idle_s": round(sum(gaps) / 1e6, 4),
+        "compute_idle_s": round(sum(gaps) / per, 4),
         "compute_idle_longest_ms": [round(g / 1e3, 2) for g in gaps[:8]],
         "gpu_copy_busy": round(_union_us(copies) / wall_us, 3) if copies else None,
         # where the host->device link idles within the step (nothing copied in): in all, the compute kernels' share
         # of that time, and the longest such intervals as [ms, ms of compute within]
-        "link_idle_s": round(sum(b - a for a, b, _ in idle) / 1e6, 4) if h2d else None,
-        "link_idle_compute_s": round(sum(c for _, _, c in idle) / 1e6, 4) if h2d else None,
+        "link_idle_s": round(sum(b - a for a, b, _ in idle) / per, 4) if h2d else None,
+        "link_idle_compute_s": round(sum(c for _, _, c in idle) / per, 4) if h2d else None,
         "link_idle_longest_ms": [[round((b - a) / 1e3, 2), round(c / 1e3, 2)] for a, b, c in longest[:8]],
         # the four longest, in time order from the step's start: where each lies and what the host ran meanwhile
         "link_idle_host": [{"at_ms": round((a - start) / 1e3, 2), "ms": round((b - a) / 1e3, 2),
                             "host": host_within((a, b), cpu)} for a, b, _ in sorted(longest[:4])],
-        "kernel_launches": launches,
-        "device_s_by_kind": {k: round(v / 1e6, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "kernel_launches": round(launches / steps),
+        "device_s_by_kind": {k: round(v / per, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_device_ops": [
-            {"name": a.key[:80], "calls": a.count, "device_ms": round(getattr(a, "device_time_total", 0.0) / 1e3, 2)}
+            {"name": a.key[:80], "calls": round(a.count / steps),
+             "device_ms": round(getattr(a, "device_time_total", 0.0) / 1e3 / steps, 2)}
             for a in by_device[:top]
         ],
     }

@@ -3,6 +3,7 @@ process write it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from poros.harness.profiling import (
@@ -65,3 +66,17 @@ def test_a_profiled_step_is_summarized_with_its_operators():
     assert summary["link_idle_s"] is None and summary["link_idle_longest_ms"] == []  # nor copies
     assert len(summary["top_device_ops"]) <= 5
     assert any("mm" in op["name"] for op in summary["top_device_ops"])
+
+
+def test_several_profiled_steps_are_summarized_per_step():
+    """`--steps N` profiles N consecutive steps (the steady state): the summary's times and counts are per step, and
+    it says how many steps it holds. Control: the same profile summarized as one step reads N times the time."""
+    a = torch.randn(64, 64)
+    _, prof = profiled(lambda: [a @ a for _ in range(4)], "cpu")
+    one, four = summarize(prof, wall_s=0.8, top=5), summarize(prof, wall_s=0.8, top=5, steps=4)
+    assert (one["profiled_steps"], four["profiled_steps"]) == (1, 4)
+    assert one["wall_s"] == 0.8 and four["wall_s"] == 0.2
+    calls = {op["name"]: op["calls"] for op in one["top_device_ops"]}
+    assert {op["name"]: op["calls"] for op in four["top_device_ops"]}["aten::mm"] == calls["aten::mm"] // 4 == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        summarize(prof, wall_s=0.8, top=5, steps=0)
