@@ -118,3 +118,23 @@ def test_the_backward_overlaps_as_one_property_says():
     assert base.backward_overlaps
     assert not base.replace(overlap_backward=False).backward_overlaps
     assert not base.replace(cuda_graphs=True, device="cuda").backward_overlaps
+
+
+def test_a_budget_on_cuda_spreads_its_streamed_layers_unless_told_otherwise():
+    """The fastest exact path places a budget's streamed layers among its resident ones on CUDA (a lower schedule
+    floor at every budget, and measured faster: results/h100-fastest); a matrix or run that names tail keeps tail.
+    Control: the CPU keeps the table's default, and a given placement is never replaced."""
+    from poros.choices import Placement
+
+    fc, chosen = resolve_run({**RUN, "vram_budget": "12GB"}, cuda_available=True)
+    assert fc.train.placement is Placement.SPREAD and "placement" in chosen
+    fc, chosen = resolve_run({**RUN, "vram_budget": "12GB", "placement": "tail"}, cuda_available=True)
+    assert fc.train.placement is Placement.TAIL and "placement" not in chosen
+    assert resolve_run({**RUN, "vram_budget": "12GB"}, cuda_available=False)[0].train.placement is Placement.TAIL
+    m = parse_matrix({"name": "t", "steps": 1, "passes": 1, "warmup_passes": 0, "seq_len": 64, "batch_size": 1,
+                      "grad_accum": 1, "lora_rank": 4, "lora_alpha": 8, "block_size": 2, "dataset": "synthetic",
+                      "device": "cuda", "stacks": ["current"], "methods": ["poros"], "models": ["tiny-qwen2"],
+                      "plans": {"12GB": {"vram_budget": "12GB"}, "12GB+tail": {"vram_budget": "12GB",
+                                                                            "placement": "tail"}}})
+    placed = {c.plan: cell_config(m, c).placement for c in matrix_cells(m) if c.plan}
+    assert placed == {"12GB": Placement.SPREAD, "12GB+tail": Placement.TAIL}
