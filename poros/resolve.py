@@ -33,6 +33,12 @@ DEVICE_DEFAULTS: dict[Device, dict[str, object]] = {
 }
 
 
+# A device default that matters only beside another setting applies only there: the placement of resident layers
+# only where a budget is asked for (`vram_budget` none streams every layer and leaves none to place), so such a
+# run keeps the table's placement and the settings it had before the default was added.
+APPLIES: dict[str, Callable[[dict], bool]] = {"placement": lambda values: values.get("vram_budget") is not None}
+
+
 def off(name: str) -> str:
     """How a user turns flag setting `name` off: its --no- flag and its matrix/run-file key."""
     return f"{BY_NAME[name].flag.replace('--', '--no-', 1)} ({name}: false)"
@@ -139,6 +145,8 @@ def with_defaults(given: dict, device=None, leave: tuple[str, ...] = ()) -> tupl
     defaults = DEVICE_DEFAULTS.get(dev, {})
     chosen = []
     for name in (s.name for s in SETTINGS if s.name in defaults and s.name not in values and s.name not in leave):
+        if name in APPLIES and not APPLIES[name](values):  # vram_budget comes before placement in the table
+            continue
         trial = {**values, name: defaults[name]}
         if not _refused(trial, name):
             values[name] = defaults[name]

@@ -67,7 +67,7 @@ def test_with_defaults_takes_a_given_none_as_given_and_leaves_what_it_is_told():
     values, chosen = with_defaults({"vram_budget": None}, Device.CUDA)
     assert values["vram_budget"] is None and "vram_budget" not in chosen and values["cuda_graphs"] is True
     values, chosen = with_defaults({}, Device.CUDA, leave=("vram_budget",))
-    assert "vram_budget" not in values and chosen == ("attention", "deterministic", "cuda_graphs", "placement")
+    assert "vram_budget" not in values and chosen == ("attention", "deterministic", "cuda_graphs")  # no budget: no placement
     assert with_defaults({}, Device.CPU) == ({"device": Device.CPU}, ())
     assert tuple(with_defaults({}, "cuda")[1]) == tuple(DEVICE_DEFAULTS[Device.CUDA])
 
@@ -138,3 +138,19 @@ def test_a_budget_on_cuda_spreads_its_streamed_layers_unless_told_otherwise():
                                                                             "placement": "tail"}}})
     placed = {c.plan: cell_config(m, c).placement for c in matrix_cells(m) if c.plan}
     assert placed == {"12GB": Placement.SPREAD, "12GB+tail": Placement.TAIL}
+
+
+def test_without_a_budget_a_run_keeps_the_table_placement():
+    """`vram_budget: none` streams every layer: no resident layer to place, so the CUDA default of placement does not
+    apply and such a run's settings (and its rows' fingerprints) stay those it had. Control: `auto` (the CUDA
+    default budget) and a size take it."""
+    from poros.choices import Placement
+    from poros.sizes import AUTO
+
+    values, chosen = with_defaults({"vram_budget": None}, Device.CUDA)
+    assert "placement" not in values and "placement" not in chosen
+    for budget in (AUTO, "12GB"):
+        values, chosen = with_defaults({"vram_budget": budget}, Device.CUDA)
+        assert values["placement"] is Placement.SPREAD and "placement" in chosen
+    values, chosen = with_defaults({}, Device.CUDA)  # the budget's own default, auto, comes first
+    assert values["placement"] is Placement.SPREAD
