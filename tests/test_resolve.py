@@ -68,7 +68,7 @@ def test_with_defaults_takes_a_given_none_as_given_and_leaves_what_it_is_told():
     assert values["vram_budget"] is None and "vram_budget" not in chosen and values["cuda_graphs"] is True
     values, chosen = with_defaults({}, Device.CUDA, leave=("vram_budget",))
     assert "vram_budget" not in values and chosen == ("attention", "deterministic", "cuda_graphs")  # no budget: no placement
-    assert with_defaults({}, Device.CPU) == ({"device": Device.CPU}, ())
+    assert with_defaults({}, Device.CPU) == ({"device": Device.CPU, "overlap_backward": False}, ("overlap_backward",))
     assert tuple(with_defaults({}, "cuda")[1]) == tuple(DEVICE_DEFAULTS[Device.CUDA])
 
 

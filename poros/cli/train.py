@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         else None
     try:
         summary = finetune(fc, resume=args.resume, resume_command=resume_command(fc.out.absolute()),
-                           dry_run=args.dry_run, cuda_defaults=chosen)
+                           dry_run=args.dry_run, device_defaults=chosen)
     except PorosError:
         if world.main:
             raise

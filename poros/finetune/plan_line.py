@@ -32,7 +32,7 @@ def dry_plan(fc, source) -> Plan | None:
                      host=None if available is None else HostMemory(available))
 
 
-def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str:
+def plan_line(fc, plan: Plan | None, device_defaults: tuple[str, ...] = ()) -> str:
     """One line: `plan: poros on cuda; attention fast (deterministic); 64 layers: 40 resident, 24
     streamed in blocks of 4, predicted peak 118.2 GB (budget auto: 121.0 GB); CUDA-graph layers; ...`."""
     cfg = fc.train
@@ -52,6 +52,6 @@ def plan_line(fc, plan: Plan | None, cuda_defaults: tuple[str, ...] = ()) -> str
             parts.append(f"vram_budget auto (planned from the free device memory at the start), blocks of "
                          f"{cfg.block_size}")
         parts.append("CUDA-graph layers" if cfg.cuda_graphs else "eager layers")
-    if cuda_defaults:
-        parts.append(f"defaults for cuda: {', '.join(cuda_defaults)} (set one to change it)")
+    if device_defaults:
+        parts.append(f"defaults for {cfg.device.value}: {', '.join(device_defaults)} (set one to change it)")
     return "plan: " + "; ".join(parts)

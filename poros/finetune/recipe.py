@@ -53,7 +53,7 @@ from poros.store.nf4_checkpoint import is_bnb_checkpoint
 
 def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None = None,
              resume_command: str | None = None, on_step=None, dry_run: bool = False,
-             cuda_defaults: tuple[str, ...] = ()) -> RunSummary:
+             device_defaults: tuple[str, ...] = ()) -> RunSummary:
     """Run (or, with `resume`, continue) the fine-tuning described by `fc` in `fc.out`, which it owns
     for the run (a second run into it is refused, naming this one).
 
@@ -63,7 +63,7 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
         on_step: called with the step number after each optimizer step (tests).
         dry_run: check everything, print the plan and what the data holds on stdout, and return
             before building the model; the run folder is neither locked nor written.
-        cuda_defaults: the settings that took the GPU's defaults (the plan line names them).
+        device_defaults: the settings that took the device's defaults (the plan line names them).
     Raises:
         PorosError: bad data, model folder, run folder or resume settings, each as one line.
     """
@@ -81,10 +81,10 @@ def finetune(fc: FinetuneConfig, *, resume: bool = False, progress: bool | None 
                            "train"], "gpus")
     if dry_run:  # tokens of data in a read-only folder go to a scratch folder, removed after
         with tempfile.TemporaryDirectory(prefix="poros-dry-run-") as scratch:
-            return _finetune(fc, world, resume, progress, resume_command, on_step, Path(scratch), cuda_defaults)
+            return _finetune(fc, world, resume, progress, resume_command, on_step, Path(scratch), device_defaults)
     try:
         with own_run_folder(fc.out, world):
-            return _finetune(fc, world, resume, progress, resume_command, on_step, None, cuda_defaults)
+            return _finetune(fc, world, resume, progress, resume_command, on_step, None, device_defaults)
     finally:
         if signals_held():  # stopped by a signal: what the run left is collected while signals are ignored
             gc.collect()
@@ -103,7 +103,7 @@ def check_paths(fc: FinetuneConfig) -> None:
             check_input(path, flag)
 
 
-def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cuda_defaults) -> RunSummary:
+def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, device_defaults) -> RunSummary:
     """The run; a dry run (`scratch`: its folder for tokens) returns before building the model."""
     cfg, out, given, dry_run = fc.train, fc.out, fc, scratch is not None
     before = prepare_out(out, resume, fc.steps)
@@ -130,7 +130,7 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
     record["data"] = {"records": data.records, "tokens": data.tokens, "sequences": data.blocks}
     if dry_run:
         per_step = sequences_per_step(cfg)
-        for line in (plan_line(fc, dry_plan(fc, src), cuda_defaults),
+        for line in (plan_line(fc, dry_plan(fc, src), device_defaults),
                      *(d.description for d in (data, evals) if d is not None),
                      f"steps {start + 1}-{fc.steps}: {per_step} sequences of {cfg.seq_len} tokens a step, "
                      f"{(fc.steps - start) * per_step / data.blocks:.2f} passes over the data; "
@@ -160,7 +160,7 @@ def _finetune(fc, world, resume, progress, resume_command, on_step, scratch, cud
             write_atomic(out / "config.json", json.dumps(record, indent=1, default=str), "the run's record")
             write_atomic(out / RUN_FILE, dump_run_file(dataclasses.replace(given, train=given.train.replace(
                 gpus=cfg.gpus))), "the run's settings")
-        bar.message(plan_line(fc, getattr(trainer, "plan", None), cuda_defaults))
+        bar.message(plan_line(fc, getattr(trainer, "plan", None), device_defaults))
         log = RunLog(out / "log.csv", start) if world.main else None
         batches = evals.in_order(cfg.batch_size) if evals is not None else None
         summary = train_loop(fc, trainer, data, batches, start, log, base_model, bar, resume_command, on_step, stats)

@@ -35,7 +35,7 @@ def test_yaml_numbers_read_as_numbers_and_overrides_win(tmp_path):
     fc, chosen = resolve(values, cuda_available=False)
     assert fc.train.lr == 2e-4 and fc.train.lora_rank == 8 and fc.train.deterministic is True and fc.steps == 20
     assert fc.train.lora_targets == ("q_proj", "v_proj") and fc.train.vram_budget == 24_000_000_000
-    assert fc.train.device is Device.CPU and chosen == ()
+    assert fc.train.device is Device.CPU and chosen == ("overlap_backward",)  # the CPU runs the backward serially
 
 
 def test_unknown_and_missing_keys_are_listed_at_once_with_the_nearest_name():
@@ -103,13 +103,15 @@ def test_cuda_takes_the_fast_exact_path_when_nothing_is_set():
     assert (fc.train.cuda_graphs, fc.train.deterministic) == (False, False)
 
 
-def test_the_cpu_keeps_the_table_defaults():
+def test_the_cpu_keeps_the_table_defaults_but_runs_the_backward_serially():
     for values, cuda in ((dict(BASE), False), ({**BASE, "device": "cpu"}, True)):
         fc, chosen = resolve(values, cuda_available=cuda)
         cfg = fc.train
-        assert cfg.device is Device.CPU and chosen == ()
+        assert cfg.device is Device.CPU and chosen == ("overlap_backward",) and cfg.overlap_backward is False
         assert (cfg.attention, cfg.deterministic, cfg.cuda_graphs, cfg.vram_budget) == (Attention.DEFAULT, False,
                                                                                          False, None)
+    fc, chosen = resolve({**BASE, "overlap_backward": True}, cuda_available=False)  # control: given, kept
+    assert fc.train.overlap_backward is True and chosen == ()
 
 
 def test_the_plan_line_names_the_plan_and_the_defaults_it_took():
