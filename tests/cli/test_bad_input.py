@@ -73,11 +73,12 @@ def test_a_row_whose_time_is_not_a_positive_finite_number_is_refused_by_file_lin
 
 
 def test_a_sweep_page_of_rows_that_predate_the_gate_field_names_the_reference_as_the_reference(tmp_path):
-    """`--sweep` over rows without `gate` (results/cpu's) renders; the reference's row says it is the gate's
+    """`--sweep` over rows without `gate` (an earlier harness's, tests/earlier_harness) renders; the reference's row says it is the gate's
     reference, never "vs resident"; the gated row says what it was held to where the row names it."""
     from tests.cli.test_streams import ROOT
 
-    assert main(["report", str(ROOT / "results/cpu/results.jsonl"), "-o", str(tmp_path / "s.md"), "--sweep"]) == 0
+    assert main(["report", str(ROOT / "tests/earlier_harness/results.jsonl"), "-o", str(tmp_path / "s.md"),
+                 "--sweep"]) == 0
     page = (tmp_path / "s.md").read_text()
     resident = [x for x in page.splitlines() if "| resident |" in x]
     assert resident and all("PASS (as the gate's reference)" in x for x in resident), resident

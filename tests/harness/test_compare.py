@@ -92,12 +92,12 @@ def test_the_committed_cpu_run_is_a_compare_source_for_the_cpu_matrix():
 
 
 def test_a_source_of_another_or_no_pass_length_is_refused():
-    """A benchmark round is one pass: rounds of another length, or of one the file does not record (the committed
-    results/cpu/benchmark.json, of an earlier harness), compare other work. The control: the same length."""
+    """A benchmark round is one pass: rounds of another length, or of one the file does not record (an earlier
+    harness's, tests/earlier_harness), compare other work. The control: the same length."""
     from poros.harness.compare import pass_length_problem
 
-    committed = load_compare_source(REPO / "results" / "cpu" / "benchmark.json")
-    assert "records no pass length (extra_info.steps" in pass_length_problem(committed, 4)
+    earlier = load_compare_source(REPO / "tests" / "earlier_harness" / "benchmark.json")
+    assert "records no pass length (extra_info.steps" in pass_length_problem(earlier, 4)
     bench = {"name": "b", "extra_info": {"steps": 3}}
     assert "its passes ran 3 step(s) each, this run's 4; pass --steps 3" in pass_length_problem([bench], 4)
     assert pass_length_problem([bench, {**bench, "extra_info": {"steps": 4}}], 3).startswith("its passes ran 4")
@@ -133,7 +133,7 @@ def test_bench_refuses_bad_compare_options_before_any_work(tmp_path, capsys):
                          (["--benchmark-compare", str(tmp_path / "none.json")], "none.json: no such file"),
                          (["--benchmark-compare", str(REPO / "results" / "cpu" / "benchmark.json"),
                            "--benchmark-compare-fail", "mean:5.5%"], "'mean:5.5%': expected FIELD:N%"),
-                         (["--benchmark-compare", str(REPO / "results" / "cpu" / "benchmark.json")],
+                         (["--benchmark-compare", str(REPO / "tests" / "earlier_harness" / "benchmark.json")],
                           "records no pass length")):
         one_line_refusal(capsys, main(["bench", "matrix", str(matrix), "-o", str(out), *extra]), named)
         assert not out.exists()
