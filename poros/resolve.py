@@ -23,11 +23,10 @@ from poros.sizes import AUTO
 # a CUDA graph (one launch a layer instead of hundreds), as many layers resident as the card's free memory holds,
 # and where a budget keeps only some, the streamed layers spread among them: each copy then runs behind resident
 # layers' forward as well as their backward, where the tail placement leaves the link idle while the last layers
-# compute (qwen3-32b within 12 GB on two H100s: 0.5725 and 0.5823 s/step spread, 0.5898 and 0.5950 tail,
-# results/h100-fastest; every budget plan of the three models at seq 512 has the lower schedule floor spread,
-# poros/engine/planning/timeline.py). On the CPU each backward runs on the thread that enqueues the next recompute:
-# there the overlapped backward's worker thread does the compute itself, beside the recompute's, and only contends
-# for the cores (tiny-qwen3 of the CPU matrix, 2 cores: 2.18x resident's step with it, 1.24x without).
+# compute (at the budgets of the fastest-path matrices the schedule floor of poros/engine/planning/timeline.py is
+# lower spread; results/h100-fastest compares the two). On the CPU the backward runs on the thread that enqueues the next
+# recompute: there the overlapped backward's worker thread computes beside the recompute and only contends for the
+# cores (results/cpu/README.md).
 DEVICE_DEFAULTS: dict[Device, dict[str, object]] = {
     Device.CUDA: {"attention": Attention.FAST, "deterministic": True, "vram_budget": AUTO, "cuda_graphs": True,
                   "placement": Placement.SPREAD},
