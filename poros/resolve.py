@@ -24,9 +24,9 @@ from poros.sizes import AUTO
 # and where a budget keeps only some, the streamed layers spread among them: each copy then runs behind resident
 # layers' forward as well as their backward, where the tail placement leaves the link idle while the last layers
 # compute (at the budgets of the fastest-path matrices the schedule floor of poros/engine/planning/timeline.py is
-# lower spread; results/h100-fastest compares the two). On the CPU the backward runs on the thread that enqueues the next
-# recompute: there the overlapped backward's worker thread computes beside the recompute and only contends for the
-# cores (results/cpu/README.md).
+# lower spread; results/h100-fastest compares the two). On the CPU the backward runs on the thread that enqueues
+# the next recompute: there the overlapped backward's worker thread computes beside the recompute and only contends
+# for the cores (results/cpu/README.md).
 DEVICE_DEFAULTS: dict[Device, dict[str, object]] = {
     Device.CUDA: {"attention": Attention.FAST, "deterministic": True, "vram_budget": AUTO, "cuda_graphs": True,
                   "placement": Placement.SPREAD},

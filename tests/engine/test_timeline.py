@@ -19,13 +19,12 @@ from poros.models.checkpoint import resolve
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "results/h100-fastest/qwen3-32b-run2/results.jsonl"
 PROFILE = ROOT / "experiments/h100-streamed-link-idle/copy-groups/prof.jsonl"
-FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def ran(plan_name: str) -> tuple[dict, P.Plan, Geometry, CostModel]:
     """A row of the qwen3-32b run, its plan built again (the one it ran), and its costs at that run's floors."""
     row = next(r for r in map(json.loads, RUN.read_text().splitlines()) if r.get("plan_name") == plan_name)
-    cfg = TrainConfig(**{k: v for k, v in row["config"].items() if k in FIELDS})
+    cfg = TrainConfig.from_settings(row["config"], model=row["config"]["model"])
     geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
     plan = make_plan(geo, cfg)
     assert plan.resident_layers == row["plan"]["resident_layers"] and plan.block_size == row["plan"]["block_size"]
@@ -45,7 +44,7 @@ def test_a_schedule_lies_between_its_floors_and_the_measured_step(plan_name):
 
 def test_with_nothing_to_copy_the_schedule_is_the_compute_floor():
     row, _, geo, _ = ran("streamed")
-    cfg = TrainConfig(**{k: v for k, v in row["config"].items() if k in FIELDS}).replace(vram_budget="1000GB")
+    cfg = TrainConfig.from_settings(row["config"], model=row["config"]["model"], vram_budget="1000GB")
     plan = make_plan(geo, cfg)
     assert not plan.streamed_layers and plan.h2d_bytes_per_step == 0
     t = simulate(plan, CostModel.of(plan, geo, 512, 512, 0.25, 55e9))

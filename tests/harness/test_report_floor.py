@@ -223,3 +223,19 @@ def test_a_streamed_row_shows_its_schedule_floor_where_its_plan_is_the_one_it_ra
     without = [r for r in rows if r.get("plan_name") != "unstreamed"]  # resident's step the only compute floor
     df = with_floors(load_results(write_jsonl(tmp_path / "without.jsonl", without)))
     assert df["floor_share"].notna().sum() == 4 and df["schedule_floor_s"].isna().all()
+
+
+def test_a_row_whose_plan_cannot_be_built_again_shows_no_schedule_and_the_page_renders():
+    """A row of a model this checkout does not know, or of a budget no plan fits here, has no schedule floor (—),
+    never an error on the page; the same row of a known model has one (the control)."""
+    import json
+    from pathlib import Path
+
+    from poros.harness.report.schedule import schedule_floor
+
+    run = Path(__file__).resolve().parents[2] / "results/h100-fastest/qwen3-32b-run2/results.jsonl"
+    row = next(r for r in map(json.loads, run.read_text().splitlines()) if r.get("plan_name") == "streamed")
+    assert schedule_floor(row, 0.2931) is not None
+    unknown = {**row, "config": {**row["config"], "model": "no-such-model"}}
+    tiny = {**row, "config": {**row["config"], "vram_budget": 1000}}  # 1 kB: below every plan (BudgetError)
+    assert schedule_floor(unknown, 0.2931) is None and schedule_floor(tiny, 0.2931) is None

@@ -70,9 +70,6 @@ class Timeline:
     link_idle_s: float  # step_s less copy_s: where nothing is copied in
     compute_wait_s: float  # step_s less compute_s: where the compute waits for a load
 
-    def summary(self) -> dict:
-        return {k: round(v, 6) for k, v in vars(self).items()}
-
 
 def simulate(plan: P.Plan, costs: CostModel) -> Timeline:
     """`plan`'s set-up, then STEPS steps, each operation at the earliest its queue and its events allow; the last

@@ -10,16 +10,15 @@ memory (`vram_budget: auto`, what the process held) may not come out the same on
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 
 from poros.config import TrainConfig
+from poros.errors import PorosError
 from poros.engine.methods.method_info import is_planned
 from poros.harness.report.format import num
 
 MATCHED = ("resident_layers", "block_size", "head_resident", "host_inputs", "h2d_bytes_per_step")  # what must agree
-_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -30,10 +29,11 @@ def _rebuilt(config: str, recorded: str):
     from poros.models.checkpoint import resolve
 
     try:
-        cfg = TrainConfig(**{k: v for k, v in json.loads(config).items() if k in _FIELDS})
+        settings = json.loads(config)
+        cfg = TrainConfig.from_settings(settings, model=settings["model"])
         geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
         plan = make_plan(geo, cfg)
-    except (ValueError, KeyError, TypeError, OSError):  # settings or a model this checkout cannot plan
+    except (PorosError, ValueError, KeyError, TypeError, OSError):  # settings, a model or a budget this checkout cannot plan
         return None
     summary, ran = plan.summary(), json.loads(recorded)
     if any(k in ran and summary.get(k) != ran[k] for k in MATCHED):
