@@ -7,8 +7,8 @@
 
 Builds the model once; per method runs one warm-up step and one timed step (`s_per_step_timed`: to the device's
 end of it), then profiles `--steps` consecutive steps (default 1; several show the steady state, where the host
-enqueues a step while the device runs the one before) and prints one JSON line, its figures per step: wall time, the share of it the GPU spent in compute kernels and in host->device copies
-(union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
+enqueues a step while the device runs the one before) and prints one JSON line, its figures per step: wall time,
+the share of it the GPU spent in compute kernels and in host->device copies (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
 kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
 kernels by total device time. --compile and --lora-compute apply to every gated method (Unsloth runs as its
 users run it). The warm-up step compiles. --variant takes schedule settings (KEY=VALUE,...). With --out DIR

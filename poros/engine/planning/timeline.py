@@ -49,7 +49,8 @@ class CostModel:
                              f"{link_bytes_per_s} B/s")
         kept = set(plan.kept_layers)
         attention = 2.0 * tokens * seq_len * geo.q_width  # causal: half of the scores' and the values' 4 t^2 d
-        linear = [2.0 * tokens * 2 * (end - start) for start, end in zip(geo.layer_starts, geo.layer_ends)]  # 2 weights a byte
+        # a layer's matmul FLOPs: 2 a token for each of its weights, two NF4 weights a byte
+        linear = [2.0 * tokens * 2 * (end - start) for start, end in zip(geo.layer_starts, geo.layer_ends)]
         forward = [x + attention for x in linear]
         backward = [(0.0 if i in kept else f) + 2 * x + ATTENTION_BACKWARD * attention
                     for i, (x, f) in enumerate(zip(linear, forward))]

@@ -33,7 +33,7 @@ def _rebuilt(config: str, recorded: str):
         cfg = TrainConfig.from_settings(settings, model=settings["model"])
         geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
         plan = make_plan(geo, cfg)
-    except (PorosError, ValueError, KeyError, TypeError, OSError):  # settings, a model or a budget this checkout cannot plan
+    except (PorosError, ValueError, KeyError, TypeError, OSError):  # settings, model or budget not plannable here
         return None
     summary, ran = plan.summary(), json.loads(recorded)
     if any(k in ran and summary.get(k) != ran[k] for k in MATCHED):
