@@ -226,8 +226,9 @@ def test_a_streamed_row_shows_its_schedule_floor_where_its_plan_is_the_one_it_ra
 
 
 def test_a_row_whose_plan_cannot_be_built_again_shows_no_schedule_and_the_page_renders():
-    """A row of a model this checkout does not know, or of a budget no plan fits here, has no schedule floor (—),
-    never an error on the page; the same row of a known model has one (the control)."""
+    """A row of a model this checkout does not know has no schedule floor (—), never an error on the page; the same
+    row of a known model has one (the control), and so does a row whose budget no plan fits here: its schedule is
+    the plan's it ran, built again with the residency it records."""
     import json
     from pathlib import Path
 
@@ -238,4 +239,36 @@ def test_a_row_whose_plan_cannot_be_built_again_shows_no_schedule_and_the_page_r
     assert schedule_floor(row, 0.2931) is not None
     unknown = {**row, "config": {**row["config"], "model": "no-such-model"}}
     tiny = {**row, "config": {**row["config"], "vram_budget": 1000}}  # 1 kB: below every plan (BudgetError)
-    assert schedule_floor(unknown, 0.2931) is None and schedule_floor(tiny, 0.2931) is None
+    assert schedule_floor(unknown, 0.2931) is None
+    assert schedule_floor(tiny, 0.2931) == schedule_floor(row, 0.2931)
+
+
+def test_a_plan_the_planner_no_longer_makes_is_built_again_as_it_ran(monkeypatch):
+    """A planner whose memory model changed (a larger CUDA-graph pool here) makes another plan within the row's
+    12 GB budget; the schedule floor is still the plan's that ran, built again with its recorded residency, the
+    same figure as before. Negative control: a recorded residency the placement cannot make (layer 0 resident
+    beside the last seven) shows none."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    from poros.engine.planning import memory
+    schedule = importlib.import_module("poros.harness.report.schedule")
+    from poros.engine.planning.budget import make_plan
+    from poros.engine.planning.geometry import Geometry
+    from poros.models.checkpoint import resolve
+
+    run = Path(__file__).resolve().parents[2] / "results/h100-fastest/qwen3-32b-run2/results.jsonl"
+    row = next(r for r in map(json.loads, run.read_text().splitlines()) if r.get("plan_name") == "half")
+    before = schedule.schedule_floor(row, 0.2931)
+    schedule._rebuilt.cache_clear()
+    monkeypatch.setattr(memory, "GRAPH_POOL_PER_LAYER_COMPILED", 2 * memory.GRAPH_POOL_PER_LAYER_COMPILED)
+    cfg = schedule.TrainConfig.from_settings(row["config"], model=row["config"]["model"])
+    geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
+    assert make_plan(geo, cfg).resident_layers != row["plan"]["resident_layers"]  # the search makes another plan
+    try:
+        assert before is not None and schedule.schedule_floor(row, 0.2931) == before
+        moved = {**row, "plan": {**row["plan"], "resident_layers": [0, *row["plan"]["resident_layers"]]}}
+        assert schedule.schedule_floor(moved, 0.2931) is None
+    finally:
+        schedule._rebuilt.cache_clear()

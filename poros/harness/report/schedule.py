@@ -5,13 +5,16 @@ idle (blocks reused across the step's ends, resident layers computing with nothi
 waiting for a load; below the step by what the host adds.
 
 The plan is built again from the row's settings and kept only where it is the one the row ran (its resident layers,
-block size, lm_head, host-held inputs and bytes a step, as the row records them): a plan made against a device's
-memory (`vram_budget: auto`, what the process held) may not come out the same on another machine."""
+block size, lm_head, host-held inputs and bytes a step, as the row records them). Where the budget search no longer
+makes that plan (a planner whose memory model changed since, a budget made against a device's memory: `vram_budget:
+auto`, what the process held), it is built again with the residency the row records, and kept where that comes out
+as the plan that ran."""
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 from poros.config import TrainConfig
 from poros.errors import PorosError
@@ -28,17 +31,41 @@ def _rebuilt(config: str, recorded: str):
     from poros.engine.planning.geometry import Geometry
     from poros.models.checkpoint import resolve
 
+    ran = json.loads(recorded)
     try:
         settings = json.loads(config)
         cfg = TrainConfig.from_settings(settings, model=settings["model"])
         geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
-        plan = make_plan(geo, cfg)
-    except (PorosError, ValueError, KeyError, TypeError, OSError):  # settings, model or budget not plannable here
+    except (PorosError, ValueError, KeyError, TypeError, OSError):  # settings or model not known here
         return None
-    summary, ran = plan.summary(), json.loads(recorded)
-    if any(k in ran and summary.get(k) != ran[k] for k in MATCHED):
+    for build in (lambda: make_plan(geo, cfg), lambda: _as_ran(geo, cfg, ran)):
+        try:
+            plan = build()
+        except (PorosError, ValueError, KeyError, TypeError):  # a budget no plan fits here, a residency it refuses
+            continue
+        if plan is not None and _ran(plan, ran):
+            return plan, geo, cfg
+    return None
+
+
+def _ran(plan, ran: dict) -> bool:
+    """Whether `plan` is the one a row recorded (`ran`: its MATCHED fields)."""
+    summary = plan.summary()
+    return all(summary.get(k) == ran[k] for k in MATCHED if k in ran)
+
+
+def _as_ran(geo, cfg: TrainConfig, ran: dict):
+    """The plan with the residency `ran` records (resident layers, block size, lm_head, saved inputs on the device),
+    built without a budget search; None where the row records no residency."""
+    from poros.engine.planning.search import PlanRequest, build_plan
+
+    if not all(k in ran for k in ("resident_layers", "block_size", "head_resident", "host_inputs")):
         return None
-    return plan, geo, cfg
+    request = PlanRequest.of_config(cfg.replace(vram_budget=None, block_size=ran["block_size"]))
+    recomputed = geo.n_layers - len(ran.get("kept_layers") or ())
+    return build_plan(geo, replace(request, resident_layers=len(ran["resident_layers"]),
+                                   head_resident=ran["head_resident"],
+                                   device_inputs=recomputed - len(ran["host_inputs"])))
 
 
 def schedule_floor(row: dict, compute_floor_s: float | None) -> float | None:
