@@ -345,3 +345,75 @@ def test_more_stream_buffers_keep_parity(stores, model, buffers, accum, head, la
             PorosTrainer(store, cfg, plan=bad)
         broken, _ = gate(store, cfg, plan=bad, check_plan=False, steps=1)
         assert broken.parity == "FAIL", "a buffer refilled before its backward must fail the gate"
+
+
+class _HostReads:
+    """Counts the reads of a tensor's value on the host during a step (on a CUDA device each one waits for every
+    kernel queued before it), with where transformers made them."""
+
+    READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item")
+
+    def __init__(self):
+        self.sites = []
+
+    def __enter__(self):
+        import traceback
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sites = self.sites
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func._schema.name in _HostReads.READS:
+                    sites.append([f.name for f in traceback.extract_stack() if "transformers" in f.filename])
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"])
+def test_a_step_s_passes_read_no_device_value_on_the_host(stores, model, monkeypatch):
+    """Transformers checks the positions it derives for packed sequences by reading a device tensor on the host, in
+    every pass (the prologue and the head, each mask of gemma3's): a wait for every queued kernel. The passes take
+    the answer it gives for their positions (None: one range per row) without the read, and a step reads no value
+    on the host at all; gate parity holds (the gate tests). Negative control: where the check is left as it is, the
+    step reads, in transformers' packed-sequence check."""
+    from poros.engine.runtime import model_hooks
+
+    trainer = PorosTrainer(stores(model), TrainConfig(model=model, seq_len=64, block_size=2))
+    trainer.step()
+    with _HostReads() as reads:
+        trainer.step()
+    assert reads.sites == []
+    monkeypatch.setattr(model_hooks, "_packing_check", lambda: None)
+    with _HostReads() as reads:
+        trainer.step()
+    trainer.close()
+    assert len(reads.sites) >= 2 and all("find_packed_sequence_indices" in s for s in reads.sites), reads.sites
+
+
+def test_a_packing_check_that_answers_a_mask_for_a_range_is_left_as_it_is(monkeypatch):
+    """Where the installed transformers' check answers a mask tensor even for one range per row (its masks then
+    differ from those of None), the passes do not replace it; the check this transformers has answers None."""
+    import torch
+    from transformers import masking_utils
+
+    from poros.engine.runtime import model_hooks
+
+    model_hooks._packing_check.cache_clear()
+    assert model_hooks._packing_check() is masking_utils  # the installed one answers None for a range
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        lambda position_ids: torch.zeros_like(position_ids))
+    model_hooks._packing_check.cache_clear()
+    try:
+        assert model_hooks._packing_check() is None
+        with model_hooks._positions_unpacked():
+            assert masking_utils.find_packed_sequence_indices(torch.arange(3)[None]) is not None
+    finally:
+        model_hooks._packing_check.cache_clear()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 
 import torch
 
@@ -23,6 +24,47 @@ from poros.engine.runtime.buffers import HEAD_KEY
 from poros.engine.runtime.layer_call import LayerCall
 from poros.engine.model.qlora import QLoRAModel
 from poros.errors import CapabilityError
+
+
+@functools.cache
+def _packing_check():
+    """Transformers' check for packed sequences in the positions it derives (masking_utils
+    .find_packed_sequence_indices), where it answers None for one position range per row: None where this version
+    has no such check or it answers otherwise (a mask tensor), in which case the passes leave it as it is."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return None
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None or check(torch.arange(4).unsqueeze(0)) is not None:
+        return None
+    return masking_utils
+
+
+@contextlib.contextmanager
+def _positions_unpacked():
+    """Within a pass, transformers' packed-sequence check answers None without reading the device.
+
+    The passes give the model no position_ids and no attention mask: it derives its positions from
+    `cache_position`, one range per row, in which the check finds no packed sequences and answers None. It finds
+    that by reading a device tensor on the host, which waits for every kernel queued before it: twice a step the
+    host stopped running ahead of the device (the link idle while the host waited, experiments/h100-streamed-link-idle
+    spread-12gb). The answer is the same, so are the masks and every bit the layers compute."""
+    module = _packing_check()
+    if module is None:
+        yield
+        return
+    own = module.find_packed_sequence_indices
+    module.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        module.find_packed_sequence_indices = own
+
+
+def _no_packed_sequences(position_ids: torch.Tensor) -> None:
+    """The packed-sequence check's answer for positions that are one range per row."""
+    return None
 
 
 class _Captured(Exception):
@@ -102,7 +144,8 @@ class ModelHooks:
         self._host_ids = getattr(batch, "host_input_ids", None)  # the embedding's lookup reads these (Batch.to)
         try:
             # compiled layers only record or hand on here: eagerly (their compiled code is the runners')
-            with torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext():
+            with (torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext(),
+                  _positions_unpacked()):
                 return self.model(input_ids=batch.input_ids, labels=batch.labels, use_cache=False)
         except _Captured:
             return None
