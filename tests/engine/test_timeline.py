@@ -14,7 +14,7 @@ from poros.engine.planning import plan as P
 from poros.engine.planning.budget import make_plan
 from poros.engine.planning.geometry import Geometry
 from poros.engine.planning.timeline import CostModel, simulate
-from poros.models.checkpoint import resolve
+from poros.harness.report.schedule import plan_as_ran
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "results/h100-fastest/qwen3-32b-run2/results.jsonl"
@@ -22,11 +22,10 @@ PROFILE = ROOT / "experiments/h100-streamed-link-idle/copy-groups/prof.jsonl"
 
 
 def ran(plan_name: str) -> tuple[dict, P.Plan, Geometry, CostModel]:
-    """A row of the qwen3-32b run, its plan built again (the one it ran), and its costs at that run's floors."""
+    """A row of the qwen3-32b run, its plan built again as it ran (poros/harness/report/schedule.py), and its costs at
+    that run's floors."""
     row = next(r for r in map(json.loads, RUN.read_text().splitlines()) if r.get("plan_name") == plan_name)
-    cfg = TrainConfig.from_settings(row["config"], model=row["config"]["model"])
-    geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
-    plan = make_plan(geo, cfg)
+    plan, geo, cfg = plan_as_ran(row)
     assert plan.resident_layers == row["plan"]["resident_layers"] and plan.block_size == row["plan"]["block_size"]
     costs = CostModel.of(plan, geo, cfg.seq_len, cfg.seq_len, row["compute_floor_s"], row["link_h2d_gbps"] * 1e9)
     return row, plan, geo, costs

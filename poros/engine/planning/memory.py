@@ -63,6 +63,11 @@ GRAPH_POOL_PER_LAYER = 115
 # plans with 12 and 16 kept layers no longer fit the pool planned at GRAPH_POOL_PER_LAYER: their pools held
 # 1.9 GiB when they refused, 2.2 layers' transient bytes. Rounded up to 250.
 GRAPH_POOL_PER_LAYER_COMPILED = 250
+# Without kept activations compiled layers' pools hold less. At seq 512 on an H100, each plan alone in its process
+# (experiments/h100-memory-pools), the graphs' private pools reserved 130% (qwen3-32b, every layer streamed), 141%
+# (qwen3-32b within 12 GB), 130% (gemma3-27b streamed) and 144% (qwen2.5-72b streamed) of a layer's transient bytes.
+# Rounded up to 150.
+GRAPH_POOL_PER_LAYER_COMPILED_UNKEPT = 150
 
 
 # What a CUDA process holds beside its tensors, which a budget (what nvidia-smi shows for the process) counts
@@ -221,9 +226,14 @@ def fused_backward_bytes(geo: Geometry, seq_len: int, batch: int, attention: Att
     return seq_len * batch * (geo.q_width * (4 * splits + 2 * 2) + 4 * geo.heads)
 
 
-def graph_pool_bytes(layer_transient: int, compiled: bool) -> int:
-    """The CUDA graphs' private pool of a plan whose layer backward holds `layer_transient` bytes."""
-    return -(-layer_transient * (GRAPH_POOL_PER_LAYER_COMPILED if compiled else GRAPH_POOL_PER_LAYER) // 100)
+def graph_pool_bytes(layer_transient: int, compiled: bool, kept: bool = True) -> int:
+    """The CUDA graphs' private pool of a plan whose layer backward holds `layer_transient` bytes; `kept`: some of
+    its layers keep their activations from forward to backward."""
+    if not compiled:
+        share = GRAPH_POOL_PER_LAYER
+    else:
+        share = GRAPH_POOL_PER_LAYER_COMPILED if kept else GRAPH_POOL_PER_LAYER_COMPILED_UNKEPT
+    return -(-layer_transient * share // 100)
 
 
 def counted_attention(attention: Attention, compiled: bool) -> Attention:

@@ -302,7 +302,7 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
                    + template_static_bytes(geo, seq_len, batch_size)) if graphs else 0,
         kept_activations=len(kept) * live * layer_activation_bytes(geo, seq_len, batch_size, attention, c.mlp_chunk,
                                                                         c.attention_chunk),
-        graph_pool=graph_pool_bytes(layer_t, c.compile) if graphs else 0).with_costs(r.process)
+        graph_pool=graph_pool_bytes(layer_t, c.compile, kept=bool(kept)) if graphs else 0).with_costs(r.process)
     plan = Plan(geo.name, n, block, grad_accum, accumulation, tuple(groups), tuple(buffers), head_resident, head_buffer,
                 head_pad, geo.head_bytes, tuple(setup), tuple(input_ops(step, host, live, window, regenerated)), memory, r.budget,
                 host_inputs=host, input_bytes=one_saved, input_slot=slot_bytes(parts), input_window=window,

@@ -68,6 +68,15 @@ def _as_ran(geo, cfg: TrainConfig, ran: dict):
                                    device_inputs=recomputed - len(ran["host_inputs"])))
 
 
+def plan_as_ran(row: dict):
+    """(plan, geometry, settings) of a results row whose plan can be built again as it ran, else None."""
+    plan, config = row.get("plan"), row.get("config")
+    if not isinstance(plan, dict) or not isinstance(config, dict):
+        return None
+    return _rebuilt(json.dumps(config, sort_keys=True, default=str),
+                    json.dumps({k: plan[k] for k in MATCHED if k in plan}, sort_keys=True))
+
+
 def schedule_floor(row: dict, compute_floor_s: float | None) -> float | None:
     """The row's schedule floor in seconds (None where it has no plan, link probe or compute floor, shares its copies
     among ranks, or its plan cannot be built again as it ran). `compute_floor_s` must count the recompute the plan
@@ -78,8 +87,7 @@ def schedule_floor(row: dict, compute_floor_s: float | None) -> float | None:
         return None
     if link is None or link <= 0 or not compute_floor_s or (plan.get("shards") or 1) > 1:
         return None
-    rebuilt = _rebuilt(json.dumps(config, sort_keys=True, default=str),
-                       json.dumps({k: plan[k] for k in MATCHED if k in plan}, sort_keys=True))
+    rebuilt = plan_as_ran(row)
     if rebuilt is None:
         return None
     from poros.engine.planning.timeline import CostModel, simulate
