@@ -272,3 +272,35 @@ def test_a_plan_the_planner_no_longer_makes_is_built_again_as_it_ran(monkeypatch
         assert schedule.schedule_floor(moved, 0.2931) is None
     finally:
         schedule._rebuilt.cache_clear()
+
+
+def test_a_kept_plan_the_planner_no_longer_makes_is_built_again_from_its_kept_layers(monkeypatch):
+    """qwen3-32b within 20 GB keeping 8 layers' activations, its plan recorded as a row records it: after the planner
+    changes (a larger CUDA-graph pool: fewer resident layers) the plan is built again as it ran, its recomputed layers
+    (all but the kept ones) placing the saved inputs as recorded. Negative control: a row that does not record its
+    kept layers cannot be (its saved inputs come out placed for every layer recomputing)."""
+    import importlib
+
+    from poros.engine.planning import memory
+    from poros.engine.planning.budget import make_plan
+    from poros.engine.planning.geometry import Geometry
+    from poros.models.checkpoint import resolve
+
+    schedule = importlib.import_module("poros.harness.report.schedule")
+    cfg = schedule.TrainConfig(model="qwen3-32b", device="cuda", compile=True, lora_compute="bf16", attention="fast",
+                               deterministic=True, cuda_graphs=True, vram_budget="20GB", keep_activations=True,
+                               kept_layers=8, placement="spread")
+    geo = Geometry.of_config(cfg.model, resolve(cfg.model).config, cfg.lora_targets, cfg.double_quant)
+    ran = make_plan(geo, cfg)
+    assert len(ran.kept_layers) == 8 and ran.host_inputs
+    row = {"method": "poros", "plan": ran.summary(), "config": cfg.as_dict()}
+    schedule._rebuilt.cache_clear()
+    monkeypatch.setattr(memory, "GRAPH_POOL_PER_LAYER_COMPILED", 2 * memory.GRAPH_POOL_PER_LAYER_COMPILED)
+    try:
+        assert make_plan(geo, cfg).resident_layers != ran.resident_layers
+        rebuilt = schedule.plan_as_ran(row)
+        assert rebuilt is not None and rebuilt[0].resident_layers == ran.resident_layers
+        unrecorded = {**row, "plan": {k: v for k, v in row["plan"].items() if k != "kept_layers"}}
+        assert schedule.plan_as_ran(unrecorded) is None
+    finally:
+        schedule._rebuilt.cache_clear()

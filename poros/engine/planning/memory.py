@@ -226,7 +226,7 @@ def fused_backward_bytes(geo: Geometry, seq_len: int, batch: int, attention: Att
     return seq_len * batch * (geo.q_width * (4 * splits + 2 * 2) + 4 * geo.heads)
 
 
-def graph_pool_bytes(layer_transient: int, compiled: bool, kept: bool = True) -> int:
+def graph_pool_bytes(layer_transient: int, compiled: bool, *, kept: bool) -> int:
     """The CUDA graphs' private pool of a plan whose layer backward holds `layer_transient` bytes; `kept`: some of
     its layers keep their activations from forward to backward."""
     if not compiled:

@@ -21,7 +21,8 @@ from poros.errors import PorosError
 from poros.engine.methods.method_info import is_planned
 from poros.harness.report.format import num
 
-MATCHED = ("resident_layers", "block_size", "head_resident", "host_inputs", "h2d_bytes_per_step")  # what must agree
+# what must agree (kept_layers also tells `_as_ran` which layers recompute)
+MATCHED = ("resident_layers", "block_size", "head_resident", "host_inputs", "h2d_bytes_per_step", "kept_layers")
 
 
 @functools.lru_cache(maxsize=256)
