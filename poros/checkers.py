@@ -126,6 +126,16 @@ def flag(v):
     return v
 
 
+@returns(bool | Literal["auto"])
+def flag_or_auto(v):
+    """true, false, or auto (left to the planner)."""
+    if isinstance(v, bool):
+        return v
+    if is_auto(v):
+        return "auto"
+    raise ValueError(f"expected true, false or auto, got {_short(v)}")
+
+
 def one_of(enum_cls: type[enum.Enum]) -> Callable:
     @returns(enum_cls)
     def check(v):

@@ -24,6 +24,7 @@ from typing import Callable
 from poros.checkers import (
     dropout_share,
     flag,
+    flag_or_auto,
     module_names,
     non_negative_int,
     non_negative_number,
@@ -218,10 +219,14 @@ SETTINGS: tuple[Setting, ...] = (
             "on the device",
             "Host memory budget", metavar="SIZE", gpu_only=True, report_default=False,
             default_help="auto on a CUDA device; unchecked on the CPU, where the device's memory is the host's"),
-    Setting("keep_activations", False, SCHEDULE, flag,
+    Setting("keep_activations", False, SCHEDULE, flag_or_auto,
             "poros: resident layers keep their activations from forward to backward instead of recomputing them "
             "(resident QLoRA's own arithmetic; with CUDA graphs in templates of their own; the plan counts their "
-            "memory)", "Kept activations (resident layers)"),
+            "memory); true: every resident layer keeps them, a budget holding fewer layers resident for their "
+            "memory; auto: where the plan that copies the fewest bytes within the budget keeps every layer "
+            "resident, as many of them keep their activations as the rest of the budget holds (spread evenly, at "
+            "most kept_layers), and none otherwise: no layer is streamed for them",
+            "Kept activations (resident layers)"),
     Setting("keep_attention", False, SCHEDULE, flag,
             "poros, without cuda_graphs: each recomputed layer saves its fused attention's output and log-sum-exp "
             "with its input, and its recompute takes them instead of running attention's forward again (the "

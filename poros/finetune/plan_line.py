@@ -45,6 +45,8 @@ def plan_line(fc, plan: Plan | None, device_defaults: tuple[str, ...] = ()) -> s
             parts.append(f"{plan.n_layers} layers: {len(plan.resident_layers)} resident, {len(plan.streamed_layers)} "
                          f"streamed in blocks of {plan.block_size}, predicted peak "
                          f"{format_size(plan.memory.total)}{budget}")
+            if plan.kept_layers:
+                parts.append(f"activations kept in {len(plan.kept_layers)} of them (no recompute)")
             if plan.host_inputs:
                 parts.append(f"saved inputs of {len(plan.host_inputs)} layers in host memory "
                              f"({format_size(plan.host_input_bytes)}), {len(plan.device_input_layers)} on the device")

@@ -85,7 +85,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware,
                    **({"vram_budget": plan["vram_budget"]} if plan is not None and plan.get("vram_budget") else {})},
         "plan": None if plan is None else {k: plan[k] for k in (
-            "block_size", "resident_layers", "streamed_layers", "head_resident", "h2d_bytes_per_step",
+            "block_size", "resident_layers", "streamed_layers", "kept_layers", "head_resident", "h2d_bytes_per_step",
             "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",
             "shards", "gathered_bytes_per_step", "d2h_bytes_per_step", "host_inputs", "host_input_bytes", "host_bytes",
             "host_budget")},

@@ -411,15 +411,16 @@ def test_a_trainer_that_fails_while_being_built_releases_its_cap(stores, monkeyp
     assert released == [True, True]
 
 
-def capped_trainer(cuda_graphs: bool = True) -> "X.PorosTrainer":
-    """A PorosTrainer shell whose allocator is held to a 24 GB budget: what `_within_budget` reads."""
+def capped_trainer(cuda_graphs: bool = True, kept: tuple[int, ...] = ()) -> "X.PorosTrainer":
+    """A PorosTrainer shell whose allocator is held to a 24 GB budget: what `_within_budget` reads (`kept`: the
+    plan's layers keeping their activations)."""
     trainer = object.__new__(X.PorosTrainer)
     trainer.buffers = SimpleNamespace(reset_counters=lambda: None)
     trainer.saved = SimpleNamespace()
-    trainer.plan = SimpleNamespace(budget=24 * GB, memory=SimpleNamespace(total=23 * GB))
+    trainer.plan = SimpleNamespace(budget=24 * GB, memory=SimpleNamespace(total=23 * GB), kept_layers=kept)
     trainer.allocator_limit = SimpleNamespace(fraction=0.15)
     trainer.device = torch.device("cpu")
-    trainer.cfg = SimpleNamespace(cuda_graphs=cuda_graphs, keep_activations=False)
+    trainer.cfg = SimpleNamespace(cuda_graphs=cuda_graphs, keep_activations="auto")
     return trainer
 
 
@@ -453,6 +454,8 @@ def test_a_gate_step_past_the_cap_is_a_budget_error_naming_flags_that_undo_what_
         with pytest.raises(BudgetError) as refused:
             getattr(capped_trainer(cuda_graphs=False), half)(*args)
         assert str(refused.value).endswith("give a larger --vram-budget")  # control: no flag for what is off
+        with pytest.raises(BudgetError, match="--no-cuda-graphs, or --no-keep-activations$"):  # a plan keeping some
+            getattr(capped_trainer(kept=(3, 7)), half)(*args)
         uncapped = capped_trainer()
         uncapped.allocator_limit.fraction = None
         with pytest.raises(torch.OutOfMemoryError):  # control: without a cap the allocator's error stands
@@ -690,3 +693,34 @@ def test_a_compiled_pool_without_kept_activations_covers_the_pools_measured(monk
     monkeypatch.setattr(memory, "GRAPH_POOL_PER_LAYER_COMPILED_UNKEPT", 130)
     q72 = next(r for r in rows if r["model"] == "qwen2.5-72b")
     assert planned(q72).graph_pool < q72["private_reserved_gb"] * GB
+
+
+# --- keep_activations: auto ---------------------------------------------------------------------------
+
+def test_auto_keeps_activations_only_beside_every_layer_resident(q72):
+    """`keep_activations: auto` (CUDA's default beside a budget) gives the plan that copies the fewest bytes kept
+    activations where it keeps every layer resident: as many as the rest of the budget holds, spread evenly, at most
+    `kept_layers`; where that plan streams, none, so it copies what the plan without them copies. Controls: one
+    kept layer more does not fit; `true` at the same budget gives layers up for its kept activations and copies
+    more."""
+    def plan(budget, keep, **kw):
+        return plan_for_budget(q72, request(budget=budget, cuda_graphs=True, compile=True, keep_activations=keep,
+                                            **kw))
+
+    recompute = plan(78 * GB, False)
+    assert not recompute.streamed_layers and recompute.kept_layers == ()
+    auto = plan(78 * GB, "auto")
+    assert not auto.streamed_layers and 0 < len(auto.kept_layers) < q72.n_layers
+    assert auto.h2d_bytes_per_step == 0 and auto.memory.total <= 78 * GB
+    one_more = build_plan(q72, request(budget=78 * GB, cuda_graphs=True, compile=True, keep_activations=True,
+                                       kept_layers=len(auto.kept_layers) + 1, resident_layers=q72.n_layers,
+                                       head_resident=auto.head_resident))
+    assert one_more.memory.total > 78 * GB
+    assert plan(78 * GB, "auto", kept_layers=10).kept_layers == search.kept_set(auto.resident_layers, 10)
+    assert len(plan(200 * GB, "auto").kept_layers) == q72.n_layers
+    every = plan(78 * GB, True)
+    assert every.streamed_layers and every.h2d_bytes_per_step > 0  # true trades layers for kept activations
+    for budget in (40 * GB, 24 * GB):  # some layers stream: auto is the plan without kept activations
+        streamed = plan(budget, "auto")
+        assert streamed.streamed_layers and streamed.kept_layers == ()
+        assert streamed.summary() == plan(budget, False).summary()

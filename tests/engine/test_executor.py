@@ -114,6 +114,37 @@ def test_budgets_keep_parity_and_fit(stores, model, budget):
     assert result.ok, result.first_mismatch
 
 
+def test_a_budget_that_holds_every_layer_keeps_their_activations_on_auto_and_keeps_parity(stores):
+    """`keep_activations: auto` (CUDA's default beside a budget) where the budget holds every layer resident: the
+    plan keeps their activations as far as the rest of the budget holds them, and the step is resident QLoRA's to
+    the bit. Controls: the same budget with keep_activations off recomputes every layer; a budget holding some
+    layers streamed keeps none (no layer streams for kept activations)."""
+    store = stores("tiny-qwen3")
+    cfg = TrainConfig(model="tiny-qwen3", seq_len=64, block_size=2, lr=1e-2, vram_budget="1GB", keep_activations="auto")
+
+    def plan(c):
+        trainer = PorosTrainer(store, c)
+        trainer.close()
+        assert trainer.plan.memory.total <= c.vram_budget
+        return trainer.plan
+
+    every = plan(cfg)
+    n = every.n_layers
+    assert len(every.resident_layers) == n and tuple(every.kept_layers) == tuple(every.resident_layers)
+    result, _ = gate(store, cfg)
+    assert result.ok, result.first_mismatch
+    some = plan(cfg.replace(vram_budget=every.memory.total - 1))  # one kept layer's memory short
+    assert len(some.resident_layers) == n and 0 < len(some.kept_layers) < n
+    result, _ = gate(store, cfg.replace(vram_budget=every.memory.total - 1))
+    assert result.ok, result.first_mismatch
+    off = plan(cfg.replace(keep_activations=False))
+    assert len(off.resident_layers) == n and off.kept_layers == ()
+    tight = plan(cfg.replace(vram_budget=off.memory.total - 1))  # not every layer resident: none kept
+    assert tight.streamed_layers and tight.kept_layers == ()
+    assert tight.resident_layers == plan(cfg.replace(vram_budget=off.memory.total - 1,
+                                                     keep_activations=False)).resident_layers
+
+
 @pytest.mark.parametrize("accum", [2, 3, 8], ids=lambda g: f"accum={g}")
 @pytest.mark.parametrize("model", TINY, ids=lambda m: f"model={m}")
 def test_layer_major_accumulation_is_exact(stores, model, accum):

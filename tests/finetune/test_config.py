@@ -98,7 +98,7 @@ def test_cuda_takes_the_fast_exact_path_when_nothing_is_set():
     fc, chosen = resolve({**BASE, "vram_budget": "24GB", "attention": "math"}, cuda_available=True)
     assert fc.train.vram_budget == 24_000_000_000 and fc.train.attention is Attention.MATH
     assert fc.train.cuda_graphs is True and fc.train.deterministic is True
-    assert chosen == ("deterministic", "cuda_graphs", "placement")
+    assert chosen == ("deterministic", "cuda_graphs", "keep_activations", "placement")
     fc, chosen = resolve({**BASE, "cuda_graphs": False, "deterministic": False}, cuda_available=True)
     assert (fc.train.cuda_graphs, fc.train.deterministic) == (False, False)
 
@@ -125,7 +125,9 @@ def test_the_plan_line_names_the_plan_and_the_defaults_it_took():
     assert (f"{len(plan.resident_layers)} resident, {len(plan.streamed_layers)} streamed in blocks of "
             f"{plan.block_size}, predicted peak") in line
     assert f"(budget {format_size(plan.budget)})" in line and "CUDA-graph layers" in line
-    assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs, placement (set one to change it)")
+    assert line.endswith("defaults for cuda: attention, deterministic, cuda_graphs, keep_activations, placement (set "
+                         "one to change it)")
+    assert "activations kept" not in line  # layers stream: none kept
     assert "in host memory" not in line
     split = make_plan(Geometry.of_config("tiny-qwen2", source.config, fc.train.lora_targets),
                       fc.train.replace(offload_inputs=True, device_inputs=2))

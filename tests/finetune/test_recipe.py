@@ -822,7 +822,9 @@ def test_a_dry_run_for_cuda_shows_the_fast_path_it_would_take(files, tmp_path, c
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith("plan: poros on cuda; attention fast (deterministic); 5 layers: 5 resident, 0 streamed"), line
     assert "(budget auto: 97.2 GB)" in line and "; CUDA-graph layers; " in line  # 100 GB free less 2% of 141 GB
-    assert line.endswith("defaults for cuda: attention, deterministic, vram_budget, cuda_graphs, placement (set one to change it)")
+    assert "5 resident, 0 streamed" in line and "; activations kept in 5 of them (no recompute); " in line
+    assert line.endswith("defaults for cuda: attention, deterministic, vram_budget, cuda_graphs, keep_activations, "
+                         "placement (set one to change it)")
 
 
 # --- more data forms -------------------------------------------------------------------------------

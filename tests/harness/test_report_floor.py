@@ -104,6 +104,14 @@ def test_a_plan_keeping_activations_is_floored_in_proportion_to_the_layers_it_re
     (poros,) = [c for m, c, _ in floors_of(tmp_path, [probed(copy_floor_s=0.1, plan=plan), resident(), resident_gc()])
                 if m == "poros"]
     assert poros == GC_S
+    # `keep_activations: auto`: the search chose the kept layers, which the row's plan records (8 of 64 here)
+    auto = with_config(probed(copy_floor_s=0.1, plan={**plan, "kept_layers": list(range(56, 64))}),
+                       keep_activations="auto")
+    (poros,) = [c for m, c, _ in floors_of(tmp_path, [auto, resident(), resident_gc()]) if m == "poros"]
+    assert poros == pytest.approx(RESIDENT_S + 56 / 64 * (GC_S - RESIDENT_S))
+    none_kept = with_config(probed(copy_floor_s=0.1, plan={**plan, "kept_layers": []}), keep_activations="auto")
+    (poros,) = [c for m, c, _ in floors_of(tmp_path, [none_kept, resident(), resident_gc()]) if m == "poros"]
+    assert poros == GC_S
 
 
 def test_only_a_recomputing_reference_is_the_floor_of_every_plan(tmp_path):

@@ -94,7 +94,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
             if self.allocator_limit.fraction is None:
                 raise
             undo = "".join(f", or {a}" for a, on in (("--no-cuda-graphs", self.cfg.cuda_graphs),
-                                                     ("drop --keep-activations", self.cfg.keep_activations)) if on)
+                                                     ("--no-keep-activations", bool(self.plan.kept_layers))) if on)
             raise BudgetError(f"the plan for vram_budget {format_size(self.plan.budget)} needed more device memory "
                               f"than it predicted ({self.plan.memory.total / 1e9:.2f} GB of it for the process; "
                               f"{held_text(self.device)}), and the allocator is held to the budget: give a larger "

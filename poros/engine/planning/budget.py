@@ -95,7 +95,33 @@ def search_budget(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Sea
                     seen.over_host = fit if over is None or fit.host_bytes < over.host_bytes else over
                 elif best is None or fit.h2d_bytes_per_step < best.h2d_bytes_per_step:
                     best = fit
+    if best is not None and is_auto(cfg.keep_activations):
+        best = _kept_beside(geo, request, best)
     return (None if best is None else assert_valid(best)), seen
+
+
+def _kept_beside(geo: Geometry, request: PlanRequest, best: Plan) -> Plan:
+    """`keep_activations: auto`: where `best` keeps every layer resident (and every saved input on the device),
+    the same plan with as many of its layers keeping their activations as `request.budget` holds beside it (at most
+    `kept_layers`, spread evenly), else `best` as it is. Memory grows with the kept layers; no layer is given up
+    for them, so the plan copies what `best` copies."""
+    cfg = request.config
+    n = geo.n_layers
+    if best.streamed_layers or best.host_inputs:
+        return best
+    most = n if cfg.kept_layers is None else min(cfg.kept_layers, n)
+    lo, hi = 1, most
+    while lo <= hi:
+        k = (lo + hi) // 2
+        kept = replace(request, config=cfg.replace(keep_activations=True, kept_layers=k,
+                                                   block_size=best.block_size),
+                       resident_layers=n, head_resident=best.head_resident)
+        p = build_plan(geo, kept, checked=False)
+        if p.memory.total <= request.budget and not p.streamed_layers and not p.host_inputs:
+            best, lo = p, k + 1
+        else:
+            hi = k - 1
+    return best
 
 
 def _fewest_regenerated(geo: Geometry, request: PlanRequest) -> tuple[Plan | None, Search]:

@@ -272,7 +272,8 @@ def build_plan(geo: Geometry, request: PlanRequest, checked: bool = True) -> Pla
     head_t, layer_t = transient_bytes(geo, seq_len, batch_size, counted_attention(attention, c.compile), overlap,
                                       c.loss_chunk, c.deterministic,
                                       c.mlp_chunk, counted_attention_chunk(c.compile, c.compile_mlp, c.attention_chunk))
-    kept = kept_set(resident_order, c.kept_layers) if c.keep_activations else ()
+    # keep_activations auto keeps none here: the budget search gives a plan its kept layers (budget.py)
+    kept = kept_set(resident_order, c.kept_layers) if c.keep_activations is True else ()
     device_inputs = r.device_inputs if r.device_inputs is not None else (
         (c.device_inputs or 0) if offload_inputs else None)
     segs = regen.segments([i for i in range(n) if i not in kept], c.input_stride, {i: g for g in groups for i in g.layers},

@@ -55,14 +55,19 @@ def _timed(row: dict) -> float | None:
 def recomputed_share(row: dict) -> float:
     """The share of a row's layers whose forward its backward runs again from their saved input: every layer of a
     method that recomputes (resident_gc), none of resident QLoRA's, and of a poros plan's all but the resident
-    layers that keep their activations (`keep_activations`: `kept_set` of its plan's resident layers)."""
+    layers that keep their activations (the plan's `kept_layers` where the row records them, else `kept_set` of its
+    plan's resident layers as `keep_activations` and `kept_layers` say)."""
     if not is_planned(row["method"]):
         info = by_value(row["method"])
         return 1.0 if info is not None and info.recomputes else 0.0
     plan, config = row.get("plan"), row.get("config") or {}
     resident = tuple(plan.get("resident_layers") or ()) if isinstance(plan, dict) else ()
     layers = len(resident) + len(plan.get("streamed_layers") or []) if isinstance(plan, dict) else 0
-    if not config.get("keep_activations") or not layers:
+    if not layers:
+        return 1.0
+    if "kept_layers" in plan:
+        return 1.0 - len(plan["kept_layers"] or ()) / layers
+    if not config.get("keep_activations"):
         return 1.0
     return 1.0 - len(kept_set(resident, config.get("kept_layers"))) / layers
 

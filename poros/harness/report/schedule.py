@@ -62,8 +62,11 @@ def _as_ran(geo, cfg: TrainConfig, ran: dict):
 
     if not all(k in ran for k in ("resident_layers", "block_size", "head_resident", "host_inputs")):
         return None
+    kept = ran.get("kept_layers") or ()
+    if cfg.keep_activations == "auto":  # the search chose the kept layers: as many as the row records
+        cfg = cfg.replace(keep_activations=bool(kept), kept_layers=len(kept) or None)
     request = PlanRequest.of_config(cfg.replace(vram_budget=None, block_size=ran["block_size"]))
-    recomputed = geo.n_layers - len(ran.get("kept_layers") or ())
+    recomputed = geo.n_layers - len(kept)
     return build_plan(geo, replace(request, resident_layers=len(ran["resident_layers"]),
                                    head_resident=ran["head_resident"],
                                    device_inputs=recomputed - len(ran["host_inputs"])))

@@ -71,7 +71,8 @@ def schedule_kind(config: dict) -> list[str]:
         parts.append(f"{config['accumulation']}-major accumulation")
     if config.get("keep_activations"):
         kept = config.get("kept_layers")
-        parts.append("activations kept" + ("" if kept is None else f" ({kept} layers)"))
+        parts.append("activations kept" + (" where the budget holds them" if config["keep_activations"] == "auto"
+                                           else "") + ("" if kept is None else f" ({kept} layers)"))
     if config.get("keep_attention"):
         parts.append("attention kept")
     if config.get("cuda_graphs"):
