@@ -182,7 +182,20 @@ def default_text(name: str) -> str | None:
     if not per_device:
         return None
     setting = BY_NAME[name]
-    shown = ", ".join(f"{setting.show(v)} with {d.value}" for d, v in per_device)
-    yields = sorted({o for r in RULES if name in r.settings for o in r.settings if o not in (name, "device")})
+    beside = " beside a vram_budget" if name in APPLIES else ""
+    shown = ", ".join(f"{setting.show(v)} with {d.value}{beside}" for d, v in per_device)
+    yields = sorted({o for d, v in per_device for r in RULES if name in r.settings for o in r.settings
+                     if o not in (name, "device") and _may_refuse(name, v, o, d)})
     unless = f" unless a setting given refuses it ({', '.join(yields)})" if yields else ""
     return f"{shown}{unless}; else {setting.default_help or setting.show(setting.default)}"
+
+
+def _may_refuse(name: str, default, other: str, device: Device) -> bool:
+    """Whether some value of setting `other` given beside device default `default` of `name` makes a rule refuse
+    it (tried: each value of an enum, true and false, a count of 2, a share of 0.1; the table's defaults elsewhere)."""
+    check = BY_NAME[other].check
+    members = list(getattr(check.type, "__members__", {}).values()) if isinstance(check.type, type) else []
+    for value in members or [True, False, 2, 0.1]:
+        if _refused({"device": device, name: default, other: value}, name):
+            return True
+    return False

@@ -175,3 +175,19 @@ def test_a_budget_on_cuda_keeps_activations_where_it_holds_every_layer_unless_to
     assert parser.parse_args(["--keep-activations"]).keep_activations is True
     with pytest.raises(ConfigError, match="expected true, false or auto"):
         TrainConfig(model="m", keep_activations="sometimes")
+
+
+def test_help_names_only_the_settings_that_can_refuse_a_device_default():
+    """`--help` words each device default with the settings whose values make a rule refuse it, tried value by value
+    (poros/resolve.py `default_text`), and where it applies only beside a budget, says so. Controls: cuda_graphs
+    yields to four settings; keep_attention refuses attention fa4, never the fast default; kept_layers needs
+    keep_activations on, which auto is."""
+    from poros.resolve import default_text
+
+    assert default_text("cuda_graphs") == ("on with cuda unless a setting given refuses it (compile_mlp, input_stride, "
+                                           "keep_attention, lora_dropout); else off")
+    assert default_text("attention") == "fast with cuda; else default"
+    assert default_text("keep_activations") == "auto with cuda beside a vram_budget; else off"
+    assert default_text("placement") == "spread with cuda beside a vram_budget; else tail"
+    assert with_defaults({"keep_attention": True, "kept_layers": 3, "vram_budget": "12GB"}, Device.CUDA)[0][
+        "keep_activations"] == "auto"
