@@ -9,7 +9,7 @@ import enum
 import math
 from typing import Callable, Literal
 
-from poros.sizes import is_auto, parse_size
+from poros.sizes import AUTO, is_auto, parse_size
 
 
 def returns(type_) -> Callable[[Callable], Callable]:
@@ -132,7 +132,7 @@ def flag_or_auto(v):
     if isinstance(v, bool):
         return v
     if is_auto(v):
-        return "auto"
+        return AUTO
     raise ValueError(f"expected true, false or auto, got {_short(v)}")
 
 

@@ -25,10 +25,10 @@ from poros.sizes import AUTO
 # layers' forward as well as their backward, where the tail placement leaves the link idle while the last layers
 # compute (at the budgets of the fastest-path matrices the schedule floor of poros/engine/planning/timeline.py is
 # lower spread; results/h100-fastest compares the two); and where the budget keeps every layer resident, those
-# layers keep their activations as far as the rest of it holds them, in place of recomputing their forwards
-# (results/h200-fastest: 0.181 s a step against 0.261 recomputing on qwen3-32b). On the CPU the backward runs on the thread that enqueues
-# the next recompute: there the overlapped backward's worker thread computes beside the recompute and only contends
-# for the cores (results/cpu/README.md).
+# layers keep their activations as far as the rest of it holds them instead of recomputing their forwards
+# (results/h200-fastest compares the two). On the CPU the backward runs on the thread that enqueues the next
+# recompute: there the overlapped backward's worker thread computes beside the recompute and only contends for the
+# cores (results/cpu/README.md).
 DEVICE_DEFAULTS: dict[Device, dict[str, object]] = {
     Device.CUDA: {"attention": Attention.FAST, "deterministic": True, "vram_budget": AUTO, "cuda_graphs": True,
                   "keep_activations": AUTO, "placement": Placement.SPREAD},

@@ -159,8 +159,8 @@ def test_without_a_budget_a_run_keeps_the_table_placement():
 
 def test_a_budget_on_cuda_keeps_activations_where_it_holds_every_layer_unless_told_otherwise():
     """The fastest exact path: where a budget keeps every layer resident, their activations stay from forward to
-    backward as far as the budget holds them (`keep_activations: auto`; 0.181 s a step against 0.261 recomputing on
-    qwen3-32b, results/h200-fastest). Controls: a run that names it keeps its value, `--no-keep-activations` turns it
+    backward as far as the budget holds them (`keep_activations: auto`; results/h200-fastest compares it with
+    recomputing them). Controls: a run that names it keeps its value, `--no-keep-activations` turns it
     off, the CPU keeps the table's default, and a run that streams every layer (`vram_budget: none`) takes none."""
     fc, chosen = resolve_run({**RUN, "vram_budget": "12GB"}, cuda_available=True)
     assert fc.train.keep_activations == "auto" and "keep_activations" in chosen

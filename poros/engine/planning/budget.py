@@ -117,7 +117,7 @@ def _kept_beside(geo: Geometry, request: PlanRequest, best: Plan) -> Plan:
                                                    block_size=best.block_size),
                        resident_layers=n, head_resident=best.head_resident)
         p = build_plan(geo, kept, checked=False)
-        if p.memory.total <= request.budget and not p.streamed_layers and not p.host_inputs:
+        if p.memory.total <= request.budget:
             best, lo = p, k + 1
         else:
             hi = k - 1

@@ -20,6 +20,7 @@ from poros.config import TrainConfig
 from poros.errors import PorosError
 from poros.engine.methods.method_info import is_planned
 from poros.harness.report.format import num
+from poros.sizes import is_auto
 
 # what must agree (kept_layers also tells `_as_ran` which layers recompute)
 MATCHED = ("resident_layers", "block_size", "head_resident", "host_inputs", "h2d_bytes_per_step", "kept_layers")
@@ -63,7 +64,7 @@ def _as_ran(geo, cfg: TrainConfig, ran: dict):
     if not all(k in ran for k in ("resident_layers", "block_size", "head_resident", "host_inputs")):
         return None
     kept = ran.get("kept_layers") or ()
-    if cfg.keep_activations == "auto":  # the search chose the kept layers: as many as the row records
+    if is_auto(cfg.keep_activations):  # the search chose the kept layers: as many as the row records
         cfg = cfg.replace(keep_activations=bool(kept), kept_layers=len(kept) or None)
     request = PlanRequest.of_config(cfg.replace(vram_budget=None, block_size=ran["block_size"]))
     recomputed = geo.n_layers - len(kept)

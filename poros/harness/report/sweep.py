@@ -11,6 +11,7 @@ from poros.engine.methods.method_info import REFERENCES, by_value, is_planned
 from poros.harness.report.floor import FLOOR_COLUMNS, floor_cells
 from poros.harness.report.format import DASH, fmt_gb, md_table, num, text_or_none
 from poros.harness.report.rows import frame, gpu_uuid, point_label, run_of
+from poros.sizes import is_auto
 
 SWEEP_COLUMNS = ("Model", "GPUs", "GPU", "Seq", "Attention", "Grad-accum", "Method / plan", "Schedule",
                  "Parity (gate)", "s/step", "vs resident", "Tokens/s", "Peak VRAM", "Peak reserved", "Predicted peak",
@@ -71,7 +72,7 @@ def schedule_kind(config: dict) -> list[str]:
         parts.append(f"{config['accumulation']}-major accumulation")
     if config.get("keep_activations"):
         kept = config.get("kept_layers")
-        parts.append("activations kept" + (" where the budget holds them" if config["keep_activations"] == "auto"
+        parts.append("activations kept" + (" where the budget holds them" if is_auto(config["keep_activations"])
                                            else "") + ("" if kept is None else f" ({kept} layers)"))
     if config.get("keep_attention"):
         parts.append("attention kept")
