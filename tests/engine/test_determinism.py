@@ -1,5 +1,6 @@
 """Deterministic mode: strict `torch.use_deterministic_algorithms` for every method alike, cuBLAS's
-workspace configured before CUDA work, and a kernel strict mode refuses ending in one line."""
+workspace configured before CUDA work, and a kernel strict mode refuses ending in one line; and on the CPU every
+method's kernels on one thread."""
 
 from __future__ import annotations
 
@@ -52,6 +53,24 @@ def test_deterministic_turns_strict_mode_on(stores, mode, method):
         assert _mode() == (True, False), f"{method.value}: (enabled, warn_only) = {_mode()}, expected strict"
         assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == CUBLAS_WORKSPACE
         assert trainer.step().loss > 0  # and it trains under it
+    finally:
+        trainer.close()
+
+
+@pytest.fixture
+def threads():
+    """Torch's CPU thread count restored after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("method", IN_PROCESS, ids=lambda m: f"method={m.value}")
+def test_a_cpu_trainer_runs_torch_on_one_thread(stores, threads, method):
+    torch.set_num_threads(2)  # what the process had before: more than one
+    trainer = make_trainer(method, stores("tiny-qwen3"), _cfg())
+    try:
+        assert torch.get_num_threads() == 1, f"{method.value}: {torch.get_num_threads()} threads on the CPU"
     finally:
         trainer.close()
 

@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from poros.choices import Device
 from poros.config import Method, TrainConfig
 from poros.engine.model.attention import BackendLog, sdpa_context
 from poros.engine.runtime.buffers import resolved
@@ -70,6 +71,15 @@ def enable_determinism() -> None:
     set_cublas_workspace()
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def one_cpu_thread() -> None:
+    """Torch's CPU kernels on one thread, process-wide, for every method alike. ATen splits an elementwise op among
+    its OpenMP threads and MKL computes each part (the rotary table's cos, say); with more threads than free cores,
+    the part a second thread computed has come out one ulp apart from one process to the next
+    (results/cpu/README.md), in the reference itself, which a gate cannot tell from a difference of poros's own. On
+    one thread every part is computed the same way every time."""
+    torch.set_num_threads(1)
 
 
 def kernel_refusal(error: BaseException) -> CapabilityError | None:
@@ -149,6 +159,8 @@ class Trainer(abc.ABC):
 
     def __init__(self, store: NF4Store, cfg: TrainConfig, world: World = SINGLE):
         check_seq_len(store.config, cfg.seq_len)
+        if cfg.device is Device.CPU:
+            one_cpu_thread()
         if cfg.deterministic:
             enable_determinism()
             if cfg.compile:
