@@ -70,6 +70,11 @@ class Setting:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def is_flag(self) -> bool:
+        """An on/off setting: `--name` turns it on (auto, where it takes it, is a default's or a file's value)."""
+        return self.check in (flag, flag_or_auto)
+
+    @property
     def type(self):
         """The type of the setting's values, as its checker returns them (its TrainConfig field's type)."""
         return self.check.type

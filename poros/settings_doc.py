@@ -4,7 +4,6 @@ when the committed page is stale."""
 
 from __future__ import annotations
 
-from poros.checkers import flag, flag_or_auto
 from poros.resolve import has_off_flag
 from poros.settings import COMPUTED, RUN, SCHEDULE, SETTINGS, Setting
 
@@ -32,7 +31,7 @@ configuration table. A flag left out takes the default below; `poros train` on a
 def _flag(s: Setting) -> str:
     if not s.cli:
         return "— (matrix key only)"
-    if s.check in (flag, flag_or_auto):
+    if s.is_flag:
         return f"`{s.flag}`" + (f", `--no-{s.flag[2:]}`" if has_off_flag(s.name) else "")
     return f"`{s.flag} {s.metavar or s.name.upper()}`"
 

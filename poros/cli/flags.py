@@ -4,7 +4,6 @@ help naming the default the run would take (the device's, poros/resolve.py, wher
 from __future__ import annotations
 
 from poros import resolve
-from poros.checkers import flag, flag_or_auto
 from poros.settings import COMPUTED, RUN, SCHEDULE, SETTINGS
 
 
@@ -22,7 +21,7 @@ def add_arguments(parser, kinds=(COMPUTED, SCHEDULE, RUN), defaults: dict | None
         else:
             shown = resolve.default_text(s.name) or s.default_help or s.show(s.default)
         help_ = f"{s.help} (default: {shown})"
-        if s.check in (flag, flag_or_auto):  # auto is a default's or a file's value, never a flag's
+        if s.is_flag:
             parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True, help=help_)
             if resolve.has_off_flag(s.name):
                 parser.add_argument("--no-" + s.flag[2:], dest=s.name, action="store_const", const=False,
