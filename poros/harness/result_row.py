@@ -81,9 +81,9 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
         "copy_hidden_share": None,
         "status": status,
         "error": error,
-        # the budget as the run resolved it (`auto`: what the device had free), the one figure a report reads
-        "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware,
-                   **({"vram_budget": plan["vram_budget"]} if plan is not None and plan.get("vram_budget") else {})},
+        # the settings as the matrix asked them (`vram_budget: auto` stays auto, so that --resume holds the rows to
+        # the matrix); the budget the run resolved is its plan's, which a report reads (report.rows.budget_bytes)
+        "config": {**cfg.as_dict(), "dataset": m.dataset, "precision": m.precision, "hardware": m.hardware},
         "plan": None if plan is None else {k: plan[k] for k in (
             "block_size", "resident_layers", "streamed_layers", "kept_layers", "head_resident", "h2d_bytes_per_step",
             "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",

@@ -12,6 +12,7 @@ from poros.harness import preflight
 from poros.store.build import build_store
 from poros.store.host_memory import config_host_need, store_bytes
 from poros.errors import CapabilityError, ConfigError, PorosError
+from poros.config import Method
 from poros.harness.cells import matrix_cells
 from poros.harness.matrix import parse_matrix
 from poros.models.shapes import get_shape
@@ -308,3 +309,26 @@ def test_resume_refuses_rows_of_other_computed_settings_plans_or_stacks(tmp_path
             check_resume([row], parse_matrix({**SWEPT, **change}), "r.jsonl")
     with pytest.raises(PorosError, match="ran on stack 'torch 0.0'"):
         check_resume([{**row, "stack": "torch 0.0"}], m, "r.jsonl")
+
+
+def test_resume_keeps_rows_of_a_budget_of_auto_and_refuses_a_changed_budget():
+    """A plan of `vram_budget: auto` resolves to what the device had free; its row keeps the setting asked (the
+    resolved bytes are its plan's), so a later part of the same matrix continues from it, while a matrix whose budget
+    changed is refused (the negative control)."""
+    from poros.harness.cells import cell_config
+    from poros.harness.result_row import record
+
+    spec = {**TINY, "device": "cuda", "plans": {"auto": {"vram_budget": "auto"}}}
+    m = parse_matrix(spec, "m.yaml")
+    cell = next(c for c in matrix_cells(m) if c.method is Method.POROS)
+    keys = ("block_size", "resident_layers", "streamed_layers", "kept_layers", "head_resident", "h2d_bytes_per_step",
+            "peak_vram_bytes", "process_vram_bytes", "memory", "vram_budget", "accumulation", "graph_pool_bytes",
+            "shards", "gathered_bytes_per_step", "d2h_bytes_per_step", "host_inputs", "host_input_bytes",
+            "host_bytes", "host_budget")
+    plan = {**dict.fromkeys(keys, 0), "vram_budget": 83_272_251_474, "resident_layers": [0, 1], "streamed_layers": []}
+    row = record(m, cell, cell_config(m, cell), None, None, reduced=False, plan=plan)
+    assert row["config"]["vram_budget"] == "auto" and row["plan"]["vram_budget"] == 83_272_251_474
+    preflight.check_resume([row], m, "r.jsonl", gpu=None)
+    with pytest.raises(PorosError, match="vram_budget: the rows have 'auto', the matrix 40000000000"):
+        preflight.check_resume([row], parse_matrix({**spec, "plans": {"auto": {"vram_budget": "40GB"}}}, "m.yaml"),
+                               "r.jsonl", gpu=None)

@@ -61,8 +61,8 @@ def test_saved_inputs_the_plan_put_in_host_memory_are_shown_as_planned(tmp_path)
 
 
 def test_a_budget_of_auto_reads_as_the_bytes_its_run_resolved(tmp_path):
-    """A row that recorded `vram_budget: auto` (rows now record the resolved bytes) shows its plan's budget; the
-    control: a row that streamed every layer shows none."""
+    """A row of `vram_budget: auto` (its config keeps the setting asked) shows its plan's budget, the bytes its run
+    resolved; the control: a row that streamed every layer shows none."""
     auto = with_config(fixture_row(predicted_process_vram_gb=13.26), vram_budget="auto")
     auto["plan"] = {**(auto.get("plan") or {}), "vram_budget": 121_000_000_000}
     rows = memory_rows(page(tmp_path, [auto, fixture_row(method="unsloth")]))

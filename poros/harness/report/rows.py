@@ -147,8 +147,8 @@ def setting_shown(s: Setting, config: dict) -> str:
 
 
 def budget_bytes(row: dict) -> int | None:
-    """A poros row's VRAM budget in bytes as its run resolved it: its configuration's, or, where that is `auto` (rows
-    record the resolved figure; earlier ones did not), its plan's. None: every layer streamed."""
+    """A poros row's VRAM budget in bytes as its run resolved it: its configuration's, or, where that is `auto` (a
+    row's configuration keeps the setting asked), its plan's. None: every layer streamed."""
     budget = row["config"].get("vram_budget")
     if isinstance(budget, (int, float)) and not isinstance(budget, bool):
         return int(budget)
