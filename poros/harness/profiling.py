@@ -53,6 +53,33 @@ def link_idle(copies: list[tuple[float, float]],
     return [(a, b, sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)) for a, b in idle]
 
 
+def compute_waits(kernels: list[tuple[float, float]],
+                  copies: list[tuple[float, float, object]]) -> dict[str, list[float]]:
+    """What the compute waited for: each gap between its busy intervals goes to the stream of the host->device copy
+    that ended last within it (the kernel after the gap waited for that copy), or to `host` where none ended there
+    (the device waited for the host to launch), as {who: [gaps, microseconds]}. `copies`: (start, end, stream)."""
+    busy = _merged(kernels)
+    ends = sorted((e, stream) for _, e, stream in copies)
+    out: dict[str, list[float]] = {}
+    for (_, b), (c, _) in zip(busy, busy[1:]):
+        waited = [stream for e, stream in ends if b < e <= c]
+        who = f"stream {waited[-1]}" if waited else "host"
+        n, us = out.get(who, [0, 0.0])
+        out[who] = [n + 1, us + c - b]
+    return out
+
+
+def _overlap_us(ranges: list[tuple[float, float]]) -> float:
+    """The time at least two of `ranges` run at once."""
+    points = sorted([(a, 1) for a, _ in ranges] + [(b, -1) for _, b in ranges], key=lambda p: (p[0], p[1]))
+    at, depth, total = 0.0, 0, 0.0
+    for t, d in points:
+        if depth >= 2:
+            total += t - at
+        at, depth = t, depth + d
+    return total
+
+
 def host_within(interval: tuple[float, float], cpu: list[tuple[str, float, float]], top: int = 6) -> list:
     """What the host ran during `interval`: the CPU-side operators (name, start, end) overlapping it, by their time
     within it, most first, as [name, ms] (nested operators each count: a parent's time holds its children's)."""
@@ -80,6 +107,13 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
+def _by_stream(copies: list[tuple[float, float, object]]) -> dict:
+    out: dict = {}
+    for a, b, stream in copies:
+        out.setdefault(stream, []).append((a, b))
+    return out
+
+
 def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
     """The profile of `steps` consecutive steps (`wall_s` their time, from the first's start to the device's end of
     the last), its times per step: several steps profiled without a synchronization between them show the steady
@@ -87,7 +121,7 @@ def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
     synchronization, with the device idle until its first kernels arrive."""
     if steps < 1:
         raise ValueError(f"steps: expected at least 1, got {steps}")
-    kernels, copies, h2d, cpu = [], [], [], []
+    kernels, copies, h2d, cpu, h2d_streams = [], [], [], [], []
     by_kind: dict[str, float] = {}
     launches = 0
     for e in prof.events():
@@ -98,6 +132,7 @@ def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
             (copies if "memcpy" in e.name.lower() else kernels).append(rng)
             if "htod" in e.name.lower():
                 h2d.append(rng)
+                h2d_streams.append((*rng, e.device_resource_id))
             kind = kind_of(e.name)
             by_kind[kind] = by_kind.get(kind, 0.0) + (rng[1] - rng[0])
         elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
@@ -125,6 +160,14 @@ def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
         # the four longest, in time order from the step's start: where each lies and what the host ran meanwhile
         "link_idle_host": [{"at_ms": round((a - start) / 1e3, 2), "ms": round((b - a) / 1e3, 2),
                             "host": host_within((a, b), cpu)} for a, b, _ in sorted(longest[:4])],
+        # the host->device copies by stream (the weights' and, where a plan keeps saved inputs in host memory, the
+        # stream that brings them back) as [copies, ms of copy time], the time two of them ran at once, and what
+        # the compute waited for between its kernels, as [gaps, ms] by the stream whose copy it waited for
+        "h2d_by_stream": {str(stream): [round(len(r) / steps), round(sum(b - a for a, b in r) / 1e3 / steps, 2)]
+                          for stream, r in sorted(_by_stream(h2d_streams).items(), key=lambda kv: str(kv[0]))},
+        "h2d_concurrent_ms": round(_overlap_us(h2d) / 1e3 / steps, 2),
+        "compute_waits_ms": {who: [round(n / steps), round(us / 1e3 / steps, 2)]
+                             for who, (n, us) in sorted(compute_waits(kernels, h2d_streams).items())},
         "kernel_launches": round(launches / steps),
         "device_s_by_kind": {k: round(v / per, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_device_ops": [

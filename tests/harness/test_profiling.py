@@ -8,7 +8,9 @@ import torch
 
 from poros.harness.profiling import (
     _gaps_us,
+    _overlap_us,
     _union_us,
+    compute_waits,
     host_within,
     kind_of,
     link_idle,
@@ -80,3 +82,20 @@ def test_several_profiled_steps_are_summarized_per_step():
     assert {op["name"]: op["calls"] for op in four["top_device_ops"]}["aten::mm"] == calls["aten::mm"] // 4 == 1
     with pytest.raises(ValueError, match="at least 1"):
         summarize(prof, wall_s=0.8, top=5, steps=0)
+
+
+def test_the_compute_waits_for_the_stream_whose_copy_ended_last_in_its_gap():
+    """Kernels busy 0-10, 15-20 and 30-40: the gap 10-15 ends after a copy of stream 7 that ended at 14 (and one of
+    stream 3 at 11, earlier), so it is stream 7's; in the gap 20-30 no copy ended (one ends at 31, after it): the
+    host's. Control: without stream 7's copy the first gap is stream 3's."""
+    kernels = [(0, 10), (15, 20), (30, 40)]
+    copies = [(2, 11, 3), (12, 14, 7), (25, 31, 3)]
+    assert compute_waits(kernels, copies) == {"stream 7": [1, 5.0], "host": [1, 10.0]}
+    assert compute_waits(kernels, [c for c in copies if c[2] != 7]) == {"stream 3": [1, 5.0], "host": [1, 10.0]}
+    assert compute_waits([(0, 10)], copies) == {}  # one busy interval: no gap
+
+
+def test_the_time_two_copies_run_at_once():
+    assert _overlap_us([(0, 10), (5, 20), (30, 40)]) == 5
+    assert _overlap_us([(0, 10), (10, 20)]) == 0  # back to back
+    assert _overlap_us([(0, 30), (5, 10), (8, 20)]) == 15  # 5-20 has two or more
