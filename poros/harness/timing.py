@@ -196,11 +196,16 @@ def measure(trainer, cfg: TrainConfig, steps: int, passes: int, warmup: int, lab
             r = trainer.step()
             results.append(r)  # its loss and copy timings read after the pass: no synchronization a step
             status(f"{kind}, step {s + 1}/{n}")
-            if (s + 1) % max(1, n // 4) == 0 or s + 1 == n:
-                progress(f"  {label} {kind}: step {s + 1}/{n} loss {r.loss:.4f}")
-            if s + 1 == n or (not timed and s + 1 == n // 2):
+            last = s + 1 == n
+            if last or (not timed and s + 1 == n // 2):
                 _sync(device)
                 ends.append(time.perf_counter())
+            if ((s + 1) % max(1, n // 4) == 0 or last) and (last or s > 0):
+                # within the pass the line shows the step before this one: reading a loss waits for its
+                # step's kernels, and the step just enqueued keeps the device busy meanwhile, where waiting
+                # for this step's would leave it idle until the host enqueued the next
+                shown = s + 1 if last else s
+                progress(f"  {label} {kind}: step {shown}/{n} loss {results[shown - 1].loss:.4f}")
 
     def done(i: int, seconds: float | None) -> None:
         if seconds is None:

@@ -72,3 +72,39 @@ def test_each_pass_records_the_host_load_as_it_ended(monkeypatch):
                           warmup=0, earlier=[{"seconds": 1.0, "counters": [], "load_avg": 3.0}], on_pass=seen.append)
     assert meas.pass_load == [3.0, 0.5, 7.25] and [r["load_avg"] for r in seen] == [0.5, 7.25]
     assert timing.usable_cores() >= 1
+
+
+def test_within_a_pass_no_loss_is_read_of_the_step_just_enqueued(monkeypatch):
+    """Reading a step's loss waits for its kernels: a progress line within a pass reads the step before the one just
+    enqueued (the device stays busy with that one meanwhile), and only the pass's last step is read, after the
+    pass's synchronization. Control: the fake trainer's record does see a read of the newest step where one is
+    made (the pass's end)."""
+    from types import SimpleNamespace
+
+    from poros.harness import timing
+
+    monkeypatch.setattr(timing, "alloc_retries", lambda device: None)
+    monkeypatch.setattr(timing, "_peaks", lambda device, nvml: dict.fromkeys(timing.PEAKS))
+    enqueued, synced, reads = [0], [0], []
+    monkeypatch.setattr(timing, "_sync", lambda device: synced.__setitem__(0, enqueued[0]))
+
+    class Result:
+        def __init__(self, index):
+            self.index, self.counters = index, {}
+
+        @property
+        def loss(self):
+            # (step read, newest enqueued, whether a synchronization after that one came first)
+            reads.append((self.index, enqueued[0], synced[0] == enqueued[0]))
+            return 1.0
+
+    def step():
+        enqueued[0] += 1
+        return Result(enqueued[0])
+
+    timing.measure(SimpleNamespace(step=step), SimpleNamespace(device=SimpleNamespace(value="cuda")), steps=12,
+                   passes=1, warmup=0)
+    assert reads, "the pass printed no progress"
+    newest = [(i, n, s) for i, n, s in reads if i == n]
+    assert newest == [(12, 12, True)]  # the last step, after the pass's synchronization
+    assert all(i < n for i, n, _ in reads if (i, n, _) not in newest) and len(reads) > 1
