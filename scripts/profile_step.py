@@ -9,8 +9,10 @@ Builds the model once; per method runs one warm-up step and one timed step (`s_p
 end of it), then profiles `--steps` consecutive steps (default 1; several show the steady state, where the host
 enqueues a step while the device runs the one before) and prints one JSON line, its figures per step: wall time,
 the share of it the GPU spent in compute kernels and in host->device copies (union of intervals, so overlap is not double-counted), kernel launches, device time per kind of
-kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), and the top
-kernels by total device time. --compile and --lora-compute apply to every gated method (Unsloth runs as its
+kernel (attention forward and backward, matmuls, NF4 dequantization, copies, the rest), where the link idles and
+what the host ran then, the host->device copies by stream (the weights' and the saved inputs' way back), and what
+the compute waited for between its kernels (a stream's copy, or the host), and the top kernels by total device
+time. --compile and --lora-compute apply to every gated method (Unsloth runs as its
 users run it). The warm-up step compiles. --variant takes schedule settings (KEY=VALUE,...). With --out DIR
 the full tables are written there too. `unsloth` (GPU only) runs in its own process, as in the matrices, and
 profiles its step there. On CPU only the wall time and the operator table mean anything.
