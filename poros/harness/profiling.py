@@ -3,6 +3,8 @@ child process in poros/harness/unsloth.py, so both methods are summarized alike)
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -60,10 +62,11 @@ def compute_waits(kernels: list[tuple[float, float]],
     (the device waited for the host to launch), as {who: [gaps, microseconds]}. `copies`: (start, end, stream)."""
     busy = _merged(kernels)
     ends = sorted((e, stream) for _, e, stream in copies)
+    at = [e for e, _ in ends]
     out: dict[str, list[float]] = {}
     for (_, b), (c, _) in zip(busy, busy[1:]):
-        waited = [stream for e, stream in ends if b < e <= c]
-        who = f"stream {waited[-1]}" if waited else "host"
+        k = bisect.bisect_right(at, c) - 1  # the copy that ended last by the gap's end
+        who = f"stream {ends[k][1]}" if k >= 0 and at[k] > b else "host"
         n, us = out.get(who, [0, 0.0])
         out[who] = [n + 1, us + c - b]
     return out
@@ -121,7 +124,7 @@ def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
     synchronization, with the device idle until its first kernels arrive."""
     if steps < 1:
         raise ValueError(f"steps: expected at least 1, got {steps}")
-    kernels, copies, h2d, cpu, h2d_streams = [], [], [], [], []
+    kernels, copies, h2d_streams, cpu = [], [], [], []
     by_kind: dict[str, float] = {}
     launches = 0
     for e in prof.events():
@@ -131,12 +134,12 @@ def summarize(prof, wall_s: float, top: int, steps: int = 1) -> dict:
             rng = (e.time_range.start, e.time_range.end)
             (copies if "memcpy" in e.name.lower() else kernels).append(rng)
             if "htod" in e.name.lower():
-                h2d.append(rng)
                 h2d_streams.append((*rng, e.device_resource_id))
             kind = kind_of(e.name)
             by_kind[kind] = by_kind.get(kind, 0.0) + (rng[1] - rng[0])
         elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
             launches += 1
+    h2d = [(a, b) for a, b, _ in h2d_streams]
     wall_us = wall_s * 1e6
     per = 1e6 * steps  # microseconds of the whole profile to seconds a step
     by_device = sorted(prof.key_averages(), key=lambda a: getattr(a, "device_time_total", 0.0), reverse=True)
