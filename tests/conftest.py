@@ -10,6 +10,15 @@ import sys
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`pytest -n N` without `--dist` balances by work stealing (pytest-xdist's `worksteal`): a worker that runs out
+    takes queued tests from the other, so a tier of uneven tests (a few subprocess runs of a minute among many of a
+    second) does not end on one worker's tail. A `--dist` given on the command line is kept."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "worksteal"
+
+
 def pytest_configure(config):
     """A worker of `pytest -n 2` (pytest-xdist) shares the cores with the other: one thread each, for torch here
     and for the processes a test starts (torch sizes its pool from OMP_NUM_THREADS). Those processes must not
