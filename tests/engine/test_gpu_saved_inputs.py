@@ -1,5 +1,5 @@
-"""Saved inputs split between the device and host memory, on the GPU: copies out and back on streams of their
-own, the host arena page-locked in place; bitwise resident QLoRA at every split, eager and with CUDA-graph
+"""Saved inputs split between the device and host memory, on the GPU: copies out on a stream of their own and
+back on the weights' copy stream, the host arena page-locked in place; bitwise resident QLoRA at every split, eager and with CUDA-graph
 layers, each step moving the plan's bytes; resident_gc_offload bitwise resident_gc, and poros's split bitwise
 resident_gc_offload; a plan that offloads over an input not fetched yet FAILs.
 
@@ -61,6 +61,8 @@ def test_gpu_split_keeps_parity_and_moves_what_the_plan_says(model, k, graphs):
     try:
         plan, arena = poros.plan, poros.saved.arena
         assert plan.host_inputs == tuple(range(5 - k))
+        # the copies back take the weights' copy stream, in the plan's order among its loads (saved_inputs.py)
+        assert k == 5 or poros.saved.h2d is poros.buffers.copy_stream
         assert (arena is None) == (k == 5) and (arena is None or arena.pinned)
         for _ in range(2):
             c = poros.step().counters

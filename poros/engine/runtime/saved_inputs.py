@@ -3,15 +3,21 @@ micro-batch): its input, and with `keep_attention` its attention's output and lo
 (poros/engine/model/kept_attention.py). `SavedInputs` keeps them on the device, or, for the layers a plan places in
 host memory (`Plan.host_inputs`), moves them as the plan's operations say: `offload` copies one device->host
 into its slot of the host arena on a stream of its own, right after its forward, and `fetch` brings it back
-into fresh device memory, on another stream, ahead of its backward. The bytes are the same either way.
+into fresh device memory ahead of its backward, on the stream that copies the weights in. The bytes are the same
+either way.
 
 The arena (`HostArena`) has the plan's exact size (`Plan.host_input_bytes`): allocated once and page-locked in
 place, as the NF4 store is, because torch's caching host allocator rounds every pinned block up to a power of
 two (up to twice the bytes at sequence lengths where one input is not a power of two).
 
-The way back has its own stream, not the weights' copy stream: a copy back waits for the compute stream to
-reach the point where its memory was allocated, and on the weights' stream that wait would hold back every
-weight copy enqueued after it.
+The way back shares the weights' copy stream (`h2d`), so the link takes the two kinds of copy in the plan's order,
+as the plan's timeline counts them (poros/engine/planning/timeline.py). A copy back waits for the compute stream
+to reach the point where its memory was allocated: the end of the backward before its fetch, where the buffer
+that the next load fills is released too, so that wait holds back no weight copy. On a stream of its own, a copy
+back that became ready together with a weight copy enqueued after it could run after it: qwen2.5-72b's plan
+within 24 GB at 512 tokens (block 1, resident layers among the streamed ones, 40 inputs in host memory) waited
+16 times a step for a saved input behind a whole layer's load, 160 ms, and left the link idle while the backward
+it held back ran (experiments/h100-streamed-link-idle/spread-24gb-72b).
 """
 
 from __future__ import annotations
@@ -82,14 +88,15 @@ def _nbytes(tensors) -> int:
 
 
 class SavedInputs:
-    """The saved inputs of a plan's step (module docstring); `pin`: page-lock the host arena on CUDA."""
+    """The saved inputs of a plan's step (module docstring); `pin`: page-lock the host arena on CUDA; `h2d`: the
+    stream that copies the weights in, which the copies back share (one of their own where None)."""
 
-    def __init__(self, plan: P.Plan, device: torch.device, pin: bool = True):
+    def __init__(self, plan: P.Plan, device: torch.device, pin: bool = True, h2d: torch.cuda.Stream | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         moves = bool(plan.host_inputs)
         self.d2h = torch.cuda.Stream(device) if self.cuda and moves else None
-        self.h2d = torch.cuda.Stream(device) if self.cuda and moves else None
+        self.h2d = (h2d or torch.cuda.Stream(device)) if self.cuda and moves else None
         self.arena = HostArena(plan.host_slots, plan.input_slot, pin and self.cuda) if moves else None
         self.kept: dict = {}  # key -> device tensors
         self.host: dict = {}  # key -> (its slot's tensors, event after their device->host copy)
