@@ -1,7 +1,7 @@
 """Saved inputs split between the device and host memory, on the GPU: copies out on a stream of their own and
-back on the weights' copy stream, the host arena page-locked in place; bitwise resident QLoRA at every split, eager and with CUDA-graph
-layers, each step moving the plan's bytes; resident_gc_offload bitwise resident_gc, and poros's split bitwise
-resident_gc_offload; a plan that offloads over an input not fetched yet FAILs.
+back on the weights' copy stream, the host arena page-locked in place; bitwise resident QLoRA at every split,
+eager and with CUDA-graph layers, each step moving the plan's bytes; resident_gc_offload bitwise resident_gc, and
+poros's split bitwise resident_gc_offload; a plan that offloads over an input not fetched yet FAILs.
 
     pytest -m gpu tests/engine/test_gpu_saved_inputs.py -s
 
