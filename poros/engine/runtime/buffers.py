@@ -1,7 +1,7 @@
 """The device side of a plan's weights: its buffers with the copies into them and the events that order
 them (`DeviceBuffers`). Each layer's saved input, kept for its recompute, is poros/engine/runtime/saved_inputs.py's.
 
-Copies run on their own stream. Each buffer has a `ready` event (recorded after a load) that the
+Copies run on their own stream, which the saved inputs' copies back share in the plan's order. Each buffer has a `ready` event (recorded after a load) that the
 compute stream waits for on its first read, and a `free` event (recorded at a release) that the next
 load into it waits for: every ordering comes from the plan, whose rules `plan.check` verifies.
 
