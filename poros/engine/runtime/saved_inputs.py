@@ -11,10 +11,12 @@ place, as the NF4 store is, because torch's caching host allocator rounds every 
 two (up to twice the bytes at sequence lengths where one input is not a power of two).
 
 The way back shares the weights' copy stream (`h2d`), so the link takes the two kinds of copy in the plan's order,
-as the plan's timeline counts them (poros/engine/planning/timeline.py). A copy back waits for the compute stream
-to reach the point where its memory was allocated: the end of the backward before its fetch, where the buffer
-that the next load fills is released too, so that wait holds back no weight copy. On a stream of its own, a copy
-back that became ready together with a weight copy enqueued after it could run after it: qwen2.5-72b's plan
+as the plan's timeline counts them (poros/engine/planning/timeline.py: its schedule floor is this order's). A copy
+back waits for the compute stream to reach the point where its memory was allocated, the end of the backward
+before its fetch, and a load the plan puts after it waits for that point too. Mostly that is where the load's
+buffer is released anyway; in some spread plans a load comes after a fetch that is a backward or more later than
+its release, and the timeline counts that wait. On a stream of its own, a copy back that became ready together
+with a weight copy enqueued after it could run after it: qwen2.5-72b's plan
 within 24 GB at 512 tokens (block 1, resident layers among the streamed ones, 40 inputs in host memory) waited
 16 times a step for a saved input behind a whole layer's load, 160 ms, and left the link idle while the backward
 it held back ran (experiments/h100-streamed-link-idle/spread-24gb-72b).
