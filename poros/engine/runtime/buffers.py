@@ -1,9 +1,10 @@
 """The device side of a plan's weights: its buffers with the copies into them and the events that order
 them (`DeviceBuffers`). Each layer's saved input, kept for its recompute, is poros/engine/runtime/saved_inputs.py's.
 
-Copies run on their own stream, which the saved inputs' copies back share in the plan's order. Each buffer has a `ready` event (recorded after a load) that the
-compute stream waits for on its first read, and a `free` event (recorded at a release) that the next
-load into it waits for: every ordering comes from the plan, whose rules `plan.check` verifies.
+Copies run on their own stream, which the saved inputs' copies back share in the plan's order. Each buffer has a
+`ready` event (recorded after a load) that the compute stream waits for on its first read, and a `free` event
+(recorded at a release) that the next load into it waits for: every ordering comes from the plan, whose rules
+`plan.check` verifies.
 
 With a plan whose copies are shared among data-parallel ranks (`plan.shards`, shard_stream), a load
 copies this rank's contiguous share of the bytes into its own slice of the buffer, and the gather that

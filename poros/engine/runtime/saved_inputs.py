@@ -16,10 +16,8 @@ back waits for the compute stream to reach the point where its memory was alloca
 before its fetch, and a load the plan puts after it waits for that point too. Mostly that is where the load's
 buffer is released anyway; in some spread plans a load comes after a fetch that is a backward or more later than
 its release, and the timeline counts that wait. On a stream of its own, a copy back that became ready together
-with a weight copy enqueued after it could run after it: qwen2.5-72b's plan
-within 24 GB at 512 tokens (block 1, resident layers among the streamed ones, 40 inputs in host memory) waited
-16 times a step for a saved input behind a whole layer's load, 160 ms, and left the link idle while the backward
-it held back ran (experiments/h100-streamed-link-idle/spread-24gb-72b).
+with a weight copy enqueued after it could run after it: the backward then waited a whole layer's load for its
+input, and the link idled while that backward ran, both buffers full (experiments/h100-streamed-link-idle).
 """
 
 from __future__ import annotations
