@@ -89,14 +89,14 @@ def _nbytes(tensors) -> int:
 
 class SavedInputs:
     """The saved inputs of a plan's step (module docstring); `pin`: page-lock the host arena on CUDA; `h2d`: the
-    stream that copies the weights in, which the copies back share (one of their own where None)."""
+    stream that copies the weights in (DeviceBuffers.copy_stream; None off CUDA), which the copies back share."""
 
-    def __init__(self, plan: P.Plan, device: torch.device, pin: bool = True, h2d: torch.cuda.Stream | None = None):
+    def __init__(self, plan: P.Plan, device: torch.device, h2d: torch.cuda.Stream | None, pin: bool = True):
         self.device = device
         self.cuda = device.type == "cuda"
         moves = bool(plan.host_inputs)
         self.d2h = torch.cuda.Stream(device) if self.cuda and moves else None
-        self.h2d = (h2d or torch.cuda.Stream(device)) if self.cuda and moves else None
+        self.h2d = h2d if self.cuda and moves else None
         self.arena = HostArena(plan.host_slots, plan.input_slot, pin and self.cuda) if moves else None
         self.kept: dict = {}  # key -> device tensors
         self.host: dict = {}  # key -> (its slot's tensors, event after their device->host copy)
