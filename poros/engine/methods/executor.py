@@ -113,8 +113,7 @@ class PorosTrainer(ModelHooks, PlanInterpreter, Trainer):
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-backward")
                         if self.cfg.backward_overlaps else None)
         self.templates = LayerTemplates(capture=True, compiled=self.cfg.compile) if self.cfg.cuda_graphs else None
-        self.saved = SavedInputs(self.plan, self.device, self.buffers.copy_stream if self.buffers.cuda else None,
-                                 pin=self.cfg.pin_memory)
+        self.saved = SavedInputs(self.plan, self.device, self.buffers.copy_stream, pin=self.cfg.pin_memory)
         self.runners = self._runners(model.layers)
         if self.cfg.compile:
             compile_layers(model.layers, mlp=self.cfg.compile_mlp)

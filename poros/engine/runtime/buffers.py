@@ -59,9 +59,9 @@ class DeviceBuffers:
         self.head = self.head_region[:nbytes].view(head_host.dtype).view(head_host.shape)
         self.ready, self.free = {}, {}
         self.fresh: set[int] = set()  # buffers loaded since the compute stream last waited for them
-        if self.cuda:
-            self.copy_stream = torch.cuda.Stream(device)
-            self.gather_stream = torch.cuda.Stream(device) if plan.shards > 1 else None
+        # the saved inputs' copies back share the copy stream (None off CUDA, where every copy is synchronous)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.gather_stream = torch.cuda.Stream(device) if self.cuda and plan.shards > 1 else None
         self.reset_counters()
 
     def reset_counters(self) -> None:

@@ -96,7 +96,7 @@ class SavedInputs:
         self.cuda = device.type == "cuda"
         moves = bool(plan.host_inputs)
         self.d2h = torch.cuda.Stream(device) if self.cuda and moves else None
-        self.h2d = h2d if self.cuda and moves else None
+        self.h2d = h2d if moves else None
         self.arena = HostArena(plan.host_slots, plan.input_slot, pin and self.cuda) if moves else None
         self.kept: dict = {}  # key -> device tensors
         self.host: dict = {}  # key -> (its slot's tensors, event after their device->host copy)
