@@ -98,9 +98,19 @@ def assert_tables_well_formed(md: str) -> None:
             assert len(row) == len(header), f"table {header}: row of {len(row)} cells for {len(header)} columns: {row}"
 
 
-def table_rows(md: str, first_cell: str, ncols: int = 14) -> list[list[str]]:
-    """Cells of the rows starting with `first_cell` in tables of `ncols` columns (14: the results table)."""
-    rows = [cells(line) for line in md.splitlines() if line.startswith(f"| {first_cell} |")]
+MEMORY_SECTION = "Tokens/s and the process's memory"
+
+
+def table_rows(md: str, first_cell: str, ncols: int = 14, section: str | None = None) -> list[list[str]]:
+    """Cells of the rows starting with `first_cell` in tables of `ncols` columns (14: the results table): in the page's
+    section titled `section`, or where None in any section but the memory table's (MEMORY_SECTION, whose rows start
+    with the results table's model names)."""
+    rows, title = [], ""
+    for line in md.splitlines():
+        if line.startswith("## "):
+            title = line[3:].strip()
+        elif line.startswith(f"| {first_cell} |") and (title == section if section else title != MEMORY_SECTION):
+            rows.append(cells(line))
     return [r for r in rows if len(r) == ncols]
 
 
@@ -185,7 +195,7 @@ def test_rows_of_two_lengths_pair_with_their_own_length(tmp_path):
     got = table_rows(md, "qwen2.5-32b", 15)
     assert [(c[3], c[7], c[9]) for c in got] == [("seq_len 32768", "1.0000", "1.23×"),  # 1.2345 / 1.0
                                                  ("seq_len 65536", "2.0000", "1.50×")]  # 3.0 / 2.0
-    memory = {c[0]: c[3] for c in table_rows(md, "qwen2.5-32b (seq_len 65536)", 9) if c[1] == "poros"}
+    memory = {c[0]: c[3] for c in table_rows(md, "qwen2.5-32b (seq_len 65536)", 10, MEMORY_SECTION) if c[1] == "poros"}
     assert memory == {"qwen2.5-32b (seq_len 65536)": "0.750×"}  # 60 / 80 tokens/s
     one_length = render_markdown(load_results(write_jsonl(tmp_path / "one.jsonl", _at(512, "short"))))
     assert "seq_len" not in one_length.split("## Results")[1]  # a page of one length names none

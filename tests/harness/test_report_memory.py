@@ -27,10 +27,11 @@ def poros_row(**kw) -> dict:
 
 
 def test_tokens_per_s_against_unsloth_and_the_prediction_against_nvml(tmp_path):
-    rows = memory_rows(page(tmp_path, [poros_row(), fixture_row(method="unsloth")]))
+    rows = memory_rows(page(tmp_path, [poros_row(), fixture_row(method="unsloth", peak_vram_nvml_gb=26.0)]))
     assert rows["poros"]["Tokens/s"] == "414.7" and rows["unsloth"]["Tokens/s"] == "1481.5"
     assert rows["poros"]["Tokens/s vs unsloth"] == f"{414.7 / 1481.5:.3f}×" and rows["unsloth"]["Tokens/s vs unsloth"] == "—"
     assert rows["poros"]["Process (NVML)"] == "13.00 GB" and rows["poros"]["Predicted (process)"] == "13.26 GB"
+    assert rows["poros"]["Process vs unsloth"] == "50.0%" and rows["unsloth"]["Process vs unsloth"] == "—"
     assert rows["poros"]["Predicted vs NVML"] == "+2.0%" and rows["poros"]["VRAM budget"] == "24.00 GB"
     assert rows["unsloth"]["Predicted vs NVML"] == "—" and rows["unsloth"]["VRAM budget"] == "—"
 
@@ -38,6 +39,7 @@ def test_tokens_per_s_against_unsloth_and_the_prediction_against_nvml(tmp_path):
 def test_a_ratio_of_rows_from_two_gpus_is_not_printed(tmp_path):
     rows = memory_rows(page(tmp_path, [poros_row(), on_gpu(fixture_row(method="unsloth"), "GPU-other")]))
     assert rows["poros"]["Tokens/s vs unsloth"] == "other GPU"
+    assert rows["poros"]["Process vs unsloth"] == "100.0%"  # a process's peak does not move with the host
     # negative control: one GPU, the ratio
     rows = memory_rows(page(tmp_path, [poros_row(), fixture_row(method="unsloth")]))
     assert rows["poros"]["Tokens/s vs unsloth"].endswith("×")

@@ -228,7 +228,9 @@ def time_table(df: pd.DataFrame) -> str:
 
 MEMORY_NOTE = ("Tokens/s: tokens a step over s/step. Peak allocated: the tensors' peak as PyTorch counts them "
                "(the VRAM columns above); process (NVML): the process's peak as nvidia-smi counts it (the CUDA "
-               "context and the allocator's reserve included), which a VRAM budget holds; predicted: the "
+               "context and the allocator's reserve included), which a VRAM budget holds, and its share of the "
+               "peak of the trainer poros is set beside in the same cell (printed for rows of two GPUs too: a "
+               "process's peak does not move with the host's speed, as a step's time does); predicted: the "
                "planner's figure for that peak when the row ran (`poros plan`), and how far it was from it.")
 
 
@@ -247,13 +249,16 @@ def memory_table(df: pd.DataFrame) -> str:
         theirs = None if other is None or not is_planned(r["method"]) else ok_value(other, "tokens_per_s")
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
         budget = budget_bytes(r) if is_planned(r["method"]) else None
+        their_peak = None if other is None or not is_planned(r["method"]) else ok_value(other, "peak_vram_nvml_gb")
         rows.append([named(r["model"], r.get("point"), r.get("plan_name")), r["method"], DASH if tps is None else f"{tps:.1f}",
                      DASH if tps is None or not theirs else _rows_ratio(r, other, "tokens_per_s", "{:.3f}×"),
-                     fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml), fmt_gb(predicted),
+                     fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml),
+                     DASH if not nvml or not their_peak else f"{nvml / their_peak:.1%}",
+                     fmt_gb(predicted),
                      DASH if not nvml or predicted is None else f"{(predicted / nvml - 1) * 100:+.1f}%",
                      DASH if budget is None else fmt_gb(budget / 1e9)])
     columns = ["Model", "Method", "Tokens/s", f"Tokens/s vs {peer}", "Peak allocated", "Process (NVML)",
-               "Predicted (process)", "Predicted vs NVML", "VRAM budget"]
+               f"Process vs {peer}", "Predicted (process)", "Predicted vs NVML", "VRAM budget"]
     return md_table(columns, rows) + f"\n\n{MEMORY_NOTE}"
 
 
