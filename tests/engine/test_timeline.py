@@ -21,14 +21,19 @@ RUN = ROOT / "results/h100-fastest/qwen3-32b-run2/results.jsonl"
 PROFILE = ROOT / "experiments/h100-streamed-link-idle/copy-groups/prof.jsonl"
 
 
-def ran(plan_name: str) -> tuple[dict, P.Plan, Geometry, CostModel]:
-    """A row of the qwen3-32b run, its plan built again as it ran (poros/harness/report/schedule.py), and its costs at
-    that run's floors."""
-    row = next(r for r in map(json.loads, RUN.read_text().splitlines()) if r.get("plan_name") == plan_name)
+def costs_at(row: dict, plan: P.Plan, geo: Geometry) -> CostModel:
+    """`plan`'s costs at the link and compute floor a run's `row` recorded (seq 512, one sequence a micro-batch)."""
+    return CostModel.of(plan, geo, 512, 512, row["compute_floor_s"], row["link_h2d_gbps"] * 1e9)
+
+
+def ran(plan_name: str, run: Path = RUN) -> tuple[dict, P.Plan, Geometry, CostModel]:
+    """A row of a committed run (the qwen3-32b one unless `run` names another), its plan built again as it ran
+    (poros/harness/report/schedule.py), and its costs at that run's floors."""
+    row = next(r for r in map(json.loads, run.read_text().splitlines()) if r.get("plan_name") == plan_name)
     plan, geo, cfg = plan_as_ran(row)
+    assert cfg.seq_len == 512 and cfg.batch_size == 1
     assert plan.resident_layers == row["plan"]["resident_layers"] and plan.block_size == row["plan"]["block_size"]
-    costs = CostModel.of(plan, geo, cfg.seq_len, cfg.seq_len, row["compute_floor_s"], row["link_h2d_gbps"] * 1e9)
-    return row, plan, geo, costs
+    return row, plan, geo, costs_at(row, plan, geo)
 
 
 @pytest.mark.parametrize("plan_name", ["streamed", "streamed+3buffers", "half", "half+spread"])
@@ -77,13 +82,11 @@ def test_two_layer_blocks_through_three_buffers_idle_the_link_less_on_gemma3():
     copies the same bytes in about the same memory, and its schedule idles the link less at the step's turns: a
     shorter step, nearer its copy floor. Negative control: blocks of two through two buffers idle it less too, but
     reuse fewer layers across the turns, so they copy more and their step is longer than the default's."""
-    run = ROOT / "results/h100-fastest/gemma3-27b-run2/results.jsonl"
-    row = next(r for r in map(json.loads, run.read_text().splitlines()) if r.get("plan_name") == "streamed")
-    default, geo, cfg = plan_as_ran(row)
+    row, default, geo, _ = ran("streamed", ROOT / "results/h100-fastest/gemma3-27b-run2/results.jsonl")
+    cfg = TrainConfig.from_settings(row["config"], model=row["config"]["model"])
 
     def step(plan):
-        costs = CostModel.of(plan, geo, cfg.seq_len, cfg.seq_len, row["compute_floor_s"], row["link_h2d_gbps"] * 1e9)
-        return simulate(plan, costs)
+        return simulate(plan, costs_at(row, plan, geo))
 
     pairs = make_plan(geo, cfg.replace(block_size=2, stream_buffers=3))
     assert (default.block_size, len(default.buffers)) == (4, 2) and len(pairs.buffers) == 3

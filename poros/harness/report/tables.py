@@ -245,11 +245,12 @@ def memory_table(df: pd.DataFrame) -> str:
     rows = []
     for r in records:
         c = by_cell[(r["model"], r["stack"], r.get("point", ""))]
-        tps, other = num(r.get("tokens_per_s")), c.get(peer)
-        theirs = None if other is None or not is_planned(r["method"]) else ok_value(other, "tokens_per_s")
+        tps = num(r.get("tokens_per_s"))
+        other = c.get(peer) if is_planned(r["method"]) else None  # only poros rows are set beside the peer
+        theirs, their_peak = (None, None) if other is None else (ok_value(other, "tokens_per_s"),
+                                                                 ok_value(other, "peak_vram_nvml_gb"))
         nvml, predicted = num(r.get("peak_vram_nvml_gb")), num(r.get("predicted_process_vram_gb"))
         budget = budget_bytes(r) if is_planned(r["method"]) else None
-        their_peak = None if other is None or not is_planned(r["method"]) else ok_value(other, "peak_vram_nvml_gb")
         rows.append([named(r["model"], r.get("point"), r.get("plan_name")), r["method"], DASH if tps is None else f"{tps:.1f}",
                      DASH if tps is None or not theirs else _rows_ratio(r, other, "tokens_per_s", "{:.3f}×"),
                      fmt_gb(num(r.get("peak_vram_gb"))), fmt_gb(nvml),
