@@ -2,7 +2,9 @@
 
 A streamed step cannot be faster than its bytes over the link, so a row that records the link's bandwidth
 measured in its own process can say how far its step is from that floor (`copy_floor_s`): a slow link and
-a slow schedule then read differently.
+a slow schedule then read differently. A probe can read below what the link carries (a copy slowed by
+anything else on the host); the steps' own weight copies then show the link carrying more, and the floor
+takes the best of the two (`link_figure`), so that no step reads as faster than its floor.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def h2d_gbps(device: str = "cuda") -> float | None:
         del host, dev
         torch.cuda.empty_cache()
     return PROBE_BYTES / best / 1e9
+
+
+def link_figure(probe_gbps: float | None, copy_rates=()) -> float | None:
+    """The link's bandwidth a copy floor is taken at, in GB/s: the best of the probe and the rates the steps' own
+    weight copies reached (`copy_gbps`, each at most what the link carried while it copied), None where there are
+    none. Each is a rate the link was seen to carry, so the best of them is the floor's."""
+    seen = [x for x in (probe_gbps, *copy_rates) if isinstance(x, (int, float)) and x > 0]
+    return max(seen) if seen else None
 
 
 def copy_floor(weight_bytes_per_step: int | None, gbps: float | None) -> float | None:

@@ -312,3 +312,38 @@ def test_a_kept_plan_the_planner_no_longer_makes_is_built_again_from_its_kept_la
         assert schedule.plan_as_ran(unrecorded) is None
     finally:
         schedule._rebuilt.cache_clear()
+
+
+def test_a_probe_that_read_low_gives_way_to_the_rate_the_runs_copies_reached(tmp_path):
+    """The probe found 50 GB/s, a step's weight copies reached 55: the link carried 55 at least, so the copy floor of
+    every streamed row of that run is its weight bytes over 55 GB/s (the Link column shows it) and no share reads
+    above 100%. Negative controls: copies slower than the probe leave the probe's floor, and a faster rate on
+    another GPU lends nothing to this one."""
+    weights = int(0.8 * LINK * 1e9)  # 0.8 s a step over the probe
+    fast = probed(weight_bytes_h2d_per_step=weights, copy_gbps=55.0, plan_name="streamed", s_per_step_median=0.85)
+    slow = probed(weight_bytes_h2d_per_step=weights, copy_gbps=45.0, plan_name="other", s_per_step_median=0.95)
+    elsewhere = on_gpu(probed(weight_bytes_h2d_per_step=weights, copy_gbps=60.0, plan_name="streamed",
+                                s_per_step_median=0.95), "B")
+    df = with_floors(load_results(write_jsonl(tmp_path / "r.jsonl", [fast, slow, elsewhere, resident()])))
+    got = {(r["plan_name"], r["provenance"]["gpus"][0]["uuid"]): (r["link_gbps"], r["copy_floor_s"], r["floor_share"])
+           for r in df.to_dict("records") if r["method"] == "poros"}
+    (this_gpu,) = {uuid for _, uuid in got} - {"B"}
+    at_55 = weights / 55e9
+    assert got[("streamed", this_gpu)] == pytest.approx((55.0, at_55, at_55 / 0.85))
+    assert got[("other", this_gpu)] == pytest.approx((55.0, at_55, at_55 / 0.95))  # the run's figure, not its own
+    assert got[("streamed", "B")] == pytest.approx((60.0, weights / 60e9, weights / 60e9 / 0.95))
+    assert all(share <= 1.0 for _, _, share in got.values())
+    only_slow = with_floors(load_results(write_jsonl(tmp_path / "slow.jsonl", [slow, resident()])))
+    (row,) = [r for r in only_slow.to_dict("records") if r["method"] == "poros"]
+    assert (row["link_gbps"], row["copy_floor_s"]) == pytest.approx((LINK, weights / (LINK * 1e9)))
+    probe_only = with_floors(load_results(write_jsonl(tmp_path / "probe.jsonl", [probed(copy_floor_s=0.1), resident()])))
+    assert probe_only[probe_only["method"] == "poros"]["copy_floor_s"].tolist() == [0.1]  # no weight bytes: as recorded
+
+
+def test_the_link_figure_is_the_best_rate_seen():
+    from poros.harness.link import copy_floor, link_figure
+
+    assert link_figure(50.0, [55.0, None, 45.0]) == 55.0
+    assert link_figure(50.0, [45.0]) == 50.0
+    assert link_figure(None, [None]) is None and link_figure(None, [0.0, -1.0]) is None
+    assert copy_floor(55_000_000_000, link_figure(50.0, [55.0])) == pytest.approx(1.0)

@@ -1,7 +1,8 @@
 """How far a streamed step is from what bounds it from below, derived from saved rows alone.
 
 A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
-its own process measured it, poros/harness/link.py). Its compute floor is the fastest step of the same work with
+its own process measured it, poros/harness/link.py); a page takes it again at its run's link figure (`link_gbps`:
+the best of the run's probes and the rates its steps' weight copies reached, `link.link_figure`). Its compute floor is the fastest step of the same work with
 nothing streamed, of the same model, stack and computed settings (poros/settings.py), in the same run on the same
 GPU. The same work counts the recompute: a poros plan runs the forward of every layer again in its backward from
 the layer's saved input (all but resident layers that keep their activations), which resident QLoRA does not and
@@ -21,13 +22,14 @@ import pandas as pd
 
 from poros.engine.methods.method_info import REFERENCES, by_value, is_planned
 from poros.engine.planning.search import kept_set
+from poros.harness.link import copy_floor, link_figure
 from poros.harness.report.format import DASH, num
 from poros.harness.report.rows import computed_key, run_of
 from poros.harness.report.schedule import schedule_floor
 
 FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
-              "The copy floor is its weight bytes over the host→device link as a pinned copy probe measured it in "
-              "the row's process; the compute floor the fastest step of the same model and computed settings with "
+              "The copy floor is its weight bytes over the host→device link: the best of the pinned copy probes of "
+              "its run and the rates its run's weight copies reached (Link; above the probe where a probe read low); the compute floor the fastest step of the same model and computed settings with "
               "nothing streamed in the same run on the same GPU, recompute counted: for the layers the plan "
               "recomputes, the fastest step that runs every layer's forward again in backward as poros recomputes "
               "its streamed layers (a poros plan that copies nothing, or resident_gc), for the rest resident "
@@ -115,13 +117,40 @@ def floor_fields(row: dict, floors: dict[tuple, dict[float, float]]) -> dict:
             "beyond_schedule_s": None if schedule is None else s - schedule}
 
 
+def run_links(rows: list[dict]) -> dict[str, float | None]:
+    """Each run's link figure in GB/s (`link.link_figure`) from its rows that carry a link probe: their probes and
+    the rates their weight copies reached."""
+    seen: dict[str, list] = {}
+    for r in rows:
+        if num(r.get("link_h2d_gbps")) is not None:
+            seen.setdefault(run_of(r), []).extend((num(r.get("link_h2d_gbps")), num(r.get("copy_gbps"))))
+    return {run: link_figure(None, rates) for run, rates in seen.items()}
+
+
+def with_link(row: dict, links: dict[str, float | None]) -> dict:
+    """`row` with its run's link figure (`link_gbps`) and its copy floor taken at it, for a row with a probe and its
+    weight bytes; other rows as they are."""
+    link = links.get(run_of(row)) if num(row.get("link_h2d_gbps")) is not None else None
+    weights = num(row.get("weight_bytes_h2d_per_step"))
+    if link is None or not weights:
+        return {**row, "link_gbps": num(row.get("link_h2d_gbps"))}
+    return {**row, "link_gbps": link, "copy_floor_s": copy_floor(int(weights), link)}
+
+
+LINK_FIELDS = ("link_gbps", "copy_floor_s")
+
+
 def with_floors(df: pd.DataFrame) -> pd.DataFrame:
-    """`df` with `floor_fields` for every row, the compute floors found among all of `df`'s rows (a row written
-    before its run's resident one carries none of its own)."""
-    rows = df.to_dict("records")
+    """`df` with its run's link figure and the copy floor at it (`with_link`) and `floor_fields` for every row, the
+    compute floors found among all of `df`'s rows (a row written before its run's resident one carries none of its
+    own)."""
+    records = df.to_dict("records")
+    links = run_links(records)
+    rows = [with_link(r, links) for r in records]
     floors = compute_floors(rows)
-    fields = [floor_fields(r, floors) for r in rows]
-    return df.assign(**{k: pd.Series([f[k] for f in fields], index=df.index, dtype=object) for k in FLOOR_FIELDS})
+    fields = [{**{k: r.get(k) for k in LINK_FIELDS}, **floor_fields(r, floors)} for r in rows]
+    return df.assign(**{k: pd.Series([f[k] for f in fields], index=df.index, dtype=object)
+                        for k in (*LINK_FIELDS, *FLOOR_FIELDS)})
 
 
 def probed(df: pd.DataFrame) -> bool:
@@ -132,7 +161,7 @@ def probed(df: pd.DataFrame) -> bool:
 def floor_cells(row: dict) -> list[str]:
     """Link, copy floor, compute floor, floor share, the time beyond the floor, the schedule floor and the time beyond
     it as a page shows them, — for what a row lacks."""
-    link, copy = num(row.get("link_h2d_gbps")), num(row.get("copy_floor_s"))
+    link, copy = num(row.get("link_gbps", row.get("link_h2d_gbps"))), num(row.get("copy_floor_s"))
     compute, share = num(row.get("compute_floor_s")), num(row.get("floor_share"))
     host, schedule = num(row.get("host_s_per_step")), num(row.get("schedule_floor_s"))
     beyond = num(row.get("beyond_schedule_s"))
@@ -142,5 +171,5 @@ def floor_cells(row: dict) -> list[str]:
             DASH if beyond is None else f"{beyond:+.4f} s"]
 
 
-FLOOR_COLUMNS = ("Link (probe)", "Copy floor", "Compute floor", "Floor share", "Beyond the floor", "Schedule floor",
+FLOOR_COLUMNS = ("Link", "Copy floor", "Compute floor", "Floor share", "Beyond the floor", "Schedule floor",
                  "Beyond the schedule")

@@ -50,7 +50,9 @@ def failures(df: pd.DataFrame, sweep: bool = False) -> list[str]:
 def render_markdown(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> str:
     """The full report: per hardware a configuration, results, time breakdown and provenance; with a
     reference, its figures beside the measured ones, and the models it lists named as it names them."""
-    df, parts = with_floors(latest(named_as_reference(df, reference))), []
+    # the floors from every row, before a later run's row replaces an earlier one's: a row that stays takes its compute
+    # floor from its own run, whose reference row a later run may have replaced
+    df, parts = latest(with_floors(named_as_reference(df, reference))), []
     for hw, g in df.groupby("hardware", sort=False):
         parts += [f"# {title or 'Poros — Validation Results'} ({hw})", "## Configuration", config_table(g, hw)]
         reduced = g[g["reduced"].astype(bool)]

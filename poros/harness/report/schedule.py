@@ -83,10 +83,11 @@ def plan_as_ran(row: dict):
 
 
 def schedule_floor(row: dict, compute_floor_s: float | None) -> float | None:
-    """The row's schedule floor in seconds (None where it has no plan, link probe or compute floor, shares its copies
+    """The row's schedule floor in seconds at its run's link figure (`link_gbps`, as `floor.with_floors` adds it; the
+    row's probe where it has none), None where it has no plan, link probe or compute floor, shares its copies
     among ranks, or its plan cannot be built again as it ran). `compute_floor_s` must count the recompute the plan
     runs (a step that recomputes, not resident QLoRA's alone: the recompute's share of it is not extrapolated)."""
-    link, plan = num(row.get("link_h2d_gbps")), row.get("plan")
+    link, plan = num(row.get("link_gbps", row.get("link_h2d_gbps"))), row.get("plan")
     config = row.get("config")
     if not is_planned(row["method"]) or not isinstance(plan, dict) or not isinstance(config, dict):
         return None
