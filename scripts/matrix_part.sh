@@ -10,8 +10,10 @@
 # run's files (and gate-references/, the digests of a gate's reference kept for the next part) are copied to $OUT
 # (default out/) every 20 s while it runs and when it ends, so that a part killed
 # from outside still leaves its finished passes there (a line cut mid-copy is set aside by the next `--resume`):
-# copy them back into the checkout and commit them before the next part, which continues from them. Exit status:
-# the run's (75: stopped at MINUTES with cells left).
+# copy them back into the checkout and commit them before the next part, which continues from them. A run started in
+# the background (setsid) to outlast the command that started it writes RESULTS and $OUT outside the checkout
+# (e.g. /tmp/...) wherever the checkout may be refreshed between commands: a refresh removes a folder the checkout
+# does not track, and the run's own files with it. Exit status: the run's (75: stopped at MINUTES with cells left).
 set -uo pipefail
 matrix=${1:?usage: scripts/matrix_part.sh MATRIX RESULTS [MINUTES] [poros bench options]}
 results=${2:?usage: scripts/matrix_part.sh MATRIX RESULTS [MINUTES] [poros bench options]}
