@@ -138,6 +138,8 @@ class RunLog:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        # read back through a handle of its own: the lines stay readable should the file be removed while the run goes on
+        self._reader = self.path.open("rb")
         # the terminal as the command line's own standard error behaves: escapes, a reader gone is silence
         self.terminal = ConsoleStream(os.fdopen(os.dup(self._saved[1]), "w", buffering=1, errors="backslashreplace"),
                                       "to standard error")
@@ -158,6 +160,7 @@ class RunLog:
         for fd in self._saved:
             os.close(fd)
         self.terminal.close()
+        self._reader.close()
 
     @property
     def failure(self) -> str | None:
@@ -165,9 +168,9 @@ class RunLog:
         return next((s.failure for s in self.logs if s.failure), None)
 
     def since_start(self) -> list[str]:
-        with self.path.open("rb") as f:
-            f.seek(self.start)
-            return f.read().decode("utf-8", "replace").splitlines()
+        """The lines written since the run began (inside the `with`)."""
+        self._reader.seek(self.start)
+        return self._reader.read().decode("utf-8", "replace").splitlines()
 
 
 class Tally:

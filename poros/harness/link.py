@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
-
 PROBE_BYTES = 1 << 30  # a power of two: the pinned buffer is exactly this size
 PROBE_COPIES = 5
 
@@ -23,6 +21,8 @@ def h2d_gbps(device: str = "cuda") -> float | None:
 
     The best, not the mean: the probe asks what the link can carry, and a copy slowed by anything else on
     the host is not the link's figure."""
+    import torch  # here: a page reads `link_figure` and `copy_floor` without torch
+
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
     host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)

@@ -480,3 +480,21 @@ def test_a_second_train_into_a_busy_folder_is_refused_and_sigterm_checkpoints(ca
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] >= 1
     assert "resume with:" in stderr and stderr.strip().splitlines()[-1].strip().endswith("--resume")
     assert not (out / LOCK_NAME).exists()
+
+
+def test_the_run_log_reads_back_its_lines_after_its_file_is_removed(tmp_path):
+    """A run whose output folder is removed under it (a checkout refreshed around a run in the background) still
+    reads its own lines back at its end, where it looks for a refusal's line; the control reads them with the file
+    in place."""
+    from poros.cli.bench import RunLog
+
+    for remove in (False, True):
+        path = tmp_path / f"bench-{remove}.log"
+        path.write_text("an earlier run\n")
+        with RunLog(path) as log:
+            os.write(1, b"ERROR: the line to relay\n")
+            if remove:
+                path.unlink()
+            lines = log.since_start()
+        assert lines == ["ERROR: the line to relay"], (remove, lines)
+        assert path.exists() is not remove
