@@ -97,3 +97,24 @@ def test_two_layer_blocks_through_three_buffers_idle_the_link_less_on_gemma3():
     assert ours.copy_s / ours.step_s > 0.97 > before.copy_s / before.step_s
     two = make_plan(geo, cfg.replace(block_size=2, stream_buffers=2))
     assert two.h2d_bytes_per_step > default.h2d_bytes_per_step and step(two).step_s > before.step_s
+
+
+def test_the_measured_steps_keep_the_order_the_schedules_gave_on_gemma3():
+    """The two plans measured in one process (results/h100-fastest/gemma3-27b-run3), each at its run's floors as a page
+    takes them (poros/harness/report/floor.py): each step lies above its schedule floor, and blocks of two through
+    three buffers have both the shorter schedule and the shorter measured step. Negative control: the run's measured
+    steps swapped between the two plans break the order."""
+    from poros.harness.report import load_results
+    from poros.harness.report.floor import with_floors
+
+    df = with_floors(load_results(ROOT / "results/h100-fastest/gemma3-27b-run3/results.jsonl"))
+    rows = {r["plan_name"]: r for r in df.to_dict("records")}
+    default, pairs = rows["streamed"], rows["streamed+block2x3"]
+    for r in (default, pairs):
+        assert max(r["copy_floor_s"], r["compute_floor_s"]) < r["schedule_floor_s"] < r["s_per_step_median"]
+
+    def ordered(d: float, p: float) -> bool:
+        return pairs["schedule_floor_s"] < default["schedule_floor_s"] and p < d
+
+    assert ordered(default["s_per_step_median"], pairs["s_per_step_median"])
+    assert not ordered(pairs["s_per_step_median"], default["s_per_step_median"])
