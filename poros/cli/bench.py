@@ -138,7 +138,7 @@ class RunLog:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        # read back through a handle of its own: the lines stay readable should the file be removed while the run goes on
+        # read back through a handle of its own: the lines stay readable should the file be removed during the run
         self._reader = self.path.open("rb")
         # the terminal as the command line's own standard error behaves: escapes, a reader gone is silence
         self.terminal = ConsoleStream(os.fdopen(os.dup(self._saved[1]), "w", buffering=1, errors="backslashreplace"),

@@ -44,11 +44,12 @@ def h2d_gbps(device: str = "cuda") -> float | None:
     return PROBE_BYTES / best / 1e9
 
 
-def link_figure(probe_gbps: float | None, copy_rates=()) -> float | None:
-    """The link's bandwidth a copy floor is taken at, in GB/s: the best of the probe and the rates the steps' own
-    weight copies reached (`copy_gbps`, each at most what the link carried while it copied), None where there are
-    none. Each is a rate the link was seen to carry, so the best of them is the floor's."""
-    seen = [x for x in (probe_gbps, *copy_rates) if isinstance(x, (int, float)) and x > 0]
+def link_figure(rates) -> float | None:
+    """The link's bandwidth a copy floor is taken at, in GB/s: the best of `rates`, the probes' and the rates the
+    steps' own weight copies reached (`copy_gbps`, each at most what the link carried while it copied); None and
+    non-positive entries are skipped, and None where none is left. Each is a rate the link was seen to carry, so the
+    best of them is the floor's."""
+    seen = [x for x in rates if isinstance(x, (int, float)) and x > 0]
     return max(seen) if seen else None
 
 

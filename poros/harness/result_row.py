@@ -98,7 +98,7 @@ def record(m: Matrix, cell: Cell, cfg: TrainConfig, meas: Measurement | None, pa
     row.update(copy_summary(meas.counters if meas else []))
     gbps = h2d_gbps(cfg.device.value) if row.get("weight_bytes_h2d_per_step") else None
     row["link_h2d_gbps"] = gbps  # measured in this process (poros.harness.link)
-    row["copy_floor_s"] = copy_floor(row.get("weight_bytes_h2d_per_step"), link_figure(gbps, [row.get("copy_gbps")]))
+    row["copy_floor_s"] = copy_floor(row.get("weight_bytes_h2d_per_step"), link_figure([gbps, row.get("copy_gbps")]))
     alone_steps = [t / steps for t in alone.per_pass_s] if alone else []
     if alone_steps and row["tokens_per_s"]:  # the ranks' tokens/s together over one GPU's, same run
         row["scaling"] = row["tokens_per_s"] / (step_tokens(cfg) / statistics.median(alone_steps))

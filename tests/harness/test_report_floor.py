@@ -336,14 +336,15 @@ def test_a_probe_that_read_low_gives_way_to_the_rate_the_runs_copies_reached(tmp
     only_slow = with_floors(load_results(write_jsonl(tmp_path / "slow.jsonl", [slow, resident()])))
     (row,) = [r for r in only_slow.to_dict("records") if r["method"] == "poros"]
     assert (row["link_gbps"], row["copy_floor_s"]) == pytest.approx((LINK, weights / (LINK * 1e9)))
-    probe_only = with_floors(load_results(write_jsonl(tmp_path / "probe.jsonl", [probed(copy_floor_s=0.1), resident()])))
+    probe_only = with_floors(load_results(write_jsonl(tmp_path / "probe.jsonl",
+                                                      [probed(copy_floor_s=0.1), resident()])))
     assert probe_only[probe_only["method"] == "poros"]["copy_floor_s"].tolist() == [0.1]  # no weight bytes: as recorded
 
 
 def test_the_link_figure_is_the_best_rate_seen():
     from poros.harness.link import copy_floor, link_figure
 
-    assert link_figure(50.0, [55.0, None, 45.0]) == 55.0
-    assert link_figure(50.0, [45.0]) == 50.0
-    assert link_figure(None, [None]) is None and link_figure(None, [0.0, -1.0]) is None
-    assert copy_floor(55_000_000_000, link_figure(50.0, [55.0])) == pytest.approx(1.0)
+    assert link_figure([50.0, 55.0, None, 45.0]) == 55.0
+    assert link_figure([50.0, 45.0]) == 50.0
+    assert link_figure([None]) is None and link_figure([None, 0.0, -1.0]) is None
+    assert copy_floor(55_000_000_000, link_figure([50.0, 55.0])) == pytest.approx(1.0)

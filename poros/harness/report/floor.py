@@ -2,9 +2,9 @@
 
 A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
 its own process measured it, poros/harness/link.py); a page takes it again at its run's link figure (`link_gbps`:
-the best of the run's probes and the rates its steps' weight copies reached, `link.link_figure`). Its compute floor is the fastest step of the same work with
-nothing streamed, of the same model, stack and computed settings (poros/settings.py), in the same run on the same
-GPU. The same work counts the recompute: a poros plan runs the forward of every layer again in its backward from
+the best of the run's probes and the rates its steps' weight copies reached, `link.link_figure`). Its compute
+floor is the fastest step of the same work with nothing streamed, of the same model, stack and computed settings
+(poros/settings.py), in the same run on the same GPU. The same work counts the recompute: a poros plan runs the forward of every layer again in its backward from
 the layer's saved input (all but resident layers that keep their activations), which resident QLoRA does not and
 resident_gc does. So the floor is the fastest step that recomputes every layer (resident_gc, its offloading form,
 or a plan that copies no bytes and keeps no activations) for the share of layers the row recomputes, and the
@@ -29,8 +29,9 @@ from poros.harness.report.schedule import schedule_floor
 
 FLOOR_NOTE = ("Floor share: the larger of a step's two floors over its s/step (100%: the step runs at its floor). "
               "The copy floor is its weight bytes over the host→device link: the best of the pinned copy probes of "
-              "its run and the rates its run's weight copies reached (Link; above the probe where a probe read low); the compute floor the fastest step of the same model and computed settings with "
-              "nothing streamed in the same run on the same GPU, recompute counted: for the layers the plan "
+              "its run and the rates its run's weight copies reached (Link; above the probe where a probe read low); "
+              "the compute floor the fastest step of the same model and computed settings with nothing streamed in "
+              "the same run on the same GPU, recompute counted: for the layers the plan "
               "recomputes, the fastest step that runs every layer's forward again in backward as poros recomputes "
               "its streamed layers (a poros plan that copies nothing, or resident_gc), for the rest resident "
               "QLoRA's, or the one of the two the run has (— where neither ran: the share is then the copy "
@@ -124,7 +125,7 @@ def run_links(rows: list[dict]) -> dict[str, float | None]:
     for r in rows:
         if num(r.get("link_h2d_gbps")) is not None:
             seen.setdefault(run_of(r), []).extend((num(r.get("link_h2d_gbps")), num(r.get("copy_gbps"))))
-    return {run: link_figure(None, rates) for run, rates in seen.items()}
+    return {run: link_figure(rates) for run, rates in seen.items()}
 
 
 def with_link(row: dict, links: dict[str, float | None]) -> dict:
@@ -160,8 +161,8 @@ def probed(df: pd.DataFrame) -> bool:
 
 def floor_cells(row: dict) -> list[str]:
     """Link, copy floor, compute floor, floor share, the time beyond the floor, the schedule floor and the time beyond
-    it as a page shows them, — for what a row lacks."""
-    link, copy = num(row.get("link_gbps", row.get("link_h2d_gbps"))), num(row.get("copy_floor_s"))
+    it as a page shows them (a row of `with_floors`), — for what a row lacks."""
+    link, copy = num(row.get("link_gbps")), num(row.get("copy_floor_s"))
     compute, share = num(row.get("compute_floor_s")), num(row.get("floor_share"))
     host, schedule = num(row.get("host_s_per_step")), num(row.get("schedule_floor_s"))
     beyond = num(row.get("beyond_schedule_s"))
