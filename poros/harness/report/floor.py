@@ -1,19 +1,19 @@
 """How far a streamed step is from what bounds it from below, derived from saved rows alone.
 
-A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link as
-its own process measured it, poros/harness/link.py); a page takes it again at its run's link figure (`link_gbps`:
-the best of the run's probes and the rates its steps' weight copies reached, `link.link_figure`). Its compute
-floor is the fastest step of the same work with nothing streamed, of the same model, stack and computed settings
-(poros/settings.py), in the same run on the same GPU. The same work counts the recompute: a poros plan runs the forward of every layer again in its backward from
-the layer's saved input (all but resident layers that keep their activations), which resident QLoRA does not and
-resident_gc does. So the floor is the fastest step that recomputes every layer (resident_gc, its offloading form,
-or a plan that copies no bytes and keeps no activations) for the share of layers the row recomputes, and the
-fastest that recomputes none (resident QLoRA) for the rest, in proportion; where the run has only one of the two,
-that one (resident's alone leaves the recompute out, and the time beyond the floor then holds it). A matrix runs a
-model's references before its poros cells, so a streamed row carries its floors when it is written
-(`floor_fields`); a page finds them again among all its rows, for rows written before their reference.
-`floor_share` is the larger floor over the step's s/step (100%: a step at its floor), `host_s_per_step` what the
-step takes beyond it.
+A row of a streamed step carries its copy floor (`copy_floor_s`: its weight bytes over the host->device link at the
+better of its process's probe and its own copies' rate, poros/harness/link.py); a page takes it again at its run's
+link figure (`link_gbps`: the best of the run's probes and the rates its steps' weight copies reached,
+`link.link_figure`). Its compute floor is the fastest step of the same work with nothing streamed, of the same model,
+stack and computed settings (poros/settings.py), in the same run on the same GPU. The same work counts the recompute:
+a poros plan runs the forward of every layer again in its backward from the layer's saved input (all but resident
+layers that keep their activations), which resident QLoRA does not and resident_gc does. So the floor is the fastest
+step that recomputes every layer (resident_gc, its offloading form, or a plan that copies no bytes and keeps no
+activations) for the share of layers the row recomputes, and the fastest that recomputes none (resident QLoRA) for
+the rest, in proportion; where the run has only one of the two, that one (resident's alone leaves the recompute out,
+and the time beyond the floor then holds it). A matrix runs a model's references before its poros cells, so a
+streamed row carries its floors when it is written (`floor_fields`); a page finds them again among all its rows, for
+rows written before their reference. `floor_share` is the larger floor over the step's s/step (100%: a step at its
+floor), `host_s_per_step` what the step takes beyond it.
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def run_links(rows: list[dict]) -> dict[str, float | None]:
     the rates their weight copies reached."""
     seen: dict[str, list] = {}
     for r in rows:
-        if num(r.get("link_h2d_gbps")) is not None:
-            seen.setdefault(run_of(r), []).extend((num(r.get("link_h2d_gbps")), num(r.get("copy_gbps"))))
+        probe = num(r.get("link_h2d_gbps"))
+        if probe is not None:
+            seen.setdefault(run_of(r), []).extend((probe, num(r.get("copy_gbps"))))
     return {run: link_figure(rates) for run, rates in seen.items()}
 
 
